@@ -110,7 +110,7 @@ def gather(
             results = _gather_default(columns, target, moving, dim)
         else:
             results = _gather_planned(plan, columns, target, moving, sizes, dim)
-    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
         if isinstance(exc, (StructureMismatchError, ShapeMismatchError, LeafTypeError)):
             raise
         raise _diagnose(plan, columns, dim, exc) from exc
@@ -192,7 +192,7 @@ def _gather_planned(
     for pos, col in enumerate(columns):
         group = plan.groups[pos]
         if group is not None:
-            out.append(_whole(group[2], col, target))
+            out.append(_whole(group[2], col, target, group[1]))
             continue
         rule = plan.rules[pos]
         if rule is None:
@@ -245,7 +245,8 @@ def _pad(rule: Pad, col: tuple[Any, ...], target: torch.device) -> Any:
     values = _to(col, target)
     ndim = values[0].dim()
     if ndim == 0 or any(v.dim() != ndim for v in values):
-        raise ShapeMismatchError("pad() needs tensors of the same number of dims (at least 1)")
+        # A plain ValueError: gather's _diagnose turns it into a message naming the leaf's path.
+        raise ValueError("pad() needs tensors of the same number of dims (at least 1)")
     d = rule.dim % ndim
     shape = [builtins.max(v.shape[j] for v in values) for j in range(ndim)]
     padded = []
@@ -273,7 +274,7 @@ def _move_tree(tree: Any, target: torch.device) -> Any:
     )
 
 
-def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device) -> Any:
+def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device, node: Any = None) -> Any:
     if isinstance(rule, AsList):
         return list(col)
     if isinstance(rule, First):
@@ -281,7 +282,7 @@ def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device) -> Any:
             for r, other in enumerate(col[1:], start=1):
                 if not _tree_equal(col[0], other):
                     raise ShapeMismatchError(
-                        f"first(check=True): replica {r} differs from replica 0"
+                        f"{_where(node)}first(check=True): replica {r} differs from replica 0"
                         f" ({describe(other)} vs {describe(col[0])})"
                     )
         return _move_tree(col[0], target)
@@ -289,7 +290,7 @@ def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device) -> Any:
         for r, v in enumerate(col):
             if not isinstance(v, (list, tuple)):
                 raise LeafTypeError(
-                    f"cat_items() needs a list or tuple in every replica; replica {r} holds "
+                    f"{_where(node)}cat_items() needs a list or tuple in every replica; replica {r} holds "
                     f"{describe(v)}"
                 )
         items = _move_tree(list(itertools.chain.from_iterable(col)), target)
@@ -297,6 +298,11 @@ def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device) -> Any:
     if isinstance(rule, Custom):
         return rule.fn(list(col), target)
     raise LeafTypeError(f"{rule.describe()} is not a gather rule")
+
+
+def _where(node: Any) -> str:
+    """``"outputs['x']: "`` for a plan node (``""`` without one), to start an error message."""
+    return "" if node is None else f"{display_path(node, _ROOT)}: "
 
 
 def _tree_equal(a: Any, b: Any) -> bool:
@@ -463,7 +469,12 @@ def _diagnose(plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseExc
             if ndims == {0}:
                 continue
             if len(ndims) > 1:
-                problems.append(f"{where}: {rule_name} cannot mix 0-dim and n-dim tensors: {_by_replica(shapes)}")
+                problems.append(
+                    f"{where}: {rule_name} cannot mix 0-dim and n-dim tensors: {_by_replica(shapes)}"
+                    if 0 in ndims
+                    else f"{where}: {rule_name} needs tensors with the same number of dims, "
+                    f"got {_by_replica(shapes)}"
+                )
                 continue
             nd = ndims.pop()
             if not -nd <= d < nd:
