@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,17 +11,18 @@ import torch
 
 from ._devices import DeviceLike, as_devices
 from ._errors import BatchSizeError, LeafTypeError, bullet_list
+from ._gather import _move_tree
 from ._layout import display_path, resolve
 from ._rules import Broadcast, Split
 from ._tree import describe, flatten
-from ._gather import _move_tree
 
 __all__ = ["Shards", "scatter", "scatter_kwargs"]
 
 Tensor = torch.Tensor
+_SIMPLE_LEAVES = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 
-class Shards(list):  # type: ignore[type-arg]
+class Shards(list[Any]):
     """The per-device trees :func:`scatter` returns: a list, plus what gather needs to know.
 
     Attributes:
@@ -116,9 +118,74 @@ def scatter_kwargs(
     )
 
 
+@functools.lru_cache(maxsize=256)
 def _balanced(n: int, k: int) -> tuple[int, ...]:
     base, extra = divmod(n, k)
     return tuple(base + (1 if i < extra else 0) for i in range(k))
+
+
+@functools.lru_cache(maxsize=1)
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def _accelerator_tensors_possible() -> bool:
+    """False when no tensor in this process can live off the CPU (no accelerator initialised)."""
+    if torch.cuda.is_initialized():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return True
+    return _mps_available()
+
+
+def _scatter_default(
+    leaves: list[Any], spec: Any, devs: tuple[torch.device, ...], dim: int
+) -> Shards | None:
+    """The default rules (split tensors of >= 1 dim, broadcast the rest): the per-step hot path.
+
+    Returns ``None`` whenever anything is unusual (a batch-size mismatch, a bad dim, a
+    dataclass leaf, tensors that must move), leaving it to the general path, which reports
+    every problem before any work is done.
+    """
+    if not all(d.type == "cpu" for d in devs):
+        return None
+    # One pass: rows per split leaf, -1 for a leaf to broadcast, -2 for anything the general path
+    # must look at (a tensor off the CPU, a leaf of another type).
+    simple = _SIMPLE_LEAVES
+    try:
+        if _accelerator_tensors_possible():
+            rows = [
+                (x.size(dim) if x.dim() else -1)
+                if isinstance(x, Tensor) and x.is_cpu
+                else (-1 if type(x) in simple else -2)
+                for x in leaves
+            ]
+        else:  # no accelerator was ever initialised: every tensor here is on the CPU
+            rows = [
+                (x.size(dim) if x.dim() else -1)
+                if isinstance(x, Tensor)
+                else (-1 if type(x) in simple else -2)
+                for x in leaves
+            ]
+    except IndexError:
+        return None
+    found = set(rows)
+    found.discard(-1)
+    if len(found) != 1:
+        return None  # nothing to split, a mismatch, or -2: the general path handles them
+    n = found.pop()
+    k = min(n, len(devs))
+    if k <= 0:
+        return None
+    used = devs[:k]
+    if dim:
+        columns = [x.tensor_split(k, dim) if r >= 0 else (x,) * k for x, r in zip(leaves, rows)]
+    else:
+        columns = [x.tensor_split(k) if r >= 0 else (x,) * k for x, r in zip(leaves, rows)]
+    unflatten = spec.unflatten
+    return Shards([unflatten(c) for c in zip(*columns)], _balanced(n, k), used)
 
 
 def _scatter(
@@ -126,7 +193,11 @@ def _scatter(
 ) -> Shards:
     leaves, spec = flatten(inputs)
     plan = resolve(spec, layout, "scatter", dim, root)
-    up = leaves if plan.up_spec is spec else plan.up_spec.flatten_up_to(inputs)
+    if plan.default_only:
+        fast = _scatter_default(leaves, spec, devs, dim)
+        if fast is not None:
+            return fast
+    up: list[Any] = leaves if plan.up_spec is spec else plan.up_spec.flatten_up_to(inputs)
 
     # Pass 1: classify every position and validate everything, before any tensor is touched.
     splits: list[tuple[int, int]] = []  # (position, dim)
@@ -182,8 +253,11 @@ def _scatter(
                 problems.append(
                     f"{display_path(plan.node_of(pos), root)}: {rule.describe()} needs a tensor, "
                     f"got {describe(x)}"
-                    + (" (use split_items() on a list of per-sample items)"
-                       if isinstance(x, (str, bytes)) else "")
+                    + (
+                        " (use split_items() on a list of per-sample items)"
+                        if isinstance(x, (str, bytes))
+                        else ""
+                    )
                 )
                 type_problem = True
                 continue
@@ -209,7 +283,9 @@ def _scatter(
     if len(lengths) > 1:
         problems.append(
             "split leaves disagree on the batch size: "
-            + "; ".join(f"{n} at {where(ps)}" for n, ps in sorted(lengths.items(), key=lambda kv: kv[1][0]))
+            + "; ".join(
+                f"{n} at {where(ps)}" for n, ps in sorted(lengths.items(), key=lambda kv: kv[1][0])
+            )
         )
     if len(explicit) > 1:
         problems.append(
@@ -244,7 +320,7 @@ def _scatter(
     balanced = sizes is not None and not explicit and sizes == _balanced(sum(sizes), k)
     for pos, d in splits:
         x = up[pos]
-        columns[pos] = x.tensor_split(k, d) if balanced else x.split(list(sizes), d)  # type: ignore[arg-type]
+        columns[pos] = x.tensor_split(k, d) if balanced else x.split(list(sizes or ()), d)
     if items:
         offsets = [0]
         for s in sizes or ():
@@ -259,14 +335,12 @@ def _scatter(
 
     # Pass 3: move to devices where needed.
     src = {x.device for x in up if isinstance(x, Tensor)}
-    item_tensors = bool(items) and any(
-        isinstance(v, Tensor) for pos in items for v in up[pos]
-    )
+    item_tensors = bool(items) and any(isinstance(v, Tensor) for pos in items for v in up[pos])
     trees = []
     up_spec = plan.up_spec
     for r in range(k):
         dev = used[r]
-        leaves_r = per_replica[r]
+        leaves_r: list[Any] = list(per_replica[r])
         if src and src != {dev}:
             nb = dev.type == "cuda"
             leaves_r = [
@@ -274,7 +348,6 @@ def _scatter(
                 for v in leaves_r
             ]
         if item_tensors:
-            leaves_r = list(leaves_r)
             for pos in items:
                 leaves_r[pos] = _move_tree(leaves_r[pos], dev)
         trees.append(up_spec.unflatten(leaves_r))
