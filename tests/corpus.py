@@ -114,7 +114,9 @@ def assert_tree_equal(actual: Any, expected: Any, path: str = "x") -> None:
         return
     if dataclasses.is_dataclass(expected):
         for f in dataclasses.fields(expected):
-            assert_tree_equal(getattr(actual, f.name), getattr(expected, f.name), f"{path}.{f.name}")
+            assert_tree_equal(
+                getattr(actual, f.name), getattr(expected, f.name), f"{path}.{f.name}"
+            )
         if isinstance(expected, dict):
             assert list(actual.keys()) == list(expected.keys()), f"{path}: keys {list(actual)}"
         return
@@ -212,9 +214,7 @@ def gather_inverse(tree: Any) -> Any:
     from treegather._tree import flatten
 
     leaves, spec = flatten(tree)
-    rules = [
-        "cat" if isinstance(v, torch.Tensor) and v.dim() > 0 else "first" for v in leaves
-    ]
+    rules = ["cat" if isinstance(v, torch.Tensor) and v.dim() > 0 else "first" for v in leaves]
     return spec.unflatten(rules)
 
 

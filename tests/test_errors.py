@@ -66,13 +66,25 @@ def test_gather_dict_paths_are_written_with_keys() -> None:
 @pytest.mark.parametrize(
     ("layout", "message"),
     [
-        (tg.stack(), "outputs['t']: stack() needs equal shapes, got replica 0: [2], replica 1: [3, 1]"),
-        (tg.mean(), "outputs['t']: mean() needs equal shapes, got replica 0: [2], replica 1: [3, 1]"),
+        (
+            tg.stack(),
+            "outputs['t']: stack() needs equal shapes, got replica 0: [2], replica 1: [3, 1]",
+        ),
+        (
+            tg.mean(),
+            "outputs['t']: mean() needs equal shapes, got replica 0: [2], replica 1: [3, 1]",
+        ),
         (tg.sum(), "outputs['t']: sum() needs equal shapes, got replica 0: [2], replica 1: [3, 1]"),
-        (tg.cat(), "outputs['t']: cat() needs tensors with the same number of dims, "
-                   "got replica 0: [2], replica 1: [3, 1]"),
-        (tg.pad(), "outputs['t']: pad() needs tensors with the same number of dims (>= 1), "
-                   "got replica 0: [2], replica 1: [3, 1]"),
+        (
+            tg.cat(),
+            "outputs['t']: cat() needs tensors with the same number of dims, "
+            "got replica 0: [2], replica 1: [3, 1]",
+        ),
+        (
+            tg.pad(),
+            "outputs['t']: pad() needs tensors with the same number of dims (>= 1), "
+            "got replica 0: [2], replica 1: [3, 1]",
+        ),
     ],
     ids=["stack", "mean", "sum", "cat", "pad"],
 )
@@ -84,13 +96,17 @@ def test_rule_errors_name_the_path_the_rule_and_the_shapes(layout: Any, message:
 
 
 def test_cat_of_0_dim_and_n_dim_is_named() -> None:
-    with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['t'\]: cat\(dim=0\) cannot mix 0-dim"):
+    with pytest.raises(
+        tg.ShapeMismatchError, match=r"outputs\['t'\]: cat\(dim=0\) cannot mix 0-dim"
+    ):
         tg.gather([{"t": torch.ones(2)}, {"t": torch.tensor(1.0)}], "cpu")
 
 
 def test_cat_dim_out_of_range_is_named() -> None:
-    with pytest.raises(tg.ShapeMismatchError,
-                       match=r"outputs\['t'\]: cat\(dim=3\) is out of range for 1-dim tensors"):
+    with pytest.raises(
+        tg.ShapeMismatchError,
+        match=r"outputs\['t'\]: cat\(dim=3\) is out of range for 1-dim tensors",
+    ):
         tg.gather([{"t": torch.ones(2)}, {"t": torch.ones(2)}], "cpu", {"t": 3})
 
 
@@ -169,8 +185,10 @@ def test_structure_error_in_a_namedtuple_uses_attribute_paths() -> None:
     outs = [Out(torch.ones(1), [torch.ones(1)] * 3), Out(torch.ones(1), [torch.ones(1), None, 1])]
     with pytest.raises(tg.StructureMismatchError) as info:
         tg.gather(outs, "cpu")
-    assert "outputs.hidden[1]: replica 0 has Tensor(shape=(1,), dtype=torch.float32, device=cpu)" \
+    assert (
+        "outputs.hidden[1]: replica 0 has Tensor(shape=(1,), dtype=torch.float32, device=cpu)"
         ", replica 1 has None" in str(info.value)
+    )
 
 
 def test_static_field_mismatch_names_the_node() -> None:
@@ -217,8 +235,18 @@ class Spy(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", str(func))
-        if name not in ("__get__", "dim", "shape", "device", "__repr__", "size", "__format__",
-                        "__hash__", "__eq__", "__bool__"):
+        if name not in (
+            "__get__",
+            "dim",
+            "shape",
+            "device",
+            "__repr__",
+            "size",
+            "__format__",
+            "__hash__",
+            "__eq__",
+            "__bool__",
+        ):
             cls.calls.append(name)
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -236,7 +264,9 @@ def spy(*shape: int) -> torch.Tensor:
     ],
     ids=["type", "batch", "dim"],
 )
-def test_scatter_fails_before_splitting_or_moving_anything(last: Any, rule: Any, error: type) -> None:
+def test_scatter_fails_before_splitting_or_moving_anything(
+    last: Any, rule: Any, error: type
+) -> None:
     z = last if isinstance(last, str) else spy(*last)
     tree = {"a": spy(4, 3), "b": [spy(4), spy(4, 2)], "z_last": z}
     layout = tg.by_path({"z_last": rule})
@@ -254,8 +284,9 @@ def test_scatter_fails_before_calling_tensor_split_or_to(monkeypatch: pytest.Mon
     for name in ("tensor_split", "split", "to", "chunk", "narrow"):
         original = getattr(torch.Tensor, name)
 
-        def counting(self: torch.Tensor, *a: Any, _name: str = name, _orig: Any = original,
-                     **k: Any) -> Any:
+        def counting(
+            self: torch.Tensor, *a: Any, _name: str = name, _orig: Any = original, **k: Any
+        ) -> Any:
             calls.append(_name)
             return _orig(self, *a, **k)
 
@@ -272,7 +303,9 @@ def test_gather_structure_error_comes_before_any_cat(monkeypatch: pytest.MonkeyP
     calls: list[str] = []
     real_cat, real_stack = torch.cat, torch.stack
     monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append("cat") or real_cat(*a, **k))
-    monkeypatch.setattr(torch, "stack", lambda *a, **k: calls.append("stack") or real_stack(*a, **k))
+    monkeypatch.setattr(
+        torch, "stack", lambda *a, **k: calls.append("stack") or real_stack(*a, **k)
+    )
     outs = [{"a": torch.ones(2), "z": torch.ones(1)}, {"a": torch.ones(2), "z": None}]
     with pytest.raises(tg.StructureMismatchError):
         tg.gather(outs, "cpu")

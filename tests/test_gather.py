@@ -17,7 +17,9 @@ CPU2 = ["cpu", "cpu"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_default_gather_cats_tensors_and_lists_everything_else(case: Any, devices: list[str]) -> None:
+def test_default_gather_cats_tensors_and_lists_everything_else(
+    case: Any, devices: list[str]
+) -> None:
     shards = tg.scatter(case.tree, devices)
     out = tg.gather(shards, "cpu")
     k = len(shards)
@@ -77,7 +79,10 @@ def test_strings_stay_strings() -> None:
 
 def test_ints_and_floats_gather() -> None:
     # torch's gather raises on ints and floats.
-    assert tg.gather([{"n": 1, "f": 0.5}, {"n": 2, "f": 1.5}], "cpu") == {"n": [1, 2], "f": [0.5, 1.5]}
+    assert tg.gather([{"n": 1, "f": 0.5}, {"n": 2, "f": 1.5}], "cpu") == {
+        "n": [1, 2],
+        "f": [0.5, 1.5],
+    }
     assert tg.gather([1, 2], "cpu", tg.sum()) == 3
     assert tg.gather([1, 2], "cpu", tg.mean()) == 1.5
     assert tg.gather([1, 4], "cpu", tg.mean(), sizes=[2, 1]) == 2.0
@@ -104,14 +109,18 @@ def test_none_in_one_replica_and_a_tensor_in_another_is_an_error() -> None:
     assert "outputs[0]: replica 0 has None, replica 1 has Tensor(shape=(1,)" in msg
     with pytest.raises(tg.StructureMismatchError, match=r"outputs\['aux'\]: replica 0 has Tensor"):
         tg.gather([{"aux": torch.ones(1)}, {"aux": None}], "cpu")
-    with pytest.raises(tg.StructureMismatchError, match="outputs: replica 0 has None, replica 1 has"):
+    with pytest.raises(
+        tg.StructureMismatchError, match="outputs: replica 0 has None, replica 1 has"
+    ):
         tg.gather([None, torch.ones(1)], "cpu")
 
 
 def test_a_missing_key_and_different_lengths_are_errors() -> None:
     with pytest.raises(tg.StructureMismatchError, match=r"outputs: replica 1 lacks key\(s\) 'b'"):
         tg.gather([{"a": 1, "b": 2}, {"a": 1}], "cpu")
-    with pytest.raises(tg.StructureMismatchError, match=r"outputs\['h'\]: replica 0 has a list of 1"):
+    with pytest.raises(
+        tg.StructureMismatchError, match=r"outputs\['h'\]: replica 0 has a list of 1"
+    ):
         tg.gather([{"h": [torch.ones(1)]}, {"h": [torch.ones(1), torch.ones(1)]}], "cpu")
 
 
@@ -155,8 +164,9 @@ def test_gradients_flow_back_to_every_replica() -> None:
     assert torch.allclose(gw, w.grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("rule", [tg.cat(), tg.stack(), tg.sum(), tg.mean(), tg.pad(),
-                                  tg.first(), tg.pad(lengths=True)])
+@pytest.mark.parametrize(
+    "rule", [tg.cat(), tg.stack(), tg.sum(), tg.mean(), tg.pad(), tg.first(), tg.pad(lengths=True)]
+)
 def test_every_tensor_rule_is_differentiable(rule: Any) -> None:
     xs = [torch.randn(2, 3, requires_grad=True) for _ in range(3)]
     out = tg.gather(xs, "cpu", rule)
@@ -257,8 +267,11 @@ def test_custom_callable_gets_the_values_and_the_device() -> None:
         calls.append((list(values), device))
         return len(values)
 
-    out = tg.gather([{"n": 1, "x": torch.ones(1)}, {"n": 2, "x": torch.ones(1)}], "cpu",
-                    tg.by_path({"n": count}))
+    out = tg.gather(
+        [{"n": 1, "x": torch.ones(1)}, {"n": 2, "x": torch.ones(1)}],
+        "cpu",
+        tg.by_path({"n": count}),
+    )
     assert out["n"] == 2
     assert calls == [([1, 2], torch.device("cpu"))]
 

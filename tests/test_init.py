@@ -29,8 +29,10 @@ def _assigned_docstring(module_path: Path, name: str) -> str | None:
     """The string literal right after ``name = ...`` at module level (an attribute docstring)."""
     body = ast.parse(module_path.read_text()).body
     for stmt, nxt in itertools.pairwise(body):
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else (
-            [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        targets = (
+            stmt.targets
+            if isinstance(stmt, ast.Assign)
+            else ([stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
         )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
@@ -61,16 +63,40 @@ def test_every_public_function_has_a_doctest_example(name: str) -> None:
 
 def test_public_functions_are_the_expected_set() -> None:
     # The rule constructors and the four steps, at least (the check above must not be vacuous).
-    expected = {"scatter", "scatter_kwargs", "gather", "split", "broadcast", "split_items", "cat",
-                "stack", "mean", "sum", "pad", "as_list", "first", "cat_items", "by_path",
-                "register_dataclass", "register_node"}
+    expected = {
+        "scatter",
+        "scatter_kwargs",
+        "gather",
+        "split",
+        "broadcast",
+        "split_items",
+        "cat",
+        "stack",
+        "mean",
+        "sum",
+        "pad",
+        "as_list",
+        "first",
+        "cat_items",
+        "by_path",
+        "register_dataclass",
+        "register_node",
+    }
     assert expected <= set(PUBLIC_FUNCTIONS)
 
 
 def test_the_doctests_actually_run_and_pass() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--doctest-modules", "treegather", "-q",
-         "-p", "no:cacheprovider"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--doctest-modules",
+            "treegather",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

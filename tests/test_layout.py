@@ -122,8 +122,10 @@ def test_not_a_rule_is_an_error() -> None:
 # ---------------------------------------------------------------------------- wrong phase
 
 
-@pytest.mark.parametrize("rule", [tg.cat(), tg.stack(), tg.mean(), tg.sum(), tg.pad(),
-                                  tg.as_list(), tg.first(), tg.cat_items()])
+@pytest.mark.parametrize(
+    "rule",
+    [tg.cat(), tg.stack(), tg.mean(), tg.sum(), tg.pad(), tg.as_list(), tg.first(), tg.cat_items()],
+)
 def test_gather_rules_are_refused_by_scatter(rule: Any) -> None:
     with pytest.raises(tg.LayoutError, match="is a gather rule and cannot be used in scatter"):
         tg.scatter({"x": torch.arange(4)}, CPU2, tg.by_path({"x": rule}))
@@ -135,8 +137,9 @@ def test_scatter_rules_are_refused_by_gather(rule: Any) -> None:
         tg.gather([{"x": torch.ones(1)}] * 2, "cpu", {"x": rule})
 
 
-@pytest.mark.parametrize("name", ["cat", "stack", "mean", "sum", "pad", "as_list", "first",
-                                  "cat_items"])
+@pytest.mark.parametrize(
+    "name", ["cat", "stack", "mean", "sum", "pad", "as_list", "first", "cat_items"]
+)
 def test_gather_rule_names_are_refused_by_scatter(name: str) -> None:
     with pytest.raises(tg.LayoutError, match=f"'{name}' is a gather rule, not a scatter rule"):
         tg.scatter({"x": torch.arange(4)}, CPU2, {"x": name})

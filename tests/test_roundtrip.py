@@ -109,15 +109,29 @@ def leaf(ctx: Ctx) -> st.SearchStrategy[tuple[Any, Any, Any]]:
 
 @st.composite
 def container(draw: Any, children: st.SearchStrategy[tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:
-    kind = draw(st.sampled_from(
-        ["dict", "ordered", "list", "tuple", "point", "batch", "sample", "frozen", "model_output"]
-    ))
+    kind = draw(
+        st.sampled_from(
+            [
+                "dict",
+                "ordered",
+                "list",
+                "tuple",
+                "point",
+                "batch",
+                "sample",
+                "frozen",
+                "model_output",
+            ]
+        )
+    )
     if kind in ("dict", "ordered"):
         keys = draw(st.lists(st.sampled_from(KEYS), unique=True, max_size=4))  # random order
         kids = [draw(children) for _ in keys]
         make = dict if kind == "dict" else OrderedDict
-        return tuple(make(zip(keys, parts)) for parts in zip(*kids)) if kids else (
-            make(), make(), make()
+        return (
+            tuple(make(zip(keys, parts)) for parts in zip(*kids))
+            if kids
+            else (make(), make(), make())
         )
     if kind in ("list", "tuple"):
         kids = draw(st.lists(children, max_size=3))
@@ -138,14 +152,16 @@ def container(draw: Any, children: st.SearchStrategy[tuple[Any, Any, Any]]) -> t
 @st.composite
 def broadcast_subtree(draw: Any) -> tuple[Any, Any, Any]:
     """A subtree broadcast as a whole: broadcast() on the inner node, first() to gather it."""
-    tree = draw(st.recursive(
-        broadcast_leaf().map(lambda t: t[0]),
-        lambda inner: st.one_of(
-            st.dictionaries(st.sampled_from(KEYS), inner, max_size=3),
-            st.lists(inner, max_size=3).map(tuple),
-        ),
-        max_leaves=6,
-    ))
+    tree = draw(
+        st.recursive(
+            broadcast_leaf().map(lambda t: t[0]),
+            lambda inner: st.one_of(
+                st.dictionaries(st.sampled_from(KEYS), inner, max_size=3),
+                st.lists(inner, max_size=3).map(tuple),
+            ),
+            max_leaves=6,
+        )
+    )
     return tree, tg.broadcast(), tg.first()
 
 
@@ -157,19 +173,30 @@ def example(draw: Any) -> tuple[Any, Any, Any, int]:
     if n > 0 and draw(st.booleans()):
         # Uneven explicit sizes: a composition of n into at most k positive parts.
         parts = draw(st.integers(1, min(n, k)))
-        cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=parts - 1,
-                                    max_size=parts - 1, unique=True))) if n > 1 else []
+        cuts = (
+            sorted(
+                draw(
+                    st.lists(
+                        st.integers(1, n - 1), min_size=parts - 1, max_size=parts - 1, unique=True
+                    )
+                )
+            )
+            if n > 1
+            else []
+        )
         if len(cuts) == parts - 1:
             edges = [0, *cuts, n]
             sizes = tuple(b - a for a, b in itertools.pairwise(edges))
     ctx = Ctx(n, sizes)
-    tree = draw(st.recursive(
-        leaf(ctx),
-        lambda children: st.one_of(
-            container(children), container(children), container(children), broadcast_subtree()
-        ),
-        max_leaves=10,
-    ))
+    tree = draw(
+        st.recursive(
+            leaf(ctx),
+            lambda children: st.one_of(
+                container(children), container(children), container(children), broadcast_subtree()
+            ),
+            max_leaves=10,
+        )
+    )
     return tree[0], tree[1], tree[2], k
 
 
@@ -178,8 +205,9 @@ def reversed_keys(tree: Any) -> Any:
     if type(tree) is dict:
         return {key: reversed_keys(tree[key]) for key in reversed(list(tree))}
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        changes = {f.name: reversed_keys(getattr(tree, f.name))
-                   for f in dataclasses.fields(tree) if f.init}
+        changes = {
+            f.name: reversed_keys(getattr(tree, f.name)) for f in dataclasses.fields(tree) if f.init
+        }
         return dataclasses.replace(tree, **changes)
     if isinstance(tree, OrderedDict):
         return OrderedDict((key, reversed_keys(value)) for key, value in tree.items())

@@ -20,7 +20,9 @@ CPU2 = ["cpu", "cpu"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_corpus_shards_keep_the_structure_and_the_balanced_sizes(case: Any, devices: list[str]) -> None:
+def test_corpus_shards_keep_the_structure_and_the_balanced_sizes(
+    case: Any, devices: list[str]
+) -> None:
     shards = tg.scatter(case.tree, devices)
     assert isinstance(shards, tg.Shards) and isinstance(shards, list)
     k = len(devices)
@@ -136,8 +138,9 @@ def test_split_along_a_dim_out_of_range_is_an_error() -> None:
 
 
 def test_explicit_sizes() -> None:
-    shards = tg.scatter({"a": torch.arange(4), "b": torch.arange(4)}, CPU2,
-                        {"a": tg.split(sizes=[1, 3]), "b": 0})
+    shards = tg.scatter(
+        {"a": torch.arange(4), "b": torch.arange(4)}, CPU2, {"a": tg.split(sizes=[1, 3]), "b": 0}
+    )
     assert shards.sizes == (1, 3)
     assert [s["b"].tolist() for s in shards] == [[0], [1, 2, 3]]
     shards = tg.scatter(torch.arange(4), ["cpu"] * 3, tg.split(sizes=[3, 1]))
@@ -153,7 +156,9 @@ def test_explicit_sizes_must_add_up_and_fit_the_devices(sizes: list[int]) -> Non
 
 def test_explicit_sizes_must_agree() -> None:
     layout = {"a": tg.split(sizes=[1, 3]), "b": tg.split(sizes=[3, 1])}
-    with pytest.raises(tg.BatchSizeError, match=r"\[1, 3\] at inputs\['a'\]; \[3, 1\] at inputs\['b'\]"):
+    with pytest.raises(
+        tg.BatchSizeError, match=r"\[1, 3\] at inputs\['a'\]; \[3, 1\] at inputs\['b'\]"
+    ):
         tg.scatter({"a": torch.arange(4), "b": torch.arange(4)}, CPU2, layout)
 
 
@@ -175,7 +180,11 @@ def test_split_on_a_string_is_a_leaf_type_error_with_a_hint() -> None:
 
 
 def test_split_items_cuts_runs_matching_the_tensor_split() -> None:
-    tree = {"x": torch.arange(5), "words": ["a", "b", "c", "d", "e"], "t": ("p", "q", "r", "s", "t")}
+    tree = {
+        "x": torch.arange(5),
+        "words": ["a", "b", "c", "d", "e"],
+        "t": ("p", "q", "r", "s", "t"),
+    }
     shards = tg.scatter(tree, ["cpu"] * 3, tg.by_path({"words": "split_items", "t": "split_items"}))
     assert shards.sizes == (2, 2, 1)
     assert [s["words"] for s in shards] == [["a", "b"], ["c", "d"], ["e"]]
@@ -196,11 +205,16 @@ def test_split_items_moves_ragged_tensors_with_their_samples() -> None:
 
 def test_split_items_length_must_match_the_batch() -> None:
     with pytest.raises(tg.BatchSizeError, match=r"3 at inputs\['l'\]; 4 at inputs\['x'\]"):
-        tg.scatter({"x": torch.arange(4), "l": ["a", "b", "c"]}, CPU2, tg.by_path({"l": "split_items"}))
+        tg.scatter(
+            {"x": torch.arange(4), "l": ["a", "b", "c"]}, CPU2, tg.by_path({"l": "split_items"})
+        )
 
 
 def test_split_items_needs_a_sequence() -> None:
-    with pytest.raises(tg.LeafTypeError, match=r"inputs\['l'\]: split_items\(\) needs a list or tuple, got str 'abcd'"):
+    with pytest.raises(
+        tg.LeafTypeError,
+        match=r"inputs\['l'\]: split_items\(\) needs a list or tuple, got str 'abcd'",
+    ):
         tg.scatter({"x": torch.arange(4), "l": "abcd"}, CPU2, tg.by_path({"l": "split_items"}))
 
 
@@ -227,7 +241,9 @@ def test_bad_devices_are_refused() -> None:
 
 @pytest.mark.cuda
 def test_scatter_moves_shards_to_cuda() -> None:
-    shards = tg.scatter({"x": torch.arange(4), "w": torch.ones(2)}, [0, 0], tg.by_path({"w": "broadcast"}))
+    shards = tg.scatter(
+        {"x": torch.arange(4), "w": torch.ones(2)}, [0, 0], tg.by_path({"w": "broadcast"})
+    )
     assert all(s["x"].device.type == "cuda" and s["w"].device.type == "cuda" for s in shards)
 
 
@@ -269,7 +285,9 @@ def test_unregistered_dataclass_may_be_broadcast_on_purpose() -> None:
     class Config:
         depth: int
 
-    shards = tg.scatter({"x": torch.arange(4), "cfg": Config(3)}, CPU2, tg.by_path({"cfg": "broadcast"}))
+    shards = tg.scatter(
+        {"x": torch.arange(4), "cfg": Config(3)}, CPU2, tg.by_path({"cfg": "broadcast"})
+    )
     assert [s["cfg"] for s in shards] == [Config(3), Config(3)]
 
 
@@ -310,16 +328,18 @@ def test_scatter_kwargs_by_path_starts_at_the_index_or_keyword() -> None:
 def test_scatter_kwargs_by_path_on_ids_and_labels() -> None:
     args = ({"ids": torch.arange(6).reshape(2, 3)},)
     kwargs = {"labels": torch.arange(3), "mask": torch.ones(2, 2)}
-    a, kw = tg.scatter_kwargs(args, kwargs, ["cpu"] * 3,
-                              tg.by_path({"0.ids": 1, "labels": 0, "mask": None}))
+    a, kw = tg.scatter_kwargs(
+        args, kwargs, ["cpu"] * 3, tg.by_path({"0.ids": 1, "labels": 0, "mask": None})
+    )
     assert [x[0]["ids"].shape for x in a] == [(2, 1)] * 3
     assert [k["labels"].tolist() for k in kw] == [[0], [1], [2]]
     assert all(k["mask"].shape == (2, 2) for k in kw)
 
 
 def test_scatter_kwargs_prefix_layout_mirrors_args_and_kwargs() -> None:
-    a, kw = tg.scatter_kwargs((torch.arange(4),), {"labels": torch.arange(4)}, CPU2,
-                              ((0,), {"labels": None}))
+    a, kw = tg.scatter_kwargs(
+        (torch.arange(4),), {"labels": torch.arange(4)}, CPU2, ((0,), {"labels": None})
+    )
     assert [x[0].tolist() for x in a] == [[0, 1], [2, 3]]
     assert [k["labels"].tolist() for k in kw] == [[0, 1, 2, 3]] * 2
 
@@ -328,8 +348,9 @@ def test_scatter_kwargs_errors_name_args_and_kwargs() -> None:
     with pytest.raises(tg.BatchSizeError, match=r"4 at args\[0\]; 3 at kwargs\['labels'\]"):
         tg.scatter_kwargs((torch.arange(4),), {"labels": torch.arange(3)}, CPU2)
     with pytest.raises(tg.LayoutError, match="'lables' matches nothing; close paths: labels"):
-        tg.scatter_kwargs((torch.arange(4),), {"labels": torch.arange(4)}, CPU2,
-                          tg.by_path({"lables": None}))
+        tg.scatter_kwargs(
+            (torch.arange(4),), {"labels": torch.arange(4)}, CPU2, tg.by_path({"lables": None})
+        )
 
 
 def test_scatter_kwargs_without_kwargs_and_with_a_list_of_args() -> None:
