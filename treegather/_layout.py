@@ -194,8 +194,9 @@ def _key_orders(spec: PyTreeSpec) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
 
     def visit(node: PyTreeSpec) -> None:
-        if node.kind in _MAPPINGS and node.num_children > 1:
-            out.append(tuple(node.one_level().unflatten([None] * node.num_children)))
+        level = node.one_level() if node.kind in _MAPPINGS and node.num_children > 1 else None
+        if level is not None:
+            out.append(tuple(level.unflatten([None] * node.num_children)))
         for child in node.children():
             visit(child)
 
