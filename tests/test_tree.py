@@ -322,3 +322,38 @@ def test_flatten_full_agrees_with_flatten() -> None:
     tree = {"b": [torch.zeros(1), "x"], "a": None}
     assert flatten_full(tree)[1] == flatten(tree)[1]
     assert flatten_full(tree)[0] == flatten(tree)[0]
+
+
+# ------------------------------------------------- mapping types behind the structure cache
+
+
+def test_nested_mapping_types_are_kept_after_the_cache_saw_another_mapping_type() -> None:
+    # optree's flatten_up_to accepts dict, OrderedDict and defaultdict for one another, so a
+    # cached structure must not rebuild a plain dict as the OrderedDict seen before.
+    t = torch.arange(4)
+    made = [
+        {"x": OrderedDict(a=t, b=t)},
+        {"x": {"a": t, "b": t}},
+        {"x": defaultdict(int, a=t, b=t)},
+        {"x": OrderedDict(a=t)},
+        {"x": {"a": t}},
+    ]
+    for tree in made:
+        shards = tg.scatter(tree, CPU2)
+        assert all(type(s["x"]) is type(tree["x"]) for s in shards), tree
+        out = tg.gather(shards, "cpu")
+        assert type(out["x"]) is type(tree["x"])
+        leaves, spec = flatten(tree)
+        assert type(spec.unflatten(leaves)["x"]) is type(tree["x"])
+
+
+def test_default_factory_is_kept_after_the_cache_saw_another_factory() -> None:
+    t = torch.arange(4)
+    for factory in (list, int, list):
+        tree = defaultdict(factory, {"a": t})
+        assert tg.scatter(tree, CPU2)[0].default_factory is factory
+        assert tg.gather([tree, tree], "cpu").default_factory is factory
+        nested = {"d": defaultdict(factory, {"a": t, "b": t})}
+        assert tg.scatter(nested, CPU2)[1]["d"].default_factory is factory
+        out = tg.gather([nested, nested], "cpu", tg.by_path({"d.a": "cat"}))
+        assert out["d"].default_factory is factory
