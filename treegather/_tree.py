@@ -311,11 +311,12 @@ _INDEXABLE_KINDS = (
 
 
 def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | bool | None:
-    """Compile a check that a tree's mappings list their keys in ``spec``'s insertion order.
+    """Compile a check that a tree's mappings match ``spec``'s: type, default_factory, key order.
 
-    ``flatten_up_to`` matches mappings by key, so a cached structure would otherwise hand back the
-    key order of an earlier call. Returns ``None`` when the structure has no mapping of two or more
-    keys, and ``False`` when a mapping sits below a node it cannot index (never cache then).
+    ``flatten_up_to`` matches mappings by key, whatever their mapping type, so a cached structure
+    would otherwise hand back the key order, the mapping type or the defaultdict factory of an
+    earlier call. Returns ``None`` when the structure has no mapping, and ``False`` when a
+    mapping sits below a node it cannot index (never cache then).
     """
     consts: list[Any] = []
     clauses: list[str] = []
@@ -331,8 +332,15 @@ def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | bool | None:
         if kind not in _INDEXABLE_KINDS:
             return not any(c.kind in _MAPPING_KINDS or not c.is_leaf() for c in node.children())
         entries = node.entries()
-        if kind in _MAPPING_KINDS and len(entries) > 1:
-            clauses.append(f"tuple({expr}) == {const(tuple(_insertion_keys(node)))}")
+        if kind in _MAPPING_KINDS:
+            # flatten_up_to also accepts dict, OrderedDict and defaultdict for one another (and
+            # ignores default_factory): check the exact type and factory too.
+            rebuilt = node.unflatten([None] * node.num_leaves)
+            clauses.append(f"type({expr}) is {const(type(rebuilt))}")
+            if kind == PyTreeKind.DEFAULTDICT:
+                clauses.append(f"{expr}.default_factory is {const(rebuilt.default_factory)}")
+            if len(entries) > 1:
+                clauses.append(f"tuple({expr}) == {const(tuple(rebuilt.keys()))}")
         for entry, child in zip(entries, node.children()):
             if child.is_leaf():
                 continue
