@@ -218,14 +218,39 @@ def reversed_keys(tree: Any) -> Any:
     return tree
 
 
+def swapped_mappings(tree: Any) -> Any:
+    """The same tree with plain dicts and OrderedDicts swapped for one another."""
+    if type(tree) is dict:
+        return OrderedDict((key, swapped_mappings(value)) for key, value in tree.items())
+    if type(tree) is OrderedDict:
+        return {key: swapped_mappings(value) for key, value in tree.items()}
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        changes = {
+            f.name: swapped_mappings(getattr(tree, f.name))
+            for f in dataclasses.fields(tree)
+            if f.init
+        }
+        return dataclasses.replace(tree, **changes)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*map(swapped_mappings, tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map(swapped_mappings, tree))
+    return tree
+
+
 @given(example())
 def test_gather_of_scatter_is_the_identity(ex: tuple[Any, Any, Any, int]) -> None:
     x, layout, inverse, k = ex
-    # The same structure again with its dict keys in another order: treegather's caches must
-    # not hand back the first order.
+    # The same structure again with its dict keys in another order, and with dict and
+    # OrderedDict swapped: treegather's caches must not hand back the first order or type.
     for x, layout, inverse in [  # noqa: B020 - the loop rebinds the example on purpose
         (x, layout, inverse),
         (reversed_keys(x), reversed_keys(layout), reversed_keys(inverse)),
+        (swapped_mappings(x), swapped_mappings(layout), swapped_mappings(inverse)),
+        # and below a root of another type, where the cache is keyed by that root type
+        ((x,), (layout,), (inverse,)),
+        ((swapped_mappings(x),), (swapped_mappings(layout),), (swapped_mappings(inverse),)),
+        ((reversed_keys(x),), (reversed_keys(layout),), (reversed_keys(inverse),)),
     ]:
         shards = tg.scatter(x, ["cpu"] * k, layout)
         assert 1 <= len(shards) <= k
