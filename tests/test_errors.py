@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from corpus import Tagged
+from corpus import Sample, Tagged
 
 import treegather as tg
 
@@ -188,6 +188,15 @@ def test_structure_error_in_a_namedtuple_uses_attribute_paths() -> None:
     assert (
         "outputs.hidden[1]: replica 0 has Tensor(shape=(1,), dtype=torch.float32, device=cpu)"
         ", replica 1 has None" in str(info.value)
+    )
+
+
+def test_structure_error_inside_a_dataclass_names_the_field() -> None:
+    outs = [{"s": Sample(torch.ones(1), [1])}, {"s": Sample(torch.ones(1), [1, 2])}]
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather(outs, "cpu")
+    assert str(info.value).startswith(
+        "outputs['s'].label: replica 0 has a list of 1 item(s), replica 1 has a list of 2 item(s)"
     )
 
 

@@ -357,3 +357,60 @@ def test_default_factory_is_kept_after_the_cache_saw_another_factory() -> None:
         assert tg.scatter(nested, CPU2)[1]["d"].default_factory is factory
         out = tg.gather([nested, nested], "cpu", tg.by_path({"d.a": "cat"}))
         assert out["d"].default_factory is factory
+
+
+# --------------------------------------------- transformers' ModelOutput, via torch's pytree
+
+
+class TorchModelOutput(OrderedDict):  # type: ignore[type-arg]
+    """transformers' ModelOutput registers every subclass with torch's pytree as it is created:
+    children are the values of the non-None fields, the context their keys."""
+
+    def __init_subclass__(cls) -> None:
+        torch_pytree.register_pytree_node(
+            cls,
+            lambda out: (list(out.values()), list(out.keys())),
+            lambda values, context: cls(**dict(zip(context, values))),
+        )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is not None:
+                self[f.name] = value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+@dataclasses.dataclass
+class TorchLMOutput(TorchModelOutput):
+    loss: Any = None
+    logits: Any = None
+    hidden_states: Any = None
+
+
+def test_model_output_registered_with_torch_pytree_round_trips() -> None:
+    made = TorchLMOutput(logits=torch.arange(8.0).reshape(4, 2), hidden_states=(torch.ones(4, 1),))
+    shards = tg.scatter({"out": made}, CPU2)
+    assert all(type(s["out"]) is TorchLMOutput for s in shards)
+    assert [list(s["out"].keys()) for s in shards] == [["logits", "hidden_states"]] * 2
+    out = tg.gather([s["out"] for s in shards], "cpu")
+    assert type(out) is TorchLMOutput and out.loss is None
+    assert_tree_equal(out, made)
+    loss = tg.gather(
+        [TorchLMOutput(loss=torch.tensor(float(r)), logits=torch.ones(1, 2)) for r in range(2)],
+        "cpu",
+        tg.by_path({"loss": "mean"}),
+    )
+    assert loss.loss.item() == 0.5 and list(loss.keys()) == ["loss", "logits"]
+
+
+def test_model_output_with_different_fields_per_replica_is_a_mismatch() -> None:
+    outs = [
+        TorchLMOutput(logits=torch.ones(1, 2)),
+        TorchLMOutput(loss=torch.ones(()), logits=torch.ones(1, 2)),
+    ]
+    with pytest.raises(tg.StructureMismatchError, match="'loss'"):
+        tg.gather(outs, "cpu")
