@@ -321,22 +321,35 @@ def test_gather_structure_error_comes_before_any_cat(monkeypatch: pytest.MonkeyP
     assert calls == []
 
 
-def test_gather_rule_error_in_the_last_leaf_comes_before_earlier_leaves_are_combined(
+def test_gather_rule_error_in_the_last_leaf_comes_before_any_cat(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # "Errors happen before anything is split or copied": a mistake in the last leaf must not
-    # leave earlier leaves concatenated (copied) or a custom rule already called.
+    # leave the earlier leaves concatenated (copied) first.
     calls: list[str] = []
     real_cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append("cat") or real_cat(*a, **k))
+    outs = [
+        {"a": torch.ones(2, 3), "z": torch.ones(1, 2)},
+        {"a": torch.ones(2, 3), "z": torch.ones(1, 5)},
+    ]
+    with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['z'\]"):
+        tg.gather(outs, "cpu")
+    assert calls == []
+
+
+def test_gather_rule_error_comes_before_a_custom_rule_runs() -> None:
+    # A custom rule may have side effects (logging, metrics): it must not run for a gather that
+    # then fails on another leaf.
+    calls: list[list[Any]] = []
 
     def custom(values: list[Any], device: torch.device) -> Any:
-        calls.append("custom")
+        calls.append(values)
         return values
 
     outs = [
-        {"a": torch.ones(2, 3), "m": 1, "z": torch.ones(1, 2)},
-        {"a": torch.ones(2, 3), "m": 2, "z": torch.ones(1, 5)},
+        {"m": 1, "z": torch.ones(1, 2)},
+        {"m": 2, "z": torch.ones(1, 5)},
     ]
     with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['z'\]"):
         tg.gather(outs, "cpu", tg.by_path({"m": custom}))
