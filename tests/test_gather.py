@@ -124,6 +124,26 @@ def test_a_missing_key_and_different_lengths_are_errors() -> None:
         tg.gather([{"h": [torch.ones(1)]}, {"h": [torch.ones(1), torch.ones(1)]}], "cpu")
 
 
+@pytest.mark.parametrize(
+    ("other", "described"),
+    [
+        ({"x": 1}, "a dict of 1 item(s)"),
+        ([1], "a list of 1 item(s)"),
+        ((1,), "a tuple of 1 item(s)"),
+    ],
+    ids=["dict", "list", "tuple"],
+)
+def test_a_tensor_in_one_replica_and_a_container_in_another_is_an_error(
+    other: Any, described: str
+) -> None:
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather([{"a": torch.ones(1)}, {"a": other}], "cpu")
+    assert str(info.value).startswith(
+        "outputs['a']: replica 0 has Tensor(shape=(1,), dtype=torch.float32, device=cpu), "
+        f"replica 1 has {described}"
+    )
+
+
 def test_mean_is_weighted_by_shard_sizes() -> None:
     torch.manual_seed(0)
     x = torch.randn(10, 4, dtype=torch.float64)
