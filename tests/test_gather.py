@@ -60,6 +60,20 @@ def test_one_replica() -> None:
 # ------------------------------------------------------------ torch's gather, item by item
 
 
+def test_five_rows_on_four_devices_use_four_replicas_and_gather_back() -> None:
+    # torch's scatter uses chunk: 5 rows on 4 devices make 3 replicas. (More in test_scatter.)
+    x = torch.arange(5.0).reshape(5, 1)
+    shards = tg.scatter({"x": x}, ["cpu"] * 4)
+    assert len(shards) == 4 and shards.sizes == (2, 1, 1, 1)
+    assert torch.equal(tg.gather(shards, "cpu")["x"], x)
+
+
+def test_uneven_batch_sizes_are_refused_not_truncated() -> None:
+    # torch's scatter zips per-input chunks without strict=True and silently drops the rest.
+    with pytest.raises(tg.BatchSizeError, match=r"5 at inputs\['a'\]; 4 at inputs\['b'\]"):
+        tg.scatter({"a": torch.zeros(5), "b": torch.zeros(4)}, ["cpu"] * 4)
+
+
 def test_cpu_tensors_gather() -> None:
     # torch.nn.parallel.gather refuses CPU tensors (it is written for CUDA only).
     out = tg.gather([torch.ones(2, 3), torch.zeros(1, 3)], "cpu")
