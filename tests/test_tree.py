@@ -414,3 +414,23 @@ def test_model_output_with_different_fields_per_replica_is_a_mismatch() -> None:
     ]
     with pytest.raises(tg.StructureMismatchError, match="'loss'"):
         tg.gather(outs, "cpu")
+
+
+def test_register_dataclass_after_the_torch_bridge_picked_the_class_up() -> None:
+    # transformers registers its outputs with torch's pytree; a user then registering the same
+    # class with treegather (to mark a static field, say) must not depend on whether a
+    # treegather call happened in between.
+    @dataclasses.dataclass
+    class Bridged:
+        x: Any
+        tag: str = "t"
+
+    torch_pytree.register_dataclass(Bridged)
+    tg.scatter(torch.arange(4), CPU2)  # any treegather call bridges torch's new classes
+    assert tg.register_dataclass(Bridged, static=("tag",)) is Bridged
+    leaves, _ = flatten(Bridged(torch.arange(4), "s"))
+    assert len(leaves) == 1  # the treegather registration (tag static) is the one in use
+    shards = tg.scatter(Bridged(torch.arange(4), "s"), CPU2)
+    assert [s.tag for s in shards] == ["s", "s"]
+    with pytest.raises(ValueError, match="already registered"):
+        tg.register_dataclass(Bridged)
