@@ -42,6 +42,9 @@ T = TypeVar("T")
 # ----------------------------------------------------------------------------- registration
 
 _REGISTERED: set[type] = set()
+# Classes registered only through the torch pytree bridge: an explicit treegather registration
+# replaces the bridged one instead of failing (whether the bridge ran first must not matter).
+_BRIDGED: set[type] = set()
 
 
 def _invalidate() -> None:
@@ -149,6 +152,10 @@ def register_node(
 
 
 def _register(cls: type, flatten_fn: Callable[..., Any], unflatten_fn: Callable[..., Any]) -> None:
+    if cls in _BRIDGED:
+        optree.unregister_pytree_node(cls, namespace=NAMESPACE)
+        _BRIDGED.discard(cls)
+        _REGISTERED.discard(cls)
     if cls in _REGISTERED:
         raise ValueError(f"{cls.__qualname__} is already registered with treegather")
     optree.register_pytree_node(
@@ -206,6 +213,7 @@ def _bridge(cls: type, node_def: Any) -> None:
 
     optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)  # type: ignore[arg-type]
     _REGISTERED.add(cls)
+    _BRIDGED.add(cls)
 
 
 def _sync_torch_registry() -> None:
