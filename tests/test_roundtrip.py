@@ -339,3 +339,92 @@ def test_the_readme_example_round_trips_on_k_devices(k: int) -> None:
     inverse = tg.by_path({"words": "cat_items", "cfg": "first"})
     shards = tg.scatter(x, ["cpu"] * k, layout)
     assert_tree_equal(tg.gather(shards, "cpu", inverse, sizes=shards.sizes), x)
+
+
+# ------------------------------------------- never lose data silently: mismatches always raise
+
+
+@st.composite
+def tensor_tree(draw: Any, depth: int = 0) -> Any:
+    if depth >= 3 or (depth > 0 and draw(st.integers(0, 2)) == 0):
+        return torch.full((1, draw(st.integers(1, 2))), float(draw(st.integers(0, 9))))
+    kind = draw(st.sampled_from(["dict", "list", "tuple", "point", "sample"]))
+    if kind == "dict":
+        keys = draw(st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=3))
+        return {key: draw(tensor_tree(depth + 1)) for key in keys}
+    if kind in ("list", "tuple"):
+        items = [draw(tensor_tree(depth + 1)) for _ in range(draw(st.integers(1, 3)))]
+        return items if kind == "list" else tuple(items)
+    cls = Point if kind == "point" else Sample
+    return cls(draw(tensor_tree(depth + 1)), draw(tensor_tree(depth + 1)))
+
+
+def _positions(tree: Any, path: str = "outputs") -> list[tuple[str, Any]]:
+    """Every node below the root as (path as the user writes it, steps to reach it)."""
+    out: list[tuple[str, Any]] = []
+
+    def visit(node: Any, where: str, steps: tuple[Any, ...]) -> None:
+        if isinstance(node, dict):
+            children = [(f"{where}[{k!r}]", k, v) for k, v in node.items()]
+        elif isinstance(node, tuple) and hasattr(node, "_fields"):
+            children = [(f"{where}.{f}", i, v) for i, (f, v) in enumerate(zip(node._fields, node))]
+        elif dataclasses.is_dataclass(node):
+            children = [
+                (f"{where}.{f.name}", f.name, getattr(node, f.name))
+                for f in dataclasses.fields(node)
+            ]
+        elif isinstance(node, (list, tuple)):
+            children = [(f"{where}[{i}]", i, v) for i, v in enumerate(node)]
+        else:
+            return
+        for child_path, step, child in children:
+            out.append((child_path, (*steps, step)))
+            visit(child, child_path, (*steps, step))
+
+    visit(tree, path, ())
+    return out
+
+
+def _replace(tree: Any, steps: tuple[Any, ...], fn: Any) -> Any:
+    if not steps:
+        return fn(tree)
+    head, rest = steps[0], steps[1:]
+    if isinstance(tree, dict):
+        return {k: _replace(v, rest, fn) if k == head else v for k, v in tree.items()}
+    if dataclasses.is_dataclass(tree):
+        return dataclasses.replace(tree, **{head: _replace(getattr(tree, head), rest, fn)})
+    items = [_replace(v, rest, fn) if i == head else v for i, v in enumerate(tree)]
+    return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+
+
+@given(tensor_tree(), st.data())
+def test_a_structure_mismatch_is_always_an_error_naming_its_path(tree: Any, data: Any) -> None:
+    k = data.draw(st.integers(2, 4))
+    r = data.draw(st.integers(1, k - 1))
+    positions = _positions(tree)
+    if not positions:
+        return
+    where, steps = data.draw(st.sampled_from(positions))
+    node = tree
+    for step in steps:
+        node = node[step] if isinstance(node, (dict, list, tuple)) else getattr(node, step)
+    kinds = ["none"] + (["extra_key"] if isinstance(node, dict) else [])
+    kinds += ["extra_item"] if type(node) is list else []
+    kind = data.draw(st.sampled_from(kinds))
+    if kind == "none":
+        bad = _replace(tree, steps, lambda _: None)
+        expected, expected_tail = f"{where}: replica 0 has ", f", replica {r} has None"
+    elif kind == "extra_key":
+        bad = _replace(tree, steps, lambda n: {**n, "extra": torch.ones(1, 1)})
+        expected, expected_tail = f"{where}: replica {r} has extra key(s) 'extra'", ""
+    else:
+        bad = _replace(tree, steps, lambda n: [*n, torch.ones(1, 1)])
+        expected = f"{where}: replica 0 has a list of {len(node)} item(s)"
+        expected_tail = f", replica {r} has a list of {len(node) + 1} item(s)"
+    outputs = [tree] * k
+    outputs[r] = bad
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather(outputs, "cpu")
+    msg = str(info.value)
+    assert expected in msg, msg
+    assert expected_tail in msg, msg
