@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from corpus import Batch, CausalLMOutput, FrozenSample, Point, Sample, assert_tree_equal
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import treegather as tg
@@ -428,3 +428,45 @@ def test_a_structure_mismatch_is_always_an_error_naming_its_path(tree: Any, data
     msg = str(info.value)
     assert expected in msg, msg
     assert expected_tail in msg, msg
+
+
+def _map_tensors(fn: Any, tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(fn, v) for k, v in tree.items()}
+    if dataclasses.is_dataclass(tree):
+        return dataclasses.replace(
+            tree,
+            **{f.name: _map_tensors(fn, getattr(tree, f.name)) for f in dataclasses.fields(tree)},
+        )
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map_tensors(fn, v) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tensors(fn, v) for v in tree)
+    return tree
+
+
+@given(tensor_tree(), st.data())
+def test_a_batch_size_mismatch_is_always_an_error_naming_its_path(tree: Any, data: Any) -> None:
+    n = data.draw(st.integers(1, 6))
+    batch = _map_tensors(lambda t: t.expand(n, t.shape[1]).clone(), tree)
+    leaves = [
+        (where, steps)
+        for where, steps in _positions(batch, "inputs")
+        if isinstance(_get(batch, steps), torch.Tensor)
+    ]
+    assume(len(leaves) >= 2)  # one leaf cannot disagree with itself
+    where, steps = data.draw(st.sampled_from(leaves))
+    bad = _replace(batch, steps, lambda t: torch.zeros(n + 1, *t.shape[1:]))
+    with pytest.raises(tg.BatchSizeError) as info:
+        tg.scatter(bad, ["cpu"] * data.draw(st.integers(1, 4)))
+    msg = str(info.value)
+    assert msg.startswith("split leaves disagree on the batch size: "), msg
+    assert f"{n + 1} at {where}" in msg, msg
+
+
+def _get(tree: Any, steps: tuple[Any, ...]) -> Any:
+    for step in steps:
+        tree = tree[step] if isinstance(tree, (dict, list, tuple)) else getattr(tree, step)
+    return tree
