@@ -354,3 +354,17 @@ def test_gather_rule_error_comes_before_a_custom_rule_runs() -> None:
     with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['z'\]"):
         tg.gather(outs, "cpu", tg.by_path({"m": custom}))
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("rule", "ndim"),
+    [(tg.pad(dim=2), 2), (tg.pad(dim=-3), 2), (tg.stack(dim=3), 1), (tg.stack(dim=-3), 1)],
+    ids=["pad2", "pad-3", "stack3", "stack-3"],
+)
+def test_a_dim_out_of_range_is_an_error_not_a_wrap_around(rule: Any, ndim: int) -> None:
+    # pad(dim=2) on 2-dim tensors must not quietly concatenate along dim 0 (2 % 2).
+    shape = (2, 3) if ndim == 2 else (3,)
+    outs = [{"t": torch.ones(shape)}, {"t": torch.ones(shape)}]
+    with pytest.raises(tg.ShapeMismatchError) as info:
+        tg.gather(outs, "cpu", tg.by_path({"t": rule}))
+    assert f"outputs['t']: {rule.describe()} is out of range" in str(info.value)
