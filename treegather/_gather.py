@@ -273,6 +273,8 @@ def _pad(rule: Pad, col: tuple[Any, ...], target: torch.device) -> Any:
     if ndim == 0 or any(v.dim() != ndim for v in values):
         # A plain ValueError: gather's _diagnose turns it into a message naming the leaf's path.
         raise ValueError("pad() needs tensors of the same number of dims (at least 1)")
+    if not -ndim <= rule.dim < ndim:  # never wrap around: pad(dim=2) on 2-dim tensors is a mistake
+        raise ValueError(f"pad(dim={rule.dim}) is out of range for {ndim}-dim tensors")
     d = rule.dim % ndim
     shape = [builtins.max(v.shape[j] for v in values) for j in range(ndim)]
     padded = []
@@ -501,10 +503,18 @@ def _diagnose(
                 problems.append(
                     f"{where}: {rule_name} needs equal shapes, got {_by_replica(shapes)}"
                 )
+            elif isinstance(rule, Stack) and not -len(shapes[0]) - 1 <= rule.dim <= len(shapes[0]):
+                problems.append(
+                    f"{where}: {rule_name} is out of range for {len(shapes[0])}-dim tensors"
+                )
         elif isinstance(rule, Pad):
             if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
                 problems.append(
                     f"{where}: {rule_name} needs tensors with the same number of dims (>= 1), got {_by_replica(shapes)}"
+                )
+            elif not -len(shapes[0]) <= d < len(shapes[0]):
+                problems.append(
+                    f"{where}: {rule_name} is out of range for {len(shapes[0])}-dim tensors"
                 )
         else:
             ndims = {len(s) for s in shapes}
