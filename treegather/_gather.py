@@ -124,7 +124,10 @@ def gather(
             raise
         if not _all_leaves(plan, per_replica):
             raise _structure_error(outputs, plan) from None
-        raise _diagnose(plan, list(zip(*per_replica)), dim, exc) from exc
+        err = _diagnose(plan, list(zip(*per_replica)), dim, exc)
+        if err is exc:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
+            raise
+        raise err from exc
     return up_spec.unflatten(results)
 
 
@@ -538,7 +541,7 @@ def _diagnose(
                     f"{where}: {rule_name} needs equal sizes in every dim but {d}, got {_by_replica(shapes)}"
                 )
     if not problems:
-        return RuntimeError(f"gather failed: {exc}")
+        return exc if isinstance(exc, Exception) else RuntimeError(f"gather failed: {exc}")
     hint = "pad() concatenates tensors whose other dims differ; as_list() keeps per-replica values"
     cls = LeafTypeError if type_problem else ShapeMismatchError
     return cls(bullet_list(problems, hint))
