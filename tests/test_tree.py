@@ -446,3 +446,11 @@ def test_torch_return_types_and_deques_are_nodes() -> None:
     back = tg.gather(tg.scatter(d, CPU2), "cpu", deque(["cat", "first"], maxlen=5))
     assert type(back) is deque and back.maxlen == 5
     assert back[0].tolist() == [0, 1, 2, 3] and back[1] == "tag"
+
+
+def test_deque_maxlen_is_kept_after_the_cache_saw_another_maxlen() -> None:
+    t = torch.arange(4)
+    for maxlen in (5, 3, None, 5):
+        tree = {"d": deque([t], maxlen=maxlen)}
+        assert tg.scatter(tree, CPU2)[0]["d"].maxlen == maxlen
+        assert tg.gather([tree, tree], "cpu")["d"].maxlen == maxlen
