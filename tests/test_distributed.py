@@ -97,7 +97,10 @@ def _bare_tensor(r: int) -> Any:
 
 
 def _nested(r: int) -> Any:
-    return {"a": [(torch.ones(r + 1, 2), "x"), {"b": torch.zeros(r + 2, dtype=torch.int32)}], "c": 3}
+    return {
+        "a": [(torch.ones(r + 1, 2), "x"), {"b": torch.zeros(r + 2, dtype=torch.int32)}],
+        "c": 3,
+    }
 
 
 def _same_shapes(r: int) -> Any:
@@ -164,7 +167,9 @@ def _expected(op: str, name: str, rank: int, world: int) -> Any:
     if op == "gather" and rank != _dst(world):
         return None
     trees = [make(r) for r in range(world)]
-    return tg.gather(trees, "cpu", layout(), sizes=[sizes(r) for r in range(world)] if sizes else None)
+    return tg.gather(
+        trees, "cpu", layout(), sizes=[sizes(r) for r in range(world)] if sizes else None
+    )
 
 
 # --------------------------------------------------------------------------- error scenarios
@@ -211,7 +216,9 @@ def tensor_vs_string(rank: int, world: int) -> Any:
 def dtype(rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
-    return tgd.all_gather({"scores": torch.ones(2, dtype=torch.int64 if rank == 1 else torch.float32)})
+    return tgd.all_gather(
+        {"scores": torch.ones(2, dtype=torch.int64 if rank == 1 else torch.float32)}
+    )
 
 
 @_error
@@ -246,7 +253,9 @@ def unpicklable_leaf(rank: int, world: int) -> Any:
 def sizes_on_some_ranks(rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
-    return tgd.all_gather({"loss": torch.tensor(1.0)}, {"loss": tg.mean()}, sizes=None if rank else 4)
+    return tgd.all_gather(
+        {"loss": torch.tensor(1.0)}, {"loss": tg.mean()}, sizes=None if rank else 4
+    )
 
 
 @_error
@@ -268,11 +277,30 @@ def different_calls(rank: int, world: int) -> Any:
 # ------------------------------------------------------------------------ collective counting
 
 _COLLECTIVES = (
-    "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-    "all_gather_coalesced", "_all_gather_base", "gather", "gather_object", "broadcast",
-    "broadcast_object_list", "all_reduce", "reduce", "scatter", "scatter_object_list",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
-    "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_gather_coalesced",
+    "_all_gather_base",
+    "gather",
+    "gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "all_reduce",
+    "reduce",
+    "scatter",
+    "scatter_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
 )
 
 
@@ -353,7 +381,7 @@ def _count_calls(rank: int, world: int) -> dict[str, Any]:
 def _capture(fn: Callable[[], Any]) -> tuple[Any, ...]:
     try:
         return ("ok", fn())
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
+    except Exception as exc:
         return ("raised", type(exc).__name__, str(exc), traceback.format_exc())
 
 
@@ -374,9 +402,11 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         for name, fn in ERRORS.items():
             results[("error", name)] = _capture(lambda: fn(rank, world))  # noqa: B023
             # The group must still be in step after an error: one ordinary call.
-            results[("after", name)] = _capture(lambda: _run_op("all_gather", "ragged", rank, world))
+            results[("after", name)] = _capture(
+                lambda: _run_op("all_gather", "ragged", rank, world)
+            )
         results["count"] = _capture(lambda: _count_calls(rank, world))
-    except Exception:  # noqa: BLE001
+    except Exception:
         results["fatal"] = traceback.format_exc()
     finally:
         torch.save(results, Path(outdir) / f"rank{rank}.pt")
@@ -390,11 +420,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_group(world: int, outdir: Path, target: Callable[..., None] = _worker) -> list[dict[Any, Any]]:
+def run_group(
+    world: int, outdir: Path, target: Callable[..., None] = _worker
+) -> list[dict[Any, Any]]:
     """Spawn ``world`` ranks running ``target``; return each rank's results. No process survives."""
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, str(outdir)), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=target, args=(r, world, port, str(outdir)), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + GROUP_DEADLINE_S
@@ -409,7 +444,9 @@ def run_group(world: int, outdir: Path, target: Callable[..., None] = _worker) -
             p.kill()
             p.join(5)
     assert not any(p.is_alive() for p in procs)
-    assert not stragglers, f"{len(stragglers)} rank(s) still running after {GROUP_DEADLINE_S}s: killed"
+    assert not stragglers, (
+        f"{len(stragglers)} rank(s) still running after {GROUP_DEADLINE_S}s: killed"
+    )
     assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
     results = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for r, res in enumerate(results):
@@ -418,7 +455,9 @@ def run_group(world: int, outdir: Path, target: Callable[..., None] = _worker) -
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
-def group_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[Any, Any]]]:
+def group_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[Any, Any]]]:
     world = request.param
     return world, run_group(world, tmp_path_factory.mktemp(f"dist{world}"))
 
@@ -455,7 +494,10 @@ def test_matches_single_process_gather(group_results: Any, case: str, op: str) -
 ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "missing_key": (tg.StructureMismatchError, ["outputs['b']", "rank 1"]),
     "list_vs_tuple": (tg.StructureMismatchError, ["outputs['out']['pair']", "list", "tuple"]),
-    "tensor_vs_string": (tg.StructureMismatchError, ["outputs['x']", "str on rank 1", "Tensor(float32)"]),
+    "tensor_vs_string": (
+        tg.StructureMismatchError,
+        ["outputs['x']", "str on rank 1", "Tensor(float32)"],
+    ),
     "dtype": (tg.ShapeMismatchError, ["outputs['scores']", "int64 on rank 1", "float32 on rank"]),
     "non_cat_dim_all_gather": (tg.ShapeMismatchError, ["['emb']", "replica 1: [2, 4]", "rank"]),
     "non_cat_dim_gather": (tg.ShapeMismatchError, ["['emb']", "replica 1: [2, 4]", "rank"]),
@@ -476,7 +518,9 @@ def test_mismatch_raises_the_same_error_on_every_rank(group_results: Any, name: 
         assert outcome[0] == "raised", f"rank {rank} did not raise: {outcome}"
         assert outcome[1] == cls.__name__, f"rank {rank}: {outcome[3]}"
         for fragment in fragments:
-            assert fragment in outcome[2], f"{fragment!r} not in rank {rank}'s message:\n{outcome[2]}"
+            assert fragment in outcome[2], (
+                f"{fragment!r} not in rank {rank}'s message:\n{outcome[2]}"
+            )
     assert len({o[2] for o in outcomes}) == 1, "ranks raised different messages"
     # ... and the group is still in step afterwards.
     for rank, res in enumerate(results):

@@ -41,6 +41,7 @@ Security:
 from __future__ import annotations
 
 import hashlib
+import math
 import pickle
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -71,6 +72,8 @@ _MAX_LISTED = 10  # problems listed in one message before "... and N more"
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
+_DTYPE_NAMES: dict[torch.dtype, str] = {d: name for name, d in _DTYPES.items()}
+_ITEMSIZES: dict[str, int] = {name: d.itemsize for name, d in _DTYPES.items()}
 _ERROR_CLASSES: dict[str, type[TreegatherError]] = {
     cls.__name__: cls for cls in (BatchSizeError, LeafTypeError, StructureMismatchError)
 }
@@ -109,7 +112,9 @@ def _comm_device(group: Any) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     module = getattr(torch, kind, None)
-    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    index = (
+        module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    )
     return torch.device(kind, index)
 
 
@@ -127,6 +132,7 @@ class _Local(NamedTuple):
     spec: PyTreeSpec | None
     header: bytes
     data: torch.Tensor  # uint8, 1-D, on the communication device
+    devices: frozenset[torch.device] = frozenset()  # of this rank's tensor leaves
 
 
 _FINGERPRINTS: dict[PyTreeSpec, str] = {}
@@ -161,12 +167,8 @@ def _pack_order(meta: Sequence[Any]) -> list[list[int]]:
     for i, m in enumerate(meta):
         if m is not None:
             groups.setdefault(m[0], []).append(i)
-    order = sorted(groups, key=lambda name: (-_itemsize(name), name))
+    order = sorted(groups, key=lambda name: (-_ITEMSIZES[name], name))
     return [groups[name] for name in order]
-
-
-def _itemsize(dtype_name: str) -> int:
-    return torch.empty((), dtype=_DTYPES[dtype_name]).element_size()
 
 
 def _flat_bytes(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -183,9 +185,7 @@ def _error_header(cls: type[TreegatherError], message: str) -> bytes:
     return pickle.dumps({"error": (cls.__name__, message)}, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _encode(
-    tree: Any, sizes: Any, device: torch.device, *, with_spec: bool = False
-) -> _Local:
+def _encode(tree: Any, sizes: Any, device: torch.device, *, with_spec: bool = False) -> _Local:
     """Flatten ``tree`` into a pickled header and one byte buffer of all its tensor leaves.
 
     Problems found here become an error header instead of an exception, so that every rank
@@ -197,22 +197,32 @@ def _encode(
         message = f"sizes must be this rank's non-negative int (e.g. its batch size), got {sizes!r}"
         return _Local(None, _error_header(BatchSizeError, message), empty)
     leaves, spec = _tree.flatten(tree)
-    meta: list[tuple[str, tuple[int, ...], str] | None] = []
+    meta: list[tuple[Any, ...] | None] = []  # (dtype, shape[, device type]) or None per leaf
     objects: list[Any] = []
     bad: list[int] = []
+    devices: set[torch.device] = set()
+    strided = torch.strided
+    names = _DTYPE_NAMES
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            if leaf.layout is not torch.strided or leaf.is_quantized or leaf.is_nested:
+            if leaf.layout is not strided or leaf.is_quantized or leaf.is_nested:
                 bad.append(i)
-            meta.append((str(leaf.dtype)[6:], tuple(leaf.shape), leaf.device.type))
+            devices.add(leaf.device)
+            if with_spec:
+                meta.append((names[leaf.dtype], tuple(leaf.shape), leaf.device.type))
+            else:
+                meta.append((names[leaf.dtype], tuple(leaf.shape)))
         else:
             meta.append(None)
             objects.append(leaf)
     if bad:
         paths = _leaf_paths(spec)
-        problems = [f"{paths[i]}: {_tree.describe(leaves[i])}, layout {leaves[i].layout}" for i in bad]
+        problems = [
+            f"{paths[i]}: {_tree.describe(leaves[i])}, layout {leaves[i].layout}" for i in bad
+        ]
         message = _problems(
-            "cannot send sparse, quantized or nested tensors", problems,
+            "cannot send sparse, quantized or nested tensors",
+            problems,
             "convert them first (e.g. .to_dense() or .dequantize())",
         )
         return _Local(spec, _error_header(LeafTypeError, message), empty)
@@ -225,12 +235,12 @@ def _encode(
     }
     try:
         header = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001 - any pickling failure becomes a shared error
+    except Exception as exc:
         return _Local(spec, _error_header(LeafTypeError, _unpicklable(spec, leaves, exc)), empty)
     with torch.no_grad():
         groups = [_flat_bytes([leaves[i] for i in idx], device) for idx in _pack_order(meta)]
     data = torch.cat(groups) if len(groups) > 1 else groups[0] if groups else empty
-    return _Local(spec, header, data)
+    return _Local(spec, header, data, frozenset(devices))
 
 
 def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
@@ -241,12 +251,15 @@ def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
             continue
         try:
             pickle.dumps(leaf, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as leaf_exc:  # noqa: BLE001
-            problems.append(f"{path}: {_tree.describe(leaf)} ({type(leaf_exc).__name__}: {leaf_exc})")
+        except Exception as leaf_exc:
+            problems.append(
+                f"{path}: {_tree.describe(leaf)} ({type(leaf_exc).__name__}: {leaf_exc})"
+            )
     if not problems:
         problems.append(f"the tree's structure ({type(exc).__name__}: {exc})")
     return _problems(
-        "non-tensor leaves must be picklable to travel between ranks", problems,
+        "non-tensor leaves must be picklable to travel between ranks",
+        problems,
         "turn them into tensors, strings or numbers, or leave them out of the tree",
     )
 
@@ -292,7 +305,11 @@ def _preamble(g: _Group, call: int, root: int, header_len: int, data_len: int) -
             f"rank {g.ranks[i]}: "
             + (
                 f"treegather.distributed.{_CALL_NAMES.get(r[1], '?')}"
-                + (f"(..., {'src' if r[1] == _BROADCAST else 'dst'}={g.ranks[r[2]]})" if r[2] >= 0 else "")
+                + (
+                    f"(..., {'src' if r[1] == _BROADCAST else 'dst'}={g.ranks[r[2]]})"
+                    if r[2] >= 0
+                    else ""
+                )
                 if r[0] == _MAGIC
                 else "not a treegather.distributed call"
             )
@@ -300,17 +317,18 @@ def _preamble(g: _Group, call: int, root: int, header_len: int, data_len: int) -
         ]
         raise StructureMismatchError(
             _problems(
-                "the ranks of the group made different treegather.distributed calls", described,
+                "the ranks of the group made different treegather.distributed calls",
+                described,
                 "every rank must make the same call, with the same dst/src, in the same order",
             )
         )
     return rows
 
 
-def _headers(buffers: Sequence[torch.Tensor], lengths: Sequence[int]) -> list[dict[str, Any]]:
-    return [
-        pickle.loads(buf[:n].cpu().numpy().tobytes()) for buf, n in zip(buffers, lengths)
-    ]
+def _headers(
+    buffers: torch.Tensor | Sequence[torch.Tensor], lengths: Sequence[int]
+) -> list[dict[str, Any]]:
+    return [pickle.loads(buf[:n].cpu().numpy().tobytes()) for buf, n in zip(buffers, lengths)]
 
 
 # -------------------------------------------------------------------------------- validation
@@ -335,14 +353,17 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
                 problems.append(f"{path}: " + _by_rank(g, per_rank))
         raise StructureMismatchError(
             _problems(
-                "leaves are tensors on some ranks and other objects on others", problems,
+                "leaves are tensors on some ranks and other objects on others",
+                problems,
                 "every rank must pass a tensor at the same paths (e.g. torch.tensor(x) for numbers)",
             )
         )
     dtypes = [[m[0] for m in h["meta"] if m is not None] for h in headers]
     if any(d != dtypes[0] for d in dtypes[1:]):
         assert local.spec is not None
-        tensor_paths = [p for p, m in zip(_leaf_paths(local.spec), headers[0]["meta"]) if m is not None]
+        tensor_paths = [
+            p for p, m in zip(_leaf_paths(local.spec), headers[0]["meta"]) if m is not None
+        ]
         problems = [
             f"{path}: " + _by_rank(g, [d[j] for d in dtypes])
             for j, path in enumerate(tensor_paths)
@@ -350,7 +371,8 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
         ]
         raise ShapeMismatchError(
             _problems(
-                "tensor leaves have different dtypes on different ranks", problems,
+                "tensor leaves have different dtypes on different ranks",
+                problems,
                 "cast them to one dtype on every rank before gathering (e.g. .float())",
             )
         )
@@ -376,7 +398,8 @@ def _by_rank(g: _Group, values: Sequence[str]) -> str:
     for i, v in enumerate(values):
         seen.setdefault(v, []).append(g.ranks[i])
     return "; ".join(
-        f"{v} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for v, rs in seen.items()
+        f"{v} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+        for v, rs in seen.items()
     )
 
 
@@ -451,8 +474,8 @@ def _decode(header: dict[str, Any], data: torch.Tensor) -> list[Any]:
     offset = 0
     for idx in _pack_order(meta):
         dtype = _DTYPES[meta[idx[0]][0]]
-        numels = [_numel(meta[i][1]) for i in idx]
-        nbytes = sum(numels) * _itemsize(meta[idx[0]][0])
+        numels = [math.prod(meta[i][1]) for i in idx]
+        nbytes = sum(numels) * _ITEMSIZES[meta[idx[0]][0]]
         region = data[offset : offset + nbytes].view(dtype)
         offset += nbytes
         for i, part in zip(idx, region.split(numels)):
@@ -460,22 +483,10 @@ def _decode(header: dict[str, Any], data: torch.Tensor) -> list[Any]:
     return leaves
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _target_device(local_leaves_device: set[torch.device], g: _Group) -> torch.device:
-    if len(local_leaves_device) == 1:
-        return next(iter(local_leaves_device))
-    return g.device if local_leaves_device else torch.device("cpu")
-
-
-def _local_devices(tree: Any) -> set[torch.device]:
-    leaves, _ = _tree.flatten(tree)
-    return {leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)}
+def _target_device(local: _Local, g: _Group) -> torch.device:
+    if len(local.devices) == 1:
+        return next(iter(local.devices))
+    return g.device if local.devices else torch.device("cpu")
 
 
 def _combine(
@@ -563,7 +574,7 @@ def all_gather(
         local.spec.unflatten(_decode(h, buf[_padded(r[3]) :]))
         for h, buf, r in zip(headers, buffers, rows)
     ]
-    device = _target_device(_local_devices(tree), g)
+    device = _target_device(local, g)
     return _combine(g, trees, device, layout, dim, [h["sizes"] for h in headers])
 
 
@@ -605,9 +616,9 @@ def gather(
         >>> import torch, torch.distributed as dist
         >>> import treegather as tg, treegather.distributed as tgd
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> preds = {"logits": torch.ones(3, 2), "ids": ["a", "b", "c"]}
-        >>> tgd.gather(preds, dst=0)
-        {'logits': tensor([[1., 1.], [1., 1.], [1., 1.]]), 'ids': [['a', 'b', 'c']]}
+        >>> preds = {"logits": torch.ones(3, 2), "ids": ["a", "b", "c"]}  # per-sample ids
+        >>> tgd.gather(preds, dst=0, layout={"logits": tg.cat(), "ids": tg.cat_items()})
+        {'logits': tensor([[1., 1.], [1., 1.], [1., 1.]]), 'ids': ['a', 'b', 'c']}
         >>> dist.destroy_process_group()
     """
     g = _group(group)
@@ -641,22 +652,24 @@ def gather(
         local.spec.unflatten(_decode(h, received[i] if received is not None else empty))
         for i, h in enumerate(headers)
     ]
-    device = _target_device(_local_devices(tree), g)
+    device = _target_device(local, g)
     return _combine(g, trees, device, layout, dim, all_sizes)
 
 
 def _dry_run(
     g: _Group,
-    spec: PyTreeSpec, headers: list[dict[str, Any]], layout: Any, dim: int, sizes: list[Any]
+    spec: PyTreeSpec,
+    headers: list[dict[str, Any]],
+    layout: Any,
+    dim: int,
+    sizes: list[Any],
 ) -> None:
     """Run the gather rules on shape-only ``meta`` tensors, so every rank sees rule errors."""
     trees = []
     for h in headers:
         objects = iter(h["objects"])
         leaves = [
-            next(objects)
-            if m is None
-            else torch.empty(m[1], dtype=_DTYPES[m[0]], device="meta")
+            next(objects) if m is None else torch.empty(m[1], dtype=_DTYPES[m[0]], device="meta")
             for m in h["meta"]
         ]
         trees.append(spec.unflatten(leaves))
@@ -664,7 +677,7 @@ def _dry_run(
         _combine(g, trees, torch.device("meta"), layout, dim, sizes)
     except TreegatherError:
         raise
-    except Exception:  # noqa: BLE001 - a rule that needs real data; the real run on dst decides
+    except Exception:
         pass
 
 
@@ -700,7 +713,11 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
     g = _group(group)
     root = _root_rank(g, src, "src")
     empty = torch.empty(0, dtype=torch.uint8, device=g.device)
-    local = _encode(tree, None, g.device, with_spec=True) if g.rank == root else _Local(None, b"", empty)
+    local = (
+        _encode(tree, None, g.device, with_spec=True)
+        if g.rank == root
+        else _Local(None, b"", empty)
+    )
     rows = _preamble(g, _BROADCAST, root, len(local.header), local.data.numel())
     head_len, data_len = rows[root][3], rows[root][4]
     stride = _padded(head_len) + data_len
