@@ -274,6 +274,20 @@ def different_calls(rank: int, world: int) -> Any:
     return tgd.all_gather({"x": torch.ones(1)})
 
 
+@_error
+def broadcast_unpicklable(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.broadcast(_unpicklable(rank) if rank == 1 else None, src=1)
+
+
+@_error
+def src_disagrees(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.broadcast({"x": torch.ones(1)}, src=0 if rank == world - 1 else 1)
+
+
 # ------------------------------------------------------------------------ collective counting
 
 _COLLECTIVES = (
@@ -506,6 +520,8 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "sizes_on_some_ranks": (tg.BatchSizeError, ["sizes=", "4 on rank 0", "None on rank"]),
     "dst_disagrees": (tg.StructureMismatchError, ["dst=0", "dst=1"]),
     "different_calls": (tg.StructureMismatchError, ["gather", "all_gather", "rank 0"]),
+    "broadcast_unpicklable": (tg.LeafTypeError, ["on rank 1", "outputs['f']", "picklable"]),
+    "src_disagrees": (tg.StructureMismatchError, ["broadcast(..., src=0)", "src=1"]),
 }
 
 

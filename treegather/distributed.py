@@ -86,7 +86,8 @@ class _Group(NamedTuple):
     handle: Any  # the ProcessGroup, or None for the default group
     rank: int  # this process's rank in the group
     ranks: list[int]  # global rank of each group rank
-    device: torch.device  # where collective buffers live
+    device: torch.device  # where the small exchanges run (torch's object-collective device)
+    accelerator: torch.device | None  # this process's current accelerator, if the group has one
 
 
 def _group(group: Any) -> _Group:
@@ -98,8 +99,10 @@ def _group(group: Any) -> _Group:
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of the process group passed as group=")
-    ranks = list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    return _Group(group, rank, ranks, _comm_device(group))
+    handle = group if group is not None else dist.group.WORLD
+    ranks = list(dist.get_process_group_ranks(handle))
+    device = _comm_device(group)
+    return _Group(group, rank, ranks, device, _group_accelerator(handle, device))
 
 
 def _comm_device(group: Any) -> torch.device:
@@ -118,6 +121,42 @@ def _comm_device(group: Any) -> torch.device:
     return torch.device(kind, index)
 
 
+def _group_accelerator(handle: Any, device: torch.device) -> torch.device | None:
+    """This process's current accelerator when the group's backends can move its tensors."""
+    if device.type != "cpu":
+        return device
+    try:
+        kinds = {d.type for d in handle._device_types}
+    except (AttributeError, RuntimeError):
+        return None
+    for kind in sorted(kinds - {"cpu"}):
+        module = getattr(torch, kind, None)
+        if module is not None and getattr(module, "is_available", lambda: False)():
+            return torch.device(kind, module.current_device())
+    return None
+
+
+def _placement(g: _Group, local: _Local) -> int:
+    """What this rank's tensors want: 0 the exchange device, 1 the accelerator, 2 either."""
+    if g.accelerator is None or g.device == g.accelerator:
+        return 0
+    if not local.devices:
+        return 2
+    return 1 if all(d.type == g.accelerator.type for d in local.devices) else 0
+
+
+def _data_device(g: _Group, rows: Sequence[Sequence[int]]) -> torch.device:
+    """Carry tensor bytes on the accelerator when every rank's tensors live there.
+
+    A group with several backends (``"cpu:gloo,cuda:nccl"``, torch's default on GPU machines)
+    runs object collectives on the CPU; tensors already on the GPU then go through NCCL instead.
+    """
+    flags = {r[5] for r in rows}
+    if g.accelerator is not None and 0 not in flags and 1 in flags:
+        return g.accelerator
+    return g.device
+
+
 def _root_rank(g: _Group, rank: int, name: str) -> int:
     """Map a global ``dst``/``src`` rank to its rank in the group."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank not in g.ranks:
@@ -131,7 +170,8 @@ def _root_rank(g: _Group, rank: int, name: str) -> int:
 class _Local(NamedTuple):
     spec: PyTreeSpec | None
     header: bytes
-    data: torch.Tensor  # uint8, 1-D, on the communication device
+    chunks: tuple[torch.Tensor, ...] = ()  # uint8, 1-D: one per dtype group, in packing order
+    nbytes: int = 0  # of all chunks together
     devices: frozenset[torch.device] = frozenset()  # of this rank's tensor leaves
 
 
@@ -171,9 +211,11 @@ def _pack_order(meta: Sequence[Any]) -> list[list[int]]:
     return [groups[name] for name in order]
 
 
-def _flat_bytes(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One dtype group as contiguous bytes on ``device``."""
-    tensors = [t if t.device == device else t.to(device) for t in tensors]
+def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One dtype group as contiguous bytes (on the CPU when the tensors are spread out)."""
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        tensors = [t.cpu() for t in tensors]
     try:
         flat = torch._utils._flatten_dense_tensors(tensors)
     except (AttributeError, RuntimeError):  # pragma: no cover - fallback for exotic tensors
@@ -185,17 +227,16 @@ def _error_header(cls: type[TreegatherError], message: str) -> bytes:
     return pickle.dumps({"error": (cls.__name__, message)}, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _encode(tree: Any, sizes: Any, device: torch.device, *, with_spec: bool = False) -> _Local:
+def _encode(tree: Any, sizes: Any, *, with_spec: bool = False) -> _Local:
     """Flatten ``tree`` into a pickled header and one byte buffer of all its tensor leaves.
 
     Problems found here become an error header instead of an exception, so that every rank
     learns of them after the exchange and raises the same error instead of leaving the other
     ranks waiting in a collective.
     """
-    empty = torch.empty(0, dtype=torch.uint8, device=device)
     if sizes is not None and (isinstance(sizes, bool) or not isinstance(sizes, int) or sizes < 0):
         message = f"sizes must be this rank's non-negative int (e.g. its batch size), got {sizes!r}"
-        return _Local(None, _error_header(BatchSizeError, message), empty)
+        return _Local(None, _error_header(BatchSizeError, message))
     leaves, spec = _tree.flatten(tree)
     meta: list[tuple[Any, ...] | None] = []  # (dtype, shape[, device type]) or None per leaf
     objects: list[Any] = []
@@ -225,7 +266,7 @@ def _encode(tree: Any, sizes: Any, device: torch.device, *, with_spec: bool = Fa
             problems,
             "convert them first (e.g. .to_dense() or .dequantize())",
         )
-        return _Local(spec, _error_header(LeafTypeError, message), empty)
+        return _Local(spec, _error_header(LeafTypeError, message))
     content = {
         "fingerprint": _fingerprint(spec),
         "meta": meta,
@@ -236,11 +277,10 @@ def _encode(tree: Any, sizes: Any, device: torch.device, *, with_spec: bool = Fa
     try:
         header = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        return _Local(spec, _error_header(LeafTypeError, _unpicklable(spec, leaves, exc)), empty)
+        return _Local(spec, _error_header(LeafTypeError, _unpicklable(spec, leaves, exc)))
     with torch.no_grad():
-        groups = [_flat_bytes([leaves[i] for i in idx], device) for idx in _pack_order(meta)]
-    data = torch.cat(groups) if len(groups) > 1 else groups[0] if groups else empty
-    return _Local(spec, header, data, frozenset(devices))
+        chunks = tuple(_flat_bytes([leaves[i] for i in idx]) for idx in _pack_order(meta))
+    return _Local(spec, header, chunks, sum(c.numel() for c in chunks), frozenset(devices))
 
 
 def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
@@ -275,13 +315,19 @@ def _padded(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _message_buffer(local: _Local, stride: int, device: torch.device) -> torch.Tensor:
-    """``[header | pad | data | pad]`` as ``stride`` bytes on ``device``."""
+def _message_buffer(
+    local: _Local, stride: int, device: torch.device, *, header: bool = True
+) -> torch.Tensor:
+    """``[header | pad | tensor bytes | pad]`` (or only the tensor bytes) as ``stride`` bytes."""
     buf = torch.zeros(stride, dtype=torch.uint8, device=device)
-    head = torch.frombuffer(bytearray(local.header), dtype=torch.uint8)
-    buf[: head.numel()].copy_(head)
-    start = _padded(head.numel())
-    buf[start : start + local.data.numel()].copy_(local.data)
+    start = 0
+    if header:
+        head = torch.frombuffer(bytearray(local.header), dtype=torch.uint8)
+        buf[: head.numel()].copy_(head)
+        start = _padded(head.numel())
+    for chunk in local.chunks:
+        buf[start : start + chunk.numel()].copy_(chunk)
+        start += chunk.numel()
     return buf
 
 
@@ -293,12 +339,13 @@ def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, group=group)
 
 
-def _preamble(g: _Group, call: int, root: int, header_len: int, data_len: int) -> list[list[int]]:
-    """Exchange each rank's call, root and byte lengths; check that the ranks agree on the call."""
-    mine = torch.tensor([_MAGIC, call, root, header_len, data_len], dtype=torch.int64)
-    out = torch.empty(len(g.ranks) * 5, dtype=torch.int64, device=g.device)
+def _preamble(g: _Group, call: int, root: int, local: _Local) -> list[list[int]]:
+    """Exchange each rank's call, root, byte lengths and placement; check the calls agree."""
+    row = [_MAGIC, call, root, len(local.header), local.nbytes, _placement(g, local)]
+    mine = torch.tensor(row, dtype=torch.int64)
+    out = torch.empty(len(g.ranks) * len(row), dtype=torch.int64, device=g.device)
     _all_gather_into(out, mine.to(g.device), g.handle)
-    rows = out.view(len(g.ranks), 5).tolist()
+    rows = out.view(len(g.ranks), len(row)).tolist()
     calls = {(r[0], r[1], r[2]) for r in rows}
     if len(calls) > 1:
         described = [
@@ -483,10 +530,11 @@ def _decode(header: dict[str, Any], data: torch.Tensor) -> list[Any]:
     return leaves
 
 
-def _target_device(local: _Local, g: _Group) -> torch.device:
+def _target_device(local: _Local, carrier: torch.device) -> torch.device:
+    """Results go where this rank's tensors are; if they are spread out, where the bytes came."""
     if len(local.devices) == 1:
         return next(iter(local.devices))
-    return g.device if local.devices else torch.device("cpu")
+    return carrier if local.devices else torch.device("cpu")
 
 
 def _combine(
@@ -561,11 +609,12 @@ def all_gather(
         >>> dist.destroy_process_group()
     """
     g = _group(group)
-    local = _encode(tree, sizes, g.device)
-    rows = _preamble(g, _ALL_GATHER, -1, len(local.header), local.data.numel())
+    local = _encode(tree, sizes)
+    rows = _preamble(g, _ALL_GATHER, -1, local)
+    device = _data_device(g, rows)
     stride = max(_padded(r[3]) + _padded(r[4]) for r in rows)
-    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
-    _all_gather_into(out, _message_buffer(local, stride, g.device), g.handle)
+    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
+    _all_gather_into(out, _message_buffer(local, stride, device), g.handle)
     buffers = out.view(len(g.ranks), stride)
     headers = _headers(buffers, [r[3] for r in rows])
     _check(g, headers, local)
@@ -574,8 +623,8 @@ def all_gather(
         local.spec.unflatten(_decode(h, buf[_padded(r[3]) :]))
         for h, buf, r in zip(headers, buffers, rows)
     ]
-    device = _target_device(local, g)
-    return _combine(g, trees, device, layout, dim, [h["sizes"] for h in headers])
+    target = _target_device(local, device)
+    return _combine(g, trees, target, layout, dim, [h["sizes"] for h in headers])
 
 
 def gather(
@@ -623,8 +672,8 @@ def gather(
     """
     g = _group(group)
     root = _root_rank(g, dst, "dst")
-    local = _encode(tree, sizes, g.device)
-    rows = _preamble(g, _GATHER, root, len(local.header), local.data.numel())
+    local = _encode(tree, sizes)
+    rows = _preamble(g, _GATHER, root, local)
     head_stride = max(r[3] for r in rows)
     mine = torch.zeros(head_stride, dtype=torch.uint8, device=g.device)
     mine[: len(local.header)].copy_(torch.frombuffer(bytearray(local.header), dtype=torch.uint8))
@@ -636,24 +685,22 @@ def gather(
     all_sizes = [h["sizes"] for h in headers]
     _dry_run(g, local.spec, headers, layout, dim, all_sizes)
     data_stride = _padded(max(r[4] for r in rows))  # keeps every row 16-byte aligned
+    device = _data_device(g, rows)
     received: list[torch.Tensor] | None = None
     if data_stride:
-        send = torch.zeros(data_stride, dtype=torch.uint8, device=g.device)
-        send[: local.data.numel()].copy_(local.data)
+        send = _message_buffer(local, data_stride, device, header=False)
         if g.rank == root:
-            received = list(
-                torch.empty(len(g.ranks), data_stride, dtype=torch.uint8, device=g.device).unbind(0)
-            )
+            out = torch.empty(len(g.ranks), data_stride, dtype=torch.uint8, device=device)
+            received = list(out.unbind(0))
         dist.gather(send, received, dst=dst, group=g.handle)
     if g.rank != root:
         return None
-    empty = torch.empty(0, dtype=torch.uint8, device=g.device)
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
     trees = [
         local.spec.unflatten(_decode(h, received[i] if received is not None else empty))
         for i, h in enumerate(headers)
     ]
-    device = _target_device(local, g)
-    return _combine(g, trees, device, layout, dim, all_sizes)
+    return _combine(g, trees, _target_device(local, device), layout, dim, all_sizes)
 
 
 def _dry_run(
@@ -712,19 +759,15 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
     """
     g = _group(group)
     root = _root_rank(g, src, "src")
-    empty = torch.empty(0, dtype=torch.uint8, device=g.device)
-    local = (
-        _encode(tree, None, g.device, with_spec=True)
-        if g.rank == root
-        else _Local(None, b"", empty)
-    )
-    rows = _preamble(g, _BROADCAST, root, len(local.header), local.data.numel())
+    local = _encode(tree, None, with_spec=True) if g.rank == root else _Local(None, b"")
+    rows = _preamble(g, _BROADCAST, root, local)
+    device = _data_device(g, rows)
     head_len, data_len = rows[root][3], rows[root][4]
     stride = _padded(head_len) + data_len
     if g.rank == root:
-        buf = _message_buffer(local, stride, g.device)
+        buf = _message_buffer(local, stride, device)
     else:
-        buf = torch.empty(stride, dtype=torch.uint8, device=g.device)
+        buf = torch.empty(stride, dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=src, group=g.handle)
     header = _headers([buf], [head_len])[0]
     if "error" in header:
@@ -735,14 +778,15 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
     leaves = _decode(header, buf[_padded(head_len) :])
     for i, m in enumerate(header["meta"]):
         if m is not None:
-            leaves[i] = leaves[i].to(_receiving_device(m[2], g), copy=True)
+            leaves[i] = leaves[i].to(_receiving_device(m[2]), copy=True)
     return header["spec"].unflatten(leaves)
 
 
-def _receiving_device(kind: str, g: _Group) -> torch.device:
+def _receiving_device(kind: str) -> torch.device:
+    """This rank's device of the kind the sender's tensor was on (its current one), else CPU."""
     if kind == "cpu":
         return torch.device("cpu")
     module = getattr(torch, kind, None)
     if module is not None and getattr(module, "is_available", lambda: False)():
         return torch.device(kind, module.current_device())
-    return g.device if g.device.type == kind else torch.device("cpu")
+    return torch.device("cpu")
