@@ -551,9 +551,11 @@ def test_collectives_do_not_grow_with_leaves(group_results: Any) -> None:
         for op in ("all_gather", "gather", "broadcast"):
             assert len(counts[op]) <= 4, (op, counts[op])
         # The exact protocol, pinned: a length exchange, then one buffer (gather: headers + data).
-        assert counts["all_gather"] == ["all_gather_single"] * 2
-        assert counts["gather"] == ["all_gather_single", "all_gather_single", "gather"]
-        assert counts["broadcast"] == ["all_gather_single", "broadcast"]
+        # (``all_gather_single`` is torch >= 2.13's name for ``all_gather_into_tensor``.)
+        ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        assert counts["all_gather"] == [ag, ag]
+        assert counts["gather"] == [ag, ag, "gather"]
+        assert counts["broadcast"] == [ag, "broadcast"]
 
 
 def test_all_tests_left_no_children() -> None:
@@ -614,3 +616,95 @@ def test_lazy_attribute() -> None:
     assert tg.distributed is tgd
     with pytest.raises(AttributeError):
         _ = tg.not_a_name
+
+
+# ----------------------------------------------------------------------------------- on a GPU
+
+
+def _cuda_tree(r: int) -> Any:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return {
+        "logits": torch.arange((r + 1) * 3, dtype=torch.float32, device=dev).view(r + 1, 3),
+        "mask": torch.arange(r + 1, device=dev) % 2 == 0,
+        "bf16": torch.full((r + 1, 2), 0.5 + r, dtype=torch.bfloat16, device=dev),
+        "empty": torch.empty(0, 4, device=dev),
+        "loss": torch.tensor(1.0 + r, device=dev),
+        "name": f"rank{r}",
+    }
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl", "gloo"])
+def test_cuda_tensors_one_rank(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL (tensors on the rank's GPU), torch's default mixed group, and gloo with GPU tensors."""
+    import treegather.distributed as tgd
+
+    torch.cuda.set_device(0)
+    carriers: list[torch.device] = []
+    real = tgd._all_gather_into
+
+    def spy(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+        carriers.append(inp.device)
+        real(out, inp, group)
+
+    monkeypatch.setattr(tgd, "_all_gather_into", spy)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tree = _cuda_tree(0)
+        assert_tree_equal(tgd.all_gather(tree), tg.gather([tree], "cuda:0"))
+        # The tensor bytes ride on the GPU except on plain gloo.
+        assert carriers[-1].type == ("cpu" if backend == "gloo" else "cuda"), carriers
+        assert_tree_equal(tgd.gather(tree, dst=0), tg.gather([tree], "cuda:0"))
+        assert_tree_equal(tgd.broadcast(tree, src=0), tree)
+        cpu_tree = {"x": torch.arange(3), "s": "cpu"}
+        out = tgd.all_gather(cpu_tree)
+        assert_tree_equal(out, tg.gather([cpu_tree], "cpu"))  # results follow the inputs
+        assert_tree_equal(
+            tgd.all_gather({"loss": tree["loss"]}, tg.mean(), sizes=3), {"loss": tree["loss"]}
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _cuda_gloo_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    """Two gloo ranks sharing GPU 0 (NCCL needs one GPU per rank; gloo does not)."""
+    import treegather.distributed as tgd
+
+    results: dict[Any, Any] = {}
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=30),
+        )
+        tree = _cuda_tree(rank)
+        results["all_gather"] = _capture(lambda: tgd.all_gather(tree))
+        results["gather"] = _capture(lambda: tgd.gather(tree, dst=1))
+        results["broadcast"] = _capture(lambda: tgd.broadcast(tree if rank == 0 else None, src=0))
+        for value in results.values():  # results stay on the GPU, like the inputs
+            if value[0] == "ok" and value[1] is not None:
+                assert all(
+                    x.device.type == "cuda"
+                    for x in _tree.flatten(value[1])[0]
+                    if isinstance(x, torch.Tensor)
+                )
+    except Exception:
+        results["fatal"] = traceback.format_exc()
+    finally:
+        torch.save(results, Path(outdir) / f"rank{rank}.pt")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_two_gloo_ranks(tmp_path: Path) -> None:
+    results = run_group(2, tmp_path, target=_cuda_gloo_worker)
+    torch.cuda.set_device(0)
+    expected = tg.gather([_cuda_tree(0), _cuda_tree(1)], "cuda:0")
+    for rank, res in enumerate(results):
+        assert_tree_equal(_ok(res["all_gather"]), expected)
+        assert_tree_equal(_ok(res["gather"]), expected if rank == 1 else None)
+        assert_tree_equal(_ok(res["broadcast"]), _cuda_tree(0))

@@ -65,7 +65,7 @@ def _accelerate_gather() -> Callable[[Any], Any] | None:
     except ImportError:
         return None
     try:
-        PartialState()
+        PartialState(cpu=True)  # attaches to the gloo group already initialised
     except Exception:
         return None
 

@@ -122,14 +122,22 @@ def _comm_device(group: Any) -> torch.device:
 
 
 def _group_accelerator(handle: Any, device: torch.device) -> torch.device | None:
-    """This process's current accelerator when the group's backends can move its tensors."""
+    """This process's current accelerator, when the group has a native backend for it.
+
+    ``"cpu:gloo,cuda:nccl"`` (torch's default on GPU machines) qualifies; plain ``"gloo"``
+    (which torch lists as ``"cpu:gloo,cuda:gloo"``) does not: gloo stages GPU tensors through
+    the CPU anyway.
+    """
     if device.type != "cpu":
         return device
     try:
-        kinds = {d.type for d in handle._device_types}
-    except (AttributeError, RuntimeError):
+        config = str(dist.get_backend_config(handle))
+    except (AttributeError, RuntimeError, ValueError):
         return None
-    for kind in sorted(kinds - {"cpu"}):
+    for entry in config.split(","):
+        kind, _, backend = entry.partition(":")
+        if kind in ("", "cpu") or backend in ("", "gloo"):
+            continue
         module = getattr(torch, kind, None)
         if module is not None and getattr(module, "is_available", lambda: False)():
             return torch.device(kind, module.current_device())
