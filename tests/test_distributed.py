@@ -111,6 +111,21 @@ def _padded(r: int) -> Any:
     return {"tokens": torch.arange((r + 1) * (r + 2)).view(r + 1, r + 2)}
 
 
+def _per_sample(r: int) -> Any:
+    """Per-sample lists whose length differs by rank: taken whole by cat_items()/as_list()."""
+    return {
+        "ids": [f"id{r}-{i}" for i in range(r + 1)],
+        "tokens": [torch.arange(i + 1) + 10 * r for i in range(r + 2)],
+        "spans": {"rank": r, "pairs": [(i, torch.tensor([i, i + 1])) for i in range(r)]},
+        "x": torch.full((r + 1, 2), float(r)),
+    }
+
+
+def _count_items(values: list[Any], device: torch.device) -> Any:
+    """A custom rule on an inner node: the per-rank subtrees whole."""
+    return [len(v["pairs"]) for v in values]
+
+
 def _lengths(values: list[Any], device: torch.device) -> Any:
     """A custom gather rule: the per-rank number of rows."""
     return torch.tensor([v.shape[0] for v in values], device=device)
@@ -131,6 +146,16 @@ CASES: dict[str, tuple[Callable[[int], Any], Callable[[], Any], Callable[[int], 
     "stack_first": (_same_shapes, lambda: {"h": tg.stack(), "cfg": tg.first()}, None),
     "as_list": (_same_shapes, lambda: tg.as_list(), None),
     "pad": (_padded, lambda: {"tokens": tg.pad(0, fill=-1, lengths=True)}, None),
+    "per_sample_lists": (
+        _per_sample,
+        lambda: {"ids": tg.cat_items(), "tokens": tg.cat_items(), "spans": _count_items, "x": 0},
+        None,
+    ),
+    "per_sample_as_list": (
+        _per_sample,
+        lambda: tg.by_path({"ids": "as_list", "tokens": "as_list", "spans": "as_list"}),
+        None,
+    ),
     "by_path_custom": (
         _ragged,
         lambda: tg.by_path({"logits": tg.as_list(), "ids": _lengths}),
@@ -286,6 +311,23 @@ def src_disagrees(rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
     return tgd.broadcast({"x": torch.ones(1)}, src=0 if rank == world - 1 else 1)
+
+
+@_error
+def mismatch_beside_whole_nodes(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    tree = {"ids": [f"id{i}" for i in range(rank + 1)], "x": torch.ones(1)}
+    if rank == 1:
+        tree["y"] = torch.ones(1)
+    return tgd.all_gather(tree, tg.by_path({"ids": tg.cat_items()}, default=tg.cat()))
+
+
+@_error
+def layout_error(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather({"x": torch.ones(1)}, tg.by_path({"nope": tg.cat()}))
 
 
 # ------------------------------------------------------------------------ collective counting
@@ -520,6 +562,8 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "sizes_on_some_ranks": (tg.BatchSizeError, ["sizes=", "4 on rank 0", "None on rank"]),
     "dst_disagrees": (tg.StructureMismatchError, ["dst=0", "dst=1"]),
     "different_calls": (tg.StructureMismatchError, ["gather", "all_gather", "rank 0"]),
+    "mismatch_beside_whole_nodes": (tg.StructureMismatchError, ["outputs['y']", "missing on rank"]),
+    "layout_error": (tg.LayoutError, ["on ranks 0, 1", "nope"]),
     "broadcast_unpicklable": (tg.LeafTypeError, ["on rank 1", "outputs['f']", "picklable"]),
     "src_disagrees": (tg.StructureMismatchError, ["broadcast(..., src=0)", "src=1"]),
 }
@@ -556,6 +600,28 @@ def test_collectives_do_not_grow_with_leaves(group_results: Any) -> None:
         assert counts["all_gather"] == [ag, ag]
         assert counts["gather"] == [ag, ag, "gather"]
         assert counts["broadcast"] == [ag, "broadcast"]
+
+
+def test_ddp_eval_example_runs_under_torchrun() -> None:
+    """notebooks/ddp_eval.py, as the README launches it (``--standalone`` picks a free port)."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.Popen(
+        [*cmd, str(root / "notebooks" / "ddp_eval.py")],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # one process group: torchrun and its workers
+    )
+    try:
+        out, err = proc.communicate(timeout=GROUP_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    assert "gathered 21 samples: [10, 11] per rank" in out, out
 
 
 def test_all_tests_left_no_children() -> None:

@@ -50,9 +50,10 @@ import torch
 import torch.distributed as dist
 from optree import PyTreeSpec
 
-from treegather import _tree
+from treegather import _layout, _tree
 from treegather._errors import (
     BatchSizeError,
+    LayoutError,
     LeafTypeError,
     ShapeMismatchError,
     StructureMismatchError,
@@ -75,7 +76,15 @@ _DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES: dict[torch.dtype, str] = {d: name for name, d in _DTYPES.items()}
 _ITEMSIZES: dict[str, int] = {name: d.itemsize for name, d in _DTYPES.items()}
 _ERROR_CLASSES: dict[str, type[TreegatherError]] = {
-    cls.__name__: cls for cls in (BatchSizeError, LeafTypeError, StructureMismatchError)
+    cls.__name__: cls
+    for cls in (
+        BatchSizeError,
+        LayoutError,
+        LeafTypeError,
+        ShapeMismatchError,
+        StructureMismatchError,
+        TreegatherError,
+    )
 }
 
 
@@ -176,11 +185,14 @@ def _root_rank(g: _Group, rank: int, name: str) -> int:
 
 
 class _Local(NamedTuple):
-    spec: PyTreeSpec | None
+    spec: PyTreeSpec | None  # the whole tree's structure
     header: bytes
     chunks: tuple[torch.Tensor, ...] = ()  # uint8, 1-D: one per dtype group, in packing order
     nbytes: int = 0  # of all chunks together
     devices: frozenset[torch.device] = frozenset()  # of this rank's tensor leaves
+    # The structure down to the nodes a whole-value rule (cat_items, as_list, first, a callable)
+    # takes whole: only that part must match across ranks. ``spec`` when there are none.
+    up_spec: PyTreeSpec | None = None
 
 
 _FINGERPRINTS: dict[PyTreeSpec, str] = {}
@@ -235,7 +247,9 @@ def _error_header(cls: type[TreegatherError], message: str) -> bytes:
     return pickle.dumps({"error": (cls.__name__, message)}, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _encode(tree: Any, sizes: Any, *, with_spec: bool = False) -> _Local:
+def _encode(
+    tree: Any, sizes: Any, layout: Any = None, dim: int = 0, *, with_spec: bool = False
+) -> _Local:
     """Flatten ``tree`` into a pickled header and one byte buffer of all its tensor leaves.
 
     Problems found here become an error header instead of an exception, so that every rank
@@ -246,6 +260,22 @@ def _encode(tree: Any, sizes: Any, *, with_spec: bool = False) -> _Local:
         message = f"sizes must be this rank's non-negative int (e.g. its batch size), got {sizes!r}"
         return _Local(None, _error_header(BatchSizeError, message))
     leaves, spec = _tree.flatten(tree)
+    up_spec, groups = spec, None
+    if layout is not None:
+        try:
+            plan = _layout.resolve(spec, layout, "gather", dim, _ROOT)
+        except TreegatherError as exc:
+            return _Local(spec, _error_header(type(exc), str(exc)))
+        if plan.up_spec is not spec:
+            # Nodes taken whole may differ between ranks (per-sample lists of uneven length):
+            # each rank sends their structures, and only the rest must match.
+            up_spec = plan.up_spec
+            subtrees = up_spec.flatten_up_to(tree)
+            groups = {
+                pos: _tree.flatten(subtrees[pos])[1]
+                for pos, group in enumerate(plan.groups)
+                if group is not None
+            }
     meta: list[tuple[Any, ...] | None] = []  # (dtype, shape[, device type]) or None per leaf
     objects: list[Any] = []
     bad: list[int] = []
@@ -275,10 +305,14 @@ def _encode(tree: Any, sizes: Any, *, with_spec: bool = False) -> _Local:
             "convert them first (e.g. .to_dense() or .dequantize())",
         )
         return _Local(spec, _error_header(LeafTypeError, message))
+    fingerprint = _fingerprint(up_spec)
+    if groups:
+        fingerprint += ":" + ",".join(map(str, groups))
     content = {
-        "fingerprint": _fingerprint(spec),
+        "fingerprint": fingerprint,
         "meta": meta,
         "objects": objects,
+        "groups": groups,
         "sizes": sizes,
         "spec": spec if with_spec else None,
     }
@@ -288,7 +322,8 @@ def _encode(tree: Any, sizes: Any, *, with_spec: bool = False) -> _Local:
         return _Local(spec, _error_header(LeafTypeError, _unpicklable(spec, leaves, exc)))
     with torch.no_grad():
         chunks = tuple(_flat_bytes([leaves[i] for i in idx]) for idx in _pack_order(meta))
-    return _Local(spec, header, chunks, sum(c.numel() for c in chunks), frozenset(devices))
+    nbytes = sum(c.numel() for c in chunks)
+    return _Local(spec, header, chunks, nbytes, frozenset(devices), up_spec)
 
 
 def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
@@ -394,40 +429,45 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
     errors = [(i, h["error"]) for i, h in enumerate(headers) if "error" in h]
     if errors:
         cls = _ERROR_CLASSES.get(errors[0][1][0], TreegatherError)
-        raise cls("\n".join(f"on rank {g.ranks[i]}: {msg}" for i, (_, msg) in errors))
-    if len({h["fingerprint"] for h in headers}) > 1:
-        _raise_structure_mismatch(g, headers, local)
-    kinds = [[m is None for m in h["meta"]] for h in headers]
-    if any(k != kinds[0] for k in kinds[1:]):
-        assert local.spec is not None
-        paths = _leaf_paths(local.spec)
-        problems = []
-        for j, path in enumerate(paths):
-            per_rank = [_kind(h["meta"][j], h, j) for h in headers]
-            if len({p == "Tensor" or p.startswith("Tensor(") for p in per_rank}) > 1:
-                problems.append(f"{path}: " + _by_rank(g, per_rank))
-        raise StructureMismatchError(
-            _problems(
-                "leaves are tensors on some ranks and other objects on others",
-                problems,
-                "every rank must pass a tensor at the same paths (e.g. torch.tensor(x) for numbers)",
+        by_message: dict[str, list[int]] = {}
+        for i, (_, msg) in errors:
+            by_message.setdefault(msg, []).append(g.ranks[i])
+        raise cls(
+            "\n".join(
+                f"on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
+                for msg, rs in by_message.items()
             )
         )
-    dtypes = [[m[0] for m in h["meta"] if m is not None] for h in headers]
-    if any(d != dtypes[0] for d in dtypes[1:]):
-        assert local.spec is not None
-        tensor_paths = [
-            p for p, m in zip(_leaf_paths(local.spec), headers[0]["meta"]) if m is not None
-        ]
-        problems = [
-            f"{path}: " + _by_rank(g, [d[j] for d in dtypes])
-            for j, path in enumerate(tensor_paths)
-            if len({d[j] for d in dtypes}) > 1
-        ]
+    if len({h["fingerprint"] for h in headers}) > 1:
+        _raise_structure_mismatch(g, headers, local)
+    assert local.up_spec is not None
+    kinds = [_up_kinds(h, local.up_spec.num_leaves) for h in headers]
+    if any(k != kinds[0] for k in kinds[1:]):
+        paths = _leaf_paths(local.up_spec)
+        mixed, dtypes = [], []
+        for j, path in enumerate(paths):
+            per_rank = [k[j] for k in kinds]
+            if len(set(per_rank)) == 1:
+                continue
+            tensors = [p is not None and p.startswith("Tensor(") for p in per_rank]
+            if len(set(tensors)) > 1:
+                described = [_describe_up(h, j, k) for h, k in zip(headers, per_rank)]
+                mixed.append(f"{path}: " + _by_rank(g, described))
+            elif all(tensors):
+                dtypes.append(f"{path}: " + _by_rank(g, [p[7:-1] for p in per_rank if p]))
+        if mixed:
+            raise StructureMismatchError(
+                _problems(
+                    "leaves are tensors on some ranks and other objects on others",
+                    mixed,
+                    "every rank must pass a tensor at the same paths (e.g. torch.tensor(x) for "
+                    "numbers)",
+                )
+            )
         raise ShapeMismatchError(
             _problems(
                 "tensor leaves have different dtypes on different ranks",
-                problems,
+                dtypes,
                 "cast them to one dtype on every rank before gathering (e.g. .float())",
             )
         )
@@ -440,11 +480,33 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
         )
 
 
-def _kind(meta: Any, header: dict[str, Any], leaf: int) -> str:
-    if meta is not None:
-        return f"Tensor({meta[0]})"
-    position = sum(1 for m in header["meta"][:leaf] if m is None)
-    return type(header["objects"][position]).__qualname__
+def _up_kinds(header: dict[str, Any], n: int) -> list[str | None]:
+    """Per leaf of the up-structure: ``"Tensor(dtype)"``, ``"object"``, or None (taken whole)."""
+    meta, groups = header["meta"], header["groups"] or {}
+    if not groups:
+        return ["object" if m is None else f"Tensor({m[0]})" for m in meta]
+    out: list[str | None] = []
+    k = 0
+    for pos in range(n):
+        sub = groups.get(pos)
+        if sub is not None:
+            out.append(None)
+            k += sub.num_leaves
+        else:
+            m = meta[k]
+            out.append("object" if m is None else f"Tensor({m[0]})")
+            k += 1
+    return out
+
+
+def _describe_up(header: dict[str, Any], pos: int, kind: str | None) -> str:
+    """``kind`` with an object's type name instead of ``"object"``."""
+    if kind != "object":
+        return str(kind)
+    leaves = _decode(header, torch.empty(0, dtype=torch.uint8), tensors=False)
+    groups = header["groups"] or {}
+    k = sum(groups[p].num_leaves if p in groups else 1 for p in range(pos))
+    return type(leaves[k]).__qualname__
 
 
 def _by_rank(g: _Group, values: Sequence[str]) -> str:
@@ -460,9 +522,9 @@ def _by_rank(g: _Group, values: Sequence[str]) -> str:
 
 def _raise_structure_mismatch(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
     """Exchange the node paths (only on this error path) and name every difference."""
-    assert local.spec is not None
+    assert local.up_spec is not None
     described = [
-        (_tree.format_path(_ROOT, n.path), _node_name(n.spec)) for n in _tree.nodes(local.spec)
+        (_tree.format_path(_ROOT, n.path), _node_name(n.spec)) for n in _tree.nodes(local.up_spec)
     ]
     per_rank = [dict(d) for d in _all_gather_bytes(g, pickle.dumps(described))]
     all_paths: dict[str, None] = {}
@@ -518,7 +580,7 @@ def _all_gather_bytes(g: _Group, payload: bytes) -> list[Any]:
 # ---------------------------------------------------------------------------------- decoding
 
 
-def _decode(header: dict[str, Any], data: torch.Tensor) -> list[Any]:
+def _decode(header: dict[str, Any], data: torch.Tensor, *, tensors: bool = True) -> list[Any]:
     """Rebuild one rank's leaves: tensors as views of ``data``, objects from the header."""
     meta = header["meta"]
     leaves: list[Any] = [None] * len(meta)
@@ -526,6 +588,8 @@ def _decode(header: dict[str, Any], data: torch.Tensor) -> list[Any]:
     for i, m in enumerate(meta):
         if m is None:
             leaves[i] = next(objects)
+    if not tensors:
+        return leaves
     offset = 0
     for idx in _pack_order(meta):
         dtype = _DTYPES[meta[idx[0]][0]]
@@ -536,6 +600,25 @@ def _decode(header: dict[str, Any], data: torch.Tensor) -> list[Any]:
         for i, part in zip(idx, region.split(numels)):
             leaves[i] = part.view(meta[i][1])
     return leaves
+
+
+def _rank_tree(local: _Local, header: dict[str, Any], leaves: list[Any]) -> Any:
+    """One rank's tree from its leaves: the shared up-structure, the rank's own whole nodes."""
+    assert local.up_spec is not None
+    groups = header["groups"]
+    if not groups:
+        return local.up_spec.unflatten(leaves)
+    up: list[Any] = []
+    k = 0
+    for pos in range(local.up_spec.num_leaves):
+        sub = groups.get(pos)
+        if sub is None:
+            up.append(leaves[k])
+            k += 1
+        else:
+            up.append(sub.unflatten(leaves[k : k + sub.num_leaves]))
+            k += sub.num_leaves
+    return local.up_spec.unflatten(up)
 
 
 def _target_device(local: _Local, carrier: torch.device) -> torch.device:
@@ -617,7 +700,7 @@ def all_gather(
         >>> dist.destroy_process_group()
     """
     g = _group(group)
-    local = _encode(tree, sizes)
+    local = _encode(tree, sizes, layout, dim)
     rows = _preamble(g, _ALL_GATHER, -1, local)
     device = _data_device(g, rows)
     stride = max(_padded(r[3]) + _padded(r[4]) for r in rows)
@@ -626,9 +709,8 @@ def all_gather(
     buffers = out.view(len(g.ranks), stride)
     headers = _headers(buffers, [r[3] for r in rows])
     _check(g, headers, local)
-    assert local.spec is not None
     trees = [
-        local.spec.unflatten(_decode(h, buf[_padded(r[3]) :]))
+        _rank_tree(local, h, _decode(h, buf[_padded(r[3]) :]))
         for h, buf, r in zip(headers, buffers, rows)
     ]
     target = _target_device(local, device)
@@ -680,7 +762,7 @@ def gather(
     """
     g = _group(group)
     root = _root_rank(g, dst, "dst")
-    local = _encode(tree, sizes)
+    local = _encode(tree, sizes, layout, dim)
     rows = _preamble(g, _GATHER, root, local)
     head_stride = max(r[3] for r in rows)
     mine = torch.zeros(head_stride, dtype=torch.uint8, device=g.device)
@@ -691,7 +773,7 @@ def gather(
     _check(g, headers, local)
     assert local.spec is not None
     all_sizes = [h["sizes"] for h in headers]
-    _dry_run(g, local.spec, headers, layout, dim, all_sizes)
+    _dry_run(g, local, headers, layout, dim, all_sizes)
     data_stride = _padded(max(r[4] for r in rows))  # keeps every row 16-byte aligned
     device = _data_device(g, rows)
     received: list[torch.Tensor] | None = None
@@ -705,7 +787,7 @@ def gather(
         return None
     empty = torch.empty(0, dtype=torch.uint8, device=device)
     trees = [
-        local.spec.unflatten(_decode(h, received[i] if received is not None else empty))
+        _rank_tree(local, h, _decode(h, received[i] if received is not None else empty))
         for i, h in enumerate(headers)
     ]
     return _combine(g, trees, _target_device(local, device), layout, dim, all_sizes)
@@ -713,7 +795,7 @@ def gather(
 
 def _dry_run(
     g: _Group,
-    spec: PyTreeSpec,
+    local: _Local,
     headers: list[dict[str, Any]],
     layout: Any,
     dim: int,
@@ -727,7 +809,7 @@ def _dry_run(
             next(objects) if m is None else torch.empty(m[1], dtype=_DTYPES[m[0]], device="meta")
             for m in h["meta"]
         ]
-        trees.append(spec.unflatten(leaves))
+        trees.append(_rank_tree(local, h, leaves))
     try:
         _combine(g, trees, torch.device("meta"), layout, dim, sizes)
     except TreegatherError:
