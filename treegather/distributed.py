@@ -20,15 +20,21 @@ mix of dtypes, and carries ``bool``, ``bfloat16``, complex and float8 leaves on 
 not reduce them (only all-gather, gather and broadcast are used, which never look at the values).
 
 Every rank checks every other rank's header the same way, so when the trees differ (a missing
-key, a list against a tuple, a tensor against a string, mismatched dtypes or non-cat dims) every
-rank raises the same :class:`~treegather.StructureMismatchError` (or the error the gather rule
-raises), naming the leaf path and the ranks, instead of hanging in a mismatched collective or
-returning garbage.
+key, a list against a tuple, a tensor against a string, mismatched dtypes or non-cat dims,
+``sizes=`` on some ranks only, another ``dst``) every rank raises the same error, naming the
+leaf path and the ranks, instead of hanging in a mismatched collective or returning garbage.
+Problems found before the exchange (an unpicklable leaf, a layout that does not fit) travel in
+the header too, so that the other ranks raise them as well rather than wait. Nodes that the
+layout takes whole (``cat_items()``, ``as_list()``, ``first()``, a callable on an inner node)
+may differ between ranks, like per-sample lists of uneven length; their structure travels in
+the header.
 
 Results are new tensors, detached from autograd, built from the exchanged bytes on every rank
 (the calling rank's contribution included), so all ranks compute bitwise-identical results; they
 land on the device of this rank's tensor leaves (the communication device when those are spread
-over several devices).
+over several devices). Bytes travel on the device torch uses for object collectives (CPU for
+gloo, the current GPU for NCCL), or on the GPU when a group with several backends (torch's
+default ``cpu:gloo,cuda:nccl``) holds GPU tensors on every rank.
 
 Security:
     Non-tensor leaves and the headers travel as :mod:`pickle` data and are unpickled on the
@@ -40,8 +46,6 @@ Security:
 
 from __future__ import annotations
 
-import hashlib
-import math
 import pickle
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -50,7 +54,7 @@ import torch
 import torch.distributed as dist
 from optree import PyTreeSpec
 
-from treegather import _layout, _tree
+from treegather import _tree, _wire
 from treegather._errors import (
     BatchSizeError,
     LayoutError,
@@ -66,15 +70,6 @@ __all__ = ["all_gather", "gather", "broadcast"]
 _MAGIC = 0x7467_6472  # identifies a treegather preamble
 _ALL_GATHER, _GATHER, _BROADCAST = 1, 2, 3
 _CALL_NAMES = {_ALL_GATHER: "all_gather", _GATHER: "gather", _BROADCAST: "broadcast"}
-_ALIGN = 16  # every region starts 16-byte aligned, so any dtype can be viewed in place
-_ROOT = "outputs"  # how error messages name the tree (as treegather.gather does)
-_MAX_LISTED = 10  # problems listed in one message before "... and N more"
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {d: name for name, d in _DTYPES.items()}
-_ITEMSIZES: dict[str, int] = {name: d.itemsize for name, d in _DTYPES.items()}
 _ERROR_CLASSES: dict[str, type[TreegatherError]] = {
     cls.__name__: cls
     for cls in (
@@ -153,7 +148,7 @@ def _group_accelerator(handle: Any, device: torch.device) -> torch.device | None
     return None
 
 
-def _placement(g: _Group, local: _Local) -> int:
+def _placement(g: _Group, local: _wire.Packed) -> int:
     """What this rank's tensors want: 0 the exchange device, 1 the accelerator, 2 either."""
     if g.accelerator is None or g.device == g.accelerator:
         return 0
@@ -181,199 +176,6 @@ def _root_rank(g: _Group, rank: int, name: str) -> int:
     return g.ranks.index(rank)
 
 
-# ---------------------------------------------------------------------------------- encoding
-
-
-class _Local(NamedTuple):
-    spec: PyTreeSpec | None  # the whole tree's structure
-    header: bytes
-    chunks: tuple[torch.Tensor, ...] = ()  # uint8, 1-D: one per dtype group, in packing order
-    nbytes: int = 0  # of all chunks together
-    devices: frozenset[torch.device] = frozenset()  # of this rank's tensor leaves
-    # The structure down to the nodes a whole-value rule (cat_items, as_list, first, a callable)
-    # takes whole: only that part must match across ranks. ``spec`` when there are none.
-    up_spec: PyTreeSpec | None = None
-
-
-_FINGERPRINTS: dict[PyTreeSpec, str] = {}
-
-
-def _fingerprint(spec: PyTreeSpec) -> str:
-    try:
-        return _FINGERPRINTS[spec]
-    except (KeyError, TypeError):
-        pass
-    digest = hashlib.blake2b(repr(spec).encode(), digest_size=16).hexdigest()
-    try:
-        if len(_FINGERPRINTS) > 64:
-            _FINGERPRINTS.clear()
-        _FINGERPRINTS[spec] = digest
-    except TypeError:  # unhashable node metadata
-        pass
-    return digest
-
-
-def _leaf_paths(spec: PyTreeSpec) -> list[str]:
-    return [_tree.format_path(_ROOT, n.path) for n in _tree.nodes(spec) if n.spec.is_leaf()]
-
-
-def _pack_order(meta: Sequence[Any]) -> list[list[int]]:
-    """Tensor leaf indices grouped by dtype, widest elements first.
-
-    Laying groups out widest first keeps every leaf aligned to its element size inside a
-    16-byte-aligned buffer, so each one is a zero-copy view of the received bytes.
-    """
-    groups: dict[str, list[int]] = {}
-    for i, m in enumerate(meta):
-        if m is not None:
-            groups.setdefault(m[0], []).append(i)
-    order = sorted(groups, key=lambda name: (-_ITEMSIZES[name], name))
-    return [groups[name] for name in order]
-
-
-def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One dtype group as contiguous bytes (on the CPU when the tensors are spread out)."""
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        tensors = [t.cpu() for t in tensors]
-    try:
-        flat = torch._utils._flatten_dense_tensors(tensors)
-    except (AttributeError, RuntimeError):  # pragma: no cover - fallback for exotic tensors
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-    return flat.view(torch.uint8)
-
-
-def _error_header(cls: type[TreegatherError], message: str) -> bytes:
-    return pickle.dumps({"error": (cls.__name__, message)}, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _encode(
-    tree: Any, sizes: Any, layout: Any = None, dim: int = 0, *, with_spec: bool = False
-) -> _Local:
-    """Flatten ``tree`` into a pickled header and one byte buffer of all its tensor leaves.
-
-    Problems found here become an error header instead of an exception, so that every rank
-    learns of them after the exchange and raises the same error instead of leaving the other
-    ranks waiting in a collective.
-    """
-    if sizes is not None and (isinstance(sizes, bool) or not isinstance(sizes, int) or sizes < 0):
-        message = f"sizes must be this rank's non-negative int (e.g. its batch size), got {sizes!r}"
-        return _Local(None, _error_header(BatchSizeError, message))
-    leaves, spec = _tree.flatten(tree)
-    up_spec, groups = spec, None
-    if layout is not None:
-        try:
-            plan = _layout.resolve(spec, layout, "gather", dim, _ROOT)
-        except TreegatherError as exc:
-            return _Local(spec, _error_header(type(exc), str(exc)))
-        if plan.up_spec is not spec:
-            # Nodes taken whole may differ between ranks (per-sample lists of uneven length):
-            # each rank sends their structures, and only the rest must match.
-            up_spec = plan.up_spec
-            subtrees = up_spec.flatten_up_to(tree)
-            groups = {
-                pos: _tree.flatten(subtrees[pos])[1]
-                for pos, group in enumerate(plan.groups)
-                if group is not None
-            }
-    meta: list[tuple[Any, ...] | None] = []  # (dtype, shape[, device type]) or None per leaf
-    objects: list[Any] = []
-    bad: list[int] = []
-    devices: set[torch.device] = set()
-    strided = torch.strided
-    names = _DTYPE_NAMES
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.layout is not strided or leaf.is_quantized or leaf.is_nested:
-                bad.append(i)
-            devices.add(leaf.device)
-            if with_spec:
-                meta.append((names[leaf.dtype], tuple(leaf.shape), leaf.device.type))
-            else:
-                meta.append((names[leaf.dtype], tuple(leaf.shape)))
-        else:
-            meta.append(None)
-            objects.append(leaf)
-    if bad:
-        paths = _leaf_paths(spec)
-        problems = [
-            f"{paths[i]}: {_tree.describe(leaves[i])}, layout {leaves[i].layout}" for i in bad
-        ]
-        message = _problems(
-            "cannot send sparse, quantized or nested tensors",
-            problems,
-            "convert them first (e.g. .to_dense() or .dequantize())",
-        )
-        return _Local(spec, _error_header(LeafTypeError, message))
-    fingerprint = _fingerprint(up_spec)
-    if groups:
-        fingerprint += ":" + ",".join(map(str, groups))
-    content = {
-        "fingerprint": fingerprint,
-        "meta": meta,
-        "objects": objects,
-        "groups": groups,
-        "sizes": sizes,
-        "spec": spec if with_spec else None,
-    }
-    try:
-        header = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        return _Local(spec, _error_header(LeafTypeError, _unpicklable(spec, leaves, exc)))
-    with torch.no_grad():
-        chunks = tuple(_flat_bytes([leaves[i] for i in idx]) for idx in _pack_order(meta))
-    nbytes = sum(c.numel() for c in chunks)
-    return _Local(spec, header, chunks, nbytes, frozenset(devices), up_spec)
-
-
-def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
-    paths = _leaf_paths(spec)
-    problems = []
-    for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, torch.Tensor):
-            continue
-        try:
-            pickle.dumps(leaf, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as leaf_exc:
-            problems.append(
-                f"{path}: {_tree.describe(leaf)} ({type(leaf_exc).__name__}: {leaf_exc})"
-            )
-    if not problems:
-        problems.append(f"the tree's structure ({type(exc).__name__}: {exc})")
-    return _problems(
-        "non-tensor leaves must be picklable to travel between ranks",
-        problems,
-        "turn them into tensors, strings or numbers, or leave them out of the tree",
-    )
-
-
-def _problems(title: str, problems: list[str], hint: str) -> str:
-    shown = problems[:_MAX_LISTED]
-    if len(problems) > _MAX_LISTED:
-        shown.append(f"... and {len(problems) - _MAX_LISTED} more")
-    return f"{title}:\n" + "\n".join(f"  - {p}" for p in shown) + f"\nHint: {hint}"
-
-
-def _padded(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _message_buffer(
-    local: _Local, stride: int, device: torch.device, *, header: bool = True
-) -> torch.Tensor:
-    """``[header | pad | tensor bytes | pad]`` (or only the tensor bytes) as ``stride`` bytes."""
-    buf = torch.zeros(stride, dtype=torch.uint8, device=device)
-    start = 0
-    if header:
-        head = torch.frombuffer(bytearray(local.header), dtype=torch.uint8)
-        buf[: head.numel()].copy_(head)
-        start = _padded(head.numel())
-    for chunk in local.chunks:
-        buf[start : start + chunk.numel()].copy_(chunk)
-        start += chunk.numel()
-    return buf
-
-
 # -------------------------------------------------------------------------------- collectives
 
 
@@ -382,49 +184,38 @@ def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, group=group)
 
 
-def _preamble(g: _Group, call: int, root: int, local: _Local) -> list[list[int]]:
+def _describe_call(g: _Group, row: Sequence[int]) -> str:
+    magic, call, root = row[:3]
+    if magic != _MAGIC:
+        return "not a treegather.distributed call"
+    text = f"treegather.distributed.{_CALL_NAMES.get(call, '?')}"
+    if 0 <= root < len(g.ranks):
+        text += f"(..., {'src' if call == _BROADCAST else 'dst'}={g.ranks[root]})"
+    return text
+
+
+def _preamble(g: _Group, call: int, root: int, local: _wire.Packed) -> list[list[int]]:
     """Exchange each rank's call, root, byte lengths and placement; check the calls agree."""
     row = [_MAGIC, call, root, len(local.header), local.nbytes, _placement(g, local)]
     mine = torch.tensor(row, dtype=torch.int64)
     out = torch.empty(len(g.ranks) * len(row), dtype=torch.int64, device=g.device)
     _all_gather_into(out, mine.to(g.device), g.handle)
     rows = out.view(len(g.ranks), len(row)).tolist()
-    calls = {(r[0], r[1], r[2]) for r in rows}
-    if len(calls) > 1:
-        described = [
-            f"rank {g.ranks[i]}: "
-            + (
-                f"treegather.distributed.{_CALL_NAMES.get(r[1], '?')}"
-                + (
-                    f"(..., {'src' if r[1] == _BROADCAST else 'dst'}={g.ranks[r[2]]})"
-                    if r[2] >= 0
-                    else ""
-                )
-                if r[0] == _MAGIC
-                else "not a treegather.distributed call"
-            )
-            for i, r in enumerate(rows)
-        ]
+    if len({(r[0], r[1], r[2]) for r in rows}) > 1:
         raise StructureMismatchError(
-            _problems(
+            _wire.format_problems(
                 "the ranks of the group made different treegather.distributed calls",
-                described,
+                [f"rank {g.ranks[i]}: {_describe_call(g, r)}" for i, r in enumerate(rows)],
                 "every rank must make the same call, with the same dst/src, in the same order",
             )
         )
     return rows
 
 
-def _headers(
-    buffers: torch.Tensor | Sequence[torch.Tensor], lengths: Sequence[int]
-) -> list[dict[str, Any]]:
-    return [pickle.loads(buf[:n].cpu().numpy().tobytes()) for buf, n in zip(buffers, lengths)]
-
-
 # -------------------------------------------------------------------------------- validation
 
 
-def _check(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
+def _check(g: _Group, headers: list[dict[str, Any]], local: _wire.Packed) -> None:
     """Raise the same error on every rank when a rank failed or the trees disagree."""
     errors = [(i, h["error"]) for i, h in enumerate(headers) if "error" in h]
     if errors:
@@ -441,9 +232,9 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
     if len({h["fingerprint"] for h in headers}) > 1:
         _raise_structure_mismatch(g, headers, local)
     assert local.up_spec is not None
-    kinds = [_up_kinds(h, local.up_spec.num_leaves) for h in headers]
+    kinds = [_wire.up_kinds(h, local.up_spec.num_leaves) for h in headers]
     if any(k != kinds[0] for k in kinds[1:]):
-        paths = _leaf_paths(local.up_spec)
+        paths = _wire.leaf_paths(local.up_spec)
         mixed, dtypes = [], []
         for j, path in enumerate(paths):
             per_rank = [k[j] for k in kinds]
@@ -451,13 +242,13 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
                 continue
             tensors = [p is not None and p.startswith("Tensor(") for p in per_rank]
             if len(set(tensors)) > 1:
-                described = [_describe_up(h, j, k) for h, k in zip(headers, per_rank)]
+                described = [_wire.describe_up(h, j, k) for h, k in zip(headers, per_rank)]
                 mixed.append(f"{path}: " + _by_rank(g, described))
             elif all(tensors):
                 dtypes.append(f"{path}: " + _by_rank(g, [p[7:-1] for p in per_rank if p]))
         if mixed:
             raise StructureMismatchError(
-                _problems(
+                _wire.format_problems(
                     "leaves are tensors on some ranks and other objects on others",
                     mixed,
                     "every rank must pass a tensor at the same paths (e.g. torch.tensor(x) for "
@@ -465,7 +256,7 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
                 )
             )
         raise ShapeMismatchError(
-            _problems(
+            _wire.format_problems(
                 "tensor leaves have different dtypes on different ranks",
                 dtypes,
                 "cast them to one dtype on every rank before gathering (e.g. .float())",
@@ -480,35 +271,6 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
         )
 
 
-def _up_kinds(header: dict[str, Any], n: int) -> list[str | None]:
-    """Per leaf of the up-structure: ``"Tensor(dtype)"``, ``"object"``, or None (taken whole)."""
-    meta, groups = header["meta"], header["groups"] or {}
-    if not groups:
-        return ["object" if m is None else f"Tensor({m[0]})" for m in meta]
-    out: list[str | None] = []
-    k = 0
-    for pos in range(n):
-        sub = groups.get(pos)
-        if sub is not None:
-            out.append(None)
-            k += sub.num_leaves
-        else:
-            m = meta[k]
-            out.append("object" if m is None else f"Tensor({m[0]})")
-            k += 1
-    return out
-
-
-def _describe_up(header: dict[str, Any], pos: int, kind: str | None) -> str:
-    """``kind`` with an object's type name instead of ``"object"``."""
-    if kind != "object":
-        return str(kind)
-    leaves = _decode(header, torch.empty(0, dtype=torch.uint8), tensors=False)
-    groups = header["groups"] or {}
-    k = sum(groups[p].num_leaves if p in groups else 1 for p in range(pos))
-    return type(leaves[k]).__qualname__
-
-
 def _by_rank(g: _Group, values: Sequence[str]) -> str:
     """``'float32 on ranks 0, 2; int64 on rank 1'``."""
     seen: dict[str, list[int]] = {}
@@ -520,11 +282,14 @@ def _by_rank(g: _Group, values: Sequence[str]) -> str:
     )
 
 
-def _raise_structure_mismatch(g: _Group, headers: list[dict[str, Any]], local: _Local) -> None:
+def _raise_structure_mismatch(
+    g: _Group, headers: list[dict[str, Any]], local: _wire.Packed
+) -> None:
     """Exchange the node paths (only on this error path) and name every difference."""
     assert local.up_spec is not None
     described = [
-        (_tree.format_path(_ROOT, n.path), _node_name(n.spec)) for n in _tree.nodes(local.up_spec)
+        (_tree.format_path(_wire.ROOT, n.path), _node_name(n.spec))
+        for n in _tree.nodes(local.up_spec)
     ]
     per_rank = [dict(d) for d in _all_gather_bytes(g, pickle.dumps(described))]
     all_paths: dict[str, None] = {}
@@ -542,7 +307,7 @@ def _raise_structure_mismatch(g: _Group, headers: list[dict[str, Any]], local: _
         reported.append(path)
         problems.append(f"{path}: " + _by_rank(g, values))
     raise StructureMismatchError(
-        _problems(
+        _wire.format_problems(
             "the ranks passed trees of different structure",
             problems or ["same paths and node types, but different node metadata (static fields)"],
             "every rank must pass the same keys, fields and lengths; use the same placeholder "
@@ -577,51 +342,7 @@ def _all_gather_bytes(g: _Group, payload: bytes) -> list[Any]:
     ]
 
 
-# ---------------------------------------------------------------------------------- decoding
-
-
-def _decode(header: dict[str, Any], data: torch.Tensor, *, tensors: bool = True) -> list[Any]:
-    """Rebuild one rank's leaves: tensors as views of ``data``, objects from the header."""
-    meta = header["meta"]
-    leaves: list[Any] = [None] * len(meta)
-    objects = iter(header["objects"])
-    for i, m in enumerate(meta):
-        if m is None:
-            leaves[i] = next(objects)
-    if not tensors:
-        return leaves
-    offset = 0
-    for idx in _pack_order(meta):
-        dtype = _DTYPES[meta[idx[0]][0]]
-        numels = [math.prod(meta[i][1]) for i in idx]
-        nbytes = sum(numels) * _ITEMSIZES[meta[idx[0]][0]]
-        region = data[offset : offset + nbytes].view(dtype)
-        offset += nbytes
-        for i, part in zip(idx, region.split(numels)):
-            leaves[i] = part.view(meta[i][1])
-    return leaves
-
-
-def _rank_tree(local: _Local, header: dict[str, Any], leaves: list[Any]) -> Any:
-    """One rank's tree from its leaves: the shared up-structure, the rank's own whole nodes."""
-    assert local.up_spec is not None
-    groups = header["groups"]
-    if not groups:
-        return local.up_spec.unflatten(leaves)
-    up: list[Any] = []
-    k = 0
-    for pos in range(local.up_spec.num_leaves):
-        sub = groups.get(pos)
-        if sub is None:
-            up.append(leaves[k])
-            k += 1
-        else:
-            up.append(sub.unflatten(leaves[k : k + sub.num_leaves]))
-            k += sub.num_leaves
-    return local.up_spec.unflatten(up)
-
-
-def _target_device(local: _Local, carrier: torch.device) -> torch.device:
+def _target_device(local: _wire.Packed, carrier: torch.device) -> torch.device:
     """Results go where this rank's tensors are; if they are spread out, where the bytes came."""
     if len(local.devices) == 1:
         return next(iter(local.devices))
@@ -700,17 +421,17 @@ def all_gather(
         >>> dist.destroy_process_group()
     """
     g = _group(group)
-    local = _encode(tree, sizes, layout, dim)
+    local = _wire.encode(tree, sizes, layout, dim)
     rows = _preamble(g, _ALL_GATHER, -1, local)
     device = _data_device(g, rows)
-    stride = max(_padded(r[3]) + _padded(r[4]) for r in rows)
+    stride = max(_wire.padded(r[3]) + _wire.padded(r[4]) for r in rows)
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
-    _all_gather_into(out, _message_buffer(local, stride, device), g.handle)
+    _all_gather_into(out, _wire.message_buffer(local, stride, device), g.handle)
     buffers = out.view(len(g.ranks), stride)
-    headers = _headers(buffers, [r[3] for r in rows])
+    headers = _wire.read_headers(buffers, [r[3] for r in rows])
     _check(g, headers, local)
     trees = [
-        _rank_tree(local, h, _decode(h, buf[_padded(r[3]) :]))
+        _wire.rank_tree(local, h, _wire.decode(h, buf[_wire.padded(r[3]) :]))
         for h, buf, r in zip(headers, buffers, rows)
     ]
     target = _target_device(local, device)
@@ -762,23 +483,23 @@ def gather(
     """
     g = _group(group)
     root = _root_rank(g, dst, "dst")
-    local = _encode(tree, sizes, layout, dim)
+    local = _wire.encode(tree, sizes, layout, dim)
     rows = _preamble(g, _GATHER, root, local)
     head_stride = max(r[3] for r in rows)
     mine = torch.zeros(head_stride, dtype=torch.uint8, device=g.device)
     mine[: len(local.header)].copy_(torch.frombuffer(bytearray(local.header), dtype=torch.uint8))
     out = torch.empty(head_stride * len(g.ranks), dtype=torch.uint8, device=g.device)
     _all_gather_into(out, mine, g.handle)
-    headers = _headers(out.view(len(g.ranks), head_stride), [r[3] for r in rows])
+    headers = _wire.read_headers(out.view(len(g.ranks), head_stride), [r[3] for r in rows])
     _check(g, headers, local)
     assert local.spec is not None
     all_sizes = [h["sizes"] for h in headers]
     _dry_run(g, local, headers, layout, dim, all_sizes)
-    data_stride = _padded(max(r[4] for r in rows))  # keeps every row 16-byte aligned
+    data_stride = _wire.padded(max(r[4] for r in rows))  # keeps every row 16-byte aligned
     device = _data_device(g, rows)
     received: list[torch.Tensor] | None = None
     if data_stride:
-        send = _message_buffer(local, data_stride, device, header=False)
+        send = _wire.message_buffer(local, data_stride, device, header=False)
         if g.rank == root:
             out = torch.empty(len(g.ranks), data_stride, dtype=torch.uint8, device=device)
             received = list(out.unbind(0))
@@ -787,7 +508,7 @@ def gather(
         return None
     empty = torch.empty(0, dtype=torch.uint8, device=device)
     trees = [
-        _rank_tree(local, h, _decode(h, received[i] if received is not None else empty))
+        _wire.rank_tree(local, h, _wire.decode(h, received[i] if received is not None else empty))
         for i, h in enumerate(headers)
     ]
     return _combine(g, trees, _target_device(local, device), layout, dim, all_sizes)
@@ -795,7 +516,7 @@ def gather(
 
 def _dry_run(
     g: _Group,
-    local: _Local,
+    local: _wire.Packed,
     headers: list[dict[str, Any]],
     layout: Any,
     dim: int,
@@ -806,10 +527,12 @@ def _dry_run(
     for h in headers:
         objects = iter(h["objects"])
         leaves = [
-            next(objects) if m is None else torch.empty(m[1], dtype=_DTYPES[m[0]], device="meta")
+            next(objects)
+            if m is None
+            else torch.empty(m[1], dtype=_wire.DTYPES[m[0]], device="meta")
             for m in h["meta"]
         ]
-        trees.append(_rank_tree(local, h, leaves))
+        trees.append(_wire.rank_tree(local, h, leaves))
     try:
         _combine(g, trees, torch.device("meta"), layout, dim, sizes)
     except TreegatherError:
@@ -849,23 +572,23 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
     """
     g = _group(group)
     root = _root_rank(g, src, "src")
-    local = _encode(tree, None, with_spec=True) if g.rank == root else _Local(None, b"")
+    local = _wire.encode(tree, None, with_spec=True) if g.rank == root else _wire.Packed(None, b"")
     rows = _preamble(g, _BROADCAST, root, local)
     device = _data_device(g, rows)
     head_len, data_len = rows[root][3], rows[root][4]
-    stride = _padded(head_len) + data_len
+    stride = _wire.padded(head_len) + data_len
     if g.rank == root:
-        buf = _message_buffer(local, stride, device)
+        buf = _wire.message_buffer(local, stride, device)
     else:
         buf = torch.empty(stride, dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=src, group=g.handle)
-    header = _headers([buf], [head_len])[0]
+    header = _wire.read_headers([buf], [head_len])[0]
     if "error" in header:
         cls = _ERROR_CLASSES.get(header["error"][0], TreegatherError)
         raise cls(f"on rank {src}: {header['error'][1]}")
     if g.rank == root:
         return tree
-    leaves = _decode(header, buf[_padded(head_len) :])
+    leaves = _wire.decode(header, buf[_wire.padded(head_len) :])
     for i, m in enumerate(header["meta"]):
         if m is not None:
             leaves[i] = leaves[i].to(_receiving_device(m[2]), copy=True)
