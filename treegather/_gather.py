@@ -27,13 +27,12 @@ from ._rules import (
     Stack,
     Sum,
 )
-from ._tree import _KNOWN_LEAF_TYPES, NAMESPACE, describe, flatten_typed, format_path
+from ._tree import _KNOWN_LEAF_TYPES, NAMESPACE, describe, flatten, format_path
 
 __all__ = ["gather"]
 
 Tensor = torch.Tensor
 _ROOT = "outputs"
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def gather(
@@ -90,7 +89,7 @@ def gather(
         sizes = tuple(int(s) for s in sizes)
         if len(sizes) != k:
             raise ValueError(f"gather got {len(sizes)} sizes for {k} replicas: {list(sizes)}")
-    leaves0, spec0, types0 = flatten_typed(outputs[0])
+    leaves0, spec0 = flatten(outputs[0])
     plan = resolve(spec0, layout, "gather", dim, _ROOT)
     up_spec = plan.up_spec
     if up_spec is spec0:
@@ -104,16 +103,25 @@ def gather(
             per_replica.append(up_spec.flatten_up_to(outputs[r]))
         except (ValueError, TypeError):
             raise _structure_error(outputs, plan) from None
-    # Replicas 1.. must hold leaves where replica 0 does. When replica 0's leaves are all
-    # tensors, a container in another replica makes torch fail below, and the failure is
-    # diagnosed then; otherwise check now.
-    if (
-        k > 1
-        and not (types0 <= _TENSOR_TYPES and plan.default_only)
-        and not _all_leaves(plan, per_replica)
-    ):
-        raise _structure_error(outputs, plan)
+    # Replicas 1.. must hold leaves where replica 0 does (flatten_up_to lets a subtree or a None
+    # stand in for a leaf): checked before any tensor is touched. One set of types when the
+    # structure has no whole-value groups; position by position otherwise.
+    if k > 1:
+        if plan.up_spec is spec0:
+            ok = set(map(type, itertools.chain.from_iterable(per_replica[1:]))) <= _KNOWN_LEAF_TYPES
+        else:
+            ok = False
+        if not ok and not _all_leaves(plan, per_replica):
+            raise _structure_error(outputs, plan)
     moving = _needs_move(per_replica, target)
+    if moving:
+        # Copies to another device are costly: check every leaf before the first one. On one
+        # device the combine pass itself finds shape problems (a per-leaf check up front would
+        # cost more than the step's Python budget); the failure is then explained with every
+        # problem listed, nothing is returned, and no custom rule has run.
+        problem = _diagnose(plan, list(zip(*per_replica)), dim, None)
+        if problem is not None:
+            raise problem
     try:
         if plan.default_only:
             results = _gather_default(zip(*per_replica), target, moving, dim)
@@ -125,7 +133,7 @@ def gather(
         if not _all_leaves(plan, per_replica):
             raise _structure_error(outputs, plan) from None
         err = _diagnose(plan, list(zip(*per_replica)), dim, exc)
-        if err is exc:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
+        if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
             raise
         raise err from exc
     return up_spec.unflatten(results)
@@ -212,18 +220,24 @@ def _gather_planned(
     sizes: tuple[int, ...] | None,
     dim: int,
 ) -> list[Any]:
-    out = []
+    out: list[Any] = []
     default = _gather_default
+    deferred = []
     for pos, col in enumerate(columns):
         group = plan.groups[pos]
         if group is not None:
-            out.append(_whole(group[2], col, target, group[1]))
+            # Whole-value rules (custom callables may have side effects) run only once every
+            # leaf-wise rule has succeeded.
+            deferred.append((pos, group, col))
+            out.append(None)
             continue
         rule = plan.rules[pos]
         if rule is None:
             out.extend(default([col], target, moving, dim))
         else:
             out.append(_leaf(rule, col, target, moving, sizes))
+    for pos, group, col in deferred:
+        out[pos] = _whole(group[2], col, target, group[1])
     return out
 
 
@@ -472,9 +486,13 @@ def _structure_error(outputs: Sequence[Any], plan: Plan) -> StructureMismatchErr
 
 
 def _diagnose(
-    plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseException
-) -> Exception:
-    """Explain a failed gather: every leaf whose per-replica values do not fit its rule."""
+    plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseException | None
+) -> Exception | None:
+    """Every leaf whose per-replica values do not fit its rule, as one error.
+
+    Returns ``None`` when nothing is wrong with the data: before any work (``exc=None``) all is
+    well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged.
+    """
     problems: list[str] = []
     type_problem = False
     for pos, col in enumerate(columns):
@@ -541,7 +559,9 @@ def _diagnose(
                     f"{where}: {rule_name} needs equal sizes in every dim but {d}, got {_by_replica(shapes)}"
                 )
     if not problems:
-        return exc if isinstance(exc, Exception) else RuntimeError(f"gather failed: {exc}")
+        # Nothing wrong with the data: the caller re-raises the original exception (a custom
+        # rule's own ValueError stays a ValueError).
+        return None
     hint = "pad() concatenates tensors whose other dims differ; as_list() keeps per-replica values"
     cls = LeafTypeError if type_problem else ShapeMismatchError
     return cls(bullet_list(problems, hint))
