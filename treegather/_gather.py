@@ -266,6 +266,8 @@ def _is_number(x: Any) -> bool:
 def _reduce(
     rule: Rule, col: tuple[Any, ...], target: torch.device, sizes: tuple[int, ...] | None
 ) -> Any:
+    if sizes is not None and builtins.sum(sizes) == 0:
+        sizes = None  # an empty batch (one empty shard): nothing to weight by
     if all(_is_number(v) for v in col):
         if isinstance(rule, Sum):
             return builtins.sum(col)
