@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 
-DeviceLike = Union[int, str, torch.device]
+DeviceLike = int | str | torch.device
 
 
 def as_device(device: DeviceLike) -> torch.device:
