@@ -63,7 +63,12 @@ class Model(nn.Module):
         loss = F.cross_entropy(logits, labels)
         hidden = (h1, logits.softmax(-1))
         if self.kind == "dict":
-            return {"loss": loss, "out": {"logits": logits, "hidden": hidden}, "name": "m", "aux": None}
+            return {
+                "loss": loss,
+                "out": {"logits": logits, "hidden": hidden},
+                "name": "m",
+                "aux": None,
+            }
         if self.kind == "dataclass":
             return Out(loss, logits, hidden)
         return CausalOut(loss=loss, logits=logits, hidden_states=hidden)
@@ -159,10 +164,16 @@ def test_backends_and_plain_callables(backend: str) -> None:
     model = _model("dict")
     x, labels = _batch(9)
     out = tg.data_parallel(
-        model, (x, labels), ["cpu"] * 4, out_layout=EXACT["dict"], backend=backend  # type: ignore[arg-type]
+        model,
+        (x, labels),
+        ["cpu"] * 4,
+        out_layout=EXACT["dict"],
+        backend=backend,  # type: ignore[arg-type]
     )
     assert_tree_close(out, model(x, labels))
-    total = tg.data_parallel(lambda t: t.sum(0), torch.ones(10, 2), ["cpu"] * 3, out_layout=tg.sum())
+    total = tg.data_parallel(
+        lambda t: t.sum(0), torch.ones(10, 2), ["cpu"] * 3, out_layout=tg.sum()
+    )
     assert total.tolist() == [10.0, 10.0]
     assert tg.data_parallel(lambda: torch.ones(2), (), ["cpu"] * 3).tolist() == [1.0, 1.0]
 
@@ -173,7 +184,9 @@ def test_in_layout_and_output_device() -> None:
 
     table = torch.randn(3, 2)
     x = torch.randn(5, 3)
-    out = tg.data_parallel(fn, (x, table), ["cpu"] * 2, in_layout=tg.by_path({"1": tg.broadcast()}), output_device=-1)
+    out = tg.data_parallel(
+        fn, (x, table), ["cpu"] * 2, in_layout=tg.by_path({"1": tg.broadcast()}), output_device=-1
+    )
     torch.testing.assert_close(out, x @ table)
 
 
@@ -205,7 +218,7 @@ def test_state_dict_keys_equal_torch() -> None:
     ours = tg.DataParallel(model, ["cpu"] * 2)
     theirs = nn.DataParallel(model)
     assert list(ours.state_dict()) == list(theirs.state_dict())
-    assert list(ours.state_dict())[0] == "module.emb.weight"
+    assert next(iter(ours.state_dict())) == "module.emb.weight"
     copy.deepcopy(ours).load_state_dict(theirs.state_dict())
 
 
@@ -227,11 +240,13 @@ def test_patch_gives_the_same_results(kind: str) -> None:
     args, kwargs = dp.scatter((x,), {"labels": labels}, ["cpu"] * 3)
     assert [a[0].shape[0] for a in args] == [3, 2, 2]
     outputs = [model(*a, **kw) for a, kw in zip(args, kwargs)]
-    expected = tg.data_parallel(model, x, ["cpu"] * 3, module_kwargs={"labels": labels}, out_layout=EXACT[kind])
+    expected = tg.data_parallel(
+        model, x, ["cpu"] * 3, module_kwargs={"labels": labels}, out_layout=EXACT[kind]
+    )
     assert_tree_close(dp.gather(outputs, "cpu"), expected)
     if not torch.cuda.is_available():  # torch's forward is then a plain call
         assert_tree_close(dp(x, labels), model(x, labels))
-    with pytest.raises(TypeError, match="expects a torch.nn.DataParallel"):
+    with pytest.raises(TypeError, match=r"expects a torch\.nn\.DataParallel"):
         tg.patch(model)  # type: ignore[type-var]
 
 

@@ -23,7 +23,7 @@ from ._scatter import Shards, scatter_kwargs
 __all__ = ["data_parallel", "DataParallel", "patch"]
 
 T = TypeVar("T", bound=nn.Module)
-DP = TypeVar("DP", bound=nn.DataParallel)  # type: ignore[type-arg]
+DP = TypeVar("DP", bound=nn.DataParallel)
 
 
 def data_parallel(
@@ -88,7 +88,9 @@ def data_parallel(
     used = args_shards.devices or devs[: len(args_shards)]
     if isinstance(fn, nn.Module):
         _check_module_device(fn, devs[0])
-        fns: Any = [fn] if len(used) == 1 else replicate(fn, used, detach=not torch.is_grad_enabled())
+        fns: Any = (
+            [fn] if len(used) == 1 else replicate(fn, used, detach=not torch.is_grad_enabled())
+        )
     else:
         fns = fn
     outputs = parallel_apply(fns, list(args_shards), list(kwargs_shards), used, backend=backend)
@@ -96,7 +98,7 @@ def data_parallel(
     return gather(outputs, target, out_layout, dim=dim, sizes=args_shards.sizes)
 
 
-class DataParallel(nn.DataParallel):  # type: ignore[type-arg]
+class DataParallel(nn.DataParallel):
     """``torch.nn.DataParallel`` whose scatter, replicate, parallel_apply and gather are treegather's.
 
     >>> import torch, treegather as tg
@@ -143,7 +145,7 @@ class DataParallel(nn.DataParallel):  # type: ignore[type-arg]
             devs = as_devices(device_ids)
             self.module = module
             self.dim = dim
-            self.device_ids = [_torch_id(d) for d in devs]  # type: ignore[misc]
+            self.device_ids = [_torch_id(d) for d in devs]
             out = devs[0] if output_device is None else as_device(output_device)
             self.output_device = _torch_id(out)
             self.src_device_obj = devs[0]
@@ -164,14 +166,14 @@ class DataParallel(nn.DataParallel):  # type: ignore[type-arg]
             if len(devices) == 1:
                 replicas: Any = [self.module]
             else:
-                replicas = self.replicate(self.module, devices)  # type: ignore[arg-type]
+                replicas = self.replicate(self.module, devices)
             outputs = self.parallel_apply(replicas, args_shards, kwargs_shards)
             return self.gather(outputs, self.output_device)
 
-    def replicate(self, module: T, device_ids: Sequence[DeviceLike]) -> list[T]:  # type: ignore[override]
+    def replicate(self, module: T, device_ids: Sequence[DeviceLike]) -> list[T]:
         return replicate(module, device_ids, detach=not torch.is_grad_enabled())
 
-    def scatter(  # type: ignore[override]
+    def scatter(
         self,
         inputs: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
@@ -179,12 +181,14 @@ class DataParallel(nn.DataParallel):  # type: ignore[type-arg]
     ) -> tuple[Shards, Shards]:
         return scatter_kwargs(inputs, kwargs, device_ids, self.in_layout, dim=self.dim)
 
-    def parallel_apply(self, replicas: Sequence[T], inputs: Sequence[Any], kwargs: Any) -> list[Any]:  # type: ignore[override]
+    def parallel_apply(
+        self, replicas: Sequence[T], inputs: Sequence[Any], kwargs: Any
+    ) -> list[Any]:
         devices = _shard_devices(inputs, self.device_ids)[: len(replicas)]
         outputs = parallel_apply(list(replicas), inputs, kwargs, devices, backend=self.backend)
         return Shards(outputs, getattr(inputs, "sizes", None), tuple(devices))
 
-    def gather(self, outputs: Any, output_device: DeviceLike) -> Any:  # type: ignore[override]
+    def gather(self, outputs: Any, output_device: DeviceLike) -> Any:
         sizes = getattr(outputs, "sizes", None)
         return gather(list(outputs), output_device, self.out_layout, dim=self.dim, sizes=sizes)
 
@@ -221,16 +225,16 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
     dim = getattr(dp, "dim", 0)
 
     def scatter(
-        self: nn.DataParallel,  # type: ignore[type-arg]
+        self: nn.DataParallel,
         inputs: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
         device_ids: Sequence[DeviceLike],
     ) -> tuple[Shards, Shards]:
         shards = scatter_kwargs(inputs, kwargs, device_ids, in_layout, dim=dim)
-        self._treegather_sizes = shards[0].sizes
+        setattr(self, "_treegather_sizes", shards[0].sizes)  # noqa: B010 - nn.Module typing
         return shards
 
-    def gather_(self: nn.DataParallel, outputs: Any, output_device: DeviceLike) -> Any:  # type: ignore[type-arg]
+    def gather_(self: nn.DataParallel, outputs: Any, output_device: DeviceLike) -> Any:
         sizes = getattr(outputs, "sizes", None) or getattr(self, "_treegather_sizes", None)
         if sizes is not None and len(sizes) != len(outputs):
             sizes = None
@@ -278,7 +282,10 @@ def _torch_id(device: torch.device) -> Any:
 def _check_module_device(module: nn.Module, device: torch.device) -> None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+    for kind, named in (
+        ("parameter", module.named_parameters()),
+        ("buffer", module.named_buffers()),
+    ):
         for name, t in named:
             if t.device != device:
                 raise RuntimeError(
