@@ -210,6 +210,16 @@ def test_scripted_fork_failure_maps_back_to_the_replica() -> None:
     ] == [[2.0]] * 3
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fork_with_arguments_that_do_not_fit_the_script_reports_each_replica() -> None:
+    replicas = tg.replicate(torch.jit.script(MLP()), ["cpu"] * 2)
+    with pytest.raises(ExceptionGroup) as info:
+        tg.parallel_apply(replicas, ["not a tensor", "nor this"], backend="fork")
+    errors = info.value.exceptions
+    assert [str(e).split(":")[0] for e in errors] == ["in replica 0", "in replica 1"]
+    assert all(isinstance(e, RuntimeError) and "Expected a value of type" in str(e) for e in errors)
+
+
 EXIT_SCRIPT = """
 import sys
 import warnings

@@ -366,8 +366,14 @@ def _scripted_fanout(calls: list[_Call]) -> list[torch.futures.Future[Any]] | No
     except Exception:
         return None
     flat = [v for b in bound for v in b[0]]
-    with _quiet_jit():
-        futures = list(fanout(*flat))
+    try:
+        with _quiet_jit():
+            futures = list(fanout(*flat))
+    except Exception:
+        # Arguments that do not fit the scripted signature fail here, before anything is
+        # forked (the forked calls' own errors land in their futures): call each replica
+        # inline instead, so every replica reports its own error.
+        return None
     # Keep the latest batch (futures and fan-out module) referenced until the next fork call or
     # interpreter teardown. Dropping them right after the wait lets an inter-op thread, still
     # finishing the task, release the last reference; if the script exits at that moment the
