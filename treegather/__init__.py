@@ -89,3 +89,15 @@ __all__ = [
     "DataParallel",
     "patch",
 ]
+
+
+# --- treegather.distributed (lazy) -----------------------------------------------------------
+# ``import treegather`` never imports the collectives: ``treegather.distributed`` loads on first
+# use, as ``import treegather.distributed as tgd``, ``from treegather import distributed`` or
+# ``tg.distributed``. (Not in ``__all__``, so that ``from treegather import *`` stays light.)
+def __getattr__(name: str) -> object:
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
