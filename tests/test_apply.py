@@ -378,6 +378,40 @@ def test_unrebuildable_exception_becomes_runtime_error() -> None:
         tg.parallel_apply(_maybe_fail, [1, ValueError("v")])
 
 
+class CodeOnly(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+    def __str__(self) -> str:
+        return f"code={self.code}"
+
+
+@pytest.mark.parametrize(
+    ("original", "expected_type", "expected_text"),
+    [
+        (KeyError("k"), KeyError, "in replica 1 on device cpu: 'k'"),
+        (FileNotFoundError(2, "gone", "f.txt"), FileNotFoundError, "[Errno 2] gone: 'f.txt'"),
+        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), RuntimeError, "can't decode byte"),
+        (CodeOnly(7), CodeOnly, "code=7"),
+    ],
+    ids=["KeyError", "OSError", "UnicodeDecodeError", "custom-str"],
+)
+def test_rebuilt_exceptions_keep_type_message_and_attributes(
+    original: Exception, expected_type: type, expected_text: str
+) -> None:
+    with pytest.raises(expected_type) as info:
+        tg.parallel_apply(_maybe_fail, [0, original], devices=["cpu", "cpu"])
+    err = info.value
+    assert expected_text in str(err)
+    assert "in replica 1 on device cpu" in str(err) + "".join(getattr(err, "__notes__", []))
+    assert err.__cause__ is original
+    if isinstance(original, OSError):
+        assert err.errno == 2  # type: ignore[attr-defined]
+    if isinstance(original, CodeOnly):
+        assert err.code == 7  # type: ignore[attr-defined]
+
+
 def test_nested_parallel_apply_in_workers_does_not_hang() -> None:
     def inner(i: int) -> list[int]:
         return tg.parallel_apply(lambda j: i * 10 + j, list(range(3)), backend="threads")

@@ -44,6 +44,8 @@ def annotate_failure(exc: BaseException, index: int, device: torch.device | None
         cls, text = scripted
     message = f"{where}: {text}" if text else where
     new = _rebuild(cls, exc, message, keep_attributes=scripted is None)
+    if new is not None and text not in str(new):
+        new = None  # the rebuilt object would not show the original message
     if new is None:
         new = RuntimeError(f"{message} (original exception: {type(exc).__qualname__})")
     elif where not in str(new):
@@ -103,6 +105,8 @@ def _rebuild(
             new.__dict__.update(exc.__dict__)
         except (AttributeError, TypeError):
             pass
+        if isinstance(new, OSError) and isinstance(exc, OSError):
+            new.errno = exc.errno  # C-level; strerror/filename would replace the message
     return new
 
 
