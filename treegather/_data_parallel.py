@@ -156,6 +156,7 @@ class DataParallel(nn.DataParallel):
         self.backend = backend
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Scatter ``(inputs, kwargs)``, replicate, apply, gather; a plain call without devices."""
         with torch.autograd.profiler.record_function("DataParallel.forward"):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)
@@ -171,6 +172,7 @@ class DataParallel(nn.DataParallel):
             return self.gather(outputs, self.output_device)
 
     def replicate(self, module: T, device_ids: Sequence[DeviceLike]) -> list[T]:
+        """:func:`treegather.replicate`, detached when grad mode is off (as torch does)."""
         return replicate(module, device_ids, detach=not torch.is_grad_enabled())
 
     def scatter(
@@ -179,16 +181,19 @@ class DataParallel(nn.DataParallel):
         kwargs: dict[str, Any] | None,
         device_ids: Sequence[DeviceLike],
     ) -> tuple[Shards, Shards]:
+        """:func:`treegather.scatter_kwargs` with ``in_layout`` and ``dim``."""
         return scatter_kwargs(inputs, kwargs, device_ids, self.in_layout, dim=self.dim)
 
     def parallel_apply(
         self, replicas: Sequence[T], inputs: Sequence[Any], kwargs: Any
     ) -> list[Any]:
+        """:func:`treegather.parallel_apply`; the result carries the shard sizes for gather."""
         devices = _shard_devices(inputs, self.device_ids)[: len(replicas)]
         outputs = parallel_apply(list(replicas), inputs, kwargs, devices, backend=self.backend)
         return Shards(outputs, getattr(inputs, "sizes", None), tuple(devices))
 
     def gather(self, outputs: Any, output_device: DeviceLike) -> Any:
+        """:func:`treegather.gather` with ``out_layout``, ``dim`` and the shard sizes."""
         sizes = getattr(outputs, "sizes", None)
         return gather(list(outputs), output_device, self.out_layout, dim=self.dim, sizes=sizes)
 
