@@ -280,3 +280,25 @@ def test_patch_on_cuda_runs_torch_forward_with_treegather_steps(kind: str) -> No
     else:
         expected = tg.data_parallel(model, (x, labels), dp.device_ids, out_layout=EXACT[kind])
         assert_tree_close(dp(x, labels), expected)
+
+
+def test_fewer_rows_than_devices_uses_fewer_replicas() -> None:
+    model = _model("dict")
+    x, labels = _batch(2)
+    calls: list[int] = []
+    hook = model.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    out = tg.data_parallel(model, (x, labels), ["cpu"] * 4, out_layout=EXACT["dict"])
+    hook.remove()
+    assert sorted(calls) == [1, 1]
+    assert_tree_close(out, model(x, labels))
+
+
+def test_batchnorm_statistics_follow_replica_zero_as_in_torch() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).train()
+    ref = copy.deepcopy(net)
+    x = torch.randn(8, 3)
+    tg.DataParallel(net, ["cpu"] * 2, backend="threads")(x)
+    ref(x[:4])  # replica 0's shard
+    torch.testing.assert_close(net[1].running_mean, ref[1].running_mean)
+    torch.testing.assert_close(net[1].running_var, ref[1].running_var)
