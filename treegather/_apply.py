@@ -12,7 +12,15 @@ Backends:
   small scripted fan-out module forks them inside TorchScript, so they run in torch's
   inter-op pool without the GIL (needs ``torch.get_num_interop_threads() >= 2``). Eager
   Python functions are called inline (``torch.jit.fork`` runs them inline from Python
-  anyway, and could not return pytrees such as dicts of mixed values).
+  anyway, and could not return pytrees such as dicts of mixed values). Caveats, handled here:
+  fork, wait and script emit ``DeprecationWarning`` in torch 2.13 (silenced around
+  treegather's own calls); a scripted replica's error comes back as ``RuntimeError`` (mapped
+  to the replica and, for builtin exceptions, to the original type); a failed fork never
+  waited on is dropped (every replica is always waited for); a script that exits right after
+  its forked work finished could abort ("terminate called without an active exception"),
+  so the latest fork batch stays referenced until the next one. Also: a TorchScript model
+  run under ``torch.no_grad()`` after warm-up calls with grad can return outputs that
+  require grad (torch's profiling executor; seen on torch 2.13 CPU, any backend).
 - ``"auto"``: threads when the replicas sit on distinct CUDA devices, serial otherwise. On
   the CPU threads only pay off when each shard is dominated by large matmuls/convolutions
   that release the GIL; ask for ``backend="threads"`` (or a scripted model with ``"fork"``)
