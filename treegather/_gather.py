@@ -132,7 +132,10 @@ def gather(
             raise
         if not _all_leaves(plan, per_replica):
             raise _structure_error(outputs, plan) from None
-        raise _diagnose(plan, list(zip(*per_replica)), dim, exc) or exc from exc
+        err = _diagnose(plan, list(zip(*per_replica)), dim, exc)
+        if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
+            raise
+        raise err from exc
     return up_spec.unflatten(results)
 
 
@@ -487,7 +490,8 @@ def _diagnose(
 ) -> Exception | None:
     """Every leaf whose per-replica values do not fit its rule, as one error.
 
-    With ``exc=None`` (a check before any work) returns ``None`` when all is well.
+    Returns ``None`` when nothing is wrong with the data: before any work (``exc=None``) all is
+    well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged.
     """
     problems: list[str] = []
     type_problem = False
@@ -555,7 +559,9 @@ def _diagnose(
                     f"{where}: {rule_name} needs equal sizes in every dim but {d}, got {_by_replica(shapes)}"
                 )
     if not problems:
-        return None if exc is None else RuntimeError(f"gather failed: {exc}")
+        # Nothing wrong with the data: the caller re-raises the original exception (a custom
+        # rule's own ValueError stays a ValueError).
+        return None
     hint = "pad() concatenates tensors whose other dims differ; as_list() keeps per-replica values"
     cls = LeafTypeError if type_problem else ShapeMismatchError
     return cls(bullet_list(problems, hint))

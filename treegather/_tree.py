@@ -315,6 +315,7 @@ _INDEXABLE_KINDS = (
     PyTreeKind.TUPLE,
     PyTreeKind.NAMEDTUPLE,
     PyTreeKind.STRUCTSEQUENCE,
+    PyTreeKind.DEQUE,
 )
 
 
@@ -349,6 +350,9 @@ def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | bool | None:
                 clauses.append(f"{expr}.default_factory is {const(rebuilt.default_factory)}")
             if len(entries) > 1:
                 clauses.append(f"tuple({expr}) == {const(tuple(rebuilt.keys()))}")
+        elif kind == PyTreeKind.DEQUE:  # flatten_up_to ignores maxlen too
+            maxlen = node.unflatten([None] * node.num_leaves).maxlen
+            clauses.append(f"{expr}.maxlen == {const(maxlen)}")
         for entry, child in zip(entries, node.children()):
             if child.is_leaf():
                 continue
