@@ -1,6 +1,6 @@
 """Time parallel_apply backends on a matmul-heavy model (scripted and eager), CPU.
 
-Run from the repository root: ``python benchmarks/bench_apply.py [--replicas 2] [--repeats 5]``.
+Run it with ``python -m treegather.bench_apply [--replicas 2] [--repeats 5]``.
 Prints the best-of-N wall time per call of each backend and its ratio to serial; writes
 ``bench-apply.json``. Not a test: timings depend on the machine.
 """
@@ -29,7 +29,7 @@ class MatmulNet(torch.nn.Module):
         return x
 
 
-def _best_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+def _best_time(fn, repeats: int) -> float:
     fn()  # warm-up (profiling executor, pool start)
     fn()
     times = []
