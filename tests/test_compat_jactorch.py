@@ -1,0 +1,408 @@
+"""treegather.compat.jactorch: the seed's dict_gather API, over 2-3 CPU "devices".
+
+The gather functions get lists of per-replica outputs built by hand; the DataParallel classes
+run on ``["cpu"] * k`` device lists. Tests named ``test_seed_bug_*`` are regressions for the
+seed's bugs.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import treegather as tg
+from treegather.compat.jactorch import (
+    DataLayout,
+    DataLayoutSpec,
+    concat,
+    data_parallel_dict_gather,
+    dict_gather_v1,
+    dict_gather_v2,
+    pad,
+    pad2d,
+    padimage,
+    patch_dict_gathering,
+    skip,
+    stack,
+)
+
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+def assert_tree_equal(actual: Any, expected: Any) -> None:
+    """Same structure (container types included), same tensors (values, dtype, device)."""
+    a_leaves, a_spec = optree.tree_flatten(actual, namespace="treegather")
+    e_leaves, e_spec = optree.tree_flatten(expected, namespace="treegather")
+    assert a_spec == e_spec, f"{a_spec} != {e_spec}"
+    for path, a, e in zip(e_spec.paths(), a_leaves, e_leaves):
+        if torch.is_tensor(e):
+            assert torch.is_tensor(a), (path, a)
+            assert a.dtype == e.dtype and a.device == e.device, (path, a, e)
+            assert torch.equal(a, e), (path, a, e)
+        else:
+            assert type(a) is type(e) and a == e, (path, a, e)
+
+
+# ----------------------------------------------------------------------------- dict_gather_v1
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_v1_training_tuple(k: int) -> None:
+    outputs = [
+        (
+            torch.tensor(float(i)),  # 0-dim loss
+            {"acc": torch.tensor(i / 4), "count": torch.tensor(i)},  # 0-dim monitors
+            {"logits": torch.full((2, 3), float(i)), "pred": torch.tensor([i, i])},
+        )
+        for i in range(k)
+    ]
+    loss, monitors, outs = dict_gather_v1(outputs, -1)
+    assert_tree_equal(loss, torch.arange(k, dtype=torch.float32))
+    assert_tree_equal(
+        monitors, {"acc": torch.arange(k) / 4, "count": torch.arange(k, dtype=torch.int64)}
+    )
+    assert_tree_equal(
+        outs["logits"], torch.arange(k).float().repeat_interleave(2)[:, None].expand(-1, 3)
+    )
+    assert_tree_equal(outs["pred"], torch.arange(k).repeat_interleave(2))
+
+
+def test_v1_evaluation_dict() -> None:
+    outputs = [
+        {
+            "loss": torch.tensor(1.0),
+            "monitors": {"acc": torch.tensor(0.5), "detail": {"tp": torch.tensor([1, 2])}},
+            "outputs": {"boxes": torch.ones(2, 4), "names": ["a", "b"]},
+            "extra": None,
+        },
+        {
+            "loss": torch.tensor(3.0),
+            "monitors": {"acc": torch.tensor(1.0), "detail": {"tp": torch.tensor([3])}},
+            "outputs": {"boxes": torch.zeros(1, 4), "names": ["c", "d"]},
+            "extra": None,
+        },
+    ]
+    out = dict_gather_v1(outputs, "cpu")
+    expected = {
+        "loss": torch.tensor([1.0, 3.0]),
+        "monitors": {"acc": torch.tensor([0.5, 1.0]), "detail": {"tp": torch.tensor([1, 2, 3])}},
+        "outputs": {
+            "boxes": torch.cat([torch.ones(2, 4), torch.zeros(1, 4)]),
+            "names": [["a", "c"], ["b", "d"]],
+        },
+        "extra": None,
+    }
+    assert_tree_equal(out, expected)
+    assert list(out) == ["loss", "monitors", "outputs", "extra"]
+
+
+def test_v1_keeps_sequence_types_and_lists_non_tensors() -> None:
+    outputs = [
+        Pair(torch.tensor([1]), ("s0", 1, 0.5)),
+        Pair(torch.tensor([2]), ("s1", 2, 1.5)),
+        Pair(torch.tensor([3]), ("s2", 3, 2.5)),
+    ]
+    out = dict_gather_v1(outputs, -1)
+    assert type(out) is Pair
+    assert_tree_equal(out.first, torch.tensor([1, 2, 3]))
+    assert out.second == (["s0", "s1", "s2"], [1, 2, 3], [0.5, 1.5, 2.5])
+    assert type(out.second) is tuple
+
+
+def test_v1_dim() -> None:
+    outputs = [torch.ones(2, 1), torch.zeros(2, 2)]
+    assert_tree_equal(dict_gather_v1(outputs, -1, dim=1), torch.tensor([[1.0, 0, 0], [1, 0, 0]]))
+
+
+def test_v1_mixed_python_monitors_are_listed() -> None:
+    outputs = [{"acc": 1, "loss": 0.5}, {"acc": 0.75, "loss": 2}]
+    assert dict_gather_v1(outputs, -1) == {"acc": [1, 0.75], "loss": [0.5, 2]}
+
+
+def test_v1_differentiable() -> None:
+    x = torch.ones(3, requires_grad=True)
+    out = dict_gather_v1([{"y": x[:2] * 2}, {"y": x[2:] * 3}], -1)
+    out["y"].sum().backward()
+    assert_tree_equal(x.grad, torch.tensor([2.0, 2.0, 3.0]))
+
+
+def test_v1_rejects_empty_and_non_lists() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        dict_gather_v1([], -1)
+    with pytest.raises(TypeError, match="list of per-replica outputs"):
+        dict_gather_v1(torch.ones(2), -1)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------- seed bugs (gather side)
+
+
+def test_seed_bug_collections_mapping_non_tensor_outputs() -> None:
+    # The seed hit collections.Mapping (gone since Python 3.10) on every non-tensor output.
+    outputs = [{"name": "a", "meta": {"id": 1}}, {"name": "b", "meta": {"id": 2}}]
+    assert dict_gather_v1(outputs, -1) == {"name": ["a", "b"], "meta": {"id": [1, 2]}}
+    assert dict_gather_v2(outputs, -1) == {"name": ["a", "b"], "meta": {"id": [1, 2]}}
+
+
+def test_seed_bug_cpu_tensors() -> None:
+    # The seed's torch Gather raised "Gather function not implemented for CPU tensors".
+    outputs = [torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])]
+    for target in (-1, "cpu", torch.device("cpu")):
+        assert_tree_equal(dict_gather_v1(outputs, target), torch.tensor([1.0, 2.0, 3.0]))
+    assert_tree_equal(dict_gather_v2(outputs, -1, layout={}), torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_seed_bug_truncation_of_sequences_is_an_error() -> None:
+    # The seed zipped sequences: replica 1's third item was silently dropped.
+    outputs = [(torch.ones(1), torch.ones(1)), (torch.ones(1), torch.ones(1), torch.ones(1))]
+    with pytest.raises(tg.StructureMismatchError):
+        dict_gather_v1(outputs, -1)
+    with pytest.raises(tg.StructureMismatchError):
+        dict_gather_v2(outputs, -1, layout={"x": "concat"})
+
+
+def test_seed_bug_extra_keys_are_an_error() -> None:
+    # The seed iterated replica 0's keys: replica 1's extra key was silently dropped.
+    outputs = [{"a": torch.ones(1)}, {"a": torch.ones(1), "b": torch.ones(1)}]
+    with pytest.raises(tg.StructureMismatchError):
+        dict_gather_v1(outputs, -1)
+    with pytest.raises(tg.StructureMismatchError):
+        dict_gather_v2(outputs, -1, layout={"a": "concat"})
+
+
+def test_seed_bug_padimage_builds_padimage() -> None:
+    # The seed's padimage() returned a 'pad2d' spec, padding (C, H) instead of (H, W).
+    assert padimage().type == "padimage"
+    assert padimage(fill=2) == DataLayoutSpec("padimage", fill=2)
+    assert DataLayout({"im": "padimage"})["im"] == padimage()
+
+
+def test_seed_bug_mixed_ints_and_floats_are_not_truncated() -> None:
+    # The seed made torch.LongTensor([1, 0.75]) of mixed monitors: tensor([1, 0]).
+    outputs = [{"acc": 1, "loss": 0.5, "ok": True}, {"acc": 0.75, "loss": 2, "ok": False}]
+    out = dict_gather_v2(outputs, -1, layout={})
+    assert_tree_equal(
+        out,
+        {
+            "acc": torch.tensor([1.0, 0.75], dtype=torch.float64),
+            "loss": torch.tensor([0.5, 2.0], dtype=torch.float64),
+            "ok": torch.tensor([1, 0]),
+        },
+    )
+
+
+# ------------------------------------------------------------------- dict_gather_v2 layouts
+
+
+def _z(rows: int, start: float) -> torch.Tensor:
+    return torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + start
+
+
+def test_v2_concat_variable_length_and_skip() -> None:
+    outputs = [
+        (torch.tensor(0.5), {"z": _z(37, 0), "devices": ("cpu", "cpu")}),
+        (torch.tensor(1.5), {"z": _z(52, 1000), "devices": ("cpu", "cpu")}),
+    ]
+    loss, out = dict_gather_v2(outputs, -1, layout={"z": "concat", "devices": "skip"})
+    assert_tree_equal(loss, torch.tensor([0.5, 1.5]))
+    assert list(out) == ["z", "z_length", "devices"]
+    assert out["z"].shape == (89, 3)
+    assert_tree_equal(out["z"], torch.cat([_z(37, 0), _z(52, 1000)]))
+    assert_tree_equal(out["z_length"], torch.tensor([37, 52]))
+    assert out["devices"] == [("cpu", "cpu"), ("cpu", "cpu")]
+
+
+def test_v2_data_layout_object_equals_dict() -> None:
+    outputs = [{"z": _z(2, 0)}, {"z": _z(1, 9)}, {"z": _z(3, 5)}]
+    by_dict = dict_gather_v2(outputs, -1, layout={"z": "concat"})
+    by_object = dict_gather_v2(outputs, -1, layout=DataLayout({"z": concat()}))
+    assert_tree_equal(by_dict, by_object)
+    assert_tree_equal(by_dict["z_length"], torch.tensor([2, 1, 3]))
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (pad(), [1, 2, 3, 4, 0, 0, 5, 6, 0]),
+        ("pad", [1, 2, 3, 4, 0, 0, 5, 6, 0]),
+        (pad(fill=-1), [1, 2, 3, 4, -1, -1, 5, 6, -1]),
+    ],
+)
+def test_v2_pad(spec: Any, expected: list[int]) -> None:
+    outputs = [
+        {"s": torch.tensor([1, 2, 3])},
+        {"s": torch.tensor([4])},
+        {"s": torch.tensor([5, 6])},
+    ]
+    out = dict_gather_v2(outputs, -1, layout={"s": spec})
+    assert_tree_equal(out, {"s": torch.tensor(expected), "s_length": torch.tensor([3, 1, 2])})
+
+
+def test_v2_pad_keeps_trailing_dims_and_gradients() -> None:
+    a = torch.ones(1, 2, requires_grad=True)
+    b = torch.ones(2, 2, requires_grad=True)
+    out = dict_gather_v2([{"h": a * 2}, {"h": b * 3}], -1, layout={"h": pad(fill=7)})
+    assert_tree_equal(out["h"].detach(), torch.tensor([[2.0, 2], [7, 7], [3, 3], [3, 3]]))
+    out["h"].sum().backward()
+    assert_tree_equal(a.grad, torch.full((1, 2), 2.0))
+    assert_tree_equal(b.grad, torch.full((2, 2), 3.0))
+
+
+def test_v2_pad2d() -> None:
+    outputs = [{"m": torch.tensor([[1, 2], [3, 4]])}, {"m": torch.tensor([[5, 6, 7]])}]
+    out = dict_gather_v2(outputs, -1, layout={"m": pad2d()})
+    expected = torch.tensor([[1, 2, 0], [3, 4, 0], [5, 6, 7], [0, 0, 0]])
+    assert_tree_equal(out, {"m": expected, "m_length": torch.tensor([[2, 2], [1, 3]])})
+
+
+def test_v2_padimage() -> None:
+    outputs = [
+        {"im": torch.tensor([[[1.0], [2.0]]])},  # (C=1, H=2, W=1)
+        {"im": torch.tensor([[[3.0, 4.0]]])},  # (C=1, H=1, W=2)
+    ]
+    out = dict_gather_v2(outputs, -1, layout={"im": padimage(fill=9)})
+    expected = torch.tensor([[[1.0, 9], [2, 9]], [[3, 4], [9, 9]]])
+    assert_tree_equal(out, {"im": expected, "im_length": torch.tensor([[2, 1], [1, 2]])})
+
+
+def test_v2_nested_key_pad() -> None:
+    outputs = [
+        {"a": {"b": torch.tensor([1.0, 2.0]), "c": torch.tensor(1.0)}},
+        {"a": {"b": torch.tensor([3.0]), "c": torch.tensor(2.0)}},
+    ]
+    out = dict_gather_v2(outputs, -1, layout={"a.b": "pad"})
+    expected = {
+        "a": {
+            "b": torch.tensor([1.0, 2.0, 3.0, 0.0]),
+            "b_length": torch.tensor([2, 1]),
+            "c": torch.tensor([1.0, 2.0]),
+        }
+    }
+    assert_tree_equal(out, expected)
+    assert list(out["a"]) == ["b", "b_length", "c"]
+
+
+def test_v2_spec_covers_subtree_unless_overridden() -> None:
+    outputs = [
+        {"a": {"x": torch.tensor([1]), "y": torch.tensor([2, 3])}},
+        {"a": {"x": torch.tensor([4, 5]), "y": torch.tensor([6])}},
+    ]
+    out = dict_gather_v2(outputs, -1, layout={"a": "pad", "a.y": stack()})
+    expected = {
+        "a": {
+            "x": torch.tensor([1, 0, 4, 5]),
+            "x_length": torch.tensor([1, 2]),
+            "y": torch.tensor([2, 3, 6]),
+        }
+    }
+    assert_tree_equal(out, expected)
+
+
+def test_v2_sequence_items_inside_dict_and_top_level_tuple() -> None:
+    outputs = [
+        ({"seq": [torch.tensor([1]), ("m", 1)]}, 1),
+        ({"seq": [torch.tensor([2]), ("n", 2)]}, 2),
+    ]
+    # 'seq.1' names the second item of the list; the top-level tuple adds no prefix.
+    first, n = dict_gather_v2(outputs, -1, layout={"seq.1": skip()})
+    assert_tree_equal(first["seq"][0], torch.tensor([1, 2]))
+    assert first["seq"][1] == [("m", 1), ("n", 2)]
+    assert_tree_equal(n, torch.tensor([1, 2]))
+
+
+def test_v2_skip_keeps_python_values() -> None:
+    outputs = [{"k": 1, "meta": {"n": 1}}, {"k": 2, "meta": {"n": 2.5}}]
+    out = dict_gather_v2(outputs, -1, layout={"meta": "skip"})
+    assert_tree_equal(out["k"], torch.tensor([1, 2]))
+    assert out["meta"] == [{"n": 1}, {"n": 2.5}]
+    assert out["meta"][0] is outputs[0]["meta"]
+
+
+def test_v2_none_and_strings() -> None:
+    outputs = [{"x": None, "s": "a", "t": torch.ones(1)}, {"x": None, "s": "b", "t": torch.ones(1)}]
+    out = dict_gather_v2(outputs, -1, layout={"t": "concat"})
+    assert out["x"] is None and out["s"] == ["a", "b"]
+    assert_tree_equal(out["t_length"], torch.tensor([1, 1]))
+
+
+def test_v2_unused_keys_are_ignored() -> None:
+    outputs = [{"a": torch.ones(1)}, {"a": torch.ones(1)}]
+    out = dict_gather_v2(outputs, -1, layout={"missing": "pad", "a.deeper": "concat"})
+    assert_tree_equal(out, {"a": torch.ones(2)})
+
+
+# ------------------------------------------------------------------------- layout errors
+
+
+def test_v2_length_under_sequence_is_an_error() -> None:
+    outputs = [{"a": [torch.ones(1)]}, {"a": [torch.ones(2)]}]
+    with pytest.raises(tg.LayoutError, match=r"outputs\['a'\]\[0\].*mapping parent.*list"):
+        dict_gather_v2(outputs, -1, layout={"a.0": "concat"})
+
+
+def test_v2_length_key_clash_is_an_error() -> None:
+    outputs = [{"z": torch.ones(1), "z_length": 1}, {"z": torch.ones(2), "z_length": 2}]
+    with pytest.raises(tg.LayoutError, match=r"'z_length'.*already"):
+        dict_gather_v2(outputs, -1, layout={"z": "concat"})
+
+
+def test_v2_padding_a_non_tensor_is_an_error() -> None:
+    outputs = [{"s": "a"}, {"s": "b"}]
+    with pytest.raises(tg.LeafTypeError, match=r"outputs\['s'\].*needs a tensor"):
+        dict_gather_v2(outputs, -1, layout={"s": "pad"})
+
+
+@pytest.mark.parametrize(
+    ("spec", "shapes"),
+    [
+        ("concat", [(2, 3), (2, 4)]),
+        ("pad", [(), (2,)]),
+        ("pad2d", [(2,), (2,)]),
+        ("padimage", [(1, 2, 2), (2, 2, 2)]),
+        ("padimage", [(2, 2), (2, 2)]),
+    ],
+)
+def test_v2_shape_errors_name_path_and_shapes(spec: str, shapes: list[tuple[int, ...]]) -> None:
+    outputs = [{"t": torch.zeros(s)} for s in shapes]
+    with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['t'\].*replica 1"):
+        dict_gather_v2(outputs, -1, layout={"t": spec})
+
+
+def test_v2_mixed_number_and_tensor_is_an_error() -> None:
+    outputs = [{"acc": 1.0}, {"acc": torch.tensor(1.0)}]
+    with pytest.raises(tg.LeafTypeError, match=r"outputs\['acc'\].*replica 1: Tensor"):
+        dict_gather_v2(outputs, -1, layout={})
+
+
+def test_layout_spec_errors() -> None:
+    with pytest.raises(tg.LayoutError, match="unknown layout spec 'padd'"):
+        DataLayout({"x": "padd"})
+    with pytest.raises(tg.LayoutError, match="expected a DataLayoutSpec"):
+        DataLayout({"x": 3})  # type: ignore[dict-item]
+    with pytest.raises(tg.LayoutError, match="DataLayout or a dict"):
+        dict_gather_v2([torch.ones(1)], -1, layout=["x"])  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ data-parallel gathering
+
+
+def test_seed_bug_patch_dict_gathering_multiple_values() -> None:
+    # The seed's functools.partial raised "got multiple values for argument 'data_parallel'".
+    dp = torch.nn.DataParallel(torch.nn.Identity())
+    patch_dict_gathering(dp)
+    out = dp.gather([{"x": torch.ones(1), "s": "a"}, {"x": torch.zeros(1), "s": "b"}], -1)
+    assert_tree_equal(out, {"x": torch.tensor([1.0, 0.0]), "s": ["a", "b"]})
+    with pytest.raises(TypeError, match=r"torch\.nn\.DataParallel"):
+        patch_dict_gathering(torch.nn.Identity())  # type: ignore[arg-type]
+
+
+def test_seed_bug_data_parallel_without_dim() -> None:
+    # Where CUDA is missing, torch's DataParallel sets no .dim; the seed's gather crashed on it.
+    dp = torch.nn.DataParallel(torch.nn.Identity())
+    out = data_parallel_dict_gather(
+        dp, [{"z": torch.ones(2)}, {"z": torch.ones(1)}], -1, {"z": "concat"}
+    )
+    assert_tree_equal(out, {"z": torch.ones(3), "z_length": torch.tensor([2, 1])})

@@ -1,0 +1,430 @@
+"""The seed's ``DataLayout`` (jactorch.data.layout), translated into treegather gather rules.
+
+A seed layout maps dotted keys (``'a.b'``, ``'a.0'``) to specs. :func:`to_gather_layout` turns
+it into a :func:`treegather.by_path` layout of custom rules ``f(values, device)`` that
+:func:`treegather.gather` applies; the specs that add a ``<key>_length`` sibling return a
+private :class:`_WithLength` marker, which :func:`insert_lengths` replaces afterwards, in the
+parent mapping. Nothing here walks the per-replica outputs: treegather does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from .._errors import LayoutError, LeafTypeError, ShapeMismatchError
+from .._layout import by_path
+from .._tree import flatten
+
+__all__ = [
+    "DataLayout",
+    "DataLayoutSpec",
+    "LayoutLike",
+    "concat",
+    "insert_lengths",
+    "pad",
+    "pad2d",
+    "padimage",
+    "skip",
+    "stack",
+    "to_gather_layout",
+]
+
+_TYPES = ("skip", "stack", "concat", "pad", "pad2d", "padimage")
+_WITH_LENGTH = ("concat", "pad", "pad2d", "padimage")
+
+
+class DataLayoutSpec:
+    """How one key of the outputs is gathered: the seed's ``DataLayoutSpec(type, **options)``.
+
+    Args:
+        type: one of ``'skip'``, ``'stack'``, ``'concat'``, ``'pad'``, ``'pad2d'``,
+            ``'padimage'``.
+        **kwargs: options; the padding specs read ``fill`` (default 0).
+
+    Raises:
+        LayoutError: ``type`` is not one of the names above.
+
+    >>> DataLayoutSpec("pad", fill=-1)
+    DataLayoutSpec('pad', fill=-1)
+    """
+
+    fill: Any = 0
+
+    def __init__(self, type: str, **kwargs: Any) -> None:
+        if not isinstance(type, str) or type.lower() not in _TYPES:
+            raise LayoutError(
+                f"unknown layout spec {type!r}; expected one of {', '.join(map(repr, _TYPES))}"
+            )
+        self.__dict__.update(kwargs)
+        self.type = type.lower()
+
+    def __repr__(self) -> str:
+        if self.type in ("skip", "stack", "concat"):
+            return f"DataLayoutSpec({self.type!r})"
+        return f"DataLayoutSpec({self.type!r}, fill={self.fill!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DataLayoutSpec):
+            return NotImplemented
+        return self.type == other.type and self.fill == other.fill
+
+    def __hash__(self) -> int:
+        return hash((self.type, repr(self.fill)))
+
+
+def skip() -> DataLayoutSpec:
+    """Keep the per-replica values untouched, as a list (a whole subtree on an inner key).
+
+    >>> skip()
+    DataLayoutSpec('skip')
+    """
+    return DataLayoutSpec("skip")
+
+
+def stack() -> DataLayoutSpec:
+    """Gather like :func:`~treegather.compat.jactorch.dict_gather_v1` (concatenate along ``dim``).
+
+    Unlike :func:`treegather.stack`, this does not add a dimension: it is the seed's
+    "no spec" behaviour, spelled out.
+
+    >>> stack()
+    DataLayoutSpec('stack')
+    """
+    return DataLayoutSpec("stack")
+
+
+def concat() -> DataLayoutSpec:
+    """Concatenate along dim 0 and add a ``<key>_length`` LongTensor of each replica's size(0).
+
+    >>> concat()
+    DataLayoutSpec('concat')
+    """
+    return DataLayoutSpec("concat")
+
+
+def pad(fill: Any = 0) -> DataLayoutSpec:
+    """Pad dim 0 of each replica to the longest with ``fill``, concatenate, add ``<key>_length``.
+
+    >>> pad(fill=-1)
+    DataLayoutSpec('pad', fill=-1)
+    """
+    return DataLayoutSpec("pad", fill=fill)
+
+
+def pad2d(fill: Any = 0) -> DataLayoutSpec:
+    """Pad dims 0 and 1 with ``fill``, concatenate, add a ``<key>_length`` of shape (replicas, 2).
+
+    >>> pad2d()
+    DataLayoutSpec('pad2d', fill=0)
+    """
+    return DataLayoutSpec("pad2d", fill=fill)
+
+
+def padimage(fill: Any = 0) -> DataLayoutSpec:
+    """Pad H and W of (C, H, W) images, concatenate along dim 0, add ``<key>_length`` (replicas, 2).
+
+    The seed's ``padimage()`` built a ``pad2d`` spec; this one is a real ``padimage``.
+
+    >>> padimage()
+    DataLayoutSpec('padimage', fill=0)
+    """
+    return DataLayoutSpec("padimage", fill=fill)
+
+
+class DataLayout:
+    """A seed layout: dotted keys (``'a.b'``, ``'a.0'``) mapped to :class:`DataLayoutSpec`.
+
+    Args:
+        layout: ``{key: spec}``, a spec being a :class:`DataLayoutSpec` or its type name.
+
+    >>> layout = DataLayout({"z": "concat", "devices": "skip"})
+    >>> "z" in layout, layout["z"], layout["missing"]
+    (True, DataLayoutSpec('concat'), None)
+    """
+
+    def __init__(self, layout: Mapping[str, str | DataLayoutSpec] | None = None) -> None:
+        self.layout: dict[str, DataLayoutSpec] = {}
+        for key, spec in (layout or {}).items():
+            self.decl(key, spec)
+
+    def decl(self, key: str, spec: str | DataLayoutSpec) -> None:
+        """Declare (or replace) the spec of ``key``.
+
+        >>> layout = DataLayout()
+        >>> layout.decl("a.b", "pad")
+        >>> layout["a.b"]
+        DataLayoutSpec('pad', fill=0)
+        """
+        if isinstance(spec, str):
+            spec = DataLayoutSpec(spec)
+        elif not isinstance(spec, DataLayoutSpec):
+            raise LayoutError(
+                f"layout key {key!r}: expected a DataLayoutSpec or a spec name, got {spec!r}"
+            )
+        self.layout[str(key)] = spec
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.layout
+
+    def __getitem__(self, key: str) -> DataLayoutSpec | None:
+        return self.layout.get(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __repr__(self) -> str:
+        return f"DataLayout({self.layout!r})"
+
+
+LayoutLike = DataLayout | Mapping[str, str | DataLayoutSpec]
+
+
+class _WithLength:
+    """What a length-adding rule returns: the gathered data and the sibling ``_length`` tensor."""
+
+    __slots__ = ("data", "lengths", "spec", "where")
+
+    def __init__(self, data: torch.Tensor, lengths: torch.Tensor, spec: DataLayoutSpec, where: str):
+        self.data, self.lengths, self.spec, self.where = data, lengths, spec, where
+
+    def __repr__(self) -> str:  # only seen if a marker escapes; it should not
+        return f"_WithLength({self.where}, {self.spec!r})"
+
+
+class _SkipRule:
+    """The ``skip`` spec: the list of per-replica values (or subtrees), untouched."""
+
+    def __call__(self, values: Sequence[Any], device: torch.device) -> list[Any]:
+        return list(values)
+
+    def __repr__(self) -> str:
+        return "skip()"
+
+
+class _NumbersRule:
+    """No spec, under a layout: Python ints/bools -> an int64 tensor, floats -> float64."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __call__(self, values: Sequence[Any], device: torch.device) -> torch.Tensor:
+        bad = [i for i, v in enumerate(values) if not isinstance(v, (bool, int, float))]
+        if bad:
+            got = ", ".join(f"replica {i}: {type(values[i]).__name__}" for i in bad)
+            raise LeafTypeError(
+                f"{self.where}: replica 0 holds a Python number, so the layout makes an int64 or "
+                f"float64 tensor of it, but {got}\nHint: return the same kind of value from every "
+                "replica, or mark the key 'skip'"
+            )
+        dtype = torch.float64 if any(isinstance(v, float) for v in values) else torch.int64
+        return torch.tensor(list(values), dtype=dtype, device=device)
+
+    def __repr__(self) -> str:
+        return "seed numbers rule (ints -> int64, floats -> float64)"
+
+
+class _LengthRule:
+    """``concat`` / ``pad`` / ``pad2d`` / ``padimage``: pad, concatenate along dim 0, record sizes."""
+
+    def __init__(self, spec: DataLayoutSpec, where: str) -> None:
+        self.spec, self.where = spec, where
+
+    def __repr__(self) -> str:
+        return repr(self.spec)
+
+    def _check(self, values: Sequence[Any]) -> None:
+        kind = self.spec.type
+        bad = [
+            f"replica {i}: {type(v).__name__}"
+            for i, v in enumerate(values)
+            if not torch.is_tensor(v)
+        ]
+        if bad:
+            raise LeafTypeError(
+                f"{self.where}: layout {self.spec!r} needs a tensor in every replica, got "
+                f"{', '.join(bad)}\nHint: use 'skip' (or no spec) for non-tensor values"
+            )
+        shapes = [tuple(v.shape) for v in values]
+        if kind == "padimage":  # (C, H, W) with the same C, as the seed
+            ok = all(len(s) == 3 for s in shapes) and len({s[0] for s in shapes}) == 1
+        else:  # the padded dims lead; the rest must agree
+            lead = 2 if kind == "pad2d" else 1
+            ok = all(len(s) >= lead for s in shapes) and len({s[lead:] for s in shapes}) == 1
+        if not ok:
+            rule = {
+                "concat": "at least 1 dim, equal sizes after dim 0",
+                "pad": "at least 1 dim, equal sizes after dim 0",
+                "pad2d": "at least 2 dims, equal sizes after dim 1",
+                "padimage": "(C, H, W) images with the same C",
+            }[kind]
+            got = ", ".join(f"replica {i}: {list(s)}" for i, s in enumerate(shapes))
+            raise ShapeMismatchError(f"{self.where}: layout {self.spec!r} needs {rule}; got {got}")
+
+    def __call__(self, values: Sequence[Any], device: torch.device) -> _WithLength:
+        self._check(values)
+        kind = self.spec.type
+        tensors = [v.to(device) for v in values]
+        if kind == "concat":
+            lengths = [[t.shape[0]] for t in tensors]
+            padded = tensors
+        else:
+            axes = {"pad": (0,), "pad2d": (0, 1), "padimage": (1, 2)}[kind]
+            lengths = [[t.shape[a] for a in axes] for t in tensors]
+            target = [max(n[j] for n in lengths) for j in range(len(axes))]
+            padded = []
+            for t in tensors:
+                shape = list(t.shape)
+                for a, n in zip(axes, target):
+                    shape[a] = n
+                if shape == list(t.shape):
+                    padded.append(t)
+                    continue
+                out = t.new_full(shape, self.spec.fill)
+                out[
+                    tuple(
+                        slice(0, t.shape[a]) if a in axes else slice(None) for a in range(t.dim())
+                    )
+                ] = t
+                padded.append(out)
+        data = torch.cat(padded, dim=0)
+        # On the CPU, as the seed's torch.LongTensor (pack_padded_sequence wants CPU lengths).
+        length = torch.tensor(lengths, dtype=torch.int64)
+        return _WithLength(
+            data, length[:, 0] if kind in ("concat", "pad") else length, self.spec, self.where
+        )
+
+
+def _as_layout(layout: LayoutLike) -> DataLayout:
+    if isinstance(layout, DataLayout):
+        return layout
+    if isinstance(layout, Mapping):
+        return DataLayout(layout)
+    raise LayoutError(
+        f"a seed layout is a DataLayout or a dict of dotted keys to specs, got {type(layout).__name__}"
+    )
+
+
+def _where(entries: Sequence[optree.PyTreeEntry]) -> str:
+    return optree.PyTreeAccessor(tuple(entries)).codify("outputs")
+
+
+def _is_sequence(entry: optree.PyTreeEntry) -> bool:
+    return issubclass(entry.type, Sequence) and not issubclass(entry.type, str)
+
+
+def _seed_keys(entries: Sequence[optree.PyTreeEntry]) -> list[str | None]:
+    """The seed's dotted key of each node on a path; a top-level sequence adds no prefix."""
+    keys: list[str | None] = []
+    key: str | None = None
+    for entry in entries:
+        if key is None and _is_sequence(entry):
+            keys.append(None)
+            continue
+        part = str(entry.entry)
+        key = part if key is None else f"{key}.{part}"
+        keys.append(key)
+    return keys
+
+
+def _tg_path(entries: Sequence[optree.PyTreeEntry]) -> str:
+    return ".".join(str(e.entry) for e in entries)
+
+
+def to_gather_layout(layout: LayoutLike, example: Any) -> Any:
+    """Translate a seed layout into a :func:`treegather.by_path` layout for ``example``'s structure.
+
+    ``example`` is one replica's output: the seed's keys drop the indices of a top-level
+    sequence, so they are resolved against the actual paths here. A spec covers its subtree
+    unless a deeper key overrides it; ``skip`` applies to the whole node it names. Keys that
+    match nothing are ignored, as in the seed.
+
+    >>> rules = to_gather_layout({"z": "concat"}, (torch.zeros(()), {"z": torch.zeros(2)}))
+    >>> rules is not None
+    True
+    """
+    seed = _as_layout(layout)
+    leaves, treespec = flatten(example)
+    rules: dict[str, Any] = {}
+    for leaf, accessor in zip(leaves, treespec.accessors()):
+        entries = tuple(accessor)
+        spec: DataLayoutSpec | None = None
+        for depth, key in enumerate(_seed_keys(entries)):
+            if key is not None and key in seed:
+                spec = seed[key]
+            if spec is not None and spec.type == "skip":
+                rules[_tg_path(entries[: depth + 1])] = _SkipRule()
+                break
+        else:
+            if spec is not None and spec.type in _WITH_LENGTH:
+                rules[_tg_path(entries)] = _LengthRule(spec, _where(entries))
+            elif isinstance(leaf, (bool, int, float)):
+                rules[_tg_path(entries)] = _NumbersRule(_where(entries))
+    return by_path(rules) if rules else None
+
+
+def insert_lengths(tree: Any) -> Any:
+    """Replace each length marker by its data and a ``<key>_length`` sibling in the parent mapping.
+
+    Mutates the freshly gathered mappings in place (keeping key order, the ``_length`` key
+    right after its key) and returns ``tree``.
+
+    >>> insert_lengths({"a": 1})
+    {'a': 1}
+    """
+    if isinstance(tree, _WithLength):
+        raise LayoutError(f"{tree.where}: layout {tree.spec!r} needs a mapping parent")
+    if isinstance(tree, MutableMapping):
+        items = list(tree.items())
+        if any(isinstance(v, _WithLength) for _, v in items):
+            tree.clear()
+            for key, value in items:
+                if not isinstance(value, _WithLength):
+                    tree[key] = insert_lengths(value)
+                    continue
+                length_key = f"{key}_length" if isinstance(key, str) else None
+                if length_key is None or length_key in dict(items):
+                    raise LayoutError(
+                        f"{value.where}: layout {value.spec!r} adds a sibling key "
+                        f"{length_key or '<key>_length'!r}, but "
+                        + (
+                            "that key is already in the outputs"
+                            if length_key
+                            else "the key is not a string"
+                        )
+                        + "\nHint: rename the key, or use 'stack' / a treegather rule such as pad(lengths=True)"
+                    )
+                tree[key] = value.data
+                tree[length_key] = value.lengths
+        else:
+            for _, value in items:
+                insert_lengths(value)
+        return tree
+    if isinstance(tree, (list, tuple)):
+        for item in tree:
+            if isinstance(item, _WithLength):
+                raise LayoutError(
+                    f"{item.where}: layout {item.spec!r} adds a sibling '<key>_length', which needs "
+                    f"a mapping parent, but the parent is a {type(tree).__name__}\nHint: give the "
+                    "sequence items a dict parent, or use pad(lengths=True) with treegather.gather"
+                )
+            insert_lengths(item)
+        return tree
+    if (
+        not torch.is_tensor(tree)
+        and not isinstance(tree, (str, bytes, int, float))
+        and tree is not None
+    ):
+        for leaf in optree.tree_leaves(tree, namespace="treegather"):
+            if isinstance(leaf, _WithLength):
+                raise LayoutError(
+                    f"{leaf.where}: layout {leaf.spec!r} adds a sibling '<key>_length', which needs "
+                    f"a mapping parent, but the parent is a {type(tree).__name__}"
+                )
+    return tree
