@@ -406,3 +406,29 @@ def test_seed_bug_data_parallel_without_dim() -> None:
         dp, [{"z": torch.ones(2)}, {"z": torch.ones(1)}], -1, {"z": "concat"}
     )
     assert_tree_equal(out, {"z": torch.ones(3), "z_length": torch.tensor([2, 1])})
+
+
+def test_v2_keys_with_dots_and_pattern_characters() -> None:
+    # by_path patterns are dotted fnmatch patterns; the seed's keys are plain dict keys.
+    outputs = [
+        {"acc.top1": 1, "acc_top5": 2, "loss[0]": 0.5, "a*": torch.ones(1), "ab": torch.ones(2)},
+        {"acc.top1": 0, "acc_top5": 3, "loss[0]": 1.5, "a*": torch.ones(2), "ab": torch.ones(1)},
+    ]
+    out = dict_gather_v2(outputs, -1, layout={"a*": "concat"})
+    assert_tree_equal(
+        out,
+        {
+            "acc.top1": torch.tensor([1, 0]),
+            "acc_top5": torch.tensor([2, 3]),
+            "loss[0]": torch.tensor([0.5, 1.5], dtype=torch.float64),
+            "a*": torch.ones(3),
+            "a*_length": torch.tensor([1, 2]),
+            "ab": torch.ones(3),
+        },
+    )
+
+
+def test_v2_dotted_key_ambiguity_is_an_error() -> None:
+    outputs = [{"a.b": 1, "a_b": 2}, {"a.b": 3, "a_b": 4}]
+    with pytest.raises(tg.LayoutError, match=r"'a\.b' contains a '\.'.*'a_b'"):
+        dict_gather_v2(outputs, -1, layout={})

@@ -9,6 +9,7 @@ parent mapping. Nothing here walks the per-replica outputs: treegather does.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -205,7 +206,7 @@ class _SkipRule:
         return list(values)
 
     def __repr__(self) -> str:
-        return "skip()"
+        return "<jactorch skip rule>"
 
 
 class _NumbersRule:
@@ -227,7 +228,7 @@ class _NumbersRule:
         return torch.tensor(list(values), dtype=dtype, device=device)
 
     def __repr__(self) -> str:
-        return "seed numbers rule (ints -> int64, floats -> float64)"
+        return "<jactorch numbers rule: ints -> int64, floats -> float64>"
 
 
 class _LengthRule:
@@ -237,7 +238,7 @@ class _LengthRule:
         self.spec, self.where = spec, where
 
     def __repr__(self) -> str:
-        return repr(self.spec)
+        return f"<jactorch {self.spec!r} rule>"
 
     def _check(self, values: Sequence[Any]) -> None:
         kind = self.spec.type
@@ -333,40 +334,93 @@ def _seed_keys(entries: Sequence[optree.PyTreeEntry]) -> list[str | None]:
     return keys
 
 
-def _tg_path(entries: Sequence[optree.PyTreeEntry]) -> str:
-    return ".".join(str(e.entry) for e in entries)
+def _escape(segment: str) -> str:
+    """One exact by_path segment: fnmatch specials escaped; a '.' in a key matches as '?'."""
+    out = "".join(f"[{c}]" if c in "*?[" else c for c in segment)
+    return out.replace(".", "?")
+
+
+_CACHE: dict[Any, Any] = {}
 
 
 def to_gather_layout(layout: LayoutLike, example: Any) -> Any:
     """Translate a seed layout into a :func:`treegather.by_path` layout for ``example``'s structure.
 
     ``example`` is one replica's output: the seed's keys drop the indices of a top-level
-    sequence, so they are resolved against the actual paths here. A spec covers its subtree
-    unless a deeper key overrides it; ``skip`` applies to the whole node it names. Keys that
-    match nothing are ignored, as in the seed.
+    sequence, so they are resolved against the actual paths here, into exact by_path patterns
+    of custom rules. A spec covers its subtree unless a deeper key overrides it; ``skip``
+    applies to the whole node it names. Keys that match nothing are ignored, as in the seed.
 
-    >>> rules = to_gather_layout({"z": "concat"}, (torch.zeros(()), {"z": torch.zeros(2)}))
-    >>> rules is not None
-    True
+    Args:
+        layout: the seed layout (a :class:`DataLayout` or a dict).
+        example: one replica's output tree.
+
+    Returns:
+        A :func:`treegather.by_path` layout, or ``None`` when every leaf keeps the default.
+
+    >>> to_gather_layout({"z": "concat"}, (torch.zeros(()), {"z": torch.zeros(2)}))
+    by_path({'1.z': <jactorch DataLayoutSpec('concat') rule>}, default=None)
     """
     seed = _as_layout(layout)
     leaves, treespec = flatten(example)
-    rules: dict[str, Any] = {}
+    try:
+        key: Any = (
+            treespec,
+            tuple((k, s.type, s.fill) for k, s in seed.layout.items()),
+            tuple(isinstance(leaf, (bool, int, float)) for leaf in leaves),
+        )
+        hash(key)
+    except TypeError:  # an unhashable fill value: no caching
+        key = None
+    if key is not None and key in _CACHE:
+        return _CACHE[key]
+    rules: dict[tuple[str, ...], Any] = {}
     for leaf, accessor in zip(leaves, treespec.accessors()):
         entries = tuple(accessor)
         spec: DataLayoutSpec | None = None
-        for depth, key in enumerate(_seed_keys(entries)):
-            if key is not None and key in seed:
-                spec = seed[key]
+        for depth, seed_key in enumerate(_seed_keys(entries)):
+            if seed_key is not None and seed_key in seed:
+                spec = seed[seed_key]
             if spec is not None and spec.type == "skip":
-                rules[_tg_path(entries[: depth + 1])] = _SkipRule()
+                rules[tuple(str(e.entry) for e in entries[: depth + 1])] = _SkipRule()
                 break
         else:
+            path = tuple(str(e.entry) for e in entries)
             if spec is not None and spec.type in _WITH_LENGTH:
-                rules[_tg_path(entries)] = _LengthRule(spec, _where(entries))
+                rules[path] = _LengthRule(spec, _where(entries))
             elif isinstance(leaf, (bool, int, float)):
-                rules[_tg_path(entries)] = _NumbersRule(_where(entries))
-    return by_path(rules) if rules else None
+                rules[path] = _NumbersRule(_where(entries))
+    _check_dotted_keys(rules, treespec)
+    result = by_path({".".join(map(_escape, p)): r for p, r in rules.items()}) if rules else None
+    if key is not None:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        _CACHE[key] = result
+    return result
+
+
+def _check_dotted_keys(rules: Mapping[tuple[str, ...], Any], treespec: Any) -> None:
+    """A key with a '.' is matched as '?': make sure no sibling key then matches too."""
+    dotted = [p for p in rules if any("." in seg for seg in p)]
+    if not dotted:
+        return
+    paths = {
+        tuple(str(e.entry) for e in accessor[:n])
+        for accessor in treespec.accessors()
+        for n in range(1, len(accessor) + 1)
+    }
+    for path in dotted:
+        pattern = tuple(map(_escape, path))
+        hits = [
+            p for p in paths if len(p) == len(path) and all(map(fnmatch.fnmatchcase, p, pattern))
+        ]
+        if len(hits) > 1:
+            others = sorted(".".join(h) for h in hits if h != path)
+            raise LayoutError(
+                f"the key path {'.'.join(path)!r} contains a '.', which treegather's dotted "
+                f"paths cannot tell apart from {', '.join(map(repr, others))}\nHint: rename "
+                "one of the keys"
+            )
 
 
 def insert_lengths(tree: Any) -> Any:
