@@ -1,0 +1,81 @@
+"""treegather: scatter, replicate, apply and gather over registered pytrees, for PyTorch.
+
+The four steps of data parallelism as pure functions over pytrees (optree, namespace
+``"treegather"``), each driven by a per-leaf layout: split or broadcast on the way in; cat,
+stack, mean, sum, pad, as_list, first, cat_items or any callable on the way out.
+
+>>> import torch, treegather as tg
+>>> shards = tg.scatter({"x": torch.arange(6.0), "tag": "train"}, ["cpu"] * 3)
+>>> tg.gather([{"y": s["x"] * 2, "tag": s["tag"]} for s in shards], "cpu",
+...           tg.by_path({"tag": "first"}))
+{'y': tensor([ 0.,  2.,  4.,  6.,  8., 10.]), 'tag': 'train'}
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    BatchSizeError,
+    LayoutError,
+    LeafTypeError,
+    ShapeMismatchError,
+    StructureMismatchError,
+    TreegatherError,
+)
+from ._gather import gather
+from ._layout import ByPath, by_path
+from ._rules import (
+    Padded,
+    Rule,
+    as_list,
+    broadcast,
+    cat,
+    cat_items,
+    first,
+    mean,
+    pad,
+    split,
+    split_items,
+    stack,
+    sum,
+)
+from ._scatter import Shards, scatter, scatter_kwargs
+from ._tree import NAMESPACE, register_dataclass, register_node
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    # the four steps
+    "scatter",
+    "scatter_kwargs",
+    "gather",
+    "Shards",
+    # layouts: scatter rules
+    "split",
+    "broadcast",
+    "split_items",
+    # layouts: gather rules
+    "cat",
+    "stack",
+    "mean",
+    "sum",
+    "pad",
+    "as_list",
+    "first",
+    "cat_items",
+    "Padded",
+    # layouts: path patterns
+    "by_path",
+    "ByPath",
+    "Rule",
+    # pytree registration
+    "register_dataclass",
+    "register_node",
+    "NAMESPACE",
+    # errors
+    "TreegatherError",
+    "LayoutError",
+    "StructureMismatchError",
+    "BatchSizeError",
+    "LeafTypeError",
+    "ShapeMismatchError",
+]
