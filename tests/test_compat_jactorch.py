@@ -8,6 +8,7 @@ seed's bugs.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 import optree
@@ -31,6 +32,13 @@ from treegather.compat.jactorch import (
 )
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+@tg.register_dataclass
+@dataclasses.dataclass
+class Out:
+    z: torch.Tensor
+    meta: dict[str, Any]
 
 
 def assert_tree_equal(actual: Any, expected: Any) -> None:
@@ -339,7 +347,7 @@ def test_v2_unused_keys_are_ignored() -> None:
 
 def test_v2_length_under_sequence_is_an_error() -> None:
     outputs = [{"a": [torch.ones(1)]}, {"a": [torch.ones(2)]}]
-    with pytest.raises(tg.LayoutError, match=r"outputs\['a'\]\[0\].*mapping parent.*list"):
+    with pytest.raises(tg.LayoutError, match=r"outputs\['a'\]\[0\].*dict parent.*list"):
         dict_gather_v2(outputs, -1, layout={"a.0": "concat"})
 
 
@@ -432,3 +440,20 @@ def test_v2_dotted_key_ambiguity_is_an_error() -> None:
     outputs = [{"a.b": 1, "a_b": 2}, {"a.b": 3, "a_b": 4}]
     with pytest.raises(tg.LayoutError, match=r"'a\.b' contains a '\.'.*'a_b'"):
         dict_gather_v2(outputs, -1, layout={})
+
+
+def test_v2_top_level_numbers() -> None:
+    assert_tree_equal(dict_gather_v2([1, 2, 3], -1, layout={}), torch.tensor([1, 2, 3]))
+    assert dict_gather_v1([1, 2, 3], -1) == [1, 2, 3]
+
+
+def test_v2_length_under_dataclass() -> None:
+    outputs = [Out(torch.ones(1), {"h": torch.ones(2)}), Out(torch.ones(2), {"h": torch.ones(1)})]
+    out = dict_gather_v2(outputs, -1, layout={"meta.h": "pad"})
+    assert type(out) is Out
+    assert_tree_equal(out.z, torch.ones(3))
+    assert_tree_equal(
+        out.meta, {"h": torch.tensor([1.0, 1, 1, 0]), "h_length": torch.tensor([2, 1])}
+    )
+    with pytest.raises(tg.LayoutError, match=r"outputs\.z.*dict parent.*Out"):
+        dict_gather_v2(outputs, -1, layout={"z": "concat"})

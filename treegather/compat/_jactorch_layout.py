@@ -9,8 +9,9 @@ parent mapping. Nothing here walks the per-replica outputs: treegather does.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -18,7 +19,7 @@ import torch
 
 from .._errors import LayoutError, LeafTypeError, ShapeMismatchError
 from .._layout import by_path
-from .._tree import flatten
+from .._tree import NAMESPACE, flatten
 
 __all__ = [
     "DataLayout",
@@ -390,6 +391,8 @@ def to_gather_layout(layout: LayoutLike, example: Any) -> Any:
                 rules[path] = _LengthRule(spec, _where(entries))
             elif isinstance(leaf, (bool, int, float)):
                 rules[path] = _NumbersRule(_where(entries))
+    if () in rules:  # the outputs are a single leaf: its rule is the whole layout
+        return rules[()]
     _check_dotted_keys(rules, treespec)
     result = by_path({".".join(map(_escape, p)): r for p, r in rules.items()}) if rules else None
     if key is not None:
@@ -424,61 +427,50 @@ def _check_dotted_keys(rules: Mapping[tuple[str, ...], Any], treespec: Any) -> N
 
 
 def insert_lengths(tree: Any) -> Any:
-    """Replace each length marker by its data and a ``<key>_length`` sibling in the parent mapping.
+    """Replace each length marker by its data and a ``<key>_length`` sibling in the parent dict.
 
-    Mutates the freshly gathered mappings in place (keeping key order, the ``_length`` key
-    right after its key) and returns ``tree``.
+    Mutates the freshly gathered dicts in place (keeping key order, the ``_length`` key right
+    after its key) and returns ``tree``. A marker under any other parent is an error.
 
     >>> insert_lengths({"a": 1})
     {'a': 1}
     """
     if isinstance(tree, _WithLength):
-        raise LayoutError(f"{tree.where}: layout {tree.spec!r} needs a mapping parent")
-    if isinstance(tree, MutableMapping):
+        raise LayoutError(f"{tree.where}: layout {tree.spec!r} needs a dict parent")
+    if isinstance(tree, dict) and not dataclasses.is_dataclass(tree):
         items = list(tree.items())
-        if any(isinstance(v, _WithLength) for _, v in items):
-            tree.clear()
-            for key, value in items:
-                if not isinstance(value, _WithLength):
-                    tree[key] = insert_lengths(value)
-                    continue
-                length_key = f"{key}_length" if isinstance(key, str) else None
-                if length_key is None or length_key in dict(items):
-                    raise LayoutError(
-                        f"{value.where}: layout {value.spec!r} adds a sibling key "
-                        f"{length_key or '<key>_length'!r}, but "
-                        + (
-                            "that key is already in the outputs"
-                            if length_key
-                            else "the key is not a string"
-                        )
-                        + "\nHint: rename the key, or use 'stack' / a treegather rule such as pad(lengths=True)"
-                    )
-                tree[key] = value.data
-                tree[length_key] = value.lengths
-        else:
+        if not any(isinstance(v, _WithLength) for _, v in items):
             for _, value in items:
                 insert_lengths(value)
-        return tree
-    if isinstance(tree, (list, tuple)):
-        for item in tree:
-            if isinstance(item, _WithLength):
+            return tree
+        tree.clear()
+        for key, value in items:
+            if not isinstance(value, _WithLength):
+                tree[key] = insert_lengths(value)
+                continue
+            length_key = f"{key}_length" if isinstance(key, str) else None
+            if length_key is None or length_key in dict(items):
+                why = "that key is already in the outputs" if length_key else "the key is no str"
                 raise LayoutError(
-                    f"{item.where}: layout {item.spec!r} adds a sibling '<key>_length', which needs "
-                    f"a mapping parent, but the parent is a {type(tree).__name__}\nHint: give the "
-                    "sequence items a dict parent, or use pad(lengths=True) with treegather.gather"
+                    f"{value.where}: layout {value.spec!r} adds a sibling key "
+                    f"{length_key or '<key>_length'!r}, but {why}\nHint: rename the key, or "
+                    "use treegather.gather with pad(lengths=True)"
                 )
-            insert_lengths(item)
+            tree[key] = value.data
+            tree[length_key] = value.lengths
         return tree
-    if (
-        not torch.is_tensor(tree)
-        and not isinstance(tree, (str, bytes, int, float))
-        and tree is not None
-    ):
-        for leaf in optree.tree_leaves(tree, namespace="treegather"):
-            if isinstance(leaf, _WithLength):
-                raise LayoutError(
-                    f"{leaf.where}: layout {leaf.spec!r} adds a sibling '<key>_length', which needs "
-                    f"a mapping parent, but the parent is a {type(tree).__name__}"
-                )
+    if tree is None or torch.is_tensor(tree) or isinstance(tree, (str, bytes, int, float)):
+        return tree
+    try:
+        children = optree.tree_flatten_one_level(tree, namespace=NAMESPACE).children
+    except ValueError:  # a leaf
+        return tree
+    for child in children:
+        if isinstance(child, _WithLength):
+            raise LayoutError(
+                f"{child.where}: layout {child.spec!r} adds a sibling '<key>_length', which "
+                f"needs a dict parent, but the parent is a {type(tree).__name__}\nHint: use "
+                "'stack' here, or treegather.gather with pad(lengths=True)"
+            )
+        insert_lengths(child)
     return tree
