@@ -9,7 +9,7 @@ import torch
 
 __all__ = ["DeviceLike", "as_device", "as_devices"]
 
-DeviceLike = Union[int, str, torch.device]
+DeviceLike = Union[int, str, torch.device]  # noqa: UP007 - a runtime alias
 
 _CACHE: dict[object, torch.device] = {}
 

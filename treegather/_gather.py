@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import optree
@@ -27,12 +27,13 @@ from ._rules import (
     Stack,
     Sum,
 )
-from ._tree import _KNOWN_LEAF_TYPES, NAMESPACE, describe, flatten, format_path
+from ._tree import _KNOWN_LEAF_TYPES, NAMESPACE, describe, flatten_typed, format_path
 
 __all__ = ["gather"]
 
 Tensor = torch.Tensor
 _ROOT = "outputs"
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def gather(
@@ -75,19 +76,21 @@ def gather(
     >>> out["logits"].shape, out["loss"], out["name"], out["aux"]
     (torch.Size([3, 3]), tensor([0.5000, 1.5000]), ['a', 'b'], None)
     """
-    if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence):
-        raise TypeError(
-            f"gather expects a sequence with one output tree per replica, got {type(outputs).__name__}"
-        )
+    if type(outputs) is not list and type(outputs) is not tuple:
+        if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence):
+            raise TypeError(
+                "gather expects a sequence with one output tree per replica, got "
+                f"{type(outputs).__name__}"
+            )
     k = len(outputs)
     if k == 0:
         raise ValueError("gather needs at least one replica's output, got an empty sequence")
-    target = as_device(target_device)
+    target = target_device if type(target_device) is torch.device else as_device(target_device)
     if sizes is not None:
         sizes = tuple(int(s) for s in sizes)
         if len(sizes) != k:
             raise ValueError(f"gather got {len(sizes)} sizes for {k} replicas: {list(sizes)}")
-    leaves0, spec0 = flatten(outputs[0])
+    leaves0, spec0, types0 = flatten_typed(outputs[0])
     plan = resolve(spec0, layout, "gather", dim, _ROOT)
     up_spec = plan.up_spec
     if up_spec is spec0:
@@ -101,19 +104,27 @@ def gather(
             per_replica.append(up_spec.flatten_up_to(outputs[r]))
         except (ValueError, TypeError):
             raise _structure_error(outputs, plan) from None
-    if k > 1 and not _all_leaves(plan, per_replica):
+    # Replicas 1.. must hold leaves where replica 0 does. When replica 0's leaves are all
+    # tensors, a container in another replica makes torch fail below, and the failure is
+    # diagnosed then; otherwise check now.
+    if (
+        k > 1
+        and not (types0 <= _TENSOR_TYPES and plan.default_only)
+        and not _all_leaves(plan, per_replica)
+    ):
         raise _structure_error(outputs, plan)
     moving = _needs_move(per_replica, target)
-    columns = list(zip(*per_replica))
     try:
         if plan.default_only:
-            results = _gather_default(columns, target, moving, dim)
+            results = _gather_default(zip(*per_replica), target, moving, dim)
         else:
-            results = _gather_planned(plan, columns, target, moving, sizes, dim)
+            results = _gather_planned(plan, zip(*per_replica), target, moving, sizes, dim)
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:
         if isinstance(exc, (StructureMismatchError, ShapeMismatchError, LeafTypeError)):
             raise
-        raise _diagnose(plan, columns, dim, exc) from exc
+        if not _all_leaves(plan, per_replica):
+            raise _structure_error(outputs, plan) from None
+        raise _diagnose(plan, list(zip(*per_replica)), dim, exc) from exc
     return up_spec.unflatten(results)
 
 
@@ -121,7 +132,10 @@ def gather(
 
 
 def _needs_move(per_replica: list[list[Any]], target: torch.device) -> bool:
-    """Whether any replica's tensors live off ``target`` (sampled: first tensor of each)."""
+    """Whether any replica's tensors live off ``target`` (sampled: first tensor of each).
+
+    Only a hint for the fast path: a leaf elsewhere is still moved, just less cheaply.
+    """
     for leaves in per_replica:
         for value in leaves:
             if isinstance(value, Tensor):
@@ -159,29 +173,37 @@ def _cat(col: Sequence[Tensor], target: torch.device, moving: bool, dim: int) ->
 
 
 def _gather_default(
-    columns: list[tuple[Any, ...]], target: torch.device, moving: bool, dim: int
+    columns: Iterable[tuple[Any, ...]], target: torch.device, moving: bool, dim: int
 ) -> list[Any]:
+    """The default rules (tensors: cat, others: as_list): the per-step hot path, kept lean."""
+    if moving:
+        return [
+            _cat(col, target, True, dim) if isinstance(col[0], Tensor) else list(col)
+            for col in columns
+        ]
     cat = torch.cat
-    out = []
+    out: list[Any] = []
     append = out.append
+    cpu = target.type == "cpu"
+    index = target.index
     for col in columns:
-        v0 = col[0]
-        if isinstance(v0, Tensor):
-            if not moving and v0.dim():
-                r = cat(col, dim)
-                if r.device != target:
-                    r = r.to(target)
-                append(r)
+        try:
+            r = cat(col, dim) if dim else cat(col)
+        except (TypeError, RuntimeError):
+            if isinstance(col[0], Tensor):  # 0-dim values, or replicas on several devices
+                append(_cat(col, target, False, dim))
             else:
-                append(_cat(col, target, moving, dim))
-        else:
-            append(list(col))
+                append(list(col))
+            continue
+        if (not r.is_cpu) if cpu else (r.get_device() != index):
+            r = r.to(target)
+        append(r)
     return out
 
 
 def _gather_planned(
     plan: Plan,
-    columns: list[tuple[Any, ...]],
+    columns: Iterable[tuple[Any, ...]],
     target: torch.device,
     moving: bool,
     sizes: tuple[int, ...] | None,
@@ -203,7 +225,11 @@ def _gather_planned(
 
 
 def _leaf(
-    rule: Rule, col: tuple[Any, ...], target: torch.device, moving: bool, sizes: tuple[int, ...] | None
+    rule: Rule,
+    col: tuple[Any, ...],
+    target: torch.device,
+    moving: bool,
+    sizes: tuple[int, ...] | None,
 ) -> Any:
     if isinstance(rule, Cat):
         return _cat(col, target, moving, rule.dim)
@@ -360,12 +386,14 @@ def _diff(a: Any, b: Any, path: tuple[tuple[Any, str], ...], r: int, out: list[s
     if a_leaf and b_leaf:
         return
     if a_leaf != b_leaf or ta is not tb or (a is None) != (b is None):
-        out.append(f"{where}: replica 0 has {_describe_node(a)}, replica {r} has {_describe_node(b)}")
+        out.append(
+            f"{where}: replica 0 has {_describe_node(a)}, replica {r} has {_describe_node(b)}"
+        )
         return
     if a is None:
         return
     ca, ma, ea, _ = optree.tree_flatten_one_level(a, namespace=NAMESPACE)
-    cb, mb, eb, _ = optree.tree_flatten_one_level(b, namespace=NAMESPACE)
+    cb, mb, _, _ = optree.tree_flatten_one_level(b, namespace=NAMESPACE)
     if isinstance(a, dict):
         ka, kb = set(a), set(b)
         if ka != kb:
@@ -387,7 +415,9 @@ def _diff(a: Any, b: Any, path: tuple[tuple[Any, str], ...], r: int, out: list[s
         )
         return
     if ma != mb:
-        out.append(f"{where}: replica {r}'s static fields/metadata {mb!r} differ from replica 0's {ma!r}")
+        out.append(
+            f"{where}: replica {r}'s static fields/metadata {mb!r} differ from replica 0's {ma!r}"
+        )
         return
     styled = _styles_for(a, ea)
     for entry, x, y in zip(styled, ca, cb):
@@ -396,11 +426,13 @@ def _diff(a: Any, b: Any, path: tuple[tuple[Any, str], ...], r: int, out: list[s
 
 def _styles_for(x: Any, entries: Sequence[Any]) -> list[tuple[Any, str]]:
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return [(f, "attr") for f in x._fields]  # type: ignore[attr-defined]
+        return [(f, "attr") for f in x._fields]
     if isinstance(x, (list, tuple)):
         return [(i, "index") for i in range(len(entries))]
     return [
-        (e, "attr") if isinstance(e, str) and e.isidentifier() else (e, "index" if isinstance(e, int) else "key")
+        (e, "attr")
+        if isinstance(e, str) and e.isidentifier()
+        else (e, "index" if isinstance(e, int) else "key")
         for e in entries
     ]
 
@@ -428,7 +460,9 @@ def _structure_error(outputs: Sequence[Any], plan: Plan) -> StructureMismatchErr
     )
 
 
-def _diagnose(plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseException) -> Exception:
+def _diagnose(
+    plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseException
+) -> Exception:
     """Explain a failed gather: every leaf whose per-replica values do not fit its rule."""
     problems: list[str] = []
     type_problem = False
@@ -438,7 +472,11 @@ def _diagnose(plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseExc
         rule = plan.rules[pos]
         where = display_path(plan.node_of(pos), _ROOT)
         tensors = [isinstance(v, Tensor) for v in col]
-        rule_name = rule.describe() if rule is not None else ("cat(dim=%d)" % dim if tensors[0] else "as_list()")
+        rule_name = (
+            rule.describe()
+            if rule is not None
+            else (f"cat(dim={dim})" if tensors[0] else "as_list()")
+        )
         if rule is None and not tensors[0]:
             continue
         if isinstance(rule, (Mean, Sum)) and all(_is_number(v) for v in col):
@@ -454,22 +492,28 @@ def _diagnose(plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseExc
         d = rule.dim if isinstance(rule, (Cat, Pad)) else dim
         if isinstance(rule, (Stack, Mean, Sum)):
             if len(set(shapes)) > 1:
-                problems.append(f"{where}: {rule_name} needs equal shapes, got {_by_replica(shapes)}")
+                problems.append(
+                    f"{where}: {rule_name} needs equal shapes, got {_by_replica(shapes)}"
+                )
         elif isinstance(rule, Pad):
             if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
-                problems.append(f"{where}: {rule_name} needs tensors with the same number of dims (>= 1), got {_by_replica(shapes)}")
+                problems.append(
+                    f"{where}: {rule_name} needs tensors with the same number of dims (>= 1), got {_by_replica(shapes)}"
+                )
         else:
             ndims = {len(s) for s in shapes}
             if ndims == {0}:
                 continue
             if len(ndims) > 1:
-                problems.append(f"{where}: {rule_name} cannot mix 0-dim and n-dim tensors: {_by_replica(shapes)}")
+                problems.append(
+                    f"{where}: {rule_name} cannot mix 0-dim and n-dim tensors: {_by_replica(shapes)}"
+                )
                 continue
             nd = ndims.pop()
             if not -nd <= d < nd:
                 problems.append(f"{where}: {rule_name} is out of range for {nd}-dim tensors")
                 continue
-            others = {tuple(s[:d % nd] + s[d % nd + 1 :]) for s in shapes}
+            others = {tuple(s[: d % nd] + s[d % nd + 1 :]) for s in shapes}
             if len(others) > 1:
                 problems.append(
                     f"{where}: {rule_name} needs equal sizes in every dim but {d}, got {_by_replica(shapes)}"

@@ -17,7 +17,7 @@ import optree
 from optree import PyTreeSpec
 
 from ._errors import LayoutError, bullet_list
-from ._rules import SHORTHANDS, Broadcast, Custom, First, Rule, Split, Cat
+from ._rules import SHORTHANDS, Broadcast, Cat, Custom, First, Rule, Split
 from ._tree import NAMESPACE, Node, format_path, nodes
 
 __all__ = ["ByPath", "by_path", "Plan", "resolve", "display_path"]
@@ -28,7 +28,7 @@ _AUTO: Any = object()
 class ByPath:
     """A layout written as dotted path patterns; build it with :func:`by_path`."""
 
-    __slots__ = ("patterns", "default")
+    __slots__ = ("default", "patterns")
 
     def __init__(self, patterns: Mapping[str, Any], default: Any = None) -> None:
         if not isinstance(patterns, Mapping):
@@ -79,7 +79,7 @@ def by_path(patterns: Mapping[str, Any], default: Any = None) -> ByPath:
 class Plan:
     """What to do with each leaf of one structure under one layout."""
 
-    __slots__ = ("spec", "up_spec", "rules", "groups", "node_of", "default_only")
+    __slots__ = ("default_only", "groups", "node_of", "rules", "spec", "up_spec")
 
     def __init__(
         self,
@@ -104,8 +104,7 @@ def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
     if isinstance(value, Rule):
         if value.phase != phase:
             raise LayoutError(
-                f"{where}: {value.describe()} is a {value.phase} rule and cannot be used in "
-                f"{phase}"
+                f"{where}: {value.describe()} is a {value.phase} rule and cannot be used in {phase}"
             )
         return value
     if value is None:
@@ -153,8 +152,17 @@ def _layout_key(layout: Any) -> Any:
     return (lspec, tuple(leaves))
 
 
+_RECENT: dict[tuple[int, int, str, int, str | None], tuple[PyTreeSpec, Any, Plan]] = {}
+
+
 def resolve(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | None) -> Plan:
     """The plan for data of structure ``spec`` under ``layout`` (cached)."""
+    # Identity fast path: the structure cache hands back the same spec object each step, and
+    # immutable layouts are the same object too; no hashing of a large spec then.
+    quick = (id(spec), id(layout), phase, dim, root)
+    hit = _RECENT.get(quick)
+    if hit is not None and hit[0] is spec and hit[1] is layout:
+        return hit[2]
     try:
         key = (spec, _layout_key(layout), phase, dim, root)
         plan = _PLANS.get(key)
@@ -167,6 +175,10 @@ def resolve(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | Non
         if len(_PLANS) > 512:
             _PLANS.clear()
         _PLANS[key] = plan
+    if layout is None or isinstance(layout, (Rule, ByPath, str, int)):
+        if len(_RECENT) > 64:
+            _RECENT.clear()
+        _RECENT[quick] = (spec, layout, plan)
     return plan
 
 
@@ -225,7 +237,7 @@ def _with_groups(
         if node.is_leaf():
             return next(counter)
         children = [build(c, (*raw, e)) for e, c in zip(node.entries(), node.children())]
-        return node.one_level().unflatten(children)
+        return node.one_level().unflatten(children)  # type: ignore[union-attr]
 
     skeleton = build(spec, ())
     up_leaves, up_spec = optree.tree_flatten(skeleton, namespace=NAMESPACE)
@@ -260,7 +272,9 @@ def _assign_prefix(
     except (ValueError, TypeError) as exc:
         problems = [
             str(err("layout"))
-            for err in optree.prefix_errors(layout, skeleton, none_is_leaf=True, namespace=NAMESPACE)
+            for err in optree.prefix_errors(
+                layout, skeleton, none_is_leaf=True, namespace=NAMESPACE
+            )
         ] or [str(exc)]
         name = "(args, kwargs)" if root is None else root
         raise LayoutError(
@@ -280,7 +294,7 @@ def _assign_prefix(
 
 def _segments(node: Node, root: str | None) -> tuple[tuple[str, ...], ...]:
     segs = []
-    for (entry, style), raw in zip(node.path, node.raw):
+    for (entry, _), raw in zip(node.path, node.raw):
         names = (str(entry),) if str(entry) == str(raw) else (str(entry), str(raw))
         segs.append(names)
     return tuple(segs[1:]) if root is None else tuple(segs)
@@ -321,10 +335,15 @@ def _assign_by_path(
         score = _score(pat_segs)
         matches.extend((score, pattern, nd, rule) for nd in hit)
     if problems:
-        raise LayoutError(bullet_list(problems, "patterns are dotted paths from the root: "
-                                      "'loss', 'meta.*', 'hidden.0', '**.logits'"))
-    default = None if layout.default is None else to_rule(
-        layout.default, phase, dim, "by_path default"
+        raise LayoutError(
+            bullet_list(
+                problems,
+                "patterns are dotted paths from the root: "
+                "'loss', 'meta.*', 'hidden.0', '**.logits'",
+            )
+        )
+    default = (
+        None if layout.default is None else to_rule(layout.default, phase, dim, "by_path default")
     )
     # Per leaf: the best match among the nodes on its path.
     n = all_nodes[0].stop if all_nodes else 0
@@ -364,18 +383,25 @@ def _assign_by_path(
                 where = display_path(node, root)
                 raise LayoutError(
                     f"{rule.describe()} on {where} (pattern {pattern!r}) takes the subtree whole, "
-                    + (f"but pattern {other[1]!r} sets a rule inside it" if other else
-                       "but part of it is matched elsewhere")
+                    + (
+                        f"but pattern {other[1]!r} sets a rule inside it"
+                        if other
+                        else "but part of it is matched elsewhere"
+                    )
                 )
             seen_groups.add(id(node))
             out.append((node, rule))
         else:
             out.append((leaf_nodes[i], rule))
     # Whole-value rules on empty nodes (None, {}) still apply: as_list on None gives [None, ...].
-    for score, pattern, node, rule in matches:
+    for _, _, node, rule in matches:
         if node.start == node.stop and rule is not None and rule.whole:
             enclosing = [
-                m for m in matches if m[2] is not node and m[3] is not None and m[3].whole
+                m
+                for m in matches
+                if m[2] is not node
+                and m[3] is not None
+                and m[3].whole
                 and m[2].raw == node.raw[: len(m[2].raw)]
             ]
             if not enclosing:

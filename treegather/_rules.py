@@ -248,7 +248,7 @@ def mean() -> Mean:
     return Mean()
 
 
-def sum() -> Sum:  # noqa: A001 - the rule is called sum in the API
+def sum() -> Sum:
     """Gather rule: the elementwise sum of the per-replica values.
 
     >>> import torch, treegather as tg

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,17 +11,17 @@ import torch
 
 from ._devices import DeviceLike, as_devices
 from ._errors import BatchSizeError, LeafTypeError, bullet_list
+from ._gather import _move_tree
 from ._layout import display_path, resolve
 from ._rules import Broadcast, Split
 from ._tree import describe, flatten
-from ._gather import _move_tree
 
 __all__ = ["Shards", "scatter", "scatter_kwargs"]
 
 Tensor = torch.Tensor
 
 
-class Shards(list):  # type: ignore[type-arg]
+class Shards(list[Any]):
     """The per-device trees :func:`scatter` returns: a list, plus what gather needs to know.
 
     Attributes:
@@ -116,9 +117,48 @@ def scatter_kwargs(
     )
 
 
+@functools.lru_cache(maxsize=256)
 def _balanced(n: int, k: int) -> tuple[int, ...]:
     base, extra = divmod(n, k)
     return tuple(base + (1 if i < extra else 0) for i in range(k))
+
+
+def _scatter_default(
+    leaves: list[Any], spec: Any, devs: tuple[torch.device, ...], dim: int
+) -> Shards | None:
+    """The default rules (split tensors of >= 1 dim, broadcast the rest): the per-step hot path.
+
+    Returns ``None`` whenever anything is unusual (a batch-size mismatch, a bad dim, a
+    dataclass leaf, tensors that must move), leaving it to the general path, which reports
+    every problem before any work is done.
+    """
+    try:
+        rows = [x.size(dim) if isinstance(x, Tensor) and x.dim() else -1 for x in leaves]
+    except IndexError:
+        return None
+    found = set(rows)
+    found.discard(-1)
+    if len(found) != 1:
+        return None  # nothing to split, or a mismatch: the general path handles both
+    n = found.pop()
+    k = min(n, len(devs))
+    if k == 0:
+        return None
+    used = devs[:k]
+    cpu_only = all(d.type == "cpu" for d in used)
+    if not (cpu_only and all(x.is_cpu for x, r in zip(leaves, rows) if r >= 0)):
+        return None
+    if any(
+        r < 0 and not isinstance(x, (Tensor, str, int, float, bool, type(None)))
+        for x, r in zip(leaves, rows)
+    ):
+        return None  # non-tensor leaves: let the general path check them
+    if dim:
+        columns = [x.tensor_split(k, dim) if r >= 0 else (x,) * k for x, r in zip(leaves, rows)]
+    else:
+        columns = [x.tensor_split(k) if r >= 0 else (x,) * k for x, r in zip(leaves, rows)]
+    unflatten = spec.unflatten
+    return Shards([unflatten(c) for c in zip(*columns)], _balanced(n, k), used)
 
 
 def _scatter(
@@ -126,7 +166,11 @@ def _scatter(
 ) -> Shards:
     leaves, spec = flatten(inputs)
     plan = resolve(spec, layout, "scatter", dim, root)
-    up = leaves if plan.up_spec is spec else plan.up_spec.flatten_up_to(inputs)
+    if plan.default_only:
+        fast = _scatter_default(leaves, spec, devs, dim)
+        if fast is not None:
+            return fast
+    up: list[Any] = leaves if plan.up_spec is spec else plan.up_spec.flatten_up_to(inputs)
 
     # Pass 1: classify every position and validate everything, before any tensor is touched.
     splits: list[tuple[int, int]] = []  # (position, dim)
@@ -171,8 +215,11 @@ def _scatter(
                 problems.append(
                     f"{display_path(plan.node_of(pos), root)}: {rule.describe()} needs a tensor, "
                     f"got {describe(x)}"
-                    + (" (use split_items() on a list of per-sample items)"
-                       if isinstance(x, (str, bytes)) else "")
+                    + (
+                        " (use split_items() on a list of per-sample items)"
+                        if isinstance(x, (str, bytes))
+                        else ""
+                    )
                 )
                 type_problem = True
                 continue
@@ -198,7 +245,9 @@ def _scatter(
     if len(lengths) > 1:
         problems.append(
             "split leaves disagree on the batch size: "
-            + "; ".join(f"{n} at {where(ps)}" for n, ps in sorted(lengths.items(), key=lambda kv: kv[1][0]))
+            + "; ".join(
+                f"{n} at {where(ps)}" for n, ps in sorted(lengths.items(), key=lambda kv: kv[1][0])
+            )
         )
     if len(explicit) > 1:
         problems.append(
@@ -233,7 +282,7 @@ def _scatter(
     balanced = sizes is not None and not explicit and sizes == _balanced(sum(sizes), k)
     for pos, d in splits:
         x = up[pos]
-        columns[pos] = x.tensor_split(k, d) if balanced else x.split(list(sizes), d)  # type: ignore[arg-type]
+        columns[pos] = x.tensor_split(k, d) if balanced else x.split(list(sizes or ()), d)
     if items:
         offsets = [0]
         for s in sizes or ():
@@ -248,14 +297,12 @@ def _scatter(
 
     # Pass 3: move to devices where needed.
     src = {x.device for x in up if isinstance(x, Tensor)}
-    item_tensors = bool(items) and any(
-        isinstance(v, Tensor) for pos in items for v in up[pos]
-    )
+    item_tensors = bool(items) and any(isinstance(v, Tensor) for pos in items for v in up[pos])
     trees = []
     up_spec = plan.up_spec
     for r in range(k):
         dev = used[r]
-        leaves_r = per_replica[r]
+        leaves_r: list[Any] = list(per_replica[r])
         if src and src != {dev}:
             nb = dev.type == "cuda"
             leaves_r = [
@@ -263,7 +310,6 @@ def _scatter(
                 for v in leaves_r
             ]
         if item_tensors:
-            leaves_r = list(leaves_r)
             for pos in items:
                 leaves_r[pos] = _move_tree(leaves_r[pos], dev)
         trees.append(up_spec.unflatten(leaves_r))

@@ -25,6 +25,7 @@ __all__ = [
     "register_dataclass",
     "register_node",
     "flatten",
+    "flatten_typed",
     "flatten_full",
     "unflatten",
     "Node",
@@ -85,7 +86,7 @@ def register_dataclass(
     Out(loss=tensor(2.), names=['a', 'b'])
     """
     if cls is None:
-        return functools.partial(register_dataclass, static=static)  # type: ignore[return-value]
+        return functools.partial(register_dataclass, static=static)
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(
             f"register_dataclass expects a class decorated with @dataclasses.dataclass, got {cls!r}"
@@ -151,7 +152,7 @@ def _register(cls: type, flatten_fn: Callable[..., Any], unflatten_fn: Callable[
     if cls in _REGISTERED:
         raise ValueError(f"{cls.__qualname__} is already registered with treegather")
     optree.register_pytree_node(
-        cls,  # type: ignore[arg-type]
+        cls,
         flatten_fn,
         unflatten_fn,
         namespace=NAMESPACE,
@@ -168,7 +169,7 @@ _torch_synced = 0
 class _Context:
     """Hashable wrapper for a torch pytree context (often a list of keys)."""
 
-    __slots__ = ("value", "_key")
+    __slots__ = ("_key", "value")
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -198,7 +199,7 @@ def _bridge(cls: type, node_def: Any) -> None:
             and all(isinstance(k, str) for k in context)
         ):
             names = tuple(context)
-        return children, _Context(context), names  # type: ignore[return-value]
+        return children, _Context(context), names
 
     def unflatten_fn(meta: _Context, children: Iterable[Any]) -> Any:
         return t_unflatten(list(children), meta.value)
@@ -218,7 +219,11 @@ def _sync_torch_registry() -> None:
             continue
         if (getattr(cls, "__module__", "") or "").startswith("torch"):
             continue  # torch's own (torch.Size, return types, fx): leaves, as users expect
-        if cls in (tuple, list, dict) or optree.is_namedtuple_class(cls) or optree.is_structseq_class(cls):
+        if (
+            cls in (tuple, list, dict)
+            or optree.is_namedtuple_class(cls)
+            or optree.is_structseq_class(cls)
+        ):
             continue
         try:
             _bridge(cls, node_def)
@@ -255,7 +260,14 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
     >>> leaves, spec.unflatten(leaves)
     ([2, 1], {'b': 1, 'a': (2, None)})
     """
-    _sync_torch_registry()
+    leaves, spec, _ = flatten_typed(tree)
+    return leaves, spec
+
+
+def flatten_typed(tree: Any) -> tuple[list[Any], PyTreeSpec, set[type]]:
+    """:func:`flatten`, also returning the set of the leaves' types."""
+    if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
+        _sync_torch_registry()
     root_type = type(tree)
     recent = _SPEC_MRU.get(root_type)
     if recent:
@@ -264,21 +276,21 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
                 leaves = spec.flatten_up_to(tree)
             except (ValueError, TypeError):
                 continue
-            if set(map(type, leaves)) <= _KNOWN_LEAF_TYPES and (
-                key_order_ok is None or key_order_ok(tree)
-            ):
+            types = set(map(type, leaves))
+            if types <= _KNOWN_LEAF_TYPES and (key_order_ok is None or key_order_ok(tree)):
                 if i:
                     recent.insert(0, recent.pop(i))
-                return leaves, spec
+                return leaves, spec, types
             break
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    _KNOWN_LEAF_TYPES.update(map(type, leaves))
+    types = set(map(type, leaves))
+    _KNOWN_LEAF_TYPES.update(types)
     checker = _key_order_checker(spec)
     if checker is not False:
         bucket = _SPEC_MRU.setdefault(root_type, [])
-        bucket.insert(0, (spec, checker))
+        bucket.insert(0, (spec, checker if callable(checker) else None))
         del bucket[_MRU_SIZE:]
-    return leaves, spec
+    return leaves, spec, types
 
 
 def unflatten(spec: PyTreeSpec, leaves: Iterable[Any]) -> Any:
@@ -298,7 +310,7 @@ _INDEXABLE_KINDS = (
 )
 
 
-def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | None | bool:
+def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | bool | None:
     """Compile a check that a tree's mappings list their keys in ``spec``'s insertion order.
 
     ``flatten_up_to`` matches mappings by key, so a cached structure would otherwise hand back the
@@ -335,7 +347,7 @@ def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | None | bool:
     source = "def check(t):\n    return " + " and ".join(clauses) + "\n"
     namespace: dict[str, Any] = {"K": consts}
     exec(compile(source, "<treegather key order>", "exec"), namespace)
-    return namespace["check"]  # type: ignore[no-any-return]
+    return namespace["check"]
 
 
 def _insertion_keys(node: PyTreeSpec) -> list[Any]:
@@ -379,7 +391,8 @@ def _child_styles(node: PyTreeSpec) -> list[tuple[Any, str]]:
         return [(f, "attr") for f in fields]
     if kind == PyTreeKind.CUSTOM:
         return [
-            (e, "attr") if isinstance(e, str) and e.isidentifier() and not keyword.iskeyword(e)
+            (e, "attr")
+            if isinstance(e, str) and e.isidentifier() and not keyword.iskeyword(e)
             else (e, "index" if isinstance(e, int) else "key")
             for e in entries
         ]

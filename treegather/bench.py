@@ -57,7 +57,10 @@ def _rec_scatter(obj: Any, k: int) -> list[Any]:
     if isinstance(obj, torch.Tensor):
         return list(obj.tensor_split(k))
     if isinstance(obj, dict):
-        return [type(obj)(z) for z in zip(*[[(key, v) for v in _rec_scatter(val, k)] for key, val in obj.items()])]
+        return [
+            type(obj)(z)
+            for z in zip(*[[(key, v) for v in _rec_scatter(val, k)] for key, val in obj.items()])
+        ]
     return [obj] * k
 
 
@@ -112,15 +115,24 @@ def run_case(
         for name, ts in samples.items():
             med = statistics.median(ts)
             rows.append(
-                {"op": op, "impl": name, "leaves": n_leaves, "shape": list(shape), "replicas": k,
-                 "median_us": med * 1e6, "ratio": med / floor}
+                {
+                    "op": op,
+                    "impl": name,
+                    "leaves": n_leaves,
+                    "shape": list(shape),
+                    "replicas": k,
+                    "median_us": med * 1e6,
+                    "ratio": med / floor,
+                }
             )
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run the benchmark and print the table (``python -m treegather.bench --help``)."""
-    parser = argparse.ArgumentParser(prog="python -m treegather.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m treegather.bench", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="a smaller grid, under a minute")
     parser.add_argument("--json", metavar="PATH", help="save the rows as JSON")
     parser.add_argument("--leaves", type=int, nargs="*", help="override the leaf counts")
@@ -134,9 +146,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     leaves = args.leaves or leaves
     ks = args.replicas or ks
     rows: list[dict[str, Any]] = []
-    print(f"treegather {tg.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"python {platform.python_version()}, 1 intra-op thread")
-    print(f"{'op':8} {'leaves':>6} {'shape':>10} {'K':>2} | {'floor us':>9} {'treegather':>16} {'recursion':>16}")
+    print(
+        f"treegather {tg.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"python {platform.python_version()}, 1 intra-op thread"
+    )
+    print(
+        f"{'op':8} {'leaves':>6} {'shape':>10} {'K':>2} | {'floor us':>9} {'treegather':>16} {'recursion':>16}"
+    )
     for shape in shapes:
         for n in leaves:
             for k in ks:
