@@ -14,6 +14,8 @@ from typing import Any
 import optree
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import treegather as tg
 from treegather.compat.jactorch import (
@@ -457,3 +459,23 @@ def test_v2_length_under_dataclass() -> None:
     )
     with pytest.raises(tg.LayoutError, match=r"outputs\.z.*dict parent.*Out"):
         dict_gather_v2(outputs, -1, layout={"z": "concat"})
+
+
+@given(
+    rows=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    spec=st.sampled_from(["concat", "pad"]),
+    fill=st.integers(-2, 2),
+)
+def test_v2_lengths_recover_every_replica(rows: list[int], spec: str, fill: int) -> None:
+    values = [torch.arange(n * 2).reshape(n, 2) + 100 * i for i, n in enumerate(rows)]
+    layout = {"v": concat() if spec == "concat" else pad(fill)}
+    out = dict_gather_v2([{"v": v} for v in values], -1, layout=layout)
+    assert_tree_equal(out["v_length"], torch.tensor(rows))
+    step = max(rows) if spec == "pad" else None
+    start = 0
+    for i, (v, n) in enumerate(zip(values, out["v_length"].tolist())):
+        block = out["v"][start : start + (step if step is not None else n)]
+        assert_tree_equal(block[:n], v)
+        assert bool((block[n:] == fill).all()), i
+        start += block.shape[0]
+    assert start == out["v"].shape[0]
