@@ -19,6 +19,7 @@ from ._tree import describe, flatten
 __all__ = ["Shards", "scatter", "scatter_kwargs"]
 
 Tensor = torch.Tensor
+_SIMPLE_LEAVES = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 
 class Shards(list[Any]):
@@ -123,6 +124,22 @@ def _balanced(n: int, k: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(k))
 
 
+@functools.lru_cache(maxsize=1)
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def _accelerator_tensors_possible() -> bool:
+    """False when no tensor in this process can live off the CPU (no accelerator initialised)."""
+    if torch.cuda.is_initialized():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return True
+    return _mps_available()
+
+
 def _scatter_default(
     leaves: list[Any], spec: Any, devs: tuple[torch.device, ...], dim: int
 ) -> Shards | None:
@@ -132,27 +149,37 @@ def _scatter_default(
     dataclass leaf, tensors that must move), leaving it to the general path, which reports
     every problem before any work is done.
     """
+    if not all(d.type == "cpu" for d in devs):
+        return None
+    # One pass: rows per split leaf, -1 for a leaf to broadcast, -2 for anything the general path
+    # must look at (a tensor off the CPU, a leaf of another type).
+    simple = _SIMPLE_LEAVES
     try:
-        rows = [x.size(dim) if isinstance(x, Tensor) and x.dim() else -1 for x in leaves]
+        if _accelerator_tensors_possible():
+            rows = [
+                (x.size(dim) if x.dim() else -1)
+                if isinstance(x, Tensor) and x.is_cpu
+                else (-1 if type(x) in simple else -2)
+                for x in leaves
+            ]
+        else:  # no accelerator was ever initialised: every tensor here is on the CPU
+            rows = [
+                (x.size(dim) if x.dim() else -1)
+                if isinstance(x, Tensor)
+                else (-1 if type(x) in simple else -2)
+                for x in leaves
+            ]
     except IndexError:
         return None
     found = set(rows)
     found.discard(-1)
     if len(found) != 1:
-        return None  # nothing to split, or a mismatch: the general path handles both
+        return None  # nothing to split, a mismatch, or -2: the general path handles them
     n = found.pop()
     k = min(n, len(devs))
-    if k == 0:
+    if k <= 0:
         return None
     used = devs[:k]
-    cpu_only = all(d.type == "cpu" for d in used)
-    if not (cpu_only and all(x.is_cpu for x, r in zip(leaves, rows) if r >= 0)):
-        return None
-    if any(
-        r < 0 and not isinstance(x, (Tensor, str, int, float, bool, type(None)))
-        for x, r in zip(leaves, rows)
-    ):
-        return None  # non-tensor leaves: let the general path check them
     if dim:
         columns = [x.tensor_split(k, dim) if r >= 0 else (x,) * k for x, r in zip(leaves, rows)]
     else:

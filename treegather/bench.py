@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -80,28 +81,72 @@ def _time(fn: Callable[[], Any], reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _cuda_impls(
+    tree: Any, k: int, leaves: list[Any], outs: list[Any], columns: list[Any]
+) -> dict[str, dict[str, Callable[[], Any]]]:
+    """On CUDA: CPU batch -> ``cuda:0`` repeated ``k`` times, and back onto ``cuda:0``."""
+    from torch.nn.parallel import scatter_gather as torch_sg
+
+    dev = torch.device("cuda", 0)
+
+    def sync(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            out = fn()
+            torch.cuda.synchronize()
+            return out
+
+        return run
+
+    return {
+        "scatter": {
+            "floor": sync(
+                lambda: [[p.to(dev, non_blocking=True) for p in x.tensor_split(k)] for x in leaves]
+            ),
+            "treegather": sync(lambda: tg.scatter(tree, [dev] * k)),
+            "recursion": sync(lambda: torch_sg.scatter(tree, [0] * k)),
+        },
+        "gather": {
+            "floor": sync(lambda: [torch.cat(c) for c in columns]),
+            "treegather": sync(lambda: tg.gather(outs, dev)),
+            "recursion": sync(lambda: torch_sg.gather(outs, 0)),
+        },
+    }
+
+
 def run_case(
-    n_leaves: int, shape: Sequence[int], k: int, rounds: int = 15, target_s: float = 0.01
+    n_leaves: int,
+    shape: Sequence[int],
+    k: int,
+    rounds: int = 15,
+    target_s: float = 0.01,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
-    """Time scatter and gather for one case; returns one row per (op, implementation)."""
-    devices = ["cpu"] * k
+    """Time scatter and gather for one case; returns one row per (op, implementation).
+
+    On ``device="cuda"`` the batch starts on the CPU and goes to ``cuda:0`` repeated ``k``
+    times, and "recursion" is torch's own ``scatter_gather`` (which needs CUDA).
+    """
+    devices = [device if device == "cpu" else "cuda:0"] * k
     tree = nested_tree(n_leaves, shape)
     leaves, _ = tg._tree.flatten(tree)
     shards = tg.scatter(tree, devices)
     outs = list(shards)
     columns = list(zip(*[tg._tree.flatten(o)[0] for o in outs]))
-    impls: dict[str, dict[str, Callable[[], Any]]] = {
-        "scatter": {
-            "floor": lambda: [x.tensor_split(k) for x in leaves],
-            "treegather": lambda: tg.scatter(tree, devices),
-            "recursion": lambda: _rec_scatter(tree, k),
-        },
-        "gather": {
-            "floor": lambda: [torch.cat(c) for c in columns],
-            "treegather": lambda: tg.gather(outs, "cpu"),
-            "recursion": lambda: _rec_gather(outs),
-        },
-    }
+    if device == "cpu":
+        impls: dict[str, dict[str, Callable[[], Any]]] = {
+            "scatter": {
+                "floor": lambda: [x.tensor_split(k) for x in leaves],
+                "treegather": lambda: tg.scatter(tree, devices),
+                "recursion": lambda: _rec_scatter(tree, k),
+            },
+            "gather": {
+                "floor": lambda: [torch.cat(c) for c in columns],
+                "treegather": lambda: tg.gather(outs, "cpu"),
+                "recursion": lambda: _rec_gather(outs),
+            },
+        }
+    else:
+        impls = _cuda_impls(tree, k, leaves, outs, columns)
     rows = []
     for op, fns in impls.items():
         for fn in fns.values():  # warm up, and size the repetitions
@@ -137,18 +182,28 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", metavar="PATH", help="save the rows as JSON")
     parser.add_argument("--leaves", type=int, nargs="*", help="override the leaf counts")
     parser.add_argument("--replicas", type=int, nargs="*", help="override the replica counts")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cpu: repeated CPU devices; cuda: a CPU batch to cuda:0 repeated (needs CUDA)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
         leaves, ks, shapes, rounds = [10, 1000], [4], [(8, 4)], 9
     else:
-        leaves, ks, shapes, rounds = [10, 100, 1000], [2, 4, 8], [(8, 4), (256, 256)], 15
+        leaves, ks, shapes, rounds = [10, 100, 1000], [2, 4, 8], [(8, 4), (128, 256)], 15
     leaves = args.leaves or leaves
     ks = args.replicas or ks
     rows: list[dict[str, Any]] = []
+    if args.device == "cuda":
+        where = f"cuda:0 x K ({torch.cuda.get_device_name(0)}), batch from the CPU"
+    else:
+        where = f"CPU x K ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     print(
-        f"treegather {tg.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"python {platform.python_version()}, 1 intra-op thread"
+        f"treegather {tg.__version__}, torch {torch.__version__}, python "
+        f"{platform.python_version()}; {where}; 1 intra-op thread; median of {rounds} interleaved rounds"
     )
     print(
         f"{'op':8} {'leaves':>6} {'shape':>10} {'K':>2} | {'floor us':>9} {'treegather':>16} {'recursion':>16}"
@@ -156,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for shape in shapes:
         for n in leaves:
             for k in ks:
-                case = run_case(n, shape, k, rounds=rounds)
+                case = run_case(n, shape, k, rounds=rounds, device=args.device)
                 rows.extend(case)
                 for op in ("scatter", "gather"):
                     r = {row["impl"]: row for row in case if row["op"] == op}
