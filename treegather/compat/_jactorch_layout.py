@@ -289,11 +289,7 @@ class _LengthRule:
                     padded.append(t)
                     continue
                 out = t.new_full(shape, self.spec.fill)
-                out[
-                    tuple(
-                        slice(0, t.shape[a]) if a in axes else slice(None) for a in range(t.dim())
-                    )
-                ] = t
+                out[tuple(slice(0, n) for n in t.shape)] = t
                 padded.append(out)
         data = torch.cat(padded, dim=0)
         # On the CPU, as the seed's torch.LongTensor (pack_padded_sequence wants CPU lengths).
