@@ -13,6 +13,8 @@ stack, mean, sum, pad, as_list, first, cat_items or any callable on the way out.
 
 from __future__ import annotations
 
+from ._apply import parallel_apply, parallel_apply_async
+from ._data_parallel import DataParallel, data_parallel, patch
 from ._errors import (
     BatchSizeError,
     LayoutError,
@@ -23,6 +25,7 @@ from ._errors import (
 )
 from ._gather import gather
 from ._layout import ByPath, by_path
+from ._replicate import replicate
 from ._rules import (
     Padded,
     Rule,
@@ -78,4 +81,23 @@ __all__ = [
     "BatchSizeError",
     "LeafTypeError",
     "ShapeMismatchError",
+    # replicate, apply and the data-parallel entry points (issue 3)
+    "replicate",
+    "parallel_apply",
+    "parallel_apply_async",
+    "data_parallel",
+    "DataParallel",
+    "patch",
 ]
+
+
+# --- treegather.distributed (lazy) -----------------------------------------------------------
+# ``import treegather`` never imports the collectives: ``treegather.distributed`` loads on first
+# use, as ``import treegather.distributed as tgd``, ``from treegather import distributed`` or
+# ``tg.distributed``. (Not in ``__all__``, so that ``from treegather import *`` stays light.)
+def __getattr__(name: str) -> object:
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,776 @@
+"""treegather.distributed across real processes: 2 and 3 gloo ranks on localhost.
+
+Each world size is one spawned group (a module-scoped fixture) that runs every check in a row,
+including the error cases (which must leave the group in step for the checks after them), and
+reports its results through a file per rank; the tests below only compare those results with
+the single-process :func:`treegather.gather` of the same per-rank trees. Every group runs under
+a hard deadline and its processes are joined, terminated or killed before the fixture returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import treegather as tg
+from treegather import _tree
+
+pytestmark = pytest.mark.distributed
+
+GROUP_DEADLINE_S = 60.0
+WORLD_SIZES = (2, 3)
+
+# ------------------------------------------------------------------------------------ corpus
+
+
+@tg.register_dataclass
+@dataclasses.dataclass
+class Metrics:
+    """A registered dataclass leaf container."""
+
+    loss: torch.Tensor
+    count: int
+    tag: str
+
+
+def _ragged(r: int) -> Any:
+    g = torch.Generator().manual_seed(100 + r)
+    return {"logits": torch.randn(r + 1, 3, generator=g), "ids": torch.arange(r + 1) + 10 * r}
+
+
+def _metrics(r: int) -> Any:
+    return {"loss": torch.tensor(1.0 + r), "acc": torch.tensor(0.25 * r, dtype=torch.float64)}
+
+
+def _dataclass(r: int) -> Any:
+    return Metrics(loss=torch.full((r + 1,), float(r)), count=r + 1, tag=f"t{r}")
+
+
+def _strings(r: int) -> Any:
+    return {"names": [f"sample-{r}-{i}" for i in range(2)], "split": "val", "extra": None}
+
+
+def _mixed_dtypes(r: int) -> Any:
+    rows = r + 1
+    return {
+        "f32": torch.arange(rows * 2, dtype=torch.float32).view(rows, 2) / 3,
+        "i64": torch.arange(rows) * (r + 7),
+        "bool": torch.arange(rows) % 2 == r % 2,
+        "bf16": (torch.arange(rows * 2).view(rows, 2) / 7).to(torch.bfloat16),
+        "f16": torch.full((rows,), 0.1 * r, dtype=torch.float16),
+        "u8": torch.full((rows, 3), r, dtype=torch.uint8),
+        "c64": torch.full((rows,), complex(r, 1), dtype=torch.complex64),
+    }
+
+
+def _empty(r: int) -> Any:
+    return {
+        "rows": torch.ones(r, 4),  # rank 0 has no rows
+        "none": torch.empty(0, dtype=torch.int64),
+        "bool": torch.zeros(0, 2, dtype=torch.bool),
+        "bf16": torch.zeros(0, dtype=torch.bfloat16),
+        "nested": {"also_empty": {}, "tuple": ()},
+    }
+
+
+def _no_leaves(r: int) -> Any:
+    return {"a": {}, "b": [], "c": None}
+
+
+def _bare_tensor(r: int) -> Any:
+    return torch.arange(3) * r
+
+
+def _nested(r: int) -> Any:
+    return {
+        "a": [(torch.ones(r + 1, 2), "x"), {"b": torch.zeros(r + 2, dtype=torch.int32)}],
+        "c": 3,
+    }
+
+
+def _same_shapes(r: int) -> Any:
+    return {"h": torch.full((2, 3), float(r)), "cfg": {"lr": 0.1, "name": "run"}}
+
+
+def _padded(r: int) -> Any:
+    return {"tokens": torch.arange((r + 1) * (r + 2)).view(r + 1, r + 2)}
+
+
+def _per_sample(r: int) -> Any:
+    """Per-sample lists whose length differs by rank: taken whole by cat_items()/as_list()."""
+    return {
+        "ids": [f"id{r}-{i}" for i in range(r + 1)],
+        "tokens": [torch.arange(i + 1) + 10 * r for i in range(r + 2)],
+        "spans": {"rank": r, "pairs": [(i, torch.tensor([i, i + 1])) for i in range(r)]},
+        "x": torch.full((r + 1, 2), float(r)),
+    }
+
+
+def _count_items(values: list[Any], device: torch.device) -> Any:
+    """A custom rule on an inner node: the per-rank subtrees whole."""
+    return [len(v["pairs"]) for v in values]
+
+
+def _lengths(values: list[Any], device: torch.device) -> Any:
+    """A custom gather rule: the per-rank number of rows."""
+    return torch.tensor([v.shape[0] for v in values], device=device)
+
+
+# name -> (tree maker, layout maker, sizes per rank or None)
+CASES: dict[str, tuple[Callable[[int], Any], Callable[[], Any], Callable[[int], int] | None]] = {
+    "ragged": (_ragged, lambda: None, None),
+    "metrics_0dim": (_metrics, lambda: None, None),
+    "metrics_mean": (_metrics, lambda: {"loss": tg.mean(), "acc": tg.sum()}, lambda r: r + 1),
+    "dataclass": (_dataclass, lambda: None, None),
+    "strings_none": (_strings, lambda: None, None),
+    "mixed_dtypes": (_mixed_dtypes, lambda: None, None),
+    "empty": (_empty, lambda: None, None),
+    "no_leaves": (_no_leaves, lambda: None, None),
+    "bare_tensor": (_bare_tensor, lambda: None, None),
+    "nested": (_nested, lambda: None, None),
+    "stack_first": (_same_shapes, lambda: {"h": tg.stack(), "cfg": tg.first()}, None),
+    "as_list": (_same_shapes, lambda: tg.as_list(), None),
+    "pad": (_padded, lambda: {"tokens": tg.pad(0, fill=-1, lengths=True)}, None),
+    "per_sample_lists": (
+        _per_sample,
+        lambda: {"ids": tg.cat_items(), "tokens": tg.cat_items(), "spans": _count_items, "x": 0},
+        None,
+    ),
+    "per_sample_as_list": (
+        _per_sample,
+        lambda: tg.by_path({"ids": "as_list", "tokens": "as_list", "spans": "as_list"}),
+        None,
+    ),
+    "by_path_custom": (
+        _ragged,
+        lambda: tg.by_path({"logits": tg.as_list(), "ids": _lengths}),
+        None,
+    ),
+}
+OPS = ("all_gather", "gather", "broadcast")
+
+
+def _dst(world: int) -> int:
+    return world - 1
+
+
+def _src(world: int) -> int:
+    return min(1, world - 1)
+
+
+def _run_op(op: str, name: str, rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    make, layout, sizes = CASES[name]
+    size = sizes(rank) if sizes else None
+    if op == "all_gather":
+        return tgd.all_gather(make(rank), layout(), sizes=size)
+    if op == "gather":
+        return tgd.gather(make(rank), _dst(world), layout(), sizes=size)
+    return tgd.broadcast(make(rank) if rank == _src(world) else None, src=_src(world))
+
+
+def _expected(op: str, name: str, rank: int, world: int) -> Any:
+    make, layout, sizes = CASES[name]
+    if op == "broadcast":
+        return make(_src(world))
+    if op == "gather" and rank != _dst(world):
+        return None
+    trees = [make(r) for r in range(world)]
+    return tg.gather(
+        trees, "cpu", layout(), sizes=[sizes(r) for r in range(world)] if sizes else None
+    )
+
+
+# --------------------------------------------------------------------------- error scenarios
+
+
+def _unpicklable(r: int) -> Any:
+    return {"x": torch.ones(1), "f": (lambda: r) if r == 1 else "ok"}
+
+
+ERRORS: dict[str, Callable[[int, int], Any]] = {}
+
+
+def _error(fn: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
+    ERRORS[fn.__name__] = fn
+    return fn
+
+
+@_error
+def missing_key(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    tree = {"a": torch.ones(rank + 1), "b": torch.ones(1)}
+    if rank == 1:
+        del tree["b"]
+    return tgd.all_gather(tree)
+
+
+@_error
+def list_vs_tuple(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    seq = [torch.ones(1), torch.ones(2)]
+    return tgd.gather({"out": {"pair": tuple(seq) if rank == world - 1 else seq}}, dst=0)
+
+
+@_error
+def tensor_vs_string(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather({"x": "n/a" if rank == 1 else torch.ones(1)})
+
+
+@_error
+def dtype(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather(
+        {"scores": torch.ones(2, dtype=torch.int64 if rank == 1 else torch.float32)}
+    )
+
+
+@_error
+def non_cat_dim_all_gather(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather({"emb": torch.ones(2, 3 + (rank == 1))})
+
+
+@_error
+def non_cat_dim_gather(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.gather({"emb": torch.ones(2, 3 + (rank == 1))}, dst=0)
+
+
+@_error
+def stack_shapes_gather(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.gather({"h": torch.ones(rank + 1)}, dst=world - 1, layout={"h": tg.stack()})
+
+
+@_error
+def unpicklable_leaf(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather(_unpicklable(rank))
+
+
+@_error
+def sizes_on_some_ranks(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather(
+        {"loss": torch.tensor(1.0)}, {"loss": tg.mean()}, sizes=None if rank else 4
+    )
+
+
+@_error
+def dst_disagrees(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.gather({"x": torch.ones(1)}, dst=0 if rank == 0 else 1)
+
+
+@_error
+def different_calls(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    if rank == 0:
+        return tgd.gather({"x": torch.ones(1)}, dst=0)
+    return tgd.all_gather({"x": torch.ones(1)})
+
+
+@_error
+def broadcast_unpicklable(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.broadcast(_unpicklable(rank) if rank == 1 else None, src=1)
+
+
+@_error
+def src_disagrees(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.broadcast({"x": torch.ones(1)}, src=0 if rank == world - 1 else 1)
+
+
+@_error
+def mismatch_beside_whole_nodes(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    tree = {"ids": [f"id{i}" for i in range(rank + 1)], "x": torch.ones(1)}
+    if rank == 1:
+        tree["y"] = torch.ones(1)
+    return tgd.all_gather(tree, tg.by_path({"ids": tg.cat_items()}, default=tg.cat()))
+
+
+@_error
+def layout_error(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather({"x": torch.ones(1)}, tg.by_path({"nope": tg.cat()}))
+
+
+# ------------------------------------------------------------------------ collective counting
+
+_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_gather_coalesced",
+    "_all_gather_base",
+    "gather",
+    "gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "all_reduce",
+    "reduce",
+    "scatter",
+    "scatter_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
+
+
+@contextlib.contextmanager
+def _counting() -> Iterator[list[str]]:
+    """Count the collectives that reach the backend (innermost torch.distributed calls).
+
+    Both ``torch.distributed.X`` and ``distributed_c10d.X`` are wrapped, so calls that torch
+    makes internally (``all_gather_object`` issues two ``all_gather``) are seen too; a call is
+    counted only when it issued no nested collective, i.e. once per backend operation.
+    """
+    c10d = dist.distributed_c10d
+    calls: list[str] = []
+    stack: list[list[bool]] = []
+    saved: list[tuple[Any, str, Any]] = []
+
+    def wrap(name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if stack:
+                stack[-1][0] = True
+            stack.append([False])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                nested = stack.pop()[0]
+                if not nested:
+                    calls.append(name)
+
+        return counted
+
+    for module in (dist, c10d):
+        for name in _COLLECTIVES:
+            fn = getattr(module, name, None)
+            if fn is not None:
+                saved.append((module, name, fn))
+                setattr(module, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def _big_tree(rank: int) -> Any:
+    """1000 leaves of two dtypes (float32 and int64), ragged first dims."""
+    return {
+        f"layer{j}": {
+            f"t{i}": torch.ones(rank + 1 + i % 3, 4) if i % 2 else torch.arange(rank + 1 + i % 3)
+            for i in range(10 * j, 10 * j + 10)
+        }
+        for j in range(100)
+    }
+
+
+def _count_calls(rank: int, world: int) -> dict[str, Any]:
+    import treegather.distributed as tgd
+
+    tree = _big_tree(rank)
+    leaves, _ = _tree.flatten(tree)
+    assert len(leaves) == 1000 and {x.dtype for x in leaves} == {torch.float32, torch.int64}
+    counts: dict[str, Any] = {}
+    for op, call in (
+        ("all_gather", lambda: tgd.all_gather(tree)),
+        ("gather", lambda: tgd.gather(tree, dst=0)),
+        ("broadcast", lambda: tgd.broadcast(tree, src=0)),
+    ):
+        with _counting() as calls:
+            out = call()
+        counts[op] = list(calls)
+        if op == "all_gather":
+            counts["all_gather_rows"] = int(out["layer0"]["t1"].shape[0])
+    return counts
+
+
+# -------------------------------------------------------------------------------- the worker
+
+
+def _capture(fn: Callable[[], Any]) -> tuple[Any, ...]:
+    try:
+        return ("ok", fn())
+    except Exception as exc:
+        return ("raised", type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    results: dict[Any, Any] = {}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=30),
+        )
+        for name in CASES:
+            for op in OPS:
+                results[(name, op)] = _capture(lambda: _run_op(op, name, rank, world))  # noqa: B023
+        for name, fn in ERRORS.items():
+            results[("error", name)] = _capture(lambda: fn(rank, world))  # noqa: B023
+            # The group must still be in step after an error: one ordinary call.
+            results[("after", name)] = _capture(
+                lambda: _run_op("all_gather", "ragged", rank, world)
+            )
+        results["count"] = _capture(lambda: _count_calls(rank, world))
+    except Exception:
+        results["fatal"] = traceback.format_exc()
+    finally:
+        torch.save(results, Path(outdir) / f"rank{rank}.pt")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_group(
+    world: int, outdir: Path, target: Callable[..., None] = _worker
+) -> list[dict[Any, Any]]:
+    """Spawn ``world`` ranks running ``target``; return each rank's results. No process survives."""
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=target, args=(r, world, port, str(outdir)), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + GROUP_DEADLINE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    stragglers = [p for p in procs if p.is_alive()]
+    for p in stragglers:
+        p.terminate()
+    for p in stragglers:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert not any(p.is_alive() for p in procs)
+    assert not stragglers, (
+        f"{len(stragglers)} rank(s) still running after {GROUP_DEADLINE_S}s: killed"
+    )
+    assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
+    results = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        assert "fatal" not in res, f"rank {r}:\n{res['fatal']}"
+    return results
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def group_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[Any, Any]]]:
+    world = request.param
+    return world, run_group(world, tmp_path_factory.mktemp(f"dist{world}"))
+
+
+# ------------------------------------------------------------------------------------- checks
+
+
+def assert_tree_equal(actual: Any, expected: Any) -> None:
+    la, sa = _tree.flatten(actual)
+    le, se = _tree.flatten(expected)
+    assert sa == se, f"structure {sa} != {se}"
+    for x, y in zip(la, le):
+        if isinstance(y, torch.Tensor):
+            assert isinstance(x, torch.Tensor), (x, y)
+            assert (x.dtype, x.shape, x.device) == (y.dtype, y.shape, y.device), (x, y)
+            assert torch.equal(x, y), (x, y)
+        else:
+            assert type(x) is type(y) and x == y, (x, y)
+
+
+def _ok(result: tuple[Any, ...]) -> Any:
+    assert result[0] == "ok", result[3] if len(result) > 3 else result
+    return result[1]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_single_process_gather(group_results: Any, case: str, op: str) -> None:
+    world, results = group_results
+    for rank, res in enumerate(results):
+        assert_tree_equal(_ok(res[(case, op)]), _expected(op, case, rank, world))
+
+
+ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
+    "missing_key": (tg.StructureMismatchError, ["outputs['b']", "rank 1"]),
+    "list_vs_tuple": (tg.StructureMismatchError, ["outputs['out']['pair']", "list", "tuple"]),
+    "tensor_vs_string": (
+        tg.StructureMismatchError,
+        ["outputs['x']", "str on rank 1", "Tensor(float32)"],
+    ),
+    "dtype": (tg.ShapeMismatchError, ["outputs['scores']", "int64 on rank 1", "float32 on rank"]),
+    "non_cat_dim_all_gather": (tg.ShapeMismatchError, ["['emb']", "replica 1: [2, 4]", "rank"]),
+    "non_cat_dim_gather": (tg.ShapeMismatchError, ["['emb']", "replica 1: [2, 4]", "rank"]),
+    "stack_shapes_gather": (tg.ShapeMismatchError, ["['h']", "stack"]),
+    "unpicklable_leaf": (tg.LeafTypeError, ["on rank 1", "outputs['f']", "picklable"]),
+    "sizes_on_some_ranks": (tg.BatchSizeError, ["sizes=", "4 on rank 0", "None on rank"]),
+    "dst_disagrees": (tg.StructureMismatchError, ["dst=0", "dst=1"]),
+    "different_calls": (tg.StructureMismatchError, ["gather", "all_gather", "rank 0"]),
+    "mismatch_beside_whole_nodes": (tg.StructureMismatchError, ["outputs['y']", "missing on rank"]),
+    "layout_error": (tg.LayoutError, ["on ranks 0, 1", "nope"]),
+    "broadcast_unpicklable": (tg.LeafTypeError, ["on rank 1", "outputs['f']", "picklable"]),
+    "src_disagrees": (tg.StructureMismatchError, ["broadcast(..., src=0)", "src=1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ERROR_EXPECTATIONS))
+def test_mismatch_raises_the_same_error_on_every_rank(group_results: Any, name: str) -> None:
+    world, results = group_results
+    cls, fragments = ERROR_EXPECTATIONS[name]
+    outcomes = [res[("error", name)] for res in results]
+    for rank, outcome in enumerate(outcomes):
+        assert outcome[0] == "raised", f"rank {rank} did not raise: {outcome}"
+        assert outcome[1] == cls.__name__, f"rank {rank}: {outcome[3]}"
+        for fragment in fragments:
+            assert fragment in outcome[2], (
+                f"{fragment!r} not in rank {rank}'s message:\n{outcome[2]}"
+            )
+    assert len({o[2] for o in outcomes}) == 1, "ranks raised different messages"
+    # ... and the group is still in step afterwards.
+    for rank, res in enumerate(results):
+        assert_tree_equal(_ok(res[("after", name)]), _expected("all_gather", "ragged", rank, world))
+
+
+def test_collectives_do_not_grow_with_leaves(group_results: Any) -> None:
+    world, results = group_results
+    for res in results:
+        counts = _ok(res["count"])
+        assert counts["all_gather_rows"] == sum(r + 2 for r in range(world))
+        for op in ("all_gather", "gather", "broadcast"):
+            assert len(counts[op]) <= 4, (op, counts[op])
+        # The exact protocol, pinned: a length exchange, then one buffer (gather: headers + data).
+        # (``all_gather_single`` is torch >= 2.13's name for ``all_gather_into_tensor``.)
+        ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        assert counts["all_gather"] == [ag, ag]
+        assert counts["gather"] == [ag, ag, "gather"]
+        assert counts["broadcast"] == [ag, "broadcast"]
+
+
+def test_ddp_eval_example_runs_under_torchrun() -> None:
+    """notebooks/ddp_eval.py, as the README launches it (``--standalone`` picks a free port)."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.Popen(
+        [*cmd, str(root / "notebooks" / "ddp_eval.py")],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # one process group: torchrun and its workers
+    )
+    try:
+        out, err = proc.communicate(timeout=GROUP_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    assert "gathered 21 samples: [10, 11] per rank" in out, out
+
+
+def test_all_tests_left_no_children() -> None:
+    assert multiprocessing.active_children() == []
+
+
+# ---------------------------------------------------------------------- single-process checks
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_uninitialised_group_is_a_clear_error() -> None:
+    import treegather.distributed as tgd
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tgd.all_gather({"x": torch.ones(1)})
+
+
+def test_bad_dst_is_rejected(world_of_one: None) -> None:
+    import treegather.distributed as tgd
+
+    with pytest.raises(ValueError, match=r"dst=3 is not a rank"):
+        tgd.gather({"x": torch.ones(1)}, dst=3)
+
+
+def test_results_are_detached_copies(world_of_one: None) -> None:
+    import treegather.distributed as tgd
+
+    x = torch.ones(2, requires_grad=True)
+    out = tgd.all_gather({"x": x}, {"x": tg.as_list()})
+    assert not out["x"][0].requires_grad
+    out["x"][0].add_(1)
+    assert torch.equal(x.detach(), torch.ones(2))
+
+
+def test_import_treegather_does_not_import_distributed() -> None:
+    code = (
+        "import sys, treegather as tg\n"
+        "assert 'treegather.distributed' not in sys.modules\n"
+        "import treegather.distributed as tgd\n"
+        "assert tg.distributed is tgd and tgd.all_gather\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+
+
+def test_lazy_attribute() -> None:
+    import treegather.distributed as tgd
+
+    assert tg.distributed is tgd
+    with pytest.raises(AttributeError):
+        _ = tg.not_a_name
+
+
+# ----------------------------------------------------------------------------------- on a GPU
+
+
+def _cuda_tree(r: int) -> Any:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return {
+        "logits": torch.arange((r + 1) * 3, dtype=torch.float32, device=dev).view(r + 1, 3),
+        "mask": torch.arange(r + 1, device=dev) % 2 == 0,
+        "bf16": torch.full((r + 1, 2), 0.5 + r, dtype=torch.bfloat16, device=dev),
+        "empty": torch.empty(0, 4, device=dev),
+        "loss": torch.tensor(1.0 + r, device=dev),
+        "name": f"rank{r}",
+    }
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl", "gloo"])
+def test_cuda_tensors_one_rank(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL (tensors on the rank's GPU), torch's default mixed group, and gloo with GPU tensors."""
+    import treegather.distributed as tgd
+
+    torch.cuda.set_device(0)
+    carriers: list[torch.device] = []
+    real = tgd._all_gather_into
+
+    def spy(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+        carriers.append(inp.device)
+        real(out, inp, group)
+
+    monkeypatch.setattr(tgd, "_all_gather_into", spy)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tree = _cuda_tree(0)
+        assert_tree_equal(tgd.all_gather(tree), tg.gather([tree], "cuda:0"))
+        # The tensor bytes ride on the GPU except on plain gloo.
+        assert carriers[-1].type == ("cpu" if backend == "gloo" else "cuda"), carriers
+        assert_tree_equal(tgd.gather(tree, dst=0), tg.gather([tree], "cuda:0"))
+        assert_tree_equal(tgd.broadcast(tree, src=0), tree)
+        cpu_tree = {"x": torch.arange(3), "s": "cpu"}
+        out = tgd.all_gather(cpu_tree)
+        assert_tree_equal(out, tg.gather([cpu_tree], "cpu"))  # results follow the inputs
+        assert_tree_equal(
+            tgd.all_gather({"loss": tree["loss"]}, tg.mean(), sizes=3), {"loss": tree["loss"]}
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _cuda_gloo_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    """Two gloo ranks sharing GPU 0 (NCCL needs one GPU per rank; gloo does not)."""
+    import treegather.distributed as tgd
+
+    results: dict[Any, Any] = {}
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=30),
+        )
+        tree = _cuda_tree(rank)
+        results["all_gather"] = _capture(lambda: tgd.all_gather(tree))
+        results["gather"] = _capture(lambda: tgd.gather(tree, dst=1))
+        results["broadcast"] = _capture(lambda: tgd.broadcast(tree if rank == 0 else None, src=0))
+        for value in results.values():  # results stay on the GPU, like the inputs
+            if value[0] == "ok" and value[1] is not None:
+                assert all(
+                    x.device.type == "cuda"
+                    for x in _tree.flatten(value[1])[0]
+                    if isinstance(x, torch.Tensor)
+                )
+    except Exception:
+        results["fatal"] = traceback.format_exc()
+    finally:
+        torch.save(results, Path(outdir) / f"rank{rank}.pt")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_two_gloo_ranks(tmp_path: Path) -> None:
+    results = run_group(2, tmp_path, target=_cuda_gloo_worker)
+    torch.cuda.set_device(0)
+    expected = tg.gather([_cuda_tree(0), _cuda_tree(1)], "cuda:0")
+    for rank, res in enumerate(results):
+        assert_tree_equal(_ok(res["all_gather"]), expected)
+        assert_tree_equal(_ok(res["gather"]), expected if rank == 1 else None)
+        assert_tree_equal(_ok(res["broadcast"]), _cuda_tree(0))
