@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import optree
 import pytest
@@ -21,6 +21,8 @@ import treegather as tg
 from treegather.compat.jactorch import (
     DataLayout,
     DataLayoutSpec,
+    DictGatherDataParallel,
+    JacDataParallel,
     concat,
     data_parallel_dict_gather,
     dict_gather_v1,
@@ -479,3 +481,140 @@ def test_v2_lengths_recover_every_replica(rows: list[int], spec: str, fill: int)
         assert bool((block[n:] == fill).all()), i
         start += block.shape[0]
     assert start == out["v"].shape[0]
+
+
+# ------------------------------------------------------------------ data-parallel modules
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor, tag: str = "t") -> dict[str, Any]:
+        y = x * self.w
+        return {
+            "loss": y.sum(),
+            "y": y,
+            "name": tag,
+            "devices": (str(x.device), str(self.w.device)),
+        }
+
+
+class VarNet(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"z": x.repeat_interleave(x.long()), "devices": (str(x.device),), "n": x.numel()}
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_dict_gather_data_parallel_on_cpu_devices(k: int) -> None:
+    net = Net()
+    dp = DictGatherDataParallel(net, device_ids=["cpu"] * k)
+    assert isinstance(dp, torch.nn.DataParallel) and dp.dim == 0
+    x = torch.arange(6.0)
+    out = dp(x)
+    sums = torch.stack([c.sum() * 2 for c in x.tensor_split(k)])
+    assert_tree_equal(out["loss"].detach(), sums)
+    assert_tree_equal(out["y"].detach(), x * 2)
+    assert out["name"] == ["t"] * k
+    assert out["devices"] == (["cpu"] * k, ["cpu"] * k)
+    out["loss"].sum().backward()
+    assert_tree_equal(net.w.grad, torch.tensor(15.0))
+
+
+def test_seed_bug_dict_gather_data_parallel_dim_on_cpu() -> None:
+    # The seed's DictGatherDataParallel.gather read self.dim, which torch does not set without CUDA.
+    dp = DictGatherDataParallel(Net())
+    assert dp.dim == 0
+    out = dp.gather([{"x": torch.ones(2)}, {"x": torch.zeros(1)}], -1)
+    assert_tree_equal(out, {"x": torch.tensor([1.0, 1.0, 0.0])})
+
+
+def test_jac_data_parallel_dict_gather_layout() -> None:
+    dp = JacDataParallel(
+        VarNet(), device_ids=["cpu"] * 2, dict_gather_layout={"z": "concat", "devices": "skip"}
+    )
+    out = dp(torch.tensor([1.0, 2.0, 3.0, 1.0]))
+    expected = {
+        "z": torch.tensor([1.0, 2, 2, 3, 3, 3, 1]),
+        "z_length": torch.tensor([3, 4]),
+        "devices": [("cpu",), ("cpu",)],
+        "n": torch.tensor([2, 2]),
+    }
+    assert_tree_equal(out, expected)
+
+
+def test_jac_data_parallel_without_dict_gather() -> None:
+    dp = JacDataParallel(VarNet(), device_ids=["cpu"] * 2, use_dict_gather=False)
+    out = dp(torch.tensor([1.0, 2.0]))
+    assert_tree_equal(out["z"], torch.tensor([1.0, 2.0, 2.0]))
+    assert out["n"] == [1, 1]
+
+
+def test_jac_data_parallel_user_scattered() -> None:
+    dp = JacDataParallel(Net(), device_ids=["cpu"] * 3, user_scattered=True)
+    out = dp([torch.ones(2), torch.ones(3), torch.ones(1)])
+    assert_tree_equal(out["loss"].detach(), torch.tensor([4.0, 6.0, 2.0]))
+    assert_tree_equal(out["y"].detach(), torch.full((6,), 2.0))
+    out = dp([torch.ones(2), torch.ones(3)])  # fewer inputs than devices: the first devices
+    assert_tree_equal(out["loss"].detach(), torch.tensor([4.0, 6.0]))
+    with pytest.raises(TypeError, match="one list of per-device inputs"):
+        dp(torch.ones(2))
+    with pytest.raises(TypeError, match="no keyword arguments"):
+        dp([torch.ones(1)], tag="a")
+    with pytest.raises(ValueError, match="4 per-device inputs for 3 devices"):
+        dp([torch.ones(1)] * 4)
+
+
+def test_jac_data_parallel_scatter_func() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def my_scatter(inputs: Any, kwargs: Any, device_ids: Any, dim: int = 0) -> Any:
+        calls.append((len(device_ids), dim))
+        (x,) = inputs
+        return [(x[:1],), (x[1:],)], [{"tag": "a"}, {"tag": "b"}]
+
+    dp = JacDataParallel(Net(), device_ids=["cpu"] * 2, scatter_func=my_scatter)
+    out = dp(torch.arange(3.0))
+    assert_tree_equal(out["y"].detach(), torch.tensor([0.0, 2.0, 4.0]))
+    assert out["name"] == ["a", "b"]
+    assert calls == [(2, 0)]
+
+
+class SyncLike(torch.nn.Module):
+    """Records __data_parallel_replicate__ calls, the way SyncBatchNorm-style modules use them."""
+
+    log: ClassVar[list[tuple[str, int, Any]]] = []
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.lin = torch.nn.Linear(1, 1)
+
+    def __data_parallel_replicate__(self, ctx: Any, copy_id: int) -> None:
+        if copy_id == 0:
+            ctx.master = f"{self.name}-master"
+        SyncLike.log.append((self.name, copy_id, getattr(ctx, "master", None)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_jac_data_parallel_replication_callback(k: int) -> None:
+    SyncLike.log = []
+    model = torch.nn.Sequential(SyncLike("a"), SyncLike("b"))
+    dp = JacDataParallel(model, device_ids=["cpu"] * k)
+    assert dp(torch.ones(6, 1)).shape == (6, 1)
+    expected = [(n, i, f"{n}-master") for i in range(k) for n in ("a", "b")]
+    assert SyncLike.log == expected
+    SyncLike.log = []
+    JacDataParallel(model, device_ids=["cpu"] * k, allow_replication_callback=False)(
+        torch.ones(6, 1)
+    )
+    assert SyncLike.log == []
+
+
+def test_jac_data_parallel_persistent_is_refused() -> None:
+    with pytest.raises(ValueError, match="persistent=True"):
+        JacDataParallel(Net(), device_ids=["cpu"] * 2, persistent=True)
