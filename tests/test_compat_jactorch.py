@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import doctest
+import inspect
 from typing import Any, ClassVar
 
 import optree
@@ -18,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import treegather as tg
+import treegather.compat.jactorch as jactorch
 from treegather.compat.jactorch import (
     DataLayout,
     DataLayoutSpec,
@@ -618,3 +621,55 @@ def test_jac_data_parallel_replication_callback(k: int) -> None:
 def test_jac_data_parallel_persistent_is_refused() -> None:
     with pytest.raises(ValueError, match="persistent=True"):
         JacDataParallel(Net(), device_ids=["cpu"] * 2, persistent=True)
+
+
+# ------------------------------------------------------ every device set (CPU, CUDA when present)
+
+
+def test_v2_on_each_device_set(devices: list[str]) -> None:
+    target = torch.device(devices[0])
+    outputs: list[dict[str, Any]] = [
+        {"z": torch.full((i + 1, 2), float(i), device=d), "m": 0.5 * i, "tag": "t"}
+        for i, d in enumerate(devices)
+    ]
+    out = dict_gather_v2(outputs, devices[0], layout={"z": "pad", "tag": "skip"})
+    k = len(devices)
+    rows = [torch.tensor([[float(i)] * 2] * (i + 1) + [[0.0, 0.0]] * (k - 1 - i)) for i in range(k)]
+    expected = {
+        "z": torch.cat(rows).to(target),
+        "z_length": torch.arange(1, k + 1),  # on the CPU, as the seed's
+        "m": (0.5 * torch.arange(k, dtype=torch.float64)).to(target),
+        "tag": ["t"] * k,
+    }
+    assert_tree_equal(out, expected)
+    assert_tree_equal(dict_gather_v1(outputs, -1)["z"], torch.cat([o["z"].cpu() for o in outputs]))
+
+
+def test_data_parallel_classes_on_each_device_set(devices: list[str]) -> None:
+    x = torch.arange(6.0, device=devices[0])
+    net = Net().to(devices[0])
+    out = DictGatherDataParallel(net, device_ids=devices)(x)
+    assert_tree_equal(out["y"].detach(), x * 2)
+    assert out["name"] == ["t"] * min(len(devices), 6)
+    jac = JacDataParallel(VarNet(), device_ids=devices, dict_gather_layout={"z": "concat"})
+    out = jac(torch.ones(6, device=devices[0]))
+    assert_tree_equal(out["z"], torch.ones(6, device=devices[0]))
+    assert_tree_equal(
+        out["z_length"], torch.tensor([len(c) for c in torch.ones(6).tensor_split(len(devices))])
+    )
+
+
+# ------------------------------------------------------------------------------ public face
+
+
+@pytest.mark.parametrize("name", jactorch.__all__)
+def test_every_public_name_is_documented_with_an_example(name: str) -> None:
+    obj = getattr(jactorch, name)
+    own = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+    assert own and own.strip(), f"{name} has no docstring of its own"
+    params = [p for p in inspect.signature(obj).parameters.values() if p.name != "self"]
+    assert all(p.annotation is not inspect.Parameter.empty for p in params), name
+    if params:
+        assert "Args:" in own, f"{name}'s docstring has no Args section"
+    tests = doctest.DocTestFinder(recurse=False).find(obj, name)
+    assert any(t.examples for t in tests), f"{name} has no >>> example"

@@ -111,6 +111,12 @@ def concat() -> DataLayoutSpec:
 def pad(fill: Any = 0) -> DataLayoutSpec:
     """Pad dim 0 of each replica to the longest with ``fill``, concatenate, add ``<key>_length``.
 
+    Args:
+        fill: the padding value.
+
+    Returns:
+        The spec.
+
     >>> pad(fill=-1)
     DataLayoutSpec('pad', fill=-1)
     """
@@ -119,6 +125,12 @@ def pad(fill: Any = 0) -> DataLayoutSpec:
 
 def pad2d(fill: Any = 0) -> DataLayoutSpec:
     """Pad dims 0 and 1 with ``fill``, concatenate, add a ``<key>_length`` of shape (replicas, 2).
+
+    Args:
+        fill: the padding value.
+
+    Returns:
+        The spec.
 
     >>> pad2d()
     DataLayoutSpec('pad2d', fill=0)
@@ -130,6 +142,12 @@ def padimage(fill: Any = 0) -> DataLayoutSpec:
     """Pad H and W of (C, H, W) images, concatenate along dim 0, add ``<key>_length`` (replicas, 2).
 
     The seed's ``padimage()`` built a ``pad2d`` spec; this one is a real ``padimage``.
+
+    Args:
+        fill: the padding value.
+
+    Returns:
+        The spec.
 
     >>> padimage()
     DataLayoutSpec('padimage', fill=0)
