@@ -33,6 +33,7 @@ __all__ = [
     "skip",
     "stack",
     "to_gather_layout",
+    "translate",
 ]
 
 _TYPES = ("skip", "stack", "concat", "pad", "pad2d", "padimage")
@@ -376,6 +377,15 @@ def to_gather_layout(layout: LayoutLike, example: Any) -> Any:
     >>> to_gather_layout({"z": "concat"}, (torch.zeros(()), {"z": torch.zeros(2)}))
     by_path({'1.z': <jactorch DataLayoutSpec('concat') rule>}, default=None)
     """
+    return translate(layout, example)[0]
+
+
+def translate(layout: LayoutLike, example: Any) -> tuple[Any, bool]:
+    """:func:`to_gather_layout`, and whether any rule adds a ``<key>_length`` (cached).
+
+    >>> translate({"z": "skip"}, {"z": 1})
+    (by_path({'z': <jactorch skip rule>}, default=None), False)
+    """
     seed = _as_layout(layout)
     leaves, treespec = flatten(example)
     try:
@@ -388,7 +398,8 @@ def to_gather_layout(layout: LayoutLike, example: Any) -> Any:
     except TypeError:  # an unhashable fill value: no caching
         key = None
     if key is not None and key in _CACHE:
-        return _CACHE[key]
+        cached: tuple[Any, bool] = _CACHE[key]
+        return cached
     rules: dict[tuple[str, ...], Any] = {}
     for leaf, accessor in zip(leaves, treespec.accessors()):
         entries = tuple(accessor)
@@ -406,9 +417,12 @@ def to_gather_layout(layout: LayoutLike, example: Any) -> Any:
             elif isinstance(leaf, (bool, int, float)):
                 rules[path] = _NumbersRule(_where(entries))
     if () in rules:  # the outputs are a single leaf: its rule is the whole layout
-        return rules[()]
+        return rules[()], False
     _check_dotted_keys(rules, treespec)
-    result = by_path({".".join(map(_escape, p)): r for p, r in rules.items()}) if rules else None
+    result: tuple[Any, bool] = (None, False)
+    if rules:
+        adds = any(isinstance(r, _LengthRule) for r in rules.values())
+        result = (by_path({".".join(map(_escape, p)): r for p, r in rules.items()}), adds)
     if key is not None:
         if len(_CACHE) > 256:
             _CACHE.clear()

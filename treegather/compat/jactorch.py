@@ -32,7 +32,7 @@ from ._jactorch_layout import (
     padimage,
     skip,
     stack,
-    to_gather_layout,
+    translate,
 )
 
 __all__ = [
@@ -129,8 +129,9 @@ def dict_gather_v2(
     if layout is None:
         return dict_gather_v1(outputs, target_device, dim=dim)
     replicas = _replicas(outputs)
-    rules = to_gather_layout(layout, replicas[0])
-    return insert_lengths(gather(replicas, as_device(target_device), rules, dim=dim))
+    rules, adds_lengths = translate(layout, replicas[0])
+    out = gather(replicas, as_device(target_device), rules, dim=dim)
+    return insert_lengths(out) if adds_lengths else out
 
 
 def data_parallel_dict_gather(
