@@ -302,3 +302,19 @@ def test_batchnorm_statistics_follow_replica_zero_as_in_torch() -> None:
     ref(x[:4])  # replica 0's shard
     torch.testing.assert_close(net[1].running_mean, ref[1].running_mean)
     torch.testing.assert_close(net[1].running_var, ref[1].running_var)
+
+
+def test_overridden_scatter_may_return_plain_lists_as_torch_allows() -> None:
+    # torch's API lets a subclass's scatter return per-device sequences; kwargs may be None.
+    class Doubler(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"y": x * 2}
+
+    class ManualScatter(tg.DataParallel):
+        def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+            x = inputs[0]
+            return [(x[:3],), (x[3:],)], None
+
+    dp = ManualScatter(Doubler(), device_ids=["cpu", "cpu"])
+    out = dp(torch.arange(5.0))
+    assert torch.equal(out["y"], torch.arange(5.0) * 2)

@@ -161,8 +161,9 @@ class DataParallel(nn.DataParallel):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)
             _check_module_device(self.module, self.src_device_obj)
-            args_shards, kwargs_shards = self.scatter(inputs, kwargs, self.device_ids)
-            args_shards, kwargs_shards = _trim_unsplit(args_shards, kwargs_shards)
+            args_shards, kwargs_shards = _as_shards(
+                *self.scatter(inputs, kwargs, self.device_ids), self.device_ids
+            )
             devices = _shard_devices(args_shards, self.device_ids)
             if len(devices) == 1:
                 replicas: Any = [self.module]
@@ -262,6 +263,22 @@ def _default_devices(devices: Sequence[DeviceLike] | None) -> tuple[torch.device
     if torch.cuda.is_available():
         return tuple(torch.device("cuda", i) for i in range(torch.cuda.device_count()))
     return (torch.device("cpu"),)
+
+
+def _as_shards(
+    args_shards: Sequence[Any], kwargs_shards: Sequence[Any], device_ids: Sequence[Any]
+) -> tuple[Shards, Shards]:
+    """Take what ``scatter`` gave: treegather's ``Shards``, or plain per-device sequences from an
+    overridden ``scatter`` (torch's API), padded to the same length as torch does."""
+    if isinstance(args_shards, Shards) and isinstance(kwargs_shards, Shards):
+        return _trim_unsplit(args_shards, kwargs_shards)
+    args_list, kwargs_list = list(args_shards), list(kwargs_shards or ())
+    n = max(len(args_list), len(kwargs_list))
+    args_list += [()] * (n - len(args_list))
+    kwargs_list += [{}] * (n - len(kwargs_list))
+    devs = tuple(as_device(d) for d in device_ids[:n])
+    sizes = getattr(args_shards, "sizes", None)
+    return Shards(args_list, sizes, devs), Shards(kwargs_list, sizes, devs)
 
 
 def _trim_unsplit(args_shards: Shards, kwargs_shards: Shards) -> tuple[Shards, Shards]:
