@@ -11,7 +11,7 @@ from typing import Any
 import optree
 import torch
 
-from ._devices import DeviceLike, as_device
+from ._devices import DeviceLike, accelerator_tensors_possible, as_device
 from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, bullet_list
 from ._layout import Plan, display_path, resolve
 from ._rules import (
@@ -197,6 +197,7 @@ def _gather_default(
     append = out.append
     cpu = target.type == "cpu"
     index = target.index
+    check = not cpu or accelerator_tensors_possible()  # else every tensor is on the CPU
     for col in columns:
         try:
             r = cat(col, dim) if dim else cat(col)
@@ -206,7 +207,7 @@ def _gather_default(
             else:
                 append(list(col))
             continue
-        if (not r.is_cpu) if cpu else (r.get_device() != index):
+        if check and ((not r.is_cpu) if cpu else (r.get_device() != index)):
             r = r.to(target)
         append(r)
     return out
