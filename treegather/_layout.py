@@ -288,6 +288,11 @@ def _assign_prefix(
     root: str | None,
 ) -> list[tuple[Node, Rule | None]]:
     lleaves, lspec = optree.tree_flatten(layout, none_is_leaf=True, namespace=NAMESPACE)
+    if root is None and lspec.is_leaf():
+        # One rule for an (args, kwargs) pair applies to each argument: a whole-value rule
+        # (split_items) takes each argument whole, never the synthetic pair itself.
+        rule = to_rule(lleaves[0], phase, dim, "layout")
+        return [(nd, rule) for nd in all_nodes if len(nd.path) == 2]
     skeleton = spec.unflatten(range(spec.num_leaves))
     try:
         lspec.flatten_up_to(skeleton)
