@@ -138,18 +138,20 @@ def _scatter_default(
     # One pass: rows per split leaf, -1 for a leaf to broadcast, -2 for anything the general path
     # must look at (a tensor off the CPU, a leaf of another type).
     simple = _SIMPLE_LEAVES
+    T = Tensor
     try:
+        # ``type(x) is T`` first: isinstance against torch.Tensor goes through its metaclass.
         if accelerator_tensors_possible():
             rows = [
-                (x.size(dim) if x.dim() else -1)
-                if isinstance(x, Tensor) and x.is_cpu
+                (shape[dim] if (shape := x.shape) else -1)
+                if (type(x) is T or isinstance(x, T)) and x.is_cpu
                 else (-1 if type(x) in simple else -2)
                 for x in leaves
             ]
         else:  # no accelerator was ever initialised: every tensor here is on the CPU
             rows = [
-                (x.size(dim) if x.dim() else -1)
-                if isinstance(x, Tensor)
+                (shape[dim] if (shape := x.shape) else -1)
+                if type(x) is T or isinstance(x, T)
                 else (-1 if type(x) in simple else -2)
                 for x in leaves
             ]
