@@ -284,6 +284,15 @@ def sizes_on_some_ranks(rank: int, world: int) -> Any:
 
 
 @_error
+def bad_sizes(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.gather(
+        {"loss": torch.tensor(1.0)}, 0, {"loss": tg.mean()}, sizes=2.5 if rank == 1 else 2
+    )
+
+
+@_error
 def dst_disagrees(rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
@@ -431,6 +440,23 @@ def _count_calls(rank: int, world: int) -> dict[str, Any]:
     return counts
 
 
+def _dim1(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather({"h": torch.full((2, rank + 1), float(rank))}, dim=1)
+
+
+def _subgroup(sub: Any, rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    tree = _ragged(rank)
+    return (
+        tgd.all_gather(tree, group=sub),
+        tgd.gather(tree, dst=world - 1, group=sub),
+        tgd.broadcast(tree if rank == world - 1 else None, src=world - 1, group=sub),
+    )
+
+
 # -------------------------------------------------------------------------------- the worker
 
 
@@ -463,6 +489,10 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
                 lambda: _run_op("all_gather", "ragged", rank, world)
             )
         results["count"] = _capture(lambda: _count_calls(rank, world))
+        results["dim1"] = _capture(lambda: _dim1(rank, world))
+        sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
+        if rank in (0, world - 1):
+            results["subgroup"] = _capture(lambda: _subgroup(sub, rank, world))
     except Exception:
         results["fatal"] = traceback.format_exc()
     finally:
@@ -561,6 +591,7 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "stack_shapes_gather": (tg.ShapeMismatchError, ["['h']", "stack"]),
     "unpicklable_leaf": (tg.LeafTypeError, ["on rank 1", "outputs['f']", "picklable"]),
     "sizes_on_some_ranks": (tg.BatchSizeError, ["sizes=", "4 on rank 0", "None on rank"]),
+    "bad_sizes": (tg.BatchSizeError, ["on rank 1", "sizes must be", "2.5"]),
     "dst_disagrees": (tg.StructureMismatchError, ["dst=0", "dst=1"]),
     "different_calls": (tg.StructureMismatchError, ["gather", "all_gather", "rank 0"]),
     "mismatch_beside_whole_nodes": (tg.StructureMismatchError, ["outputs['y']", "missing on rank"]),
@@ -623,6 +654,23 @@ def test_ddp_eval_example_runs_under_torchrun() -> None:
         raise
     assert proc.returncode == 0, err[-3000:]
     assert "gathered 21 samples: [10, 11] per rank" in out, out
+
+
+def test_dim_and_subgroups(group_results: Any) -> None:
+    world, results = group_results
+    expected = tg.gather(
+        [{"h": torch.full((2, r + 1), float(r))} for r in range(world)], "cpu", dim=1
+    )
+    both = tg.gather([_ragged(0), _ragged(world - 1)], "cpu")
+    for rank, res in enumerate(results):
+        assert_tree_equal(_ok(res["dim1"]), expected)
+        if rank in (0, world - 1):  # global ranks 0 and world - 1 form the subgroup
+            got_all, got_dst, got_bcast = _ok(res["subgroup"])
+            assert_tree_equal(got_all, both)
+            assert_tree_equal(got_dst, both if rank == world - 1 else None)
+            assert_tree_equal(got_bcast, _ragged(world - 1))
+        else:
+            assert "subgroup" not in res
 
 
 def test_all_tests_left_no_children() -> None:
