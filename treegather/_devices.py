@@ -11,7 +11,7 @@ __all__ = ["DeviceLike", "as_device", "as_devices"]
 
 DeviceLike = Union[int, str, torch.device]  # noqa: UP007 - a runtime alias
 
-_CACHE: dict[object, torch.device] = {}
+_CACHE: dict[tuple[type, object], torch.device] = {}
 
 
 def as_device(device: DeviceLike) -> torch.device:
@@ -24,8 +24,10 @@ def as_device(device: DeviceLike) -> torch.device:
     >>> as_device(1)
     device(type='cuda', index=1)
     """
+    # Keyed by type too: True == 1 and 1.0 == 1 hash alike and must not find cuda:1.
+    key = (type(device), device)
     try:
-        return _CACHE[device]
+        return _CACHE[key]
     except (KeyError, TypeError):
         pass
     if isinstance(device, torch.device):
@@ -46,7 +48,7 @@ def as_device(device: DeviceLike) -> torch.device:
     if out.type == "cuda" and out.index is None and torch.cuda.is_available():
         out = torch.device("cuda", torch.cuda.current_device())
     if len(_CACHE) < 256 and not (isinstance(device, str) and device == "cuda"):
-        _CACHE[device] = out
+        _CACHE[key] = out
     return out
 
 

@@ -27,13 +27,12 @@ from ._rules import (
     Stack,
     Sum,
 )
-from ._tree import _KNOWN_LEAF_TYPES, NAMESPACE, describe, flatten_typed, format_path
+from ._tree import _KNOWN_LEAF_TYPES, NAMESPACE, describe, flatten, format_path
 
 __all__ = ["gather"]
 
 Tensor = torch.Tensor
 _ROOT = "outputs"
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def gather(
@@ -90,7 +89,7 @@ def gather(
         sizes = tuple(int(s) for s in sizes)
         if len(sizes) != k:
             raise ValueError(f"gather got {len(sizes)} sizes for {k} replicas: {list(sizes)}")
-    leaves0, spec0, types0 = flatten_typed(outputs[0])
+    leaves0, spec0 = flatten(outputs[0])
     plan = resolve(spec0, layout, "gather", dim, _ROOT)
     up_spec = plan.up_spec
     if up_spec is spec0:
@@ -104,27 +103,36 @@ def gather(
             per_replica.append(up_spec.flatten_up_to(outputs[r]))
         except (ValueError, TypeError):
             raise _structure_error(outputs, plan) from None
-    # Replicas 1.. must hold leaves where replica 0 does. When replica 0's leaves are all
-    # tensors, a container in another replica makes torch fail below, and the failure is
-    # diagnosed then; otherwise check now.
-    if (
-        k > 1
-        and not (types0 <= _TENSOR_TYPES and plan.default_only)
-        and not _all_leaves(plan, per_replica)
-    ):
-        raise _structure_error(outputs, plan)
+    # Replicas 1.. must hold leaves where replica 0 does (flatten_up_to lets a subtree or a None
+    # stand in for a leaf): checked before any tensor is touched. One set of types when the
+    # structure has no whole-value groups; position by position otherwise.
+    if k > 1:
+        if plan.up_spec is spec0:
+            ok = set(map(type, itertools.chain.from_iterable(per_replica[1:]))) <= _KNOWN_LEAF_TYPES
+        else:
+            ok = False
+        if not ok and not _all_leaves(plan, per_replica):
+            raise _structure_error(outputs, plan)
     moving = _needs_move(per_replica, target)
+    if moving:
+        # Copies to another device are costly: check every leaf before the first one. On one
+        # device the combine pass itself finds shape problems (a per-leaf check up front would
+        # cost more than the step's Python budget); the failure is then explained with every
+        # problem listed, nothing is returned, and no custom rule has run.
+        problem = _diagnose(plan, list(zip(*per_replica)), dim, None)
+        if problem is not None:
+            raise problem
     try:
         if plan.default_only:
             results = _gather_default(zip(*per_replica), target, moving, dim)
         else:
             results = _gather_planned(plan, zip(*per_replica), target, moving, sizes, dim)
-    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
         if isinstance(exc, (StructureMismatchError, ShapeMismatchError, LeafTypeError)):
             raise
         if not _all_leaves(plan, per_replica):
             raise _structure_error(outputs, plan) from None
-        raise _diagnose(plan, list(zip(*per_replica)), dim, exc) from exc
+        raise _diagnose(plan, list(zip(*per_replica)), dim, exc) or exc from exc
     return up_spec.unflatten(results)
 
 
@@ -209,18 +217,24 @@ def _gather_planned(
     sizes: tuple[int, ...] | None,
     dim: int,
 ) -> list[Any]:
-    out = []
+    out: list[Any] = []
     default = _gather_default
+    deferred = []
     for pos, col in enumerate(columns):
         group = plan.groups[pos]
         if group is not None:
-            out.append(_whole(group[2], col, target))
+            # Whole-value rules (custom callables may have side effects) run only once every
+            # leaf-wise rule has succeeded.
+            deferred.append((pos, group, col))
+            out.append(None)
             continue
         rule = plan.rules[pos]
         if rule is None:
             out.extend(default([col], target, moving, dim))
         else:
             out.append(_leaf(rule, col, target, moving, sizes))
+    for pos, group, col in deferred:
+        out[pos] = _whole(group[2], col, target, group[1])
     return out
 
 
@@ -271,7 +285,10 @@ def _pad(rule: Pad, col: tuple[Any, ...], target: torch.device) -> Any:
     values = _to(col, target)
     ndim = values[0].dim()
     if ndim == 0 or any(v.dim() != ndim for v in values):
-        raise ShapeMismatchError("pad() needs tensors of the same number of dims (at least 1)")
+        # A plain ValueError: gather's _diagnose turns it into a message naming the leaf's path.
+        raise ValueError("pad() needs tensors of the same number of dims (at least 1)")
+    if not -ndim <= rule.dim < ndim:  # never wrap around: pad(dim=2) on 2-dim tensors is a mistake
+        raise ValueError(f"pad(dim={rule.dim}) is out of range for {ndim}-dim tensors")
     d = rule.dim % ndim
     shape = [builtins.max(v.shape[j] for v in values) for j in range(ndim)]
     padded = []
@@ -299,7 +316,7 @@ def _move_tree(tree: Any, target: torch.device) -> Any:
     )
 
 
-def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device) -> Any:
+def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device, node: Any = None) -> Any:
     if isinstance(rule, AsList):
         return list(col)
     if isinstance(rule, First):
@@ -307,7 +324,7 @@ def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device) -> Any:
             for r, other in enumerate(col[1:], start=1):
                 if not _tree_equal(col[0], other):
                     raise ShapeMismatchError(
-                        f"first(check=True): replica {r} differs from replica 0"
+                        f"{_where(node)}first(check=True): replica {r} differs from replica 0"
                         f" ({describe(other)} vs {describe(col[0])})"
                     )
         return _move_tree(col[0], target)
@@ -315,7 +332,7 @@ def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device) -> Any:
         for r, v in enumerate(col):
             if not isinstance(v, (list, tuple)):
                 raise LeafTypeError(
-                    f"cat_items() needs a list or tuple in every replica; replica {r} holds "
+                    f"{_where(node)}cat_items() needs a list or tuple in every replica; replica {r} holds "
                     f"{describe(v)}"
                 )
         items = _move_tree(list(itertools.chain.from_iterable(col)), target)
@@ -323,6 +340,11 @@ def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device) -> Any:
     if isinstance(rule, Custom):
         return rule.fn(list(col), target)
     raise LeafTypeError(f"{rule.describe()} is not a gather rule")
+
+
+def _where(node: Any) -> str:
+    """``"outputs['x']: "`` for a plan node (``""`` without one), to start an error message."""
+    return "" if node is None else f"{display_path(node, _ROOT)}: "
 
 
 def _tree_equal(a: Any, b: Any) -> bool:
@@ -461,9 +483,12 @@ def _structure_error(outputs: Sequence[Any], plan: Plan) -> StructureMismatchErr
 
 
 def _diagnose(
-    plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseException
-) -> Exception:
-    """Explain a failed gather: every leaf whose per-replica values do not fit its rule."""
+    plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseException | None
+) -> Exception | None:
+    """Every leaf whose per-replica values do not fit its rule, as one error.
+
+    With ``exc=None`` (a check before any work) returns ``None`` when all is well.
+    """
     problems: list[str] = []
     type_problem = False
     for pos, col in enumerate(columns):
@@ -495,10 +520,18 @@ def _diagnose(
                 problems.append(
                     f"{where}: {rule_name} needs equal shapes, got {_by_replica(shapes)}"
                 )
+            elif isinstance(rule, Stack) and not -len(shapes[0]) - 1 <= rule.dim <= len(shapes[0]):
+                problems.append(
+                    f"{where}: {rule_name} is out of range for {len(shapes[0])}-dim tensors"
+                )
         elif isinstance(rule, Pad):
             if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
                 problems.append(
                     f"{where}: {rule_name} needs tensors with the same number of dims (>= 1), got {_by_replica(shapes)}"
+                )
+            elif not -len(shapes[0]) <= d < len(shapes[0]):
+                problems.append(
+                    f"{where}: {rule_name} is out of range for {len(shapes[0])}-dim tensors"
                 )
         else:
             ndims = {len(s) for s in shapes}
@@ -507,6 +540,9 @@ def _diagnose(
             if len(ndims) > 1:
                 problems.append(
                     f"{where}: {rule_name} cannot mix 0-dim and n-dim tensors: {_by_replica(shapes)}"
+                    if 0 in ndims
+                    else f"{where}: {rule_name} needs tensors with the same number of dims, "
+                    f"got {_by_replica(shapes)}"
                 )
                 continue
             nd = ndims.pop()
@@ -519,7 +555,7 @@ def _diagnose(
                     f"{where}: {rule_name} needs equal sizes in every dim but {d}, got {_by_replica(shapes)}"
                 )
     if not problems:
-        return RuntimeError(f"gather failed: {exc}")
+        return None if exc is None else RuntimeError(f"gather failed: {exc}")
     hint = "pad() concatenates tensors whose other dims differ; as_list() keeps per-replica values"
     cls = LeafTypeError if type_problem else ShapeMismatchError
     return cls(bullet_list(problems, hint))

@@ -168,7 +168,7 @@ def resolve(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | Non
         plan = _PLANS.get(key)
     except TypeError:  # something unhashable (static metadata, a layout leaf): no cache
         key, plan = None, None
-    if plan is not None:
+    if plan is not None and (plan.spec is spec or _key_orders(plan.spec) == _key_orders(spec)):
         return plan
     plan = _build(spec, layout, phase, dim, root)
     if key is not None:
@@ -180,6 +180,28 @@ def resolve(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | Non
             _RECENT.clear()
         _RECENT[quick] = (spec, layout, plan)
     return plan
+
+
+_MAPPINGS = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT)
+
+
+def _key_orders(spec: PyTreeSpec) -> list[tuple[Any, ...]]:
+    """The insertion order of every mapping's keys in ``spec``, pre-order.
+
+    PyTreeSpec equality (and hash) ignores dict insertion order, so a plan cached for
+    ``{'a', 'b'}`` would otherwise rebuild ``{'b', 'a'}`` data in the order ``a, b``.
+    """
+    out: list[tuple[Any, ...]] = []
+
+    def visit(node: PyTreeSpec) -> None:
+        level = node.one_level() if node.kind in _MAPPINGS and node.num_children > 1 else None
+        if level is not None:
+            out.append(tuple(level.unflatten([None] * node.num_children)))
+        for child in node.children():
+            visit(child)
+
+    visit(spec)
+    return out
 
 
 def _build(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | None) -> Plan:

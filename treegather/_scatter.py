@@ -234,6 +234,17 @@ def _scatter(
                         "broadcast() in the layout)"
                     )
                     type_problem = True
+                elif isinstance(x, (dict, list)):
+                    # A dict/list subclass optree does not know is a leaf: without this check the
+                    # whole batch inside it would silently go to every device.
+                    base = "dict" if isinstance(x, dict) else "list"
+                    problems.append(
+                        f"{display_path(plan.node_of(pos), root)}: {type(x).__qualname__} is a "
+                        f"{base} subclass treegather does not know, so it would be sent whole to "
+                        "every device; register it with treegather.register_node (or mark it "
+                        "broadcast() in the layout)"
+                    )
+                    type_problem = True
                 continue
         elif isinstance(rule, Broadcast):
             continue

@@ -42,6 +42,9 @@ T = TypeVar("T")
 # ----------------------------------------------------------------------------- registration
 
 _REGISTERED: set[type] = set()
+# Classes registered only through the torch pytree bridge: an explicit treegather registration
+# replaces the bridged one instead of failing (whether the bridge ran first must not matter).
+_BRIDGED: set[type] = set()
 
 
 def _invalidate() -> None:
@@ -149,6 +152,10 @@ def register_node(
 
 
 def _register(cls: type, flatten_fn: Callable[..., Any], unflatten_fn: Callable[..., Any]) -> None:
+    if cls in _BRIDGED:
+        optree.unregister_pytree_node(cls, namespace=NAMESPACE)
+        _BRIDGED.discard(cls)
+        _REGISTERED.discard(cls)
     if cls in _REGISTERED:
         raise ValueError(f"{cls.__qualname__} is already registered with treegather")
     optree.register_pytree_node(
@@ -206,6 +213,7 @@ def _bridge(cls: type, node_def: Any) -> None:
 
     optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)  # type: ignore[arg-type]
     _REGISTERED.add(cls)
+    _BRIDGED.add(cls)
 
 
 def _sync_torch_registry() -> None:
@@ -311,11 +319,12 @@ _INDEXABLE_KINDS = (
 
 
 def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | bool | None:
-    """Compile a check that a tree's mappings list their keys in ``spec``'s insertion order.
+    """Compile a check that a tree's mappings match ``spec``'s: type, default_factory, key order.
 
-    ``flatten_up_to`` matches mappings by key, so a cached structure would otherwise hand back the
-    key order of an earlier call. Returns ``None`` when the structure has no mapping of two or more
-    keys, and ``False`` when a mapping sits below a node it cannot index (never cache then).
+    ``flatten_up_to`` matches mappings by key, whatever their mapping type, so a cached structure
+    would otherwise hand back the key order, the mapping type or the defaultdict factory of an
+    earlier call. Returns ``None`` when the structure has no mapping, and ``False`` when a
+    mapping sits below a node it cannot index (never cache then).
     """
     consts: list[Any] = []
     clauses: list[str] = []
@@ -331,8 +340,15 @@ def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | bool | None:
         if kind not in _INDEXABLE_KINDS:
             return not any(c.kind in _MAPPING_KINDS or not c.is_leaf() for c in node.children())
         entries = node.entries()
-        if kind in _MAPPING_KINDS and len(entries) > 1:
-            clauses.append(f"tuple({expr}) == {const(tuple(_insertion_keys(node)))}")
+        if kind in _MAPPING_KINDS:
+            # flatten_up_to also accepts dict, OrderedDict and defaultdict for one another (and
+            # ignores default_factory): check the exact type and factory too.
+            rebuilt = node.unflatten([None] * node.num_leaves)
+            clauses.append(f"type({expr}) is {const(type(rebuilt))}")
+            if kind == PyTreeKind.DEFAULTDICT:
+                clauses.append(f"{expr}.default_factory is {const(rebuilt.default_factory)}")
+            if len(entries) > 1:
+                clauses.append(f"tuple({expr}) == {const(tuple(rebuilt.keys()))}")
         for entry, child in zip(entries, node.children()):
             if child.is_leaf():
                 continue

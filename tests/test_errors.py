@@ -1,0 +1,388 @@
+"""Errors are part of the API: classes, pinned messages, full paths, every problem, no partial work."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import namedtuple
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from corpus import Sample, Tagged
+
+import treegather as tg
+
+CPU2 = ["cpu", "cpu"]
+Out = namedtuple("Out", ["logits", "hidden"])
+
+ERRORS = [
+    (tg.LayoutError, ValueError),
+    (tg.StructureMismatchError, ValueError),
+    (tg.BatchSizeError, ValueError),
+    (tg.LeafTypeError, TypeError),
+    (tg.ShapeMismatchError, ValueError),
+]
+
+
+# -------------------------------------------------------------------------------- classes
+
+
+@pytest.mark.parametrize(("cls", "builtin"), ERRORS, ids=[c.__name__ for c, _ in ERRORS])
+def test_error_classes_refine_builtins_and_show_the_public_module(cls: type, builtin: type) -> None:
+    assert issubclass(cls, tg.TreegatherError)
+    assert issubclass(cls, builtin)
+    assert cls.__module__ == "treegather"
+    assert repr(cls) == f"<class 'treegather.{cls.__name__}'>"
+    assert tg.TreegatherError.__module__ == "treegather"
+
+
+# --------------------------------------------------------------------- full paths, pinned
+
+
+def test_gather_shape_error_names_full_paths_shapes_the_rule_and_a_hint() -> None:
+    outs = [
+        Out(torch.ones(2, 3), [torch.ones(1, 2)] * 3),
+        Out(torch.ones(2, 4), [torch.ones(1, 2), torch.ones(1, 2), torch.ones(1, 5)]),
+    ]
+    with pytest.raises(tg.ShapeMismatchError) as info:
+        tg.gather(outs, "cpu")
+    assert str(info.value) == (
+        "2 problems:\n"
+        "  - outputs.logits: cat(dim=0) needs equal sizes in every dim but 0, got replica 0: "
+        "[2, 3], replica 1: [2, 4]\n"
+        "  - outputs.hidden[2]: cat(dim=0) needs equal sizes in every dim but 0, got replica 0: "
+        "[1, 2], replica 1: [1, 5]\n"
+        "Hint: pad() concatenates tensors whose other dims differ; as_list() keeps per-replica "
+        "values"
+    )
+
+
+def test_gather_dict_paths_are_written_with_keys() -> None:
+    outs = [{"outputs": {"logits": torch.ones(1, 2)}}, {"outputs": {"logits": torch.ones(1, 3)}}]
+    with pytest.raises(tg.ShapeMismatchError, match=r"^outputs\['outputs'\]\['logits'\]: cat"):
+        tg.gather(outs, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        (
+            tg.stack(),
+            "outputs['t']: stack() needs equal shapes, got replica 0: [2], replica 1: [3, 1]",
+        ),
+        (
+            tg.mean(),
+            "outputs['t']: mean() needs equal shapes, got replica 0: [2], replica 1: [3, 1]",
+        ),
+        (tg.sum(), "outputs['t']: sum() needs equal shapes, got replica 0: [2], replica 1: [3, 1]"),
+        (
+            tg.cat(),
+            "outputs['t']: cat() needs tensors with the same number of dims, "
+            "got replica 0: [2], replica 1: [3, 1]",
+        ),
+        (
+            tg.pad(),
+            "outputs['t']: pad() needs tensors with the same number of dims (>= 1), "
+            "got replica 0: [2], replica 1: [3, 1]",
+        ),
+    ],
+    ids=["stack", "mean", "sum", "cat", "pad"],
+)
+def test_rule_errors_name_the_path_the_rule_and_the_shapes(layout: Any, message: str) -> None:
+    outs = [{"t": torch.ones(2)}, {"t": torch.ones(3, 1)}]
+    with pytest.raises(tg.ShapeMismatchError) as info:
+        tg.gather(outs, "cpu", tg.by_path({"t": layout}))
+    assert message in str(info.value)
+
+
+def test_cat_of_0_dim_and_n_dim_is_named() -> None:
+    with pytest.raises(
+        tg.ShapeMismatchError, match=r"outputs\['t'\]: cat\(dim=0\) cannot mix 0-dim"
+    ):
+        tg.gather([{"t": torch.ones(2)}, {"t": torch.tensor(1.0)}], "cpu")
+
+
+def test_cat_dim_out_of_range_is_named() -> None:
+    with pytest.raises(
+        tg.ShapeMismatchError,
+        match=r"outputs\['t'\]: cat\(dim=3\) is out of range for 1-dim tensors",
+    ):
+        tg.gather([{"t": torch.ones(2)}, {"t": torch.ones(2)}], "cpu", {"t": 3})
+
+
+@pytest.mark.parametrize("rule", ["cat", "stack", "mean", "sum", "pad"])
+def test_a_non_tensor_under_a_tensor_rule_is_a_leaf_type_error(rule: str) -> None:
+    with pytest.raises(tg.LeafTypeError) as info:
+        tg.gather([{"t": torch.ones(2)}, {"t": "x"}], "cpu", {"t": rule})
+    assert f"outputs['t']: {rule}(" in str(info.value)
+    assert "replica 1 holds str 'x'" in str(info.value)
+
+
+def test_first_check_names_the_path() -> None:
+    with pytest.raises(tg.ShapeMismatchError) as info:
+        tg.gather([{"lr": 0.1}, {"lr": 0.2}], "cpu", tg.by_path({"lr": tg.first(check=True)}))
+    msg = str(info.value)
+    assert "outputs['lr']" in msg
+    assert "first(check=True): replica 1 differs from replica 0 (float 0.2 vs float 0.1)" in msg
+
+
+def test_cat_items_names_the_path() -> None:
+    with pytest.raises(tg.LeafTypeError) as info:
+        tg.gather([{"w": ["a"]}, {"w": "b"}], "cpu", tg.by_path({"w": tg.cat_items()}))
+    msg = str(info.value)
+    assert "outputs['w']" in msg
+    assert "cat_items() needs a list or tuple in every replica; replica 1 holds str 'b'" in msg
+
+
+def test_scatter_errors_name_path_shape_dtype_device_and_rule() -> None:
+    with pytest.raises(tg.TreegatherError) as info:
+        tg.scatter({"images": torch.ones(2, 3)}, CPU2, tg.by_path({"images": tg.split(2)}))
+    assert str(info.value) == (
+        "inputs['images']: cannot split along dim 2: "
+        "Tensor(shape=(2, 3), dtype=torch.float32, device=cpu)"
+    )
+
+
+def test_scatter_lists_every_problem() -> None:
+    tree = {"a": "x", "b": 3, "c": torch.tensor(1.0)}
+    with pytest.raises(tg.LeafTypeError) as info:
+        tg.scatter(tree, CPU2, tg.split())
+    assert str(info.value) == (
+        "3 problems:\n"
+        "  - inputs['a']: split() needs a tensor, got str 'x' (use split_items() on a list of "
+        "per-sample items)\n"
+        "  - inputs['b']: split() needs a tensor, got int 3\n"
+        "  - inputs['c']: cannot split along dim 0: Tensor(shape=(), dtype=torch.float32, "
+        "device=cpu)"
+    )
+
+
+def test_batch_size_error_message_is_pinned() -> None:
+    with pytest.raises(tg.BatchSizeError) as info:
+        tg.scatter({"images": torch.zeros(4, 3), "labels": torch.zeros(3)}, CPU2)
+    assert str(info.value) == (
+        "split leaves disagree on the batch size: 4 at inputs['images']; 3 at inputs['labels']\n"
+        "Hint: use broadcast() for leaves every device needs whole"
+    )
+
+
+def test_structure_errors_list_every_replica_and_path() -> None:
+    outs = [{"a": 1, "b": [1]}, {"a": None, "b": [1, 2]}, {"c": 1}]
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather(outs, "cpu")
+    assert str(info.value) == (
+        "3 problems:\n"
+        "  - outputs['a']: replica 0 has int 1, replica 1 has None\n"
+        "  - outputs['b']: replica 0 has a list of 1 item(s), replica 1 has a list of 2 item(s)\n"
+        "  - outputs: replica 2 lacks key(s) 'a', 'b' and has extra key(s) 'c' (compared with "
+        "replica 0)\n"
+        "Hint: every replica must return the same structure; for a node whose length varies by "
+        "replica (per-sample lists) use cat_items() or as_list() in the layout"
+    )
+
+
+def test_structure_error_in_a_namedtuple_uses_attribute_paths() -> None:
+    outs = [Out(torch.ones(1), [torch.ones(1)] * 3), Out(torch.ones(1), [torch.ones(1), None, 1])]
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather(outs, "cpu")
+    assert (
+        "outputs.hidden[1]: replica 0 has Tensor(shape=(1,), dtype=torch.float32, device=cpu)"
+        ", replica 1 has None" in str(info.value)
+    )
+
+
+def test_structure_error_inside_a_dataclass_names_the_field() -> None:
+    outs = [{"s": Sample(torch.ones(1), [1])}, {"s": Sample(torch.ones(1), [1, 2])}]
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather(outs, "cpu")
+    assert str(info.value).startswith(
+        "outputs['s'].label: replica 0 has a list of 1 item(s), replica 1 has a list of 2 item(s)"
+    )
+
+
+def test_static_field_mismatch_names_the_node() -> None:
+    outs = [{"t": Tagged(torch.ones(1), name="a")}, {"t": Tagged(torch.ones(1), name="b")}]
+    with pytest.raises(tg.StructureMismatchError, match=r"outputs\['t'\]: replica 1's static"):
+        tg.gather(outs, "cpu")
+
+
+def test_unregistered_dataclass_hint() -> None:
+    @dataclasses.dataclass
+    class Batch:
+        x: Any
+
+    with pytest.raises(tg.LeafTypeError, match=r"register it with treegather\.register_dataclass"):
+        tg.scatter({"b": Batch(torch.ones(2))}, CPU2)
+
+
+def test_unregistered_dict_subclass_hint() -> None:
+    class Features(dict):  # type: ignore[type-arg]
+        pass
+
+    with pytest.raises(tg.LeafTypeError) as info:
+        tg.scatter({"f": Features(x=torch.ones(2))}, CPU2)
+    msg = str(info.value)
+    assert msg.startswith("inputs['f']: ")
+    assert "register it with treegather.register_node" in msg
+
+
+def test_layout_errors_name_the_layout_path() -> None:
+    with pytest.raises(tg.LayoutError, match=r"layout at inputs\['x'\]: unknown rule 'spit'"):
+        tg.scatter({"x": torch.ones(2)}, CPU2, {"x": "spit"})
+    with pytest.raises(tg.LayoutError, match=r"layout at kwargs\['y'\]: 'cat' is a gather rule"):
+        tg.scatter_kwargs((), {"y": torch.ones(2)}, CPU2, ((), {"y": "cat"}))
+
+
+# ------------------------------------------------------------------- no partial work first
+
+
+class Spy(torch.Tensor):
+    """A tensor subclass logging every torch function called on it."""
+
+    calls: ClassVar[list[str]] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name not in (
+            "__get__",
+            "dim",
+            "shape",
+            "device",
+            "__repr__",
+            "size",
+            "__format__",
+            "__hash__",
+            "__eq__",
+            "__bool__",
+        ):
+            cls.calls.append(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def spy(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape).as_subclass(Spy)
+
+
+@pytest.mark.parametrize(
+    ("last", "rule", "error"),
+    [
+        ("not a tensor", "split", tg.LeafTypeError),
+        ((5,), "split", tg.BatchSizeError),
+        ((4, 2), tg.split(2), tg.TreegatherError),
+    ],
+    ids=["type", "batch", "dim"],
+)
+def test_scatter_fails_before_splitting_or_moving_anything(
+    last: Any, rule: Any, error: type
+) -> None:
+    z = last if isinstance(last, str) else spy(*last)
+    tree = {"a": spy(4, 3), "b": [spy(4), spy(4, 2)], "z_last": z}
+    layout = tg.by_path({"z_last": rule})
+    Spy.calls.clear()
+    with pytest.raises(error):
+        tg.scatter(tree, ["cpu"] * 3, layout)
+    assert Spy.calls == []
+    # The same tree without the mistake does split (so the spy does see the work).
+    tg.scatter({"a": spy(4, 3), "b": [spy(4), spy(4, 2)]}, ["cpu"] * 3)
+    assert any("split" in c for c in Spy.calls)
+
+
+def test_scatter_fails_before_calling_tensor_split_or_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("tensor_split", "split", "to", "chunk", "narrow"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(
+            self: torch.Tensor, *a: Any, _name: str = name, _orig: Any = original, **k: Any
+        ) -> Any:
+            calls.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    tree = {"a": torch.zeros(6, 2), "b": torch.zeros(6), "z": torch.zeros(7)}
+    with pytest.raises(tg.BatchSizeError):
+        tg.scatter(tree, ["cpu"] * 3)
+    assert calls == []
+    tg.scatter({"a": torch.zeros(6, 2)}, ["cpu"] * 3)
+    assert calls  # the patch is seen by scatter
+
+
+def test_gather_structure_error_comes_before_any_cat(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real_cat, real_stack = torch.cat, torch.stack
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append("cat") or real_cat(*a, **k))
+    monkeypatch.setattr(
+        torch, "stack", lambda *a, **k: calls.append("stack") or real_stack(*a, **k)
+    )
+    outs = [{"a": torch.ones(2), "z": torch.ones(1)}, {"a": torch.ones(2), "z": None}]
+    with pytest.raises(tg.StructureMismatchError):
+        tg.gather(outs, "cpu")
+    assert calls == []
+
+
+def test_gather_rule_error_in_the_last_leaf_comes_before_any_copy_to_the_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "Errors happen before anything is copied": when replicas live off the target device, a
+    # mistake in the last leaf must not leave the earlier leaves copied over first. (On one
+    # device the combine pass finds shape problems itself; then nothing is returned and no
+    # custom rule runs, see the next test.) Meta tensors stand in for another device here.
+    moves: list[str] = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        moves.append("to")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    outs = [
+        {"a": torch.ones(2, 3, device="meta"), "z": torch.ones(1, 2, device="meta")},
+        {"a": torch.ones(2, 3, device="meta"), "z": torch.ones(1, 5, device="meta")},
+    ]
+    with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['z'\]"):
+        tg.gather(outs, "cpu")
+    assert moves == []
+
+
+def test_gather_rule_error_on_one_device_lists_every_problem_and_returns_nothing() -> None:
+    outs = [
+        {"a": torch.ones(2, 3), "b": torch.ones(1, 4), "z": torch.ones(1, 2)},
+        {"a": torch.ones(2, 3), "b": torch.ones(1, 3), "z": torch.ones(1, 5)},
+    ]
+    with pytest.raises(tg.ShapeMismatchError) as info:
+        tg.gather(outs, "cpu")
+    assert "outputs['b']" in str(info.value) and "outputs['z']" in str(info.value)
+    assert "2 problems" in str(info.value)
+
+
+def test_gather_rule_error_comes_before_a_custom_rule_runs() -> None:
+    # A custom rule may have side effects (logging, metrics): it must not run for a gather that
+    # then fails on another leaf.
+    calls: list[list[Any]] = []
+
+    def custom(values: list[Any], device: torch.device) -> Any:
+        calls.append(values)
+        return values
+
+    outs = [
+        {"m": 1, "z": torch.ones(1, 2)},
+        {"m": 2, "z": torch.ones(1, 5)},
+    ]
+    with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['z'\]"):
+        tg.gather(outs, "cpu", tg.by_path({"m": custom}))
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("rule", "ndim"),
+    [(tg.pad(dim=2), 2), (tg.pad(dim=-3), 2), (tg.stack(dim=3), 1), (tg.stack(dim=-3), 1)],
+    ids=["pad2", "pad-3", "stack3", "stack-3"],
+)
+def test_a_dim_out_of_range_is_an_error_not_a_wrap_around(rule: Any, ndim: int) -> None:
+    # pad(dim=2) on 2-dim tensors must not quietly concatenate along dim 0 (2 % 2).
+    shape = (2, 3) if ndim == 2 else (3,)
+    outs = [{"t": torch.ones(shape)}, {"t": torch.ones(shape)}]
+    with pytest.raises(tg.ShapeMismatchError) as info:
+        tg.gather(outs, "cpu", tg.by_path({"t": rule}))
+    assert f"outputs['t']: {rule.describe()} is out of range" in str(info.value)

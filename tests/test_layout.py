@@ -1,0 +1,296 @@
+"""Layouts: single rules, prefix trees (ints, None, strings), by_path patterns, rule phases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from corpus import Point, Sample
+
+import treegather as tg
+
+CPU2 = ["cpu", "cpu"]
+
+
+def batch() -> dict[str, Any]:
+    return {
+        "ids": torch.arange(4),
+        "mask": torch.ones(4, 4),
+        "meta": {"lr": 0.5, "name": "run"},
+    }
+
+
+def replica_outputs() -> list[dict[str, Any]]:
+    return [
+        {
+            "loss": torch.tensor(float(r + 1)),
+            "logits": torch.full((2, 3), float(r)),
+            "meta": {"id": r, "tag": "t"},
+        }
+        for r in range(2)
+    ]
+
+
+# ------------------------------------------------------------------------------ single rule
+
+
+def test_a_single_scatter_rule_applies_to_every_leaf() -> None:
+    shards = tg.scatter(batch(), CPU2, tg.broadcast())
+    assert shards.sizes is None
+    assert all(s["mask"].shape == (4, 4) for s in shards)
+    shards = tg.scatter({"a": torch.ones(3, 4), "b": torch.ones(5, 4)}, CPU2, tg.split(1))
+    assert [s["a"].shape for s in shards] == [(3, 2), (3, 2)]
+    assert [s["b"].shape for s in shards] == [(5, 2), (5, 2)]
+
+
+def test_a_single_gather_rule_applies_to_every_leaf() -> None:
+    outs = [{"a": torch.ones(2), "b": torch.zeros(2)}, {"a": torch.ones(2), "b": torch.ones(2)}]
+    out = tg.gather(outs, "cpu", tg.stack())
+    assert out["a"].shape == (2, 2) and out["b"].tolist() == [[0, 0], [1, 1]]
+    assert tg.gather(outs, "cpu", "sum")["b"].tolist() == [1.0, 1.0]
+    assert tg.gather(outs, "cpu", 0)["a"].shape == (4,)
+
+
+# ---------------------------------------------------------------------------- prefix trees
+
+
+def test_prefix_tree_with_ints_none_and_strings() -> None:
+    layout = {"ids": 0, "mask": 1, "meta": None}
+    shards = tg.scatter(batch(), CPU2, layout)
+    assert [s["ids"].tolist() for s in shards] == [[0, 1], [2, 3]]
+    assert [s["mask"].shape for s in shards] == [(4, 2), (4, 2)]
+    assert shards[1]["meta"] == {"lr": 0.5, "name": "run"}
+    shards = tg.scatter(batch(), CPU2, {"ids": "split", "mask": "broadcast", "meta": "broadcast"})
+    assert shards[0]["mask"].shape == (4, 4)
+
+
+def test_prefix_tree_in_gather_int_is_cat_none_is_first_strings_are_rules() -> None:
+    out = tg.gather(replica_outputs(), "cpu", {"loss": "mean", "logits": 1, "meta": None})
+    assert out["loss"].item() == 1.5
+    assert out["logits"].shape == (2, 6)
+    assert out["meta"] == {"id": 0, "tag": "t"}
+    out = tg.gather(replica_outputs(), "cpu", {"loss": "sum", "logits": "stack", "meta": "as_list"})
+    assert out["loss"].item() == 3.0
+    assert out["logits"].shape == (2, 2, 3)
+    assert out["meta"] == [{"id": 0, "tag": "t"}, {"id": 1, "tag": "t"}]
+
+
+def test_prefix_tree_missing_a_key_is_a_layout_error_with_a_by_path_hint() -> None:
+    with pytest.raises(tg.LayoutError) as info:
+        tg.scatter(batch(), CPU2, {"ids": 0, "mask": None})
+    msg = str(info.value)
+    assert "not a prefix of the structure of inputs" in msg
+    assert "'meta'" in msg
+    assert "by_path" in msg
+
+
+def test_prefix_tree_mismatch_deep_down_names_where() -> None:
+    with pytest.raises(tg.LayoutError) as info:
+        tg.gather(replica_outputs(), "cpu", {"loss": "mean", "logits": 0, "meta": {"id": "sum"}})
+    msg = str(info.value)
+    assert "'meta'" in msg and "'tag'" in msg
+
+
+def test_prefix_tree_of_other_container_types() -> None:
+    shards = tg.scatter(Point(torch.arange(4), torch.ones(2, 4)), CPU2, Point(0, 1))
+    assert shards[0].y.shape == (2, 2)
+    shards = tg.scatter(Sample(torch.arange(4), torch.arange(4)), CPU2, Sample(None, "split"))
+    assert shards[0].image.tolist() == [0, 1, 2, 3]
+    assert shards[0].label.tolist() == [0, 1]
+    shards = tg.scatter([torch.arange(4), (torch.arange(4), "x")], CPU2, [0, None])
+    assert shards[1][1][0].tolist() == [0, 1, 2, 3]
+
+
+def test_prefix_tree_with_the_wrong_container_type_is_an_error() -> None:
+    with pytest.raises(tg.LayoutError, match="not a prefix"):
+        tg.scatter((torch.arange(4), torch.arange(4)), CPU2, [0, 0])
+
+
+def test_unknown_rule_name_suggests_the_close_one() -> None:
+    with pytest.raises(tg.LayoutError, match=r"unknown rule 'splitt' \(did you mean 'split'\?\)"):
+        tg.scatter(batch(), CPU2, {"ids": "splitt", "mask": 0, "meta": None})
+
+
+def test_not_a_rule_is_an_error() -> None:
+    with pytest.raises(tg.LayoutError, match="is not a rule"):
+        tg.scatter(torch.arange(4), CPU2, 1.5)
+    with pytest.raises(tg.LayoutError, match="True is not a rule"):
+        tg.gather([torch.zeros(1)] * 2, "cpu", True)
+
+
+# ---------------------------------------------------------------------------- wrong phase
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [tg.cat(), tg.stack(), tg.mean(), tg.sum(), tg.pad(), tg.as_list(), tg.first(), tg.cat_items()],
+)
+def test_gather_rules_are_refused_by_scatter(rule: Any) -> None:
+    with pytest.raises(tg.LayoutError, match="is a gather rule and cannot be used in scatter"):
+        tg.scatter({"x": torch.arange(4)}, CPU2, tg.by_path({"x": rule}))
+
+
+@pytest.mark.parametrize("rule", [tg.split(), tg.broadcast(), tg.split_items()])
+def test_scatter_rules_are_refused_by_gather(rule: Any) -> None:
+    with pytest.raises(tg.LayoutError, match="is a scatter rule and cannot be used in gather"):
+        tg.gather([{"x": torch.ones(1)}] * 2, "cpu", {"x": rule})
+
+
+@pytest.mark.parametrize(
+    "name", ["cat", "stack", "mean", "sum", "pad", "as_list", "first", "cat_items"]
+)
+def test_gather_rule_names_are_refused_by_scatter(name: str) -> None:
+    with pytest.raises(tg.LayoutError, match=f"'{name}' is a gather rule, not a scatter rule"):
+        tg.scatter({"x": torch.arange(4)}, CPU2, {"x": name})
+
+
+def test_callables_are_gather_rules_only() -> None:
+    with pytest.raises(tg.LayoutError, match="custom callables are gather rules"):
+        tg.scatter({"x": torch.arange(4)}, CPU2, {"x": lambda v, d: v})
+
+
+# -------------------------------------------------------------------------------- by_path
+
+
+def test_by_path_sets_some_leaves_and_leaves_the_rest_to_defaults() -> None:
+    out = tg.gather(replica_outputs(), "cpu", tg.by_path({"loss": "mean", "meta.*": "first"}))
+    assert out["loss"].item() == 1.5
+    assert out["logits"].shape == (4, 3)  # default cat
+    assert out["meta"] == {"id": 0, "tag": "t"}
+
+
+def test_by_path_default_applies_to_unmatched_leaves() -> None:
+    out = tg.gather(replica_outputs(), "cpu", tg.by_path({"loss": "mean"}, default="first"))
+    assert out["logits"].tolist() == [[0.0] * 3] * 2
+    assert out["meta"] == {"id": 0, "tag": "t"}
+
+
+def test_by_path_star_matches_one_segment() -> None:
+    outs = [{"h": [torch.ones(1, 2), torch.ones(1, 2)], "x": torch.ones(1, 2)} for _ in range(2)]
+    out = tg.gather(outs, "cpu", tg.by_path({"h.*": 1}))
+    assert [t.shape for t in out["h"]] == [(1, 4), (1, 4)]
+    assert out["x"].shape == (2, 2)
+
+
+def test_by_path_double_star_matches_any_depth() -> None:
+    outs = [{"a": {"b": {"logits": torch.ones(1, 2)}}, "logits": torch.ones(1, 2)}] * 2
+    out = tg.gather(outs, "cpu", tg.by_path({"**.logits": "stack"}))
+    assert out["logits"].shape == (2, 1, 2)  # ** matches zero segments too
+    assert out["a"]["b"]["logits"].shape == (2, 1, 2)
+
+
+def test_by_path_index_and_attribute_segments() -> None:
+    outs = [Point(x=[torch.ones(1), torch.ones(1)], y=torch.ones(1)) for _ in range(2)]
+    out = tg.gather(outs, "cpu", tg.by_path({"x.1": "stack", "y": "sum"}))
+    assert out.x[0].shape == (2,) and out.x[1].shape == (2, 1) and out.y.tolist() == [2.0]
+
+
+def test_by_path_more_literal_segments_win() -> None:
+    outs = [{"meta": {"id": r, "name": "n"}} for r in range(2)]
+    out = tg.gather(outs, "cpu", tg.by_path({"meta.*": "first", "meta.id": "as_list"}))
+    assert out == {"meta": {"id": [0, 1], "name": "n"}}
+    out = tg.gather(outs, "cpu", tg.by_path({"*.*": "first", "*.id": "sum"}))
+    assert out == {"meta": {"id": 1, "name": "n"}}
+
+
+def test_by_path_deeper_pattern_beats_an_inner_node_pattern_with_the_same_literals() -> None:
+    outs = [{"meta": {"id": r, "name": "n"}} for r in range(2)]
+    out = tg.gather(outs, "cpu", tg.by_path({"meta": "sum", "meta.*": "as_list"}))
+    assert out == {"meta": {"id": [0, 1], "name": ["n", "n"]}}
+
+
+def test_by_path_tie_is_an_error_naming_the_leaf_and_both_patterns() -> None:
+    with pytest.raises(tg.LayoutError) as info:
+        tg.scatter(batch(), CPU2, tg.by_path({"meta.*": "broadcast", "*.lr": "split"}))
+    msg = str(info.value)
+    assert "inputs['meta']['lr'] is matched equally well by 'meta.*' and '*.lr'" in msg
+    assert "Hint: make one pattern more specific" in msg
+
+
+def test_by_path_pattern_matching_nothing_is_an_error_with_close_names() -> None:
+    with pytest.raises(tg.LayoutError) as info:
+        tg.scatter(batch(), CPU2, tg.by_path({"mak": "split"}))
+    msg = str(info.value)
+    assert "by_path pattern 'mak' matches nothing; close paths: mask" in msg
+    assert "Hint: patterns are dotted paths from the root" in msg
+
+
+def test_by_path_every_pattern_matching_nothing_is_listed() -> None:
+    with pytest.raises(tg.LayoutError) as info:
+        tg.gather(replica_outputs(), "cpu", tg.by_path({"los": "mean", "logit": 1, "zzz": 0}))
+    msg = str(info.value)
+    assert msg.startswith("3 problems:")
+    assert "'los' matches nothing; close paths: loss" in msg
+    assert "'logit' matches nothing; close paths: logits" in msg
+    assert "'zzz' matches nothing" in msg
+
+
+def test_by_path_rejects_bad_patterns() -> None:
+    with pytest.raises(tg.LayoutError, match="empty segment"):
+        tg.by_path({"a..b": "first"})
+    with pytest.raises(tg.LayoutError, match="is not a string"):
+        tg.by_path({1: "first"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="expects a mapping"):
+        tg.by_path(["a"])  # type: ignore[arg-type]
+
+
+def test_by_path_repr() -> None:
+    assert repr(tg.by_path({"a": "first"})) == "by_path({'a': 'first'}, default=None)"
+
+
+# --------------------------------------------------------------- inner nodes: leaf-wise vs whole
+
+
+def test_leaf_wise_rule_on_an_inner_node_applies_to_every_leaf_below() -> None:
+    outs = [{"h": {"a": torch.ones(2), "b": torch.ones(2)}} for _ in range(3)]
+    out = tg.gather(outs, "cpu", tg.by_path({"h": "stack"}))
+    assert out["h"]["a"].shape == (3, 2) and out["h"]["b"].shape == (3, 2)
+    out = tg.gather(outs, "cpu", {"h": "sum"})
+    assert out["h"]["a"].tolist() == [3.0, 3.0]
+    shards = tg.scatter({"h": {"a": torch.ones(4), "b": torch.ones(4)}}, CPU2, {"h": None})
+    assert shards[0]["h"]["a"].shape == (4,)
+
+
+def test_whole_value_rule_on_an_inner_node_receives_the_subtrees_whole() -> None:
+    outs = replica_outputs()
+    out = tg.gather(outs, "cpu", tg.by_path({"meta": "as_list"}))
+    assert out["meta"] == [{"id": 0, "tag": "t"}, {"id": 1, "tag": "t"}]
+    out = tg.gather(outs, "cpu", tg.by_path({"meta": "first"}))
+    assert out["meta"] == {"id": 0, "tag": "t"}
+    seen: list[Any] = []
+
+    def custom(values: list[Any], device: torch.device) -> str:
+        seen.append((values, device))
+        return "custom"
+
+    out = tg.gather(outs, "cpu", tg.by_path({"meta": custom}))
+    assert out["meta"] == "custom"
+    assert seen == [([{"id": 0, "tag": "t"}, {"id": 1, "tag": "t"}], torch.device("cpu"))]
+
+
+def test_whole_value_subtrees_may_differ_in_structure_between_replicas() -> None:
+    outs = [{"x": torch.ones(1), "extra": [1]}, {"x": torch.ones(1), "extra": [1, 2, 3]}]
+    out = tg.gather(outs, "cpu", tg.by_path({"extra": "as_list"}))
+    assert out["extra"] == [[1], [1, 2, 3]]
+
+
+def test_rule_inside_a_whole_value_node_is_an_error() -> None:
+    with pytest.raises(tg.LayoutError) as info:
+        tg.gather(replica_outputs(), "cpu", tg.by_path({"meta": "first", "meta.id": "sum"}))
+    msg = str(info.value)
+    assert "first() on outputs['meta'] (pattern 'meta') takes the subtree whole" in msg
+    assert "pattern 'meta.id' sets a rule inside it" in msg
+
+
+def test_whole_value_rule_on_a_none_node() -> None:
+    outs = [{"a": None, "b": torch.ones(1)}] * 2
+    assert tg.gather(outs, "cpu", tg.by_path({"a": "as_list"}))["a"] == [None, None]
+    out = tg.gather(outs, "cpu", {"a": None, "b": 0})
+    assert out["a"] is None and out["b"].tolist() == [1.0, 1.0]
+
+
+def test_same_layout_object_reused_for_different_structures() -> None:
+    layout = tg.by_path({"x": "sum"})
+    assert tg.gather([{"x": 1}, {"x": 2}], "cpu", layout) == {"x": 3}
+    assert tg.gather([{"x": 1, "y": 2}, {"x": 2, "y": 3}], "cpu", layout) == {"x": 3, "y": [2, 3]}
