@@ -817,3 +817,24 @@ def test_cuda_tensors_two_gloo_ranks(tmp_path: Path) -> None:
         assert_tree_equal(_ok(res["all_gather"]), expected)
         assert_tree_equal(_ok(res["gather"]), expected if rank == 1 else None)
         assert_tree_equal(_ok(res["broadcast"]), _cuda_tree(0))
+
+
+class _Broken:
+    """A registered container whose flatten function fails."""
+
+
+tg.register_node(
+    _Broken, lambda b: (_ for _ in ()).throw(ValueError("broken flatten")), lambda m, c: _Broken()
+)
+
+
+def test_local_problems_become_shared_errors(world_of_one: None) -> None:
+    """Problems found before the exchange travel in the header (the other ranks raise them too)."""
+    import treegather.distributed as tgd
+
+    with pytest.raises(tg.LeafTypeError, match=r"(?s)on rank 0: cannot send sparse.*outputs\['s'\]"):
+        tgd.all_gather({"s": torch.eye(2).to_sparse()})
+    with pytest.raises(tg.TreegatherError, match="ValueError: broken flatten"):
+        tgd.gather({"b": _Broken()})
+    with pytest.raises(tg.BatchSizeError, match="sizes must be"):
+        tgd.all_gather({"x": torch.ones(1)}, sizes=-1)
