@@ -832,7 +832,9 @@ def test_local_problems_become_shared_errors(world_of_one: None) -> None:
     """Problems found before the exchange travel in the header (the other ranks raise them too)."""
     import treegather.distributed as tgd
 
-    with pytest.raises(tg.LeafTypeError, match=r"(?s)on rank 0: cannot send sparse.*outputs\['s'\]"):
+    with pytest.raises(
+        tg.LeafTypeError, match=r"(?s)on rank 0: cannot send sparse.*outputs\['s'\]"
+    ):
         tgd.all_gather({"s": torch.eye(2).to_sparse()})
     with pytest.raises(tg.TreegatherError, match="ValueError: broken flatten"):
         tgd.gather({"b": _Broken()})
