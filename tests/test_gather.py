@@ -310,6 +310,15 @@ def test_custom_callable_gets_the_values_and_the_device() -> None:
     assert calls == [([1, 2], torch.device("cpu"))]
 
 
+@pytest.mark.parametrize("exc", [ValueError, TypeError, RuntimeError, IndexError, KeyError])
+def test_an_error_raised_by_a_custom_rule_keeps_its_type(exc: type) -> None:
+    def refuse(values: list[Any], device: torch.device) -> Any:
+        raise exc("my rule refuses")
+
+    with pytest.raises(exc, match="my rule refuses"):
+        tg.gather([{"m": 1, "t": torch.ones(1)}] * 2, "cpu", tg.by_path({"m": refuse}))
+
+
 def test_namedtuple_outputs() -> None:
     out = tg.gather([Point(torch.ones(1), "a"), Point(torch.ones(1), "b")], "cpu")
     assert type(out) is Point and out.y == ["a", "b"] and out.x.shape == (2,)

@@ -364,3 +364,14 @@ def test_scatter_kwargs_without_kwargs_and_with_a_list_of_args() -> None:
 def test_scatter_kwargs_keeps_the_keyword_order() -> None:
     _, kw = tg.scatter_kwargs((), {"z": torch.arange(2), "a": torch.arange(2)}, CPU2)
     assert [list(k) for k in kw] == [["z", "a"]] * 2
+
+
+def test_scatter_kwargs_single_whole_value_rule_applies_to_each_argument() -> None:
+    # One rule for (args, kwargs) means each argument, never the synthetic pair itself.
+    args, kwargs = tg.scatter_kwargs(
+        (["a", "b", "c"],), {"t": ["x", "y", "z"]}, ["cpu"] * 2, tg.split_items()
+    )
+    assert [a[0] for a in args] == [["a", "b"], ["c"]]
+    assert [k["t"] for k in kwargs] == [["x", "y"], ["z"]]
+    with pytest.raises(tg.LeafTypeError, match=r"args\[1\]: split_items\(\) needs a list or tuple"):
+        tg.scatter_kwargs((["a"], "s"), {}, ["cpu"] * 2, tg.split_items())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, defaultdict, namedtuple
+from collections import OrderedDict, defaultdict, deque, namedtuple
 from typing import Any
 
 import pytest
@@ -434,3 +434,23 @@ def test_register_dataclass_after_the_torch_bridge_picked_the_class_up() -> None
     assert [s.tag for s in shards] == ["s", "s"]
     with pytest.raises(ValueError, match="already registered"):
         tg.register_dataclass(Bridged)
+
+
+def test_torch_return_types_and_deques_are_nodes() -> None:
+    x = torch.randn(6, 3)
+    shards = tg.scatter(x, ["cpu"] * 3)
+    out = tg.gather([s.max(1) for s in shards], "cpu")
+    assert type(out) is type(x.max(1))
+    assert torch.equal(out.values, x.max(1).values) and torch.equal(out.indices, x.max(1).indices)
+    d = deque([torch.arange(4), "tag"], maxlen=5)
+    back = tg.gather(tg.scatter(d, CPU2), "cpu", deque(["cat", "first"], maxlen=5))
+    assert type(back) is deque and back.maxlen == 5
+    assert back[0].tolist() == [0, 1, 2, 3] and back[1] == "tag"
+
+
+def test_deque_maxlen_is_kept_after_the_cache_saw_another_maxlen() -> None:
+    t = torch.arange(4)
+    for maxlen in (5, 3, None, 5):
+        tree = {"d": deque([t], maxlen=maxlen)}
+        assert tg.scatter(tree, CPU2)[0]["d"].maxlen == maxlen
+        assert tg.gather([tree, tree], "cpu")["d"].maxlen == maxlen

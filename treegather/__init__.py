@@ -13,6 +13,8 @@ stack, mean, sum, pad, as_list, first, cat_items or any callable on the way out.
 
 from __future__ import annotations
 
+from ._apply import parallel_apply, parallel_apply_async
+from ._data_parallel import DataParallel, data_parallel, patch
 from ._errors import (
     BatchSizeError,
     LayoutError,
@@ -23,6 +25,7 @@ from ._errors import (
 )
 from ._gather import gather
 from ._layout import ByPath, by_path
+from ._replicate import replicate
 from ._rules import (
     Padded,
     Rule,
@@ -78,6 +81,13 @@ __all__ = [
     "BatchSizeError",
     "LeafTypeError",
     "ShapeMismatchError",
+    # replicate, apply and the data-parallel entry points (issue 3)
+    "replicate",
+    "parallel_apply",
+    "parallel_apply_async",
+    "data_parallel",
+    "DataParallel",
+    "patch",
 ]
 
 

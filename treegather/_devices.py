@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Union
 
 import torch
 
-__all__ = ["DeviceLike", "as_device", "as_devices"]
+__all__ = ["DeviceLike", "as_device", "as_devices", "accelerator_tensors_possible"]
 
 DeviceLike = Union[int, str, torch.device]  # noqa: UP007 - a runtime alias
 
@@ -64,3 +65,22 @@ def as_devices(devices: Sequence[DeviceLike] | DeviceLike) -> tuple[torch.device
     if not out:
         raise ValueError("devices must name at least one device")
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def accelerator_tensors_possible() -> bool:
+    """False when no tensor in this process can live off the CPU (no accelerator initialised).
+
+    The hot paths use it to skip per-leaf device checks on CPU-only runs.
+    """
+    if torch.cuda.is_initialized():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return True
+    return _mps_available()

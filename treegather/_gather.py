@@ -11,7 +11,7 @@ from typing import Any
 import optree
 import torch
 
-from ._devices import DeviceLike, as_device
+from ._devices import DeviceLike, accelerator_tensors_possible, as_device
 from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, bullet_list
 from ._layout import Plan, display_path, resolve
 from ._rules import (
@@ -132,7 +132,10 @@ def gather(
             raise
         if not _all_leaves(plan, per_replica):
             raise _structure_error(outputs, plan) from None
-        raise _diagnose(plan, list(zip(*per_replica)), dim, exc) or exc from exc
+        err = _diagnose(plan, list(zip(*per_replica)), dim, exc)
+        if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
+            raise
+        raise err from exc
     return up_spec.unflatten(results)
 
 
@@ -194,6 +197,7 @@ def _gather_default(
     append = out.append
     cpu = target.type == "cpu"
     index = target.index
+    check = not cpu or accelerator_tensors_possible()  # else every tensor is on the CPU
     for col in columns:
         try:
             r = cat(col, dim) if dim else cat(col)
@@ -203,7 +207,7 @@ def _gather_default(
             else:
                 append(list(col))
             continue
-        if (not r.is_cpu) if cpu else (r.get_device() != index):
+        if check and ((not r.is_cpu) if cpu else (r.get_device() != index)):
             r = r.to(target)
         append(r)
     return out
@@ -263,6 +267,8 @@ def _is_number(x: Any) -> bool:
 def _reduce(
     rule: Rule, col: tuple[Any, ...], target: torch.device, sizes: tuple[int, ...] | None
 ) -> Any:
+    if sizes is not None and builtins.sum(sizes) == 0:
+        sizes = None  # an empty batch (one empty shard): nothing to weight by
     if all(_is_number(v) for v in col):
         if isinstance(rule, Sum):
             return builtins.sum(col)
@@ -487,7 +493,8 @@ def _diagnose(
 ) -> Exception | None:
     """Every leaf whose per-replica values do not fit its rule, as one error.
 
-    With ``exc=None`` (a check before any work) returns ``None`` when all is well.
+    Returns ``None`` when nothing is wrong with the data: before any work (``exc=None``) all is
+    well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged.
     """
     problems: list[str] = []
     type_problem = False
@@ -555,7 +562,9 @@ def _diagnose(
                     f"{where}: {rule_name} needs equal sizes in every dim but {d}, got {_by_replica(shapes)}"
                 )
     if not problems:
-        return None if exc is None else RuntimeError(f"gather failed: {exc}")
+        # Nothing wrong with the data: the caller re-raises the original exception (a custom
+        # rule's own ValueError stays a ValueError).
+        return None
     hint = "pad() concatenates tensors whose other dims differ; as_list() keeps per-replica values"
     cls = LeafTypeError if type_problem else ShapeMismatchError
     return cls(bullet_list(problems, hint))

@@ -11,14 +11,14 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import optree
 from optree import PyTreeSpec
 
 from ._errors import LayoutError, bullet_list
 from ._rules import SHORTHANDS, Broadcast, Cat, Custom, First, Rule, Split
-from ._tree import NAMESPACE, Node, format_path, nodes
+from ._tree import NAMESPACE, Node, _child_styles, format_path, nodes
 
 __all__ = ["ByPath", "by_path", "Plan", "resolve", "display_path"]
 
@@ -288,22 +288,24 @@ def _assign_prefix(
     root: str | None,
 ) -> list[tuple[Node, Rule | None]]:
     lleaves, lspec = optree.tree_flatten(layout, none_is_leaf=True, namespace=NAMESPACE)
+    if root is None and lspec.is_leaf():
+        # One rule for an (args, kwargs) pair applies to each argument: a whole-value rule
+        # (split_items) takes each argument whole, never the synthetic pair itself.
+        rule = to_rule(lleaves[0], phase, dim, "layout")
+        return [(nd, rule) for nd in all_nodes if len(nd.path) == 2]
     skeleton = spec.unflatten(range(spec.num_leaves))
     try:
         lspec.flatten_up_to(skeleton)
     except (ValueError, TypeError) as exc:
-        problems = [
-            str(err("layout"))
-            for err in optree.prefix_errors(
-                layout, skeleton, none_is_leaf=True, namespace=NAMESPACE
-            )
-        ] or [str(exc)]
+        problems = _prefix_problems(layout, spec, root) or [str(exc)]
         name = "(args, kwargs)" if root is None else root
         raise LayoutError(
-            bullet_list(
-                [f"the layout is not a prefix of the structure of {name}: {p}" for p in problems],
-                "a prefix-tree layout must mirror the data's containers (every key of a dict); "
-                "use by_path({...}) for a partial layout",
+            f"the layout is not a prefix of the structure of {name}:\n"
+            + bullet_list(
+                problems if len(problems) > 1 else [f"  - {problems[0]}"],
+                "a prefix-tree layout mirrors the data's containers down to where it puts a rule "
+                "(every key of a dict, every item of a list); use by_path({...}) for a partial "
+                "layout",
             )
         ) from None
     by_raw = {nd.raw: nd for nd in all_nodes}
@@ -312,6 +314,67 @@ def _assign_prefix(
         node = by_raw[tuple(path)]
         out.append((node, to_rule(value, phase, dim, f"layout at {display_path(node, root)}")))
     return out
+
+
+def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[str]:
+    """Where a prefix-tree layout departs from the data's structure, as the user would read it."""
+    problems: list[str] = []
+
+    def is_rule(x: Any) -> bool:
+        return optree.tree_structure(x, none_is_leaf=True, namespace=NAMESPACE).is_leaf()
+
+    def name(t: Any) -> str:
+        return "None" if t is type(None) else f"a {t.__qualname__}"
+
+    def walk(
+        lay: Any, node: PyTreeSpec, path: tuple[tuple[Any, str], ...], raw: tuple[Any, ...]
+    ) -> None:
+        if len(problems) >= 20 or is_rule(lay):
+            return
+        where = display_path(Node(path, raw, 0, 0, node), root)
+        if node.is_leaf():
+            problems.append(f"{where}: the layout has {name(type(lay))} where the data has a leaf")
+            return
+        if type(lay) is not node.type:
+            problems.append(
+                f"{where}: the layout has {name(type(lay))} where the data has {name(node.type)}"
+            )
+            return
+        children, _, entries, _ = optree.tree_flatten_one_level(
+            cast(Any, lay), none_is_leaf=True, namespace=NAMESPACE
+        )
+        data_entries = list(node.entries())
+        if list(entries) != data_entries:
+            if isinstance(lay, Mapping):
+                common = [k for k in entries if k in data_entries]
+                lacks = [k for k in data_entries if k not in entries]
+                extra = [k for k in entries if k not in data_entries]
+                parts = []
+                if lacks:
+                    parts.append(f"lacks key(s) {', '.join(map(repr, lacks))}")
+                if extra:
+                    parts.append(f"has key(s) {', '.join(map(repr, extra))} the data does not")
+                problems.append(f"{where}: the layout {' and '.join(parts)}")
+                styled = dict(zip(data_entries, _child_styles(node)))
+                for key in common:
+                    walk(
+                        lay[key],
+                        node.children()[data_entries.index(key)],
+                        (*path, styled[key]),
+                        (*raw, key),
+                    )
+            else:
+                problems.append(
+                    f"{where}: the layout has {len(entries)} item(s) where the data has "
+                    f"{len(data_entries)}"
+                )
+            return
+        styled = dict(zip(data_entries, _child_styles(node)))
+        for entry, child_lay, child in zip(entries, children, node.children()):
+            walk(child_lay, child, (*path, styled[entry]), (*raw, entry))
+
+    walk(layout, spec, (), ())
+    return problems
 
 
 def _segments(node: Node, root: str | None) -> tuple[tuple[str, ...], ...]:

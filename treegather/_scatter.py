@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ._devices import DeviceLike, as_devices
+from ._devices import DeviceLike, accelerator_tensors_possible, as_devices
 from ._errors import BatchSizeError, LeafTypeError, bullet_list
 from ._gather import _move_tree
 from ._layout import display_path, resolve
@@ -124,22 +124,6 @@ def _balanced(n: int, k: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(k))
 
 
-@functools.lru_cache(maxsize=1)
-def _mps_available() -> bool:
-    mps = getattr(torch.backends, "mps", None)
-    return bool(mps is not None and mps.is_available())
-
-
-def _accelerator_tensors_possible() -> bool:
-    """False when no tensor in this process can live off the CPU (no accelerator initialised)."""
-    if torch.cuda.is_initialized():
-        return True
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        return True
-    return _mps_available()
-
-
 def _scatter_default(
     leaves: list[Any], spec: Any, devs: tuple[torch.device, ...], dim: int
 ) -> Shards | None:
@@ -154,18 +138,20 @@ def _scatter_default(
     # One pass: rows per split leaf, -1 for a leaf to broadcast, -2 for anything the general path
     # must look at (a tensor off the CPU, a leaf of another type).
     simple = _SIMPLE_LEAVES
+    T = Tensor
     try:
-        if _accelerator_tensors_possible():
+        # ``type(x) is T`` first: isinstance against torch.Tensor goes through its metaclass.
+        if accelerator_tensors_possible():
             rows = [
-                (x.size(dim) if x.dim() else -1)
-                if isinstance(x, Tensor) and x.is_cpu
+                (shape[dim] if (shape := x.shape) else -1)
+                if (type(x) is T or isinstance(x, T)) and x.is_cpu
                 else (-1 if type(x) in simple else -2)
                 for x in leaves
             ]
         else:  # no accelerator was ever initialised: every tensor here is on the CPU
             rows = [
-                (x.size(dim) if x.dim() else -1)
-                if isinstance(x, Tensor)
+                (shape[dim] if (shape := x.shape) else -1)
+                if type(x) is T or isinstance(x, T)
                 else (-1 if type(x) in simple else -2)
                 for x in leaves
             ]

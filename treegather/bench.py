@@ -188,12 +188,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         choices=["cpu", "cuda"],
         help="cpu: repeated CPU devices; cuda: a CPU batch to cuda:0 repeated (needs CUDA)",
     )
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per case (default 15)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
         leaves, ks, shapes, rounds = [10, 1000], [4], [(8, 4)], 9
     else:
         leaves, ks, shapes, rounds = [10, 100, 1000], [2, 4, 8], [(8, 4), (128, 256)], 15
+    rounds = args.rounds or rounds
     leaves = args.leaves or leaves
     ks = args.replicas or ks
     rows: list[dict[str, Any]] = []

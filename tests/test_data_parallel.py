@@ -1,0 +1,320 @@
+"""data_parallel, DataParallel and patch: equal to the unsplit model, leaf by leaf, with grads."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import OrderedDict
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as torch_pytree
+from torch import nn
+
+import treegather as tg
+
+
+@tg.register_dataclass
+@dataclasses.dataclass
+class Out:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    hidden: tuple[torch.Tensor, ...]
+
+
+class ModelOutputLike(OrderedDict):  # type: ignore[type-arg]
+    """Like transformers' ModelOutput: a dataclass that is an OrderedDict of its non-None fields."""
+
+    def __init_subclass__(cls) -> None:
+        torch_pytree.register_pytree_node(
+            cls,
+            lambda d: (list(d.values()), list(d.keys())),
+            lambda values, keys: cls(**dict(zip(keys, values))),
+        )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is not None:
+                self[f.name] = value
+
+
+@dataclasses.dataclass
+class CausalOut(ModelOutputLike):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class Model(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
+        h1 = torch.tanh(self.emb(x))
+        logits = self.head(h1)
+        loss = F.cross_entropy(logits, labels)
+        hidden = (h1, logits.softmax(-1))
+        if self.kind == "dict":
+            return {
+                "loss": loss,
+                "out": {"logits": logits, "hidden": hidden},
+                "name": "m",
+                "aux": None,
+            }
+        if self.kind == "dataclass":
+            return Out(loss, logits, hidden)
+        return CausalOut(loss=loss, logits=logits, hidden_states=hidden)
+
+
+KINDS = ["dict", "dataclass", "model_output"]
+# What makes the gathered output equal model(x): the mean loss weighted by shard sizes, and the
+# string kept once. Everything else uses the defaults (tensors cat along dim 0, None stays).
+EXACT = {
+    "dict": tg.by_path({"loss": tg.mean(), "name": "first"}),
+    "dataclass": tg.by_path({"loss": tg.mean()}),
+    "model_output": tg.by_path({"loss": tg.mean()}),
+}
+
+
+def _model(kind: str, device: str = "cpu") -> Model:
+    torch.manual_seed(0)
+    return Model(kind).to(device).eval()
+
+
+def _batch(n: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 6, generator=g)
+    labels = torch.randint(0, 4, (n,), generator=g)
+    return x.to(device), labels.to(device)
+
+
+def assert_tree_close(got: Any, expected: Any) -> None:
+    got_leaves, got_spec = optree.tree_flatten(got, namespace=tg.NAMESPACE)
+    exp_leaves, exp_spec = optree.tree_flatten(expected, namespace=tg.NAMESPACE)
+    assert type(got) is type(expected)
+    assert got_spec == exp_spec, f"{got_spec} != {exp_spec}"
+    for a, b in zip(got_leaves, exp_leaves):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.shape == b.shape and a.device == b.device
+            torch.testing.assert_close(a, b)
+        else:
+            assert a == b
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return out["loss"] if isinstance(out, dict) else out.loss
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [5, 7])
+def test_equals_unsplit_model_with_gradients(kind: str, k: int, n: int) -> None:
+    model, ref = _model(kind), _model(kind)
+    x, labels = _batch(n)
+    out = tg.data_parallel(model, (x, labels), ["cpu"] * k, out_layout=EXACT[kind])
+    expected = ref(x, labels)
+    assert_tree_close(out, expected)
+    _loss(out).backward()
+    _loss(expected).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_default_gather_rules(kind: str) -> None:
+    model = _model(kind)
+    x, labels = _batch(7)
+    out = tg.data_parallel(model, x, ["cpu"] * 3, module_kwargs={"labels": labels})
+    expected = model(x, labels)
+    shards = tg.scatter_kwargs((x, labels), None, ["cpu"] * 3)[0]
+    per_shard = torch.stack([_loss(model(*s)) for s in shards])
+    torch.testing.assert_close(_loss(out), per_shard)  # 0-dim losses become a vector
+    if kind == "dict":
+        assert out["name"] == ["m"] * 3 and out["aux"] is None
+        torch.testing.assert_close(out["out"]["logits"], expected["out"]["logits"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_device_gives_the_same_shapes_as_several(kind: str) -> None:
+    model = _model(kind)
+    x, labels = _batch(6)
+    one, three = (tg.data_parallel(model, (x, labels), ["cpu"] * k) for k in (1, 3))
+    if kind == "dict":  # a non-tensor leaf becomes the list of per-replica values
+        assert (one.pop("name"), three.pop("name")) == (["m"], ["m"] * 3)
+    leaves1, spec1 = optree.tree_flatten(one, namespace=tg.NAMESPACE)
+    leaves3, spec3 = optree.tree_flatten(three, namespace=tg.NAMESPACE)
+    assert spec1 == spec3
+    for a, b in zip(leaves1, leaves3):
+        assert a.ndim == b.ndim
+        if a.ndim and a.shape[0] == 6:
+            assert a.shape == b.shape
+
+
+@pytest.mark.parametrize("backend", ["serial", "threads", "fork"])
+def test_backends_and_plain_callables(backend: str) -> None:
+    model = _model("dict")
+    x, labels = _batch(9)
+    out = tg.data_parallel(
+        model,
+        (x, labels),
+        ["cpu"] * 4,
+        out_layout=EXACT["dict"],
+        backend=backend,  # type: ignore[arg-type]
+    )
+    assert_tree_close(out, model(x, labels))
+    total = tg.data_parallel(
+        lambda t: t.sum(0), torch.ones(10, 2), ["cpu"] * 3, out_layout=tg.sum()
+    )
+    assert total.tolist() == [10.0, 10.0]
+    assert tg.data_parallel(lambda: torch.ones(2), (), ["cpu"] * 3).tolist() == [1.0, 1.0]
+
+
+def test_in_layout_and_output_device() -> None:
+    def fn(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x @ table
+
+    table = torch.randn(3, 2)
+    x = torch.randn(5, 3)
+    out = tg.data_parallel(
+        fn, (x, table), ["cpu"] * 2, in_layout=tg.by_path({"1": tg.broadcast()}), output_device=-1
+    )
+    torch.testing.assert_close(out, x @ table)
+
+
+def test_module_on_another_device_is_rejected() -> None:
+    model = Model("dict").to("meta")
+    with pytest.raises(RuntimeError, match=r"parameter 'emb.weight' is on meta"):
+        tg.data_parallel(model, _batch(4), ["cpu"] * 2)
+
+
+# -- DataParallel and patch ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_data_parallel_module_matches_function(kind: str, k: int) -> None:
+    model = _model(kind)
+    x, labels = _batch(7)
+    dp = tg.DataParallel(model, ["cpu"] * k, out_layout=EXACT[kind])
+    assert isinstance(dp, nn.DataParallel)
+    assert dp.device_ids == [torch.device("cpu")] * k
+    expected = tg.data_parallel(model, (x, labels), ["cpu"] * k, out_layout=EXACT[kind])
+    assert_tree_close(dp(x, labels=labels), expected)
+    _loss(dp(x, labels)).backward()
+    assert model.emb.weight.grad is not None
+
+
+def test_state_dict_keys_equal_torch() -> None:
+    model = _model("dict")
+    ours = tg.DataParallel(model, ["cpu"] * 2)
+    theirs = nn.DataParallel(model)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert next(iter(ours.state_dict())) == "module.emb.weight"
+    copy.deepcopy(ours).load_state_dict(theirs.state_dict())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+def test_default_device_ids_without_cuda_is_a_plain_call() -> None:
+    model = _model("dict")
+    x, labels = _batch(5)
+    dp = tg.DataParallel(model)
+    assert dp.device_ids == []
+    assert_tree_close(dp(x, labels), model(x, labels))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_patch_gives_the_same_results(kind: str) -> None:
+    model = _model(kind)
+    x, labels = _batch(7)
+    dp = tg.patch(nn.DataParallel(model), out_layout=EXACT[kind])
+    assert isinstance(dp, nn.DataParallel)
+    args, kwargs = dp.scatter((x,), {"labels": labels}, ["cpu"] * 3)
+    assert [a[0].shape[0] for a in args] == [3, 2, 2]
+    outputs = [model(*a, **kw) for a, kw in zip(args, kwargs)]
+    expected = tg.data_parallel(
+        model, x, ["cpu"] * 3, module_kwargs={"labels": labels}, out_layout=EXACT[kind]
+    )
+    assert_tree_close(dp.gather(outputs, "cpu"), expected)
+    if not torch.cuda.is_available():  # torch's forward is then a plain call
+        assert_tree_close(dp(x, labels), model(x, labels))
+    with pytest.raises(TypeError, match=r"expects a torch\.nn\.DataParallel"):
+        tg.patch(model)  # type: ignore[type-var]
+
+
+# -- the same equivalences on every device set (CPU always, CUDA when present) ------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_equivalences_on_each_device_set(devices: list[str], kind: str) -> None:
+    model, ref = _model(kind, devices[0]), _model(kind, devices[0])
+    x, labels = _batch(11, devices[0])
+    out = tg.data_parallel(model, (x, labels), devices, out_layout=EXACT[kind])
+    expected = ref(x, labels)
+    assert_tree_close(out, expected)
+    dp_out = tg.DataParallel(model, devices, out_layout=EXACT[kind])(x, labels)
+    assert_tree_close(dp_out, expected)
+    _loss(out).backward()
+    _loss(expected).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_patch_on_cuda_runs_torch_forward_with_treegather_steps(kind: str) -> None:
+    model = _model(kind, "cuda:0")
+    x, labels = _batch(11, "cuda:0")
+    dp = tg.patch(nn.DataParallel(model), out_layout=EXACT[kind])
+    if len(dp.device_ids) == 1:  # torch's forward: one device is a plain call, no gather
+        assert_tree_close(dp(x, labels), model(x, labels))
+    else:
+        expected = tg.data_parallel(model, (x, labels), dp.device_ids, out_layout=EXACT[kind])
+        assert_tree_close(dp(x, labels), expected)
+
+
+def test_fewer_rows_than_devices_uses_fewer_replicas() -> None:
+    model = _model("dict")
+    x, labels = _batch(2)
+    calls: list[int] = []
+    hook = model.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    out = tg.data_parallel(model, (x, labels), ["cpu"] * 4, out_layout=EXACT["dict"])
+    hook.remove()
+    assert sorted(calls) == [1, 1]
+    assert_tree_close(out, model(x, labels))
+
+
+def test_batchnorm_statistics_follow_replica_zero_as_in_torch() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).train()
+    ref = copy.deepcopy(net)
+    x = torch.randn(8, 3)
+    tg.DataParallel(net, ["cpu"] * 2, backend="threads")(x)
+    ref(x[:4])  # replica 0's shard
+    torch.testing.assert_close(net[1].running_mean, ref[1].running_mean)
+    torch.testing.assert_close(net[1].running_var, ref[1].running_var)
+
+
+def test_overridden_scatter_may_return_plain_lists_as_torch_allows() -> None:
+    # torch's API lets a subclass's scatter return per-device sequences; kwargs may be None.
+    class Doubler(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"y": x * 2}
+
+    class ManualScatter(tg.DataParallel):
+        def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+            x = inputs[0]
+            return [(x[:3],), (x[3:],)], None
+
+    dp = ManualScatter(Doubler(), device_ids=["cpu", "cpu"])
+    out = dp(torch.arange(5.0))
+    assert torch.equal(out["y"], torch.arange(5.0) * 2)

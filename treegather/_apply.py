@@ -1,0 +1,499 @@
+"""parallel_apply: call one function per replica, serially, on threads, or with torch.jit.fork.
+
+Backends:
+
+- ``"serial"``: a plain loop in the calling thread; exact under every transform and mode.
+- ``"threads"``: a persistent worker pool. Each call enters the caller's grad mode, inference
+  mode and autocast state (enabled flag and dtype, per device type), then the replica's
+  device and that device's current stream (captured in the caller). Under an active
+  ``torch.func`` transform, a torch function/dispatch mode, or ``torch.compile`` tracing
+  (all thread-local, so a worker thread would silently drop them) it runs serially instead.
+- ``"fork"``: ``torch.jit.fork``/``wait``. When every function is a TorchScript module, one
+  small scripted fan-out module forks them inside TorchScript, so they run in torch's
+  inter-op pool without the GIL (needs ``torch.get_num_interop_threads() >= 2``). Eager
+  Python functions are called inline (``torch.jit.fork`` runs them inline from Python
+  anyway, and could not return pytrees such as dicts of mixed values). Caveats, handled here:
+  fork, wait and script emit ``DeprecationWarning`` in torch 2.13 (silenced around
+  treegather's own calls); a scripted replica's error comes back as ``RuntimeError`` (mapped
+  to the replica and, for builtin exceptions, to the original type); a failed fork never
+  waited on is dropped (every replica is always waited for); a script that exits right after
+  its forked work finished could abort ("terminate called without an active exception"),
+  so the latest fork batch stays referenced until the next one. Also: a TorchScript model
+  run under ``torch.no_grad()`` after warm-up calls with grad can return outputs that
+  require grad (torch's profiling executor; seen on torch 2.13 CPU, any backend).
+- ``"auto"``: threads when the replicas sit on distinct CUDA devices, serial otherwise. On
+  the CPU threads only pay off when each shard is dominated by large matmuls/convolutions
+  that release the GIL; ask for ``backend="threads"`` (or a scripted model with ``"fork"``)
+  explicitly there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import linecache
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from typing import Any, Literal
+
+import torch
+
+from ._devices import DeviceLike, as_device
+from ._failures import combine_failures
+from ._tree import flatten
+
+__all__ = ["parallel_apply", "parallel_apply_async", "Backend"]
+
+Backend = Literal["auto", "serial", "threads", "fork"]
+_BACKENDS = ("auto", "serial", "threads", "fork")
+_AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps")
+
+# One replica's outcome: (True, value) or (False, exception).
+_Outcome = tuple[bool, Any]
+_Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], "torch.device | None"]
+
+
+def parallel_apply(
+    fns: Callable[..., Any] | Sequence[Callable[..., Any]],
+    args: Sequence[Any],
+    kwargs: Sequence[Mapping[str, Any]] | None = None,
+    devices: Sequence[DeviceLike | None] | None = None,
+    *,
+    backend: Backend = "auto",
+) -> list[Any]:
+    """Call ``fns[i](*args[i], **kwargs[i])`` for every replica ``i`` and return the results.
+
+    >>> import torch, treegather as tg
+    >>> reps = tg.replicate(torch.nn.Linear(3, 2), ["cpu", "cpu"])
+    >>> outs = tg.parallel_apply(reps, [torch.ones(4, 3), torch.ones(1, 3)], backend="threads")
+    >>> [tuple(o.shape) for o in outs]
+    [(4, 2), (1, 2)]
+    >>> tg.parallel_apply(len, [("ab",), ("abc",)])
+    [2, 3]
+
+    Args:
+        fns: one callable per replica, or one callable used for all replicas.
+        args: one entry per replica: a tuple (not a namedtuple) is the positional arguments,
+            anything else is the single argument.
+        kwargs: one keyword dict per replica (default: none).
+        devices: the device of each replica (default: the device of its first tensor
+            argument, else none). Used for the device/stream context and in error messages.
+        backend: ``"auto"``, ``"serial"``, ``"threads"`` or ``"fork"`` (see the module docs).
+
+    Returns:
+        The results, in replica order.
+
+    Raises:
+        ValueError: lengths of ``fns``/``args``/``kwargs``/``devices`` disagree, or an
+            unknown backend.
+        Exception: one failing replica re-raises its exception type (rebuilt with a message
+            naming the replica index and device; else ``RuntimeError``), the original
+            chained as ``__cause__``; several raise an ``ExceptionGroup`` with one entry per
+            failing replica (``BaseExceptionGroup`` when a ``SystemExit`` or
+            ``KeyboardInterrupt`` is among them; alone, those are re-raised as themselves).
+    """
+    calls = _prepare(fns, args, kwargs, devices)
+    chosen = _resolve(backend, calls)
+    if chosen == "threads":
+        futures = [
+            _pool(len(calls)).submit(_in_worker, state, call) for state, call in _stated(calls)
+        ]
+        wait_all(futures)
+        outcomes = [f.result() for f in futures]
+    elif chosen == "fork":
+        outcomes = [_outcome_of(f) for f in _fork(calls)]
+    else:
+        outcomes = [_run(call) for call in calls]
+    return _finish(outcomes, calls)
+
+
+def parallel_apply_async(
+    fns: Callable[..., Any] | Sequence[Callable[..., Any]],
+    args: Sequence[Any],
+    kwargs: Sequence[Mapping[str, Any]] | None = None,
+    devices: Sequence[DeviceLike | None] | None = None,
+    *,
+    backend: Backend = "auto",
+) -> torch.futures.Future[list[Any]]:
+    """Start :func:`parallel_apply` and return a ``torch.futures.Future`` of the result list.
+
+    >>> import torch, treegather as tg
+    >>> fut = tg.parallel_apply_async(torch.neg, [torch.ones(2), torch.zeros(1)], backend="threads")
+    >>> [o.tolist() for o in fut.wait()]
+    [[-1.0, -1.0], [-0.0]]
+
+    ``.wait()`` (or ``.value()``) returns what :func:`parallel_apply` returns and raises the
+    same exception types. With ``"serial"`` (and ``"auto"`` where it means serial) the work
+    runs before this function returns; ``"threads"`` runs on the persistent pool and
+    ``"fork"`` with TorchScript modules in torch's inter-op pool, so the caller can overlap
+    other work. The future is completed (and its callbacks run) on treegather's worker
+    threads, which the interpreter joins at exit, so exiting without waiting is safe.
+
+    Args:
+        fns: as in :func:`parallel_apply`.
+        args: as in :func:`parallel_apply`.
+        kwargs: as in :func:`parallel_apply`.
+        devices: as in :func:`parallel_apply`.
+        backend: as in :func:`parallel_apply`.
+
+    Returns:
+        A future whose value is the list of results.
+    """
+    calls = _prepare(fns, args, kwargs, devices)
+    chosen = _resolve(backend, calls)
+    result: torch.futures.Future[list[Any]] = torch.futures.Future()
+    if chosen == "threads":
+        outcomes: list[_Outcome | None] = [None] * len(calls)
+        remaining = [len(calls)]
+        lock = threading.Lock()
+
+        def done(i: int, f: Future[_Outcome]) -> None:
+            outcomes[i] = f.result()
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                _complete(result, [o for o in outcomes if o is not None], calls)
+
+        for i, (state, call) in enumerate(_stated(calls)):
+            f = _pool(len(calls)).submit(_in_worker, state, call)
+            f.add_done_callback(functools.partial(done, i))
+    elif chosen == "fork":
+        # Completed from a pool thread, never from torch's inter-op threads: callbacks on the
+        # result then run in a Python thread that the interpreter joins at exit, so a script
+        # that exits without waiting cannot abort ("terminate called without an active
+        # exception") while forked work or a callback is still running.
+        futs = _fork(calls)
+        _pool(1).submit(lambda: _complete(result, [_outcome_of(f) for f in futs], calls))
+    else:
+        _complete(result, [_run(call) for call in calls], calls)
+    return result
+
+
+# -- preparing calls ---------------------------------------------------------------------------
+
+
+def _prepare(
+    fns: Callable[..., Any] | Sequence[Callable[..., Any]],
+    args: Sequence[Any],
+    kwargs: Sequence[Mapping[str, Any]] | None,
+    devices: Sequence[DeviceLike | None] | None,
+) -> list[_Call]:
+    n = len(args)
+    fn_list: list[Callable[..., Any]] = (
+        list(fns) if isinstance(fns, (Sequence, torch.nn.ModuleList)) else [fns] * n
+    )
+    kw_list = [dict(k) for k in kwargs] if kwargs is not None else [{} for _ in range(n)]
+    dev_list = list(devices) if devices is not None else [None] * n
+    lengths = {"fns": len(fn_list), "args": n, "kwargs": len(kw_list), "devices": len(dev_list)}
+    if len(set(lengths.values())) != 1:
+        given = ", ".join(f"{k}={v}" for k, v in lengths.items())
+        raise ValueError(f"parallel_apply needs one entry per replica everywhere, got {given}")
+    calls: list[_Call] = []
+    for fn, a, kw, d in zip(fn_list, args, kw_list, dev_list):
+        positional = a if isinstance(a, tuple) and not hasattr(a, "_fields") else (a,)
+        device = as_device(d) if d is not None else _first_tensor_device((positional, kw))
+        calls.append((fn, positional, kw, device))
+    return calls
+
+
+def _first_tensor_device(tree: Any) -> torch.device | None:
+    for leaf in flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None
+
+
+def _resolve(backend: str, calls: list[_Call]) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(_BACKENDS)}")
+    if len(calls) <= 1 or _thread_local_context_active() or getattr(_LOCAL, "worker", False):
+        return "serial"
+    if backend == "auto":
+        devs = [c[3] for c in calls]
+        distinct_cuda = all(d is not None and d.type == "cuda" for d in devs) and len(
+            set(devs)
+        ) == len(devs)
+        return "threads" if distinct_cuda else "serial"
+    return backend
+
+
+def _thread_local_context_active() -> bool:
+    """A torch.func transform, a function/dispatch mode, or compile tracing is active."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is not None and functorch.maybe_current_level() is not None:
+        return True
+    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return True
+    return bool(torch.compiler.is_compiling())
+
+
+# -- serial and threads --------------------------------------------------------------------------
+
+
+def _run(call: _Call) -> _Outcome:
+    fn, a, kw, device = call
+    try:
+        with _device_context(device, None):
+            return True, fn(*a, **kw)
+    except BaseException as exc:
+        return False, exc
+
+
+def _device_context(
+    device: torch.device | None, stream: Any
+) -> contextlib.AbstractContextManager[Any]:
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(device))
+    if stream is not None:
+        stack.enter_context(torch.cuda.stream(stream))
+    return stack
+
+
+class _CallerState:
+    """The thread-local autograd/autocast state of the calling thread, to re-enter in workers."""
+
+    def __init__(self) -> None:
+        self.grad = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.autocast = [
+            (t, torch.get_autocast_dtype(t)) for t in _AUTOCAST_TYPES if _autocast_on(t)
+        ]
+        self.cache = torch.is_autocast_cache_enabled()
+
+    def enter(self, stack: contextlib.ExitStack) -> None:
+        if self.inference:
+            stack.enter_context(torch.inference_mode())
+        stack.enter_context(torch.set_grad_enabled(self.grad))
+        for device_type, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.cache))
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _stated(calls: list[_Call]) -> list[tuple[tuple[_CallerState, Any], _Call]]:
+    state = _CallerState()
+    out = []
+    for call in calls:
+        device = call[3]
+        stream = (
+            torch.cuda.current_stream(device)
+            if device is not None and device.type == "cuda"
+            else None
+        )
+        out.append(((state, stream), call))
+    return out
+
+
+def _in_worker(state: tuple[_CallerState, Any], call: _Call) -> _Outcome:
+    caller, stream = state
+    _LOCAL.worker = True
+    try:
+        with contextlib.ExitStack() as stack:
+            caller.enter(stack)
+            stack.enter_context(_device_context(call[3], stream))
+            fn, a, kw, _ = call
+            return True, fn(*a, **kw)
+    except BaseException as exc:
+        return False, exc
+    finally:
+        _LOCAL.worker = False
+
+
+_LOCAL = threading.local()
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """The persistent worker pool, grown (never shrunk) to at least ``n`` workers."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < n:
+            old = _POOL
+            _POOL_SIZE = max(n, 8)
+            _POOL = ThreadPoolExecutor(_POOL_SIZE, thread_name_prefix="treegather-apply")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _POOL
+
+
+# -- fork ------------------------------------------------------------------------------------------
+
+
+def _fork(calls: list[_Call]) -> list[torch.futures.Future[Any]]:
+    """One torch future per replica; scripted modules run in torch's inter-op pool."""
+    futures = _scripted_fanout(calls) if all(_is_script_module(c[0]) for c in calls) else None
+    if futures is not None:
+        return futures
+    out: list[torch.futures.Future[Any]] = []
+    for call in calls:  # eager Python: torch.jit.fork would run it inline anyway
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        ok, value = _run(call)
+        _settle(fut, ok, value)
+        out.append(fut)
+    return out
+
+
+def _is_script_module(fn: Any) -> bool:
+    return isinstance(fn, torch.jit.ScriptModule) and hasattr(fn, "forward")
+
+
+_FANOUT_CLASSES: dict[tuple[Any, ...], type[torch.nn.Module]] = {}
+_ANNOTATION_NAMES = "from typing import Any, Dict, List, Optional, Tuple, Union\n"
+
+
+def _scripted_fanout(calls: list[_Call]) -> list[torch.futures.Future[Any]] | None:
+    """Fork every TorchScript module from inside TorchScript; None where that cannot be done."""
+    try:
+        bound = [_bind(call) for call in calls]
+    except (TypeError, RuntimeError, AttributeError):
+        return None
+    key = tuple((tuple(b[1]), b[2]) for b in bound)
+    try:
+        with _quiet_jit():
+            cls = _FANOUT_CLASSES.get(key) or _fanout_class(key)
+            for c in calls:
+                module: Any = c[0]
+                if not hasattr(module, "_concrete_type"):
+                    module._concrete_type = torch._C.ConcreteModuleType.from_jit_type(
+                        module._c._type()
+                    )
+            fanout = torch.jit.script(cls([c[0] for c in calls]))
+    except Exception:
+        return None
+    flat = [v for b in bound for v in b[0]]
+    try:
+        with _quiet_jit():
+            futures = list(fanout(*flat))
+    except Exception:
+        # Arguments that do not fit the scripted signature fail here, before anything is
+        # forked (the forked calls' own errors land in their futures): call each replica
+        # inline instead, so every replica reports its own error.
+        return None
+    # Keep the latest batch (futures and fan-out module) referenced until the next fork call or
+    # interpreter teardown. Dropping them right after the wait lets an inter-op thread, still
+    # finishing the task, release the last reference; if the script exits at that moment the
+    # process aborts ("terminate called without an active exception"; torch 2.13, CPU).
+    _LATEST_FORK[:] = [fanout, futures]
+    return futures
+
+
+_LATEST_FORK: list[Any] = []
+
+
+def _bind(call: _Call) -> tuple[list[Any], list[str], str]:
+    """Positional values for every schema argument, their annotations, the return annotation."""
+    fn: Any = call[0]
+    _, a, kw, _ = call
+    schema = fn.forward.schema
+    params = schema.arguments[1:]
+    if len(a) > len(params):
+        raise TypeError("too many positional arguments")
+    values: list[Any] = []
+    for k, p in enumerate(params):
+        if k < len(a):
+            values.append(a[k])
+        elif p.name in kw:
+            values.append(kw[p.name])
+        elif p.has_default_value():
+            values.append(p.default_value)
+        else:
+            raise TypeError(f"missing argument {p.name}")
+    if set(kw) - {p.name for p in params}:
+        raise TypeError("unexpected keyword argument")
+    annotations = [p.type.annotation_str for p in params]
+    returns = schema.returns
+    ret = returns[0].type.annotation_str if len(returns) == 1 else "Tuple[()]"
+    if any("__torch__" in s for s in [*annotations, ret]):
+        raise TypeError("class-typed arguments are not supported by the fan-out")
+    return values, annotations, ret
+
+
+def _fanout_class(key: tuple[Any, ...]) -> type[torch.nn.Module]:
+    n = len(key)
+    params, forks = [], []
+    for i, (anns, _) in enumerate(key):
+        names = [f"a{i}_{k}" for k in range(len(anns))]
+        params += [f"{name}: {ann}" for name, ann in zip(names, anns)]
+        forks.append(f"torch.jit.fork(self.m{i}{''.join(', ' + x for x in names)})")
+    ret = ", ".join(f"torch.jit.Future[{r}]" for _, r in key)
+    assigns = "".join(f"        self.m{i} = fns[{i}]\n" for i in range(n))
+    source = (
+        "import torch\nfrom torch import Tensor\n"
+        + _ANNOTATION_NAMES
+        + "Device = torch.device\nNoneType = type(None)\n\n"
+        + "class FanOut(torch.nn.Module):\n"
+        + "    def __init__(self, fns):\n        super().__init__()\n"
+        + assigns
+        + f"    def forward(self, {', '.join(params)}) -> Tuple[{ret}]:\n"
+        + f"        return ({', '.join(forks)},)\n"
+    )
+    filename = f"<treegather-fanout-{len(_FANOUT_CLASSES)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict[str, Any] = {"__name__": f"treegather._fanout{len(_FANOUT_CLASSES)}"}
+    exec(compile(source, filename, "exec"), namespace)
+    cls: type[torch.nn.Module] = namespace["FanOut"]
+    _FANOUT_CLASSES[key] = cls
+    return cls
+
+
+@contextlib.contextmanager
+def _quiet_jit() -> Any:
+    """torch.jit.script/fork/wait emit DeprecationWarning from torch 2.13 on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+        yield
+
+
+def _outcome_of(fut: torch.futures.Future[Any]) -> _Outcome:
+    try:
+        return True, fut.wait()
+    except BaseException as exc:
+        return False, exc
+
+
+# -- results ---------------------------------------------------------------------------------------
+
+
+def _finish(outcomes: list[_Outcome], calls: list[_Call]) -> list[Any]:
+    failures = [(i, calls[i][3], v) for i, (ok, v) in enumerate(outcomes) if not ok]
+    if failures:
+        raise combine_failures(failures, len(calls))
+    return [v for _, v in outcomes]
+
+
+def _complete(
+    result: torch.futures.Future[Any], outcomes: list[_Outcome], calls: list[_Call]
+) -> None:
+    try:
+        value = _finish(outcomes, calls)
+    except BaseException as exc:
+        _settle(result, False, exc)
+    else:
+        _settle(result, True, value)
+
+
+def _settle(fut: torch.futures.Future[Any], ok: bool, value: Any) -> None:
+    if ok:
+        fut.set_result(value)
+    elif isinstance(value, Exception):
+        fut.set_exception(value)
+    else:  # torch's set_exception refuses BaseException; install the same unwrap by hand
+
+        def reraise(exc: BaseException) -> None:
+            raise exc
+
+        fut._set_unwrap_func(reraise)
+        fut.set_result(value)
