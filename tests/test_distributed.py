@@ -721,8 +721,9 @@ def test_import_treegather_does_not_import_distributed(group_results: Any) -> No
 
 def test_lazy_attribute() -> None:
     import treegather.distributed as tgd
+    from treegather import distributed
 
-    assert tg.distributed is tgd
+    assert tg.distributed is tgd and distributed is tgd
     with pytest.raises(AttributeError):
         _ = tg.not_a_name
 

@@ -395,7 +395,8 @@ def all_gather(
     callable, ...) for the whole tree, a prefix of it, or :func:`~treegather.by_path` patterns.
 
     Whatever the tree, this costs two collectives (see the module docstring). Every rank must
-    call it with a tree of the same structure and the same ``layout``/``dim``; otherwise every
+    call it with a tree of the same structure (nodes the layout takes whole, such as per-sample
+    lists under ``cat_items()``, may differ) and the same ``layout``/``dim``; otherwise every
     rank raises the same error.
 
     Args:
@@ -417,6 +418,7 @@ def all_gather(
         ShapeMismatchError: A rule cannot combine the ranks' tensors (dtypes, other dims).
         BatchSizeError: ``sizes`` is not an int, or was passed on some ranks only.
         LeafTypeError: A leaf cannot travel (unpicklable object, sparse tensor).
+        LayoutError: ``layout`` does not fit the tree.
 
     Example:
         >>> import torch, torch.distributed as dist
