@@ -129,6 +129,7 @@ def main() -> None:
         print(
             f"token_scores {tuple(result['token_scores'].shape)}, lengths {result['token_lengths'].tolist()}"
         )
+    dist.barrier()  # every rank done before the group goes (DDP's threads may abort otherwise)
     dist.destroy_process_group()
 
 

@@ -284,6 +284,15 @@ def sizes_on_some_ranks(rank: int, world: int) -> Any:
 
 
 @_error
+def bad_sizes(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.gather(
+        {"loss": torch.tensor(1.0)}, 0, {"loss": tg.mean()}, sizes=2.5 if rank == 1 else 2
+    )
+
+
+@_error
 def dst_disagrees(rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
@@ -431,6 +440,23 @@ def _count_calls(rank: int, world: int) -> dict[str, Any]:
     return counts
 
 
+def _dim1(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather({"h": torch.full((2, rank + 1), float(rank))}, dim=1)
+
+
+def _subgroup(sub: Any, rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    tree = _ragged(rank)
+    return (
+        tgd.all_gather(tree, group=sub),
+        tgd.gather(tree, dst=world - 1, group=sub),
+        tgd.broadcast(tree if rank == world - 1 else None, src=world - 1, group=sub),
+    )
+
+
 # -------------------------------------------------------------------------------- the worker
 
 
@@ -443,7 +469,8 @@ def _capture(fn: Callable[[], Any]) -> tuple[Any, ...]:
 
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
-    results: dict[Any, Any] = {}
+    # A fresh process that imported treegather (with this module) but not the collectives yet.
+    results: dict[Any, Any] = {"lazy": "treegather.distributed" not in sys.modules}
     try:
         dist.init_process_group(
             "gloo",
@@ -462,6 +489,10 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
                 lambda: _run_op("all_gather", "ragged", rank, world)
             )
         results["count"] = _capture(lambda: _count_calls(rank, world))
+        results["dim1"] = _capture(lambda: _dim1(rank, world))
+        sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
+        if rank in (0, world - 1):
+            results["subgroup"] = _capture(lambda: _subgroup(sub, rank, world))
     except Exception:
         results["fatal"] = traceback.format_exc()
     finally:
@@ -560,6 +591,7 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "stack_shapes_gather": (tg.ShapeMismatchError, ["['h']", "stack"]),
     "unpicklable_leaf": (tg.LeafTypeError, ["on rank 1", "outputs['f']", "picklable"]),
     "sizes_on_some_ranks": (tg.BatchSizeError, ["sizes=", "4 on rank 0", "None on rank"]),
+    "bad_sizes": (tg.BatchSizeError, ["on rank 1", "sizes must be", "2.5"]),
     "dst_disagrees": (tg.StructureMismatchError, ["dst=0", "dst=1"]),
     "different_calls": (tg.StructureMismatchError, ["gather", "all_gather", "rank 0"]),
     "mismatch_beside_whole_nodes": (tg.StructureMismatchError, ["outputs['y']", "missing on rank"]),
@@ -598,7 +630,7 @@ def test_collectives_do_not_grow_with_leaves(group_results: Any) -> None:
         # (``all_gather_single`` is torch >= 2.13's name for ``all_gather_into_tensor``.)
         ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
         assert counts["all_gather"] == [ag, ag]
-        assert counts["gather"] == [ag, ag, "gather"]
+        assert counts["gather"] == [ag, "gather", "broadcast"]
         assert counts["broadcast"] == [ag, "broadcast"]
 
 
@@ -622,6 +654,23 @@ def test_ddp_eval_example_runs_under_torchrun() -> None:
         raise
     assert proc.returncode == 0, err[-3000:]
     assert "gathered 21 samples: [10, 11] per rank" in out, out
+
+
+def test_dim_and_subgroups(group_results: Any) -> None:
+    world, results = group_results
+    expected = tg.gather(
+        [{"h": torch.full((2, r + 1), float(r))} for r in range(world)], "cpu", dim=1
+    )
+    both = tg.gather([_ragged(0), _ragged(world - 1)], "cpu")
+    for rank, res in enumerate(results):
+        assert_tree_equal(_ok(res["dim1"]), expected)
+        if rank in (0, world - 1):  # global ranks 0 and world - 1 form the subgroup
+            got_all, got_dst, got_bcast = _ok(res["subgroup"])
+            assert_tree_equal(got_all, both)
+            assert_tree_equal(got_dst, both if rank == world - 1 else None)
+            assert_tree_equal(got_bcast, _ragged(world - 1))
+        else:
+            assert "subgroup" not in res
 
 
 def test_all_tests_left_no_children() -> None:
@@ -665,21 +714,16 @@ def test_results_are_detached_copies(world_of_one: None) -> None:
     assert torch.equal(x.detach(), torch.ones(2))
 
 
-def test_import_treegather_does_not_import_distributed() -> None:
-    code = (
-        "import sys, treegather as tg\n"
-        "assert 'treegather.distributed' not in sys.modules\n"
-        "import treegather.distributed as tgd\n"
-        "assert tg.distributed is tgd and tgd.all_gather\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+def test_import_treegather_does_not_import_distributed(group_results: Any) -> None:
+    _, results = group_results
+    assert all(res["lazy"] for res in results)
 
 
 def test_lazy_attribute() -> None:
     import treegather.distributed as tgd
+    from treegather import distributed
 
-    assert tg.distributed is tgd
+    assert tg.distributed is tgd and distributed is tgd
     with pytest.raises(AttributeError):
         _ = tg.not_a_name
 
@@ -774,3 +818,26 @@ def test_cuda_tensors_two_gloo_ranks(tmp_path: Path) -> None:
         assert_tree_equal(_ok(res["all_gather"]), expected)
         assert_tree_equal(_ok(res["gather"]), expected if rank == 1 else None)
         assert_tree_equal(_ok(res["broadcast"]), _cuda_tree(0))
+
+
+class _Broken:
+    """A registered container whose flatten function fails."""
+
+
+tg.register_node(
+    _Broken, lambda b: (_ for _ in ()).throw(ValueError("broken flatten")), lambda m, c: _Broken()
+)
+
+
+def test_local_problems_become_shared_errors(world_of_one: None) -> None:
+    """Problems found before the exchange travel in the header (the other ranks raise them too)."""
+    import treegather.distributed as tgd
+
+    with pytest.raises(
+        tg.LeafTypeError, match=r"(?s)on rank 0: cannot send sparse.*outputs\['s'\]"
+    ):
+        tgd.all_gather({"s": torch.eye(2).to_sparse()})
+    with pytest.raises(tg.TreegatherError, match="ValueError: broken flatten"):
+        tgd.gather({"b": _Broken()})
+    with pytest.raises(tg.BatchSizeError, match="sizes must be"):
+        tgd.all_gather({"x": torch.ones(1)}, sizes=-1)

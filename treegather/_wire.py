@@ -110,6 +110,14 @@ def encode(
     learns of them after the exchange and raises the same error instead of leaving the other
     ranks waiting in a collective.
     """
+    try:
+        return _encode(tree, sizes, layout, dim, with_spec)
+    except Exception as exc:  # a node's flatten function failed, say: still tell the others
+        message = f"could not prepare this rank's tree: {type(exc).__name__}: {exc}"
+        return Packed(None, error_header(TreegatherError, message))
+
+
+def _encode(tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool) -> Packed:
     if sizes is not None and (isinstance(sizes, bool) or not isinstance(sizes, int) or sizes < 0):
         message = f"sizes must be this rank's non-negative int (e.g. its batch size), got {sizes!r}"
         return Packed(None, error_header(BatchSizeError, message))
@@ -138,7 +146,7 @@ def encode(
     names = DTYPE_NAMES
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            if leaf.layout is not strided or leaf.is_quantized or leaf.is_nested:
+            if leaf.layout is not strided or leaf.is_quantized or leaf.is_nested or leaf.is_meta:
                 bad.append(i)
             devices.add(leaf.device)
             if with_spec:
@@ -154,7 +162,7 @@ def encode(
             f"{paths[i]}: {_tree.describe(leaves[i])}, layout {leaves[i].layout}" for i in bad
         ]
         message = format_problems(
-            "cannot send sparse, quantized or nested tensors",
+            "cannot send sparse, quantized, nested or meta tensors",
             problems,
             "convert them first (e.g. .to_dense() or .dequantize())",
         )

@@ -10,16 +10,20 @@ The number of collectives does not grow with the number of leaves. Each call fla
 once and then issues:
 
 1. one all-gather of a few integers per rank (the byte lengths below, the call, ``dst``/``src``);
-2. one all-gather (``gather``: an all-gather of the headers, then one gather to ``dst``;
-   ``broadcast``: one broadcast) of a single ``uint8`` buffer per rank holding a pickled header
-   (structure fingerprint, per-leaf dtype and shape, the non-tensor leaves, ``sizes``) followed by
-   the bytes of every tensor leaf, whatever its dtype, padded to the longest rank.
+2. one all-gather (``gather``: a gather to ``dst``; ``broadcast``: a broadcast) of a single
+   ``uint8`` buffer per rank holding a pickled header (structure fingerprint, per-leaf dtype and
+   shape, the non-tensor leaves, ``sizes``) followed by the bytes of every tensor leaf, whatever
+   its dtype, padded to the longest rank;
+3. ``gather`` only: one small broadcast of the outcome from ``dst`` (a second one carries the
+   error message when there is one).
 
 Packing bytes rather than one buffer per dtype keeps the count at two or three collectives for any
 mix of dtypes, and carries ``bool``, ``bfloat16``, complex and float8 leaves on backends that do
 not reduce them (only all-gather, gather and broadcast are used, which never look at the values).
+See :mod:`treegather._wire` for the format.
 
-Every rank checks every other rank's header the same way, so when the trees differ (a missing
+Every rank checks every other rank's header the same way (``gather``: ``dst`` checks and
+broadcasts the outcome), so when the trees differ (a missing
 key, a list against a tuple, a tensor against a string, mismatched dtypes or non-cat dims,
 ``sizes=`` on some ranks only, another ``dst``) every rank raises the same error, naming the
 leaf path and the ranks, instead of hanging in a mismatched collective or returning garbage.
@@ -215,8 +219,16 @@ def _preamble(g: _Group, call: int, root: int, local: _wire.Packed) -> list[list
 # -------------------------------------------------------------------------------- validation
 
 
+class _StructuresDiffer(Exception):
+    """The fingerprints differ: every rank must join :func:`_raise_structure_mismatch`."""
+
+
 def _check(g: _Group, headers: list[dict[str, Any]], local: _wire.Packed) -> None:
-    """Raise the same error on every rank when a rank failed or the trees disagree."""
+    """Raise when a rank failed or the trees disagree (the same error wherever it runs).
+
+    Raises :class:`_StructuresDiffer` when the structures differ: naming the differences takes
+    one more exchange, which every rank must then join.
+    """
     errors = [(i, h["error"]) for i, h in enumerate(headers) if "error" in h]
     if errors:
         cls = _ERROR_CLASSES.get(errors[0][1][0], TreegatherError)
@@ -230,7 +242,7 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _wire.Packed) -> Non
             )
         )
     if len({h["fingerprint"] for h in headers}) > 1:
-        _raise_structure_mismatch(g, headers, local)
+        raise _StructuresDiffer
     assert local.up_spec is not None
     kinds = [_wire.up_kinds(h, local.up_spec.num_leaves) for h in headers]
     if any(k != kinds[0] for k in kinds[1:]):
@@ -282,9 +294,7 @@ def _by_rank(g: _Group, values: Sequence[str]) -> str:
     )
 
 
-def _raise_structure_mismatch(
-    g: _Group, headers: list[dict[str, Any]], local: _wire.Packed
-) -> None:
+def _raise_structure_mismatch(g: _Group, local: _wire.Packed) -> None:
     """Exchange the node paths (only on this error path) and name every difference."""
     assert local.up_spec is not None
     described = [
@@ -385,7 +395,8 @@ def all_gather(
     callable, ...) for the whole tree, a prefix of it, or :func:`~treegather.by_path` patterns.
 
     Whatever the tree, this costs two collectives (see the module docstring). Every rank must
-    call it with a tree of the same structure and the same ``layout``/``dim``; otherwise every
+    call it with a tree of the same structure (nodes the layout takes whole, such as per-sample
+    lists under ``cat_items()``, may differ) and the same ``layout``/``dim``; otherwise every
     rank raises the same error.
 
     Args:
@@ -407,6 +418,7 @@ def all_gather(
         ShapeMismatchError: A rule cannot combine the ranks' tensors (dtypes, other dims).
         BatchSizeError: ``sizes`` is not an int, or was passed on some ranks only.
         LeafTypeError: A leaf cannot travel (unpicklable object, sparse tensor).
+        LayoutError: ``layout`` does not fit the tree.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -429,7 +441,10 @@ def all_gather(
     _all_gather_into(out, _wire.message_buffer(local, stride, device), g.handle)
     buffers = out.view(len(g.ranks), stride)
     headers = _wire.read_headers(buffers, [r[3] for r in rows])
-    _check(g, headers, local)
+    try:
+        _check(g, headers, local)
+    except _StructuresDiffer:
+        _raise_structure_mismatch(g, local)
     trees = [
         _wire.rank_tree(local, h, _wire.decode(h, buf[_wire.padded(r[3]) :]))
         for h, buf, r in zip(headers, buffers, rows)
@@ -449,11 +464,13 @@ def gather(
 ) -> Any:
     """Gather every rank's ``tree`` onto rank ``dst`` only; the other ranks get ``None``.
 
-    Same rules and arguments as :func:`all_gather`, but tensor bytes travel only to ``dst``
-    (three collectives: lengths, headers to every rank, tensor bytes to ``dst``). The headers
-    reach every rank, and every rank checks them and runs the gather rules once on ``meta``
-    tensors (shapes only, no data), so a structure, dtype or shape mismatch raises the same
-    error on every rank, not only on ``dst``.
+    Same rules and arguments as :func:`all_gather`, but the bytes travel only to ``dst``
+    (three collectives: lengths, one gather to ``dst``, and a small broadcast of the outcome
+    from ``dst``). ``dst`` checks the headers and applies the rules, then tells the other
+    ranks how it went, so that a structure, dtype or shape mismatch (or any error in a custom
+    rule) raises on every rank, not only on ``dst``: the same error for treegather's own
+    errors, a ``RuntimeError`` naming the original otherwise. The other ranks therefore
+    return once ``dst`` has finished.
 
     Args:
         tree: This rank's pytree.
@@ -485,60 +502,65 @@ def gather(
     root = _root_rank(g, dst, "dst")
     local = _wire.encode(tree, sizes, layout, dim)
     rows = _preamble(g, _GATHER, root, local)
-    head_stride = max(r[3] for r in rows)
-    mine = torch.zeros(head_stride, dtype=torch.uint8, device=g.device)
-    mine[: len(local.header)].copy_(torch.frombuffer(bytearray(local.header), dtype=torch.uint8))
-    out = torch.empty(head_stride * len(g.ranks), dtype=torch.uint8, device=g.device)
-    _all_gather_into(out, mine, g.handle)
-    headers = _wire.read_headers(out.view(len(g.ranks), head_stride), [r[3] for r in rows])
-    _check(g, headers, local)
-    assert local.spec is not None
-    all_sizes = [h["sizes"] for h in headers]
-    _dry_run(g, local, headers, layout, dim, all_sizes)
-    data_stride = _wire.padded(max(r[4] for r in rows))  # keeps every row 16-byte aligned
     device = _data_device(g, rows)
+    stride = max(_wire.padded(r[3]) + _wire.padded(r[4]) for r in rows)
+    send = _wire.message_buffer(local, stride, device)
     received: list[torch.Tensor] | None = None
-    if data_stride:
-        send = _wire.message_buffer(local, data_stride, device, header=False)
-        if g.rank == root:
-            out = torch.empty(len(g.ranks), data_stride, dtype=torch.uint8, device=device)
-            received = list(out.unbind(0))
-        dist.gather(send, received, dst=dst, group=g.handle)
+    if g.rank == root:
+        received = list(torch.empty(len(g.ranks), stride, dtype=torch.uint8, device=device))
+    dist.gather(send, received, dst=dst, group=g.handle)
     if g.rank != root:
-        return None
-    empty = torch.empty(0, dtype=torch.uint8, device=device)
-    trees = [
-        _wire.rank_tree(local, h, _wire.decode(h, received[i] if received is not None else empty))
-        for i, h in enumerate(headers)
-    ]
-    return _combine(g, trees, _target_device(local, device), layout, dim, all_sizes)
-
-
-def _dry_run(
-    g: _Group,
-    local: _wire.Packed,
-    headers: list[dict[str, Any]],
-    layout: Any,
-    dim: int,
-    sizes: list[Any],
-) -> None:
-    """Run the gather rules on shape-only ``meta`` tensors, so every rank sees rule errors."""
-    trees = []
-    for h in headers:
-        objects = iter(h["objects"])
-        leaves = [
-            next(objects)
-            if m is None
-            else torch.empty(m[1], dtype=_wire.DTYPES[m[0]], device="meta")
-            for m in h["meta"]
-        ]
-        trees.append(_wire.rank_tree(local, h, leaves))
+        code, payload = _status(g, dst)
+        if code == _OK:
+            return None
+        if code == _DIFFERENT_STRUCTURES:
+            _raise_structure_mismatch(g, local)
+        raise _rebuild_error(payload, dst)
+    assert received is not None
     try:
-        _combine(g, trees, torch.device("meta"), layout, dim, sizes)
-    except TreegatherError:
+        headers = _wire.read_headers(received, [r[3] for r in rows])
+        _check(g, headers, local)
+        trees = [
+            _wire.rank_tree(local, h, _wire.decode(h, buf[_wire.padded(r[3]) :]))
+            for h, buf, r in zip(headers, received, rows)
+        ]
+        result = _combine(
+            g, trees, _target_device(local, device), layout, dim, [h["sizes"] for h in headers]
+        )
+    except _StructuresDiffer:
+        _status(g, dst, _DIFFERENT_STRUCTURES)
+        _raise_structure_mismatch(g, local)
+    except Exception as exc:
+        # The other ranks wait for this status: tell them what went wrong, then raise here.
+        error = (type(exc).__name__, isinstance(exc, TreegatherError), str(exc))
+        _status(g, dst, _FAILED, pickle.dumps(error))
         raise
-    except Exception:
-        pass
+    _status(g, dst, _OK)
+    return result
+
+
+_OK, _FAILED, _DIFFERENT_STRUCTURES = 0, 1, 2
+
+
+def _status(g: _Group, src: int, code: int = _OK, payload: bytes = b"") -> tuple[int, bytes]:
+    """Broadcast ``gather``'s outcome from ``src`` (one collective; two with an error message)."""
+    head = torch.tensor([code, len(payload)], dtype=torch.int64, device=g.device)
+    dist.broadcast(head, src=src, group=g.handle)
+    code, n = head.tolist()
+    if not n:
+        return code, b""
+    buf = torch.empty(n, dtype=torch.uint8, device=g.device)
+    if payload:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(buf, src=src, group=g.handle)
+    return code, buf.cpu().numpy().tobytes()
+
+
+def _rebuild_error(payload: bytes, dst: int) -> Exception:
+    name, ours, message = pickle.loads(payload)
+    if ours:
+        return _ERROR_CLASSES.get(name, TreegatherError)(message)
+    return RuntimeError(f"treegather.distributed.gather failed on rank {dst}: {name}: {message}")
 
 
 def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
