@@ -68,9 +68,13 @@ def as_devices(devices: Sequence[DeviceLike] | DeviceLike) -> tuple[torch.device
 
 
 @functools.lru_cache(maxsize=1)
-def _mps_available() -> bool:
+def _other_accelerator_available() -> bool:
+    """XPU or MPS present (fixed for the life of the process)."""
+    xpu = getattr(torch, "xpu", None)
     mps = getattr(torch.backends, "mps", None)
-    return bool(mps is not None and mps.is_available())
+    return bool(
+        (xpu is not None and xpu.is_available()) or (mps is not None and mps.is_available())
+    )
 
 
 def accelerator_tensors_possible() -> bool:
@@ -78,9 +82,4 @@ def accelerator_tensors_possible() -> bool:
 
     The hot paths use it to skip per-leaf device checks on CPU-only runs.
     """
-    if torch.cuda.is_initialized():
-        return True
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        return True
-    return _mps_available()
+    return torch.cuda.is_initialized() or _other_accelerator_available()

@@ -92,17 +92,14 @@ def gather(
     leaves0, spec0 = flatten(outputs[0])
     plan = resolve(spec0, layout, "gather", dim, _ROOT)
     up_spec = plan.up_spec
-    if up_spec is spec0:
-        per_replica = [leaves0]
-        rest = range(1, k)
-    else:
-        per_replica = []
-        rest = range(k)
-    for r in rest:
-        try:
-            per_replica.append(up_spec.flatten_up_to(outputs[r]))
-        except (ValueError, TypeError):
-            raise _structure_error(outputs, plan) from None
+    flatten_up_to = up_spec.flatten_up_to
+    try:
+        if up_spec is spec0:
+            per_replica = [leaves0, *[flatten_up_to(outputs[r]) for r in range(1, k)]]
+        else:
+            per_replica = [flatten_up_to(out) for out in outputs]
+    except (ValueError, TypeError):
+        raise _structure_error(outputs, plan) from None
     # Replicas 1.. must hold leaves where replica 0 does (flatten_up_to lets a subtree or a None
     # stand in for a leaf): checked before any tensor is touched. One set of types when the
     # structure has no whole-value groups; position by position otherwise.
@@ -114,6 +111,9 @@ def gather(
         if not ok and not _all_leaves(plan, per_replica):
             raise _structure_error(outputs, plan)
     moving = _needs_move(per_replica, target)
+    # With no accelerator initialised, tensors are on the CPU (or meta, caught by the sample
+    # above): no per-leaf device check on the results then.
+    cpu_only = target.type == "cpu" and not accelerator_tensors_possible()
     if moving:
         # Copies to another device are costly: check every leaf before the first one. On one
         # device the combine pass itself finds shape problems (a per-leaf check up front would
@@ -124,7 +124,7 @@ def gather(
             raise problem
     try:
         if plan.default_only:
-            results = _gather_default(zip(*per_replica), target, moving, dim)
+            results = _gather_default(zip(*per_replica), target, moving, dim, not cpu_only)
         else:
             results = _gather_planned(plan, zip(*per_replica), target, moving, sizes, dim)
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
@@ -184,7 +184,11 @@ def _cat(col: Sequence[Tensor], target: torch.device, moving: bool, dim: int) ->
 
 
 def _gather_default(
-    columns: Iterable[tuple[Any, ...]], target: torch.device, moving: bool, dim: int
+    columns: Iterable[tuple[Any, ...]],
+    target: torch.device,
+    moving: bool,
+    dim: int,
+    check: bool = True,
 ) -> list[Any]:
     """The default rules (tensors: cat, others: as_list): the per-step hot path, kept lean."""
     if moving:
@@ -197,7 +201,6 @@ def _gather_default(
     append = out.append
     cpu = target.type == "cpu"
     index = target.index
-    check = not cpu or accelerator_tensors_possible()  # else every tensor is on the CPU
     for col in columns:
         try:
             r = cat(col, dim) if dim else cat(col)
