@@ -124,7 +124,7 @@ def gather(
             raise problem
     try:
         if plan.default_only:
-            results = _gather_default(zip(*per_replica), target, moving, dim, not cpu_only)
+            results = _gather_default(zip(*per_replica), target, moving, dim, not cpu_only, plan)
         else:
             results = _gather_planned(plan, zip(*per_replica), target, moving, sizes, dim)
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
@@ -149,7 +149,7 @@ def _needs_move(per_replica: list[list[Any]], target: torch.device) -> bool:
     """
     for leaves in per_replica:
         for value in leaves:
-            if isinstance(value, Tensor):
+            if type(value) is Tensor or isinstance(value, Tensor):
                 if value.device != target:
                     return True
                 break
@@ -189,8 +189,21 @@ def _gather_default(
     moving: bool,
     dim: int,
     check: bool = True,
+    plan: Plan | None = None,
 ) -> list[Any]:
-    """The default rules (tensors: cat, others: as_list): the per-step hot path, kept lean."""
+    """The default rules (tensors: cat, others: as_list): the per-step hot path, kept lean.
+
+    When a structure's leaves were all concatenable last time (no 0-dim tensor, no non-tensor),
+    one comprehension of ``torch.cat`` does it; a failure switches that plan to the loop.
+    """
+    if plan is not None and plan.all_cat and not check and not moving:
+        columns = list(columns)
+        try:
+            if dim:
+                return [torch.cat(col, dim) for col in columns]
+            return [torch.cat(col) for col in columns]
+        except (TypeError, RuntimeError):
+            plan.all_cat = False
     if moving:
         return [
             _cat(col, target, True, dim) if isinstance(col[0], Tensor) else list(col)

@@ -79,7 +79,7 @@ def by_path(patterns: Mapping[str, Any], default: Any = None) -> ByPath:
 class Plan:
     """What to do with each leaf of one structure under one layout."""
 
-    __slots__ = ("default_only", "groups", "node_of", "rules", "spec", "up_spec")
+    __slots__ = ("all_cat", "default_only", "groups", "node_of", "rules", "spec", "up_spec")
 
     def __init__(
         self,
@@ -97,6 +97,8 @@ class Plan:
         self.groups = groups
         self.node_of = node_of
         self.default_only = up_spec is spec and all(r is None for r in rules)
+        # Learned by gather: every leaf concatenates with one torch.cat (its fast path).
+        self.all_cat = True
 
 
 def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
