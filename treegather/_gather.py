@@ -27,7 +27,7 @@ from ._rules import (
     Stack,
     Sum,
 )
-from ._tree import _KNOWN_LEAF_TYPES, NAMESPACE, describe, flatten, format_path
+from ._tree import _KNOWN_LEAF_TYPES, NAMESPACE, describe, flatten, format_path, leaves_are_leaves
 
 __all__ = ["gather"]
 
@@ -105,7 +105,7 @@ def gather(
     # structure has no whole-value groups; position by position otherwise.
     if k > 1:
         if plan.up_spec is spec0:
-            ok = set(map(type, itertools.chain.from_iterable(per_replica[1:]))) <= _KNOWN_LEAF_TYPES
+            ok = all(map(leaves_are_leaves, per_replica[1:]))
         else:
             ok = False
         if not ok and not _all_leaves(plan, per_replica):

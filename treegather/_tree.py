@@ -25,7 +25,7 @@ __all__ = [
     "register_dataclass",
     "register_node",
     "flatten",
-    "flatten_typed",
+    "leaves_are_leaves",
     "flatten_full",
     "unflatten",
     "Node",
@@ -268,12 +268,6 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
     >>> leaves, spec.unflatten(leaves)
     ([2, 1], {'b': 1, 'a': (2, None)})
     """
-    leaves, spec, _ = flatten_typed(tree)
-    return leaves, spec
-
-
-def flatten_typed(tree: Any) -> tuple[list[Any], PyTreeSpec, set[type]]:
-    """:func:`flatten`, also returning the set of the leaves' types."""
     if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
         _sync_torch_registry()
     root_type = type(tree)
@@ -284,21 +278,31 @@ def flatten_typed(tree: Any) -> tuple[list[Any], PyTreeSpec, set[type]]:
                 leaves = spec.flatten_up_to(tree)
             except (ValueError, TypeError):
                 continue
-            types = set(map(type, leaves))
-            if types <= _KNOWN_LEAF_TYPES and (key_order_ok is None or key_order_ok(tree)):
+            if leaves_are_leaves(leaves) and (key_order_ok is None or key_order_ok(tree)):
                 if i:
                     recent.insert(0, recent.pop(i))
-                return leaves, spec, types
+                return leaves, spec
             break
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    types = set(map(type, leaves))
-    _KNOWN_LEAF_TYPES.update(types)
+    _KNOWN_LEAF_TYPES.update(map(type, leaves))
     checker = _key_order_checker(spec)
     if checker is not False:
         bucket = _SPEC_MRU.setdefault(root_type, [])
         bucket.insert(0, (spec, checker if callable(checker) else None))
         del bucket[_MRU_SIZE:]
-    return leaves, spec, types
+    return leaves, spec
+
+
+def leaves_are_leaves(values: list[Any]) -> bool:
+    """Whether every value is of a class seen as a leaf (not a container, not ``None``).
+
+    ``flatten_up_to`` lets a subtree stand where a structure has a leaf; this is the check, at
+    C speed for the usual all-tensor case (a list count is about twice as fast as a set).
+    """
+    types = list(map(type, values))
+    if types.count(torch.Tensor) == len(types):
+        return True
+    return set(types) <= _KNOWN_LEAF_TYPES
 
 
 def unflatten(spec: PyTreeSpec, leaves: Iterable[Any]) -> Any:
