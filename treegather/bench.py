@@ -8,13 +8,15 @@ times, interleaved round by round so machine noise hits every implementation ali
 - ``treegather``: :func:`treegather.scatter` / :func:`treegather.gather`;
 - ``recursion``: a torch ``scatter_gather``-style recursion over dicts (``torch.cat`` on CPU).
 
-Ratios are medians relative to the floor. ``--quick`` runs in well under a minute, ``--json
+Each ratio is the median over rounds of (time / floor time in the same round); times are the
+CPU time of the benchmarking thread with the garbage collector off, as ``timeit`` does. ``--quick`` runs in well under a minute, ``--json
 PATH`` saves the rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -74,11 +76,20 @@ def _rec_gather(outs: list[Any]) -> Any:
     return outs
 
 
-def _time(fn: Callable[[], Any], reps: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
+def _time(fn: Callable[[], Any], reps: int, clock: Callable[[], float] = time.thread_time) -> float:
+    # CPU time of this thread by default: on a shared machine, time spent descheduled (other
+    # tenants, steal) would otherwise land on whichever implementation happened to be running.
+    # The garbage collector is off while timing, as timeit does: a collection triggered by one
+    # implementation's allocations would otherwise be paid by whichever runs next.
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = clock()
+        for _ in range(reps):
+            fn()
+        return (clock() - t0) / reps
+    finally:
+        gc.enable()
 
 
 def _cuda_impls(
@@ -151,14 +162,19 @@ def run_case(
     for op, fns in impls.items():
         for fn in fns.values():  # warm up, and size the repetitions
             fn()
-        reps = max(1, int(target_s / max(_time(fns["floor"], 3), 1e-7)))
+        # CUDA work is waited for, not computed, by this process: wall time there.
+        clock = time.thread_time if device == "cpu" else time.perf_counter
+        reps = max(1, int(target_s / max(_time(fns["floor"], 3, clock), 1e-7)))
         samples: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                samples[name].append(_time(fn, reps))
-        floor = statistics.median(samples["floor"])
+        names = list(fns)
+        for r in range(rounds):
+            # Rotate the order each round so no implementation always runs first (or last).
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                samples[name].append(_time(fns[name], reps, clock))
         for name, ts in samples.items():
-            med = statistics.median(ts)
+            # The ratio is the median of per-round ratios: each round times every
+            # implementation back to back, so slow phases of a shared machine cancel out.
+            ratios = [t / f for t, f in zip(ts, samples["floor"])]
             rows.append(
                 {
                     "op": op,
@@ -166,8 +182,8 @@ def run_case(
                     "leaves": n_leaves,
                     "shape": list(shape),
                     "replicas": k,
-                    "median_us": med * 1e6,
-                    "ratio": med / floor,
+                    "median_us": statistics.median(ts) * 1e6,
+                    "ratio": statistics.median(ratios),
                 }
             )
     return rows
