@@ -27,7 +27,16 @@ from ._rules import (
     Stack,
     Sum,
 )
-from ._tree import _KNOWN_LEAF_TYPES, NAMESPACE, describe, flatten, format_path, leaves_are_leaves
+from ._tree import (
+    _KNOWN_LEAF_TYPES,
+    NAMESPACE,
+    describe,
+    flatten,
+    flatten_replicas,
+    format_path,
+    leaves_are_leaves,
+    remember_replicas,
+)
 
 __all__ = ["gather"]
 
@@ -89,27 +98,33 @@ def gather(
         sizes = tuple(int(s) for s in sizes)
         if len(sizes) != k:
             raise ValueError(f"gather got {len(sizes)} sizes for {k} replicas: {list(sizes)}")
-    leaves0, spec0 = flatten(outputs[0])
-    plan = resolve(spec0, layout, "gather", dim, _ROOT)
-    up_spec = plan.up_spec
-    flatten_up_to = up_spec.flatten_up_to
-    try:
+    # Hot path: the replicas have the structure seen last for this many replicas; one C call
+    # flattens them all, leaves and replica 0's key order checked.
+    fast = flatten_replicas(outputs if type(outputs) is list else list(outputs))
+    if fast is not None:
+        per_replica, spec0 = fast
+        plan = resolve(spec0, layout, "gather", dim, _ROOT)
+        up_spec = plan.up_spec
+        if up_spec is not spec0:
+            per_replica = _flatten_up_to_each(outputs, plan)
+    else:
+        leaves0, spec0 = flatten(outputs[0])
+        plan = resolve(spec0, layout, "gather", dim, _ROOT)
+        up_spec = plan.up_spec
         if up_spec is spec0:
-            per_replica = [leaves0, *[flatten_up_to(outputs[r]) for r in range(1, k)]]
+            try:
+                per_replica = [leaves0, *[spec0.flatten_up_to(outputs[r]) for r in range(1, k)]]
+            except (ValueError, TypeError):
+                raise _structure_error(outputs, plan) from None
+            # Replicas 1.. must hold leaves where replica 0 does (flatten_up_to lets a subtree
+            # or a None stand in for a leaf): checked before any tensor is touched.
+            if not all(map(leaves_are_leaves, per_replica[1:])) and not _all_leaves(
+                plan, per_replica
+            ):
+                raise _structure_error(outputs, plan)
+            remember_replicas(outputs if type(outputs) is list else list(outputs), spec0)
         else:
-            per_replica = [flatten_up_to(out) for out in outputs]
-    except (ValueError, TypeError):
-        raise _structure_error(outputs, plan) from None
-    # Replicas 1.. must hold leaves where replica 0 does (flatten_up_to lets a subtree or a None
-    # stand in for a leaf): checked before any tensor is touched. One set of types when the
-    # structure has no whole-value groups; position by position otherwise.
-    if k > 1:
-        if plan.up_spec is spec0:
-            ok = all(map(leaves_are_leaves, per_replica[1:]))
-        else:
-            ok = False
-        if not ok and not _all_leaves(plan, per_replica):
-            raise _structure_error(outputs, plan)
+            per_replica = _flatten_up_to_each(outputs, plan)
     moving = _needs_move(per_replica, target)
     # With no accelerator initialised, tensors are on the CPU (or meta, caught by the sample
     # above): no per-leaf device check on the results then.
@@ -140,6 +155,17 @@ def gather(
 
 
 # ------------------------------------------------------------------------------- hot paths
+
+
+def _flatten_up_to_each(outputs: Sequence[Any], plan: Plan) -> list[list[Any]]:
+    """Each replica flattened down to the plan's positions (whole-value nodes stay whole)."""
+    try:
+        per_replica = [plan.up_spec.flatten_up_to(out) for out in outputs]
+    except (ValueError, TypeError):
+        raise _structure_error(outputs, plan) from None
+    if len(outputs) > 1 and not _all_leaves(plan, per_replica):
+        raise _structure_error(outputs, plan)
+    return per_replica
 
 
 def _needs_move(per_replica: list[list[Any]], target: torch.device) -> bool:

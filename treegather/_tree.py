@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import keyword
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, TypeVar, overload
+from typing import Any, NamedTuple, TypeVar, cast, overload
 
 import optree
 import torch
@@ -26,6 +26,8 @@ __all__ = [
     "register_node",
     "flatten",
     "leaves_are_leaves",
+    "flatten_replicas",
+    "remember_replicas",
     "flatten_full",
     "unflatten",
     "Node",
@@ -51,6 +53,7 @@ def _invalidate() -> None:
     _SPEC_MRU.clear()
     _KNOWN_LEAF_TYPES.clear()
     _NODES_CACHE.clear()
+    _REPLICAS_CACHE.clear()
 
 
 @overload
@@ -291,6 +294,48 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
         bucket.insert(0, (spec, checker if callable(checker) else None))
         del bucket[_MRU_SIZE:]
     return leaves, spec
+
+
+# Per (root type, replica count): the structure of the whole list of replica outputs seen last,
+# with its key-order check for replica 0. gather flattens every replica in one C call with it.
+_REPLICAS_CACHE: dict[
+    tuple[type, int], tuple[PyTreeSpec, PyTreeSpec, Callable[[Any], bool] | None]
+] = {}
+
+
+def flatten_replicas(outputs: list[Any]) -> tuple[list[list[Any]], PyTreeSpec] | None:
+    """All replicas' leaves at once, when they share the structure last seen for such a list.
+
+    Returns ``(per_replica_leaves, spec)`` or ``None`` (a structure not seen recently, or
+    replicas that differ): the caller then takes the general path. Replica 0's dict key order is
+    checked, so the spec rebuilds exactly its order.
+    """
+    if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
+        return None
+    k = len(outputs)
+    hit = _REPLICAS_CACHE.get((type(outputs[0]), k))
+    if hit is None:
+        return None
+    spec, list_spec, key_order_ok = hit
+    try:
+        big: list[Any] = list_spec.flatten_up_to(cast(Any, outputs))
+    except (ValueError, TypeError):
+        return None
+    if not leaves_are_leaves(big) or (key_order_ok is not None and not key_order_ok(outputs[0])):
+        return None
+    n = spec.num_leaves
+    return [big[i * n : (i + 1) * n] for i in range(k)], spec
+
+
+def remember_replicas(outputs: list[Any], spec: PyTreeSpec) -> None:
+    """Record that ``outputs`` (a list of replica trees) all have structure ``spec``."""
+    for cached, checker in _SPEC_MRU.get(type(outputs[0]), ()):
+        if cached is spec:
+            list_spec = optree.treespec_list([spec] * len(outputs), namespace=NAMESPACE)
+            if len(_REPLICAS_CACHE) > 64:
+                _REPLICAS_CACHE.clear()
+            _REPLICAS_CACHE[(type(outputs[0]), len(outputs))] = (spec, list_spec, checker)
+            return
 
 
 def leaves_are_leaves(values: list[Any]) -> bool:
