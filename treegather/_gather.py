@@ -105,6 +105,20 @@ def gather(
         per_replica, spec0 = fast
         plan = resolve(spec0, layout, "gather", dim, _ROOT)
         up_spec = plan.up_spec
+        if (
+            plan.all_cat
+            and plan.default_only
+            and target.type == "cpu"
+            and not accelerator_tensors_possible()
+            and not _needs_move(per_replica, target)
+        ):
+            # The per-step case: every leaf a tensor that concatenates, all on the CPU.
+            try:
+                if dim:
+                    return spec0.unflatten([torch.cat(col, dim) for col in zip(*per_replica)])
+                return spec0.unflatten([torch.cat(col) for col in zip(*per_replica)])
+            except (TypeError, RuntimeError):
+                plan.all_cat = False  # a 0-dim or non-tensor leaf: the general combine below
         if up_spec is not spec0:
             per_replica = _flatten_up_to_each(outputs, plan)
     else:
