@@ -343,3 +343,19 @@ def test_gather_to_cuda_and_back() -> None:
     outs = [torch.ones(1, 2, device="cuda"), torch.ones(1, 2)]
     assert tg.gather(outs, 0).device.type == "cuda"
     assert tg.gather(outs, -1).device.type == "cpu"
+
+
+def test_cached_fast_path_survives_a_leaf_changing_type_between_calls() -> None:
+    # The hot path learns per structure that every leaf concatenates; a later call with the
+    # same structure but a string (or a 0-dim tensor) in a leaf must still be gathered right.
+    outs = [{"a": torch.ones(2), "b": torch.ones(2)}, {"a": torch.ones(1), "b": torch.ones(1)}]
+    for _ in range(3):
+        assert tg.gather(outs, "cpu")["a"].shape == (3,)
+    mixed = [{"a": "x", "b": torch.ones(2)}, {"a": "y", "b": torch.ones(1)}]
+    assert tg.gather(mixed, "cpu")["a"] == ["x", "y"]
+    scalars = [
+        {"a": torch.tensor(1.0), "b": torch.ones(2)},
+        {"a": torch.tensor(2.0), "b": torch.ones(1)},
+    ]
+    assert tg.gather(scalars, "cpu")["a"].tolist() == [1.0, 2.0]
+    assert tg.gather(outs, "cpu")["b"].shape == (3,)

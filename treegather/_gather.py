@@ -109,15 +109,18 @@ def gather(
             plan.all_cat
             and plan.default_only
             and target.type == "cpu"
+            and per_replica[0]
             and not accelerator_tensors_possible()
-            and not _needs_move(per_replica, target)
         ):
-            # The per-step case: every leaf a tensor that concatenates, all on the CPU.
+            # The per-step case: every leaf a tensor that concatenates, all on the CPU (no
+            # accelerator initialised; a tensor on another device, meta say, makes torch.cat
+            # fail and the general combine below takes over).
             try:
-                if dim:
-                    return spec0.unflatten([torch.cat(col, dim) for col in zip(*per_replica)])
-                return spec0.unflatten([torch.cat(col) for col in zip(*per_replica)])
-            except (TypeError, RuntimeError):
+                if per_replica[0][0].is_cpu:
+                    if dim:
+                        return spec0.unflatten([torch.cat(c, dim) for c in zip(*per_replica)])
+                    return spec0.unflatten([torch.cat(c) for c in zip(*per_replica)])
+            except (TypeError, RuntimeError, AttributeError):
                 plan.all_cat = False  # a 0-dim or non-tensor leaf: the general combine below
         if up_spec is not spec0:
             per_replica = _flatten_up_to_each(outputs, plan)

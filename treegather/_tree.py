@@ -324,6 +324,8 @@ def flatten_replicas(outputs: list[Any]) -> tuple[list[list[Any]], PyTreeSpec] |
     if not leaves_are_leaves(big) or (key_order_ok is not None and not key_order_ok(outputs[0])):
         return None
     n = spec.num_leaves
+    if k == 2:
+        return [big[:n], big[n:]], spec
     return [big[i * n : (i + 1) * n] for i in range(k)], spec
 
 
