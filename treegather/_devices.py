@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Union
 
@@ -67,14 +66,19 @@ def as_devices(devices: Sequence[DeviceLike] | DeviceLike) -> tuple[torch.device
     return out
 
 
-@functools.lru_cache(maxsize=1)
+_OTHER_ACCELERATOR: bool | None = None
+
+
 def _other_accelerator_available() -> bool:
     """XPU or MPS present (fixed for the life of the process)."""
-    xpu = getattr(torch, "xpu", None)
-    mps = getattr(torch.backends, "mps", None)
-    return bool(
-        (xpu is not None and xpu.is_available()) or (mps is not None and mps.is_available())
-    )
+    global _OTHER_ACCELERATOR
+    if _OTHER_ACCELERATOR is None:
+        xpu = getattr(torch, "xpu", None)
+        mps = getattr(torch.backends, "mps", None)
+        _OTHER_ACCELERATOR = bool(
+            (xpu is not None and xpu.is_available()) or (mps is not None and mps.is_available())
+        )
+    return _OTHER_ACCELERATOR
 
 
 def accelerator_tensors_possible() -> bool:
@@ -82,4 +86,12 @@ def accelerator_tensors_possible() -> bool:
 
     The hot paths use it to skip per-leaf device checks on CPU-only runs.
     """
-    return torch.cuda.is_initialized() or _other_accelerator_available()
+    # torch.cuda._initialized only ever turns True; read it directly on the hot path (falling
+    # back to the public call should a torch release drop it).
+    initialized = getattr(torch.cuda, "_initialized", None)
+    if initialized is None:
+        initialized = torch.cuda.is_initialized()
+    if initialized:
+        return True
+    other = _OTHER_ACCELERATOR
+    return _other_accelerator_available() if other is None else other

@@ -13,7 +13,7 @@ import torch
 
 from ._devices import DeviceLike, accelerator_tensors_possible, as_device
 from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, bullet_list
-from ._layout import Plan, display_path, resolve
+from ._layout import ByPath, Plan, display_path, resolve
 from ._rules import (
     AsList,
     Cat,
@@ -102,8 +102,14 @@ def gather(
     # flattens them all, leaves and replica 0's key order checked.
     fast = flatten_replicas(outputs if type(outputs) is list else list(outputs))
     if fast is not None:
-        per_replica, spec0 = fast
-        plan = resolve(spec0, layout, "gather", dim, _ROOT)
+        per_replica, spec0, entry = fast
+        last = entry[3]  # (layout, dim, plan) of the previous call with this structure
+        if last is not None and last[0] is layout and last[1] == dim:
+            plan = last[2]
+        else:
+            plan = resolve(spec0, layout, "gather", dim, _ROOT)
+            if layout is None or isinstance(layout, (Rule, ByPath, str, int)):  # immutable
+                entry[3] = (layout, dim, plan)
         up_spec = plan.up_spec
         if (
             plan.all_cat

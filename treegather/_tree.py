@@ -298,17 +298,16 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
 
 # Per (root type, replica count): the structure of the whole list of replica outputs seen last,
 # with its key-order check for replica 0. gather flattens every replica in one C call with it.
-_REPLICAS_CACHE: dict[
-    tuple[type, int], tuple[PyTreeSpec, PyTreeSpec, Callable[[Any], bool] | None]
-] = {}
+_REPLICAS_CACHE: dict[tuple[type, int], list[Any]] = {}  # [spec, list spec, check, caller's]
 
 
-def flatten_replicas(outputs: list[Any]) -> tuple[list[list[Any]], PyTreeSpec] | None:
+def flatten_replicas(outputs: list[Any]) -> tuple[list[list[Any]], PyTreeSpec, list[Any]] | None:
     """All replicas' leaves at once, when they share the structure last seen for such a list.
 
-    Returns ``(per_replica_leaves, spec)`` or ``None`` (a structure not seen recently, or
-    replicas that differ): the caller then takes the general path. Replica 0's dict key order is
-    checked, so the spec rebuilds exactly its order.
+    Returns ``(per_replica_leaves, spec, entry)`` or ``None`` (a structure not seen recently,
+    or replicas that differ): the caller then takes the general path. Replica 0's dict key order
+    is checked, so the spec rebuilds exactly its order. ``entry[3]`` is the caller's to keep
+    per-structure state in (gather keeps its last plan there).
     """
     if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
         return None
@@ -316,17 +315,20 @@ def flatten_replicas(outputs: list[Any]) -> tuple[list[list[Any]], PyTreeSpec] |
     hit = _REPLICAS_CACHE.get((type(outputs[0]), k))
     if hit is None:
         return None
-    spec, list_spec, key_order_ok = hit
+    spec, list_spec, key_order_ok, _ = hit
     try:
         big: list[Any] = list_spec.flatten_up_to(cast(Any, outputs))
     except (ValueError, TypeError):
         return None
-    if not leaves_are_leaves(big) or (key_order_ok is not None and not key_order_ok(outputs[0])):
+    types = list(map(type, big))
+    if types.count(torch.Tensor) != len(types) and not set(types) <= _KNOWN_LEAF_TYPES:
+        return None  # a subtree or None where the structure has a leaf
+    if key_order_ok is not None and not key_order_ok(outputs[0]):
         return None
     n = spec.num_leaves
     if k == 2:
-        return [big[:n], big[n:]], spec
-    return [big[i * n : (i + 1) * n] for i in range(k)], spec
+        return [big[:n], big[n:]], spec, hit
+    return [big[i * n : (i + 1) * n] for i in range(k)], spec, hit
 
 
 def remember_replicas(outputs: list[Any], spec: PyTreeSpec) -> None:
@@ -336,7 +338,7 @@ def remember_replicas(outputs: list[Any], spec: PyTreeSpec) -> None:
             list_spec = optree.treespec_list([spec] * len(outputs), namespace=NAMESPACE)
             if len(_REPLICAS_CACHE) > 64:
                 _REPLICAS_CACHE.clear()
-            _REPLICAS_CACHE[(type(outputs[0]), len(outputs))] = (spec, list_spec, checker)
+            _REPLICAS_CACHE[(type(outputs[0]), len(outputs))] = [spec, list_spec, checker, None]
             return
 
 
