@@ -326,9 +326,10 @@ def flatten_replicas(outputs: list[Any]) -> tuple[list[list[Any]], PyTreeSpec, l
     if key_order_ok is not None and not key_order_ok(outputs[0]):
         return None
     n = spec.num_leaves
-    if k == 2:
-        return [big[:n], big[n:]], spec, hit
-    return [big[i * n : (i + 1) * n] for i in range(k)], spec, hit
+    if not n:
+        return [[] for _ in range(k)], spec, hit
+    # Cut into k rows of n leaves in C: zip over one iterator taken n at a time.
+    return list(zip(*[iter(big)] * n)), spec, hit  # type: ignore[arg-type]
 
 
 def remember_replicas(outputs: list[Any], spec: PyTreeSpec) -> None:
