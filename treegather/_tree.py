@@ -29,11 +29,9 @@ __all__ = [
     "flatten_replicas",
     "remember_replicas",
     "flatten_full",
-    "unflatten",
     "Node",
     "nodes",
     "format_path",
-    "path_segments",
 ]
 
 NAMESPACE = "treegather"
@@ -355,11 +353,6 @@ def leaves_are_leaves(values: list[Any]) -> bool:
     return set(types) <= _KNOWN_LEAF_TYPES
 
 
-def unflatten(spec: PyTreeSpec, leaves: Iterable[Any]) -> Any:
-    """Rebuild a tree from ``spec`` and ``leaves`` (optree's ``unflatten``)."""
-    return spec.unflatten(leaves)
-
-
 _MAPPING_KINDS = (PyTreeKind.DICT, PyTreeKind.ORDEREDDICT, PyTreeKind.DEFAULTDICT)
 _INDEXABLE_KINDS = (
     PyTreeKind.DICT,
@@ -438,12 +431,6 @@ def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | bool | None:
     namespace: dict[str, Any] = dict(consts)
     exec(compile(source, "<treegather structure check>", "exec"), namespace)
     return namespace["check"]
-
-
-def _insertion_keys(node: PyTreeSpec) -> list[Any]:
-    """A mapping node's keys in the insertion order it rebuilds them in."""
-    rebuilt = node.unflatten([None] * node.num_leaves)
-    return list(rebuilt.keys())
 
 
 # ---------------------------------------------------------------------------------- paths
@@ -537,11 +524,6 @@ def format_path(root: str, path: Sequence[tuple[Any, str]]) -> str:
         else:
             parts.append(f"[{entry!r}]")
     return "".join(parts)
-
-
-def path_segments(path: Sequence[tuple[Any, str]]) -> tuple[str, ...]:
-    """The dotted-path segments of a path, as :func:`by_path` patterns match them."""
-    return tuple(str(entry) for entry, _ in path)
 
 
 def describe(value: Any) -> str:
