@@ -162,7 +162,7 @@ def gather(
             raise problem
     try:
         if plan.default_only:
-            results = _gather_default(zip(*per_replica), target, moving, dim, not cpu_only, plan)
+            results = _gather_default(zip(*per_replica), target, moving, dim, not cpu_only)
         else:
             results = _gather_planned(plan, zip(*per_replica), target, moving, sizes, dim)
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
@@ -238,21 +238,12 @@ def _gather_default(
     moving: bool,
     dim: int,
     check: bool = True,
-    plan: Plan | None = None,
 ) -> list[Any]:
-    """The default rules (tensors: cat, others: as_list): the per-step hot path, kept lean.
+    """The default rules (tensors: cat, others: as_list), leaf by leaf.
 
-    When a structure's leaves were all concatenable last time (no 0-dim tensor, no non-tensor),
-    one comprehension of ``torch.cat`` does it; a failure switches that plan to the loop.
+    (The all-tensor CPU case of a structure seen before never gets here: ``gather`` does it in
+    one comprehension.)
     """
-    if plan is not None and plan.all_cat and not check and not moving:
-        columns = list(columns)
-        try:
-            if dim:
-                return [torch.cat(col, dim) for col in columns]
-            return [torch.cat(col) for col in columns]
-        except (TypeError, RuntimeError):
-            plan.all_cat = False
     if moving:
         return [
             _cat(col, target, True, dim) if isinstance(col[0], Tensor) else list(col)
