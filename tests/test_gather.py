@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
 import pytest
 import torch
 from corpus import CASE_IDS, CASES, CausalLMOutput, Point, Sample, assert_tree_equal
@@ -359,3 +360,30 @@ def test_cached_fast_path_survives_a_leaf_changing_type_between_calls() -> None:
     ]
     assert tg.gather(scalars, "cpu")["a"].tolist() == [1.0, 2.0]
     assert tg.gather(outs, "cpu")["b"].shape == (3,)
+
+
+@pytest.mark.parametrize(
+    "replacement",
+    [{"x": torch.ones(1)}, (torch.ones(1), torch.ones(1)), [torch.ones(1)], None],
+    ids=["dict", "tuple", "list", "none"],
+)
+def test_cached_fast_path_is_not_fooled_by_a_subtree_where_a_leaf_was(replacement: Any) -> None:
+    # The hot path flattens against the structure seen last, and flatten_up_to lets a subtree
+    # (or None) stand where that structure had a leaf; torch.cat refusing it is the only check
+    # there, so every kind of stand-in is tried: in all replicas (a new, consistent structure:
+    # gathered right) and in one replica only (a mismatch: an error naming the path).
+    def outs(a0: Any, a1: Any) -> list[dict[str, Any]]:
+        return [{"a": a0, "b": torch.ones(2)}, {"a": a1, "b": torch.ones(1)}]
+
+    plain = outs(torch.ones(2), torch.ones(1))
+    for _ in range(3):
+        assert tg.gather(plain, "cpu")["a"].shape == (3,)
+    both = tg.gather(outs(replacement, replacement), "cpu")
+    doubled = optree.tree_map(lambda t: torch.cat([t, t]), replacement, none_is_leaf=False)
+    assert_tree_equal(both, {"a": doubled, "b": torch.ones(3)})
+    for _ in range(3):  # again once the structure is cached, then back to the first one
+        with pytest.raises(tg.StructureMismatchError, match=r"outputs\['a'\]"):
+            tg.gather(outs(replacement, torch.ones(1)), "cpu")
+        with pytest.raises(tg.StructureMismatchError, match=r"outputs\['a'\]"):
+            tg.gather(outs(torch.ones(2), replacement), "cpu")
+        assert tg.gather(plain, "cpu")["a"].shape == (3,)

@@ -99,42 +99,57 @@ def gather(
         if len(sizes) != k:
             raise ValueError(f"gather got {len(sizes)} sizes for {k} replicas: {list(sizes)}")
     # Hot path: the replicas have the structure seen last for this many replicas; one C call
-    # flattens them all, leaves and replica 0's key order checked.
+    # flattens them all (replica 0's key order checked).
     fast = flatten_replicas(outputs if type(outputs) is list else list(outputs))
+    checked = False  # whether flat is known to hold leaves only (no subtree, no None)
     if fast is not None:
-        per_replica, spec0, entry = fast
+        flat, spec0, entry = fast
         last = entry[3]  # (layout, dim, plan) of the previous call with this structure
         if last is not None and last[0] is layout and last[1] == dim:
             plan = last[2]
+        elif not leaves_are_leaves(flat):
+            fast = None  # not spec0's structure after all: resolve nothing against it
         else:
+            checked = True
             plan = resolve(spec0, layout, "gather", dim, _ROOT)
             if layout is None or isinstance(layout, (Rule, ByPath, str, int)):  # immutable
                 entry[3] = (layout, dim, plan)
-        up_spec = plan.up_spec
+    if fast is not None:
+        n = spec0.num_leaves
+        # Replica r's leaves are flat[r * n : (r + 1) * n]; zipping the k slices gives the
+        # columns (one leaf across replicas) in C.
+        rows = [flat[i : i + n] for i in range(0, k * n, n)] if n else [[] for _ in range(k)]
         if (
             plan.all_cat
             and plan.default_only
             and target.type == "cpu"
-            and per_replica[0]
+            and n
             and not accelerator_tensors_possible()
         ):
             # The per-step case: every leaf a tensor that concatenates, all on the CPU (no
             # accelerator initialised; a tensor on another device, meta say, makes torch.cat
-            # fail and the general combine below takes over).
+            # fail and the general combine below takes over). torch.cat also fails on anything
+            # but tensors, which is the leaf check here: a subtree or a None where the structure
+            # has a leaf cannot slip through.
             try:
-                if per_replica[0][0].is_cpu:
+                if flat[0].is_cpu:
                     if dim:
-                        return spec0.unflatten([torch.cat(c, dim) for c in zip(*per_replica)])
-                    return spec0.unflatten([torch.cat(c) for c in zip(*per_replica)])
+                        return spec0.unflatten([torch.cat(c, dim) for c in zip(*rows)])
+                    return spec0.unflatten(list(map(torch.cat, zip(*rows))))
             except (TypeError, RuntimeError, AttributeError):
-                plan.all_cat = False  # a 0-dim or non-tensor leaf: the general combine below
-        if up_spec is not spec0:
-            per_replica = _flatten_up_to_each(outputs, plan)
-    else:
+                checked = checked or leaves_are_leaves(flat)
+                if checked:
+                    plan.all_cat = False  # a 0-dim or non-tensor leaf: the general combine below
+        if not (checked or leaves_are_leaves(flat)):
+            fast = None  # a subtree or None where the structure has a leaf: the general path
+        elif plan.up_spec is not spec0:
+            per_replica: list[Any] = _flatten_up_to_each(outputs, plan)
+        else:
+            per_replica = rows
+    if fast is None:
         leaves0, spec0 = flatten(outputs[0])
         plan = resolve(spec0, layout, "gather", dim, _ROOT)
-        up_spec = plan.up_spec
-        if up_spec is spec0:
+        if plan.up_spec is spec0:
             try:
                 per_replica = [leaves0, *[spec0.flatten_up_to(outputs[r]) for r in range(1, k)]]
             except (ValueError, TypeError):
@@ -174,7 +189,7 @@ def gather(
         if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
             raise
         raise err from exc
-    return up_spec.unflatten(results)
+    return plan.up_spec.unflatten(results)
 
 
 # ------------------------------------------------------------------------------- hot paths

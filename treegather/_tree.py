@@ -299,35 +299,30 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
 _REPLICAS_CACHE: dict[tuple[type, int], list[Any]] = {}  # [spec, list spec, check, caller's]
 
 
-def flatten_replicas(outputs: list[Any]) -> tuple[list[list[Any]], PyTreeSpec, list[Any]] | None:
+def flatten_replicas(outputs: list[Any]) -> tuple[list[Any], PyTreeSpec, list[Any]] | None:
     """All replicas' leaves at once, when they share the structure last seen for such a list.
 
-    Returns ``(per_replica_leaves, spec, entry)`` or ``None`` (a structure not seen recently,
-    or replicas that differ): the caller then takes the general path. Replica 0's dict key order
-    is checked, so the spec rebuilds exactly its order. ``entry[3]`` is the caller's to keep
-    per-structure state in (gather keeps its last plan there).
+    Returns ``(flat, spec, entry)`` or ``None`` (a structure not seen recently, or replicas
+    that differ): the caller then takes the general path. ``flat`` holds replica 0's
+    ``spec.num_leaves`` leaves, then replica 1's, and so on. Replica 0's dict key order is
+    checked, so the spec rebuilds exactly its order. ``flatten_up_to`` lets a subtree or a
+    ``None`` stand where the structure has a leaf: the caller checks ``leaves_are_leaves(flat)``
+    unless its own work fails on such values anyway (``torch.cat`` does). ``entry[3]`` is the
+    caller's to keep per-structure state in (gather keeps its last plan there).
     """
     if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
         return None
-    k = len(outputs)
-    hit = _REPLICAS_CACHE.get((type(outputs[0]), k))
+    hit = _REPLICAS_CACHE.get((type(outputs[0]), len(outputs)))
     if hit is None:
         return None
     spec, list_spec, key_order_ok, _ = hit
     try:
-        big: list[Any] = list_spec.flatten_up_to(cast(Any, outputs))
+        flat: list[Any] = list_spec.flatten_up_to(cast(Any, outputs))
     except (ValueError, TypeError):
         return None
-    types = list(map(type, big))
-    if types.count(torch.Tensor) != len(types) and not set(types) <= _KNOWN_LEAF_TYPES:
-        return None  # a subtree or None where the structure has a leaf
     if key_order_ok is not None and not key_order_ok(outputs[0]):
         return None
-    n = spec.num_leaves
-    if not n:
-        return [[] for _ in range(k)], spec, hit
-    # Cut into k rows of n leaves in C: zip over one iterator taken n at a time.
-    return list(zip(*[iter(big)] * n)), spec, hit  # type: ignore[arg-type]
+    return flat, spec, hit
 
 
 def remember_replicas(outputs: list[Any], spec: PyTreeSpec) -> None:
