@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -20,6 +22,11 @@ __all__ = ["Shards", "scatter", "scatter_kwargs"]
 
 Tensor = torch.Tensor
 _SIMPLE_LEAVES = frozenset({str, bytes, int, float, bool, complex, type(None)})
+_SHAPE = operator.attrgetter("shape")
+_IS_CPU = operator.attrgetter("is_cpu")
+# len() of a tensor without the Python-level Tensor.__len__ wrapper (same result, torch function
+# modes still honoured; 0 for a 0-dim tensor): about 40% cheaper than reading .shape.
+_TENSOR_LEN = getattr(getattr(torch._C, "TensorBase", None), "__len__", None)
 
 
 class Shards(list[Any]):
@@ -135,10 +142,35 @@ def _scatter_default(
     """
     if not all(d.type == "cpu" for d in devs):
         return None
+    T = Tensor
+    count = len(leaves)
+    if (
+        count
+        and list(map(type, leaves)).count(T) == count
+        and (not accelerator_tensors_possible() or all(map(_IS_CPU, leaves)))
+    ):
+        # Plain CPU tensors only (the usual batch): every leaf's size along ``dim`` read in C,
+        # then one tensor_split per leaf, also called from C.
+        try:
+            if dim == 0 and _TENSOR_LEN is not None:
+                sizes = set(map(_TENSOR_LEN, leaves))  # 0 for a 0-dim tensor
+            else:
+                sizes = set(map(operator.itemgetter(dim), map(_SHAPE, leaves)))
+        except IndexError:  # a 0-dim tensor, or a dim out of range
+            sizes = None
+        if sizes is not None and len(sizes) == 1 and 0 not in sizes:
+            n = sizes.pop()
+            k = min(n, len(devs))
+            split = T.tensor_split  # looked up per call, as x.tensor_split would be
+            if dim:
+                columns = list(map(split, leaves, repeat(k, count), repeat(dim, count)))
+            else:
+                columns = list(map(split, leaves, repeat(k, count)))
+            unflatten = spec.unflatten
+            return Shards([unflatten(c) for c in zip(*columns)], _balanced(n, k), devs[:k])
     # One pass: rows per split leaf, -1 for a leaf to broadcast, -2 for anything the general path
     # must look at (a tensor off the CPU, a leaf of another type).
     simple = _SIMPLE_LEAVES
-    T = Tensor
     try:
         # ``type(x) is T`` first: isinstance against torch.Tensor goes through its metaclass.
         if accelerator_tensors_possible():
