@@ -9,8 +9,17 @@ times, interleaved round by round so machine noise hits every implementation ali
 - ``recursion``: a torch ``scatter_gather``-style recursion over dicts (``torch.cat`` on CPU).
 
 Each ratio is the median over rounds of (time / floor time in the same round); times are the
-CPU time of the benchmarking thread with the garbage collector off, as ``timeit`` does. ``--quick`` runs in well under a minute, ``--json
-PATH`` saves the rows.
+CPU time of the benchmarking thread with the garbage collector off, as ``timeit`` does, over
+samples of about 50 ms (``pyperf`` uses 100 ms), so that one cold first call does not dominate.
+
+Before timing, the process allocates and frees one 16 MiB tensor, as every training step does.
+glibc raises its trim threshold when a large block is freed; a process that never freed one
+(this benchmark, otherwise) keeps the 128 KiB default, and then, depending on where its heap
+happens to end, freeing a call's results can return memory to the OS that the next call faults
+back in: hundreds of page faults per call, landing on one implementation or another by chance
+(at 1000 leaves: 0.92x for treegather in one run, 1.45x in another). ``--cold-allocator``
+skips this step; the page faults per call are in the ``--json`` rows either way. ``--quick``
+runs in well under a minute, ``--json PATH`` saves the rows.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +40,30 @@ import torch
 import treegather as tg
 
 __all__ = ["nested_tree", "run_case", "main"]
+
+_ALLOCATOR_READY = False
+
+
+def prepare_allocator() -> None:
+    """Free one 16 MiB tensor, once per process: the allocator state of any training process.
+
+    (glibc's dynamic trim threshold rises past what one call of the benchmark frees; see the
+    module docstring.)
+    """
+    global _ALLOCATOR_READY
+    if not _ALLOCATOR_READY:
+        block = torch.empty(16 << 20, dtype=torch.uint8)
+        del block
+        _ALLOCATOR_READY = True
+
+
+def _minor_faults() -> int:
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_minflt
 
 
 def nested_tree(n_leaves: int, shape: Sequence[int], depth: int = 3) -> dict[str, Any]:
@@ -76,7 +110,10 @@ def _rec_gather(outs: list[Any]) -> Any:
     return outs
 
 
-def _time(fn: Callable[[], Any], reps: int, clock: Callable[[], float] = time.thread_time) -> float:
+def _time(
+    fn: Callable[[], Any], reps: int, clock: Callable[[], float] = time.thread_time
+) -> tuple[float, int]:
+    """Seconds per call, and minor page faults over the ``reps`` calls."""
     # CPU time of this thread by default: on a shared machine, time spent descheduled (other
     # tenants, steal) would otherwise land on whichever implementation happened to be running.
     # The garbage collector is off while timing, as timeit does: a collection triggered by one
@@ -84,10 +121,12 @@ def _time(fn: Callable[[], Any], reps: int, clock: Callable[[], float] = time.th
     gc.collect()
     gc.disable()
     try:
+        faults = _minor_faults()
         t0 = clock()
         for _ in range(reps):
             fn()
-        return (clock() - t0) / reps
+        elapsed = clock() - t0
+        return elapsed / reps, _minor_faults() - faults
     finally:
         gc.enable()
 
@@ -129,14 +168,19 @@ def run_case(
     shape: Sequence[int],
     k: int,
     rounds: int = 15,
-    target_s: float = 0.01,
+    target_s: float = 0.05,
     device: str = "cpu",
+    warm_allocator: bool = True,
 ) -> list[dict[str, Any]]:
     """Time scatter and gather for one case; returns one row per (op, implementation).
 
     On ``device="cuda"`` the batch starts on the CPU and goes to ``cuda:0`` repeated ``k``
     times, and "recursion" is torch's own ``scatter_gather`` (which needs CUDA).
+    ``target_s`` is the length of one timing sample; ``warm_allocator=False`` skips
+    :func:`prepare_allocator`.
     """
+    if warm_allocator:
+        prepare_allocator()
     devices = [device if device == "cpu" else "cuda:0"] * k
     tree = nested_tree(n_leaves, shape)
     leaves, _ = tg._tree.flatten(tree)
@@ -164,13 +208,16 @@ def run_case(
             fn()
         # CUDA work is waited for, not computed, by this process: wall time there.
         clock = time.thread_time if device == "cpu" else time.perf_counter
-        reps = max(1, int(target_s / max(_time(fns["floor"], 3, clock), 1e-7)))
+        reps = max(1, int(target_s / max(_time(fns["floor"], 3, clock)[0], 1e-7)))
         samples: dict[str, list[float]] = {name: [] for name in fns}
+        faults = dict.fromkeys(fns, 0)
         names = list(fns)
         for r in range(rounds):
             # Rotate the order each round so no implementation always runs first (or last).
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                samples[name].append(_time(fns[name], reps, clock))
+                seconds, new_faults = _time(fns[name], reps, clock)
+                samples[name].append(seconds)
+                faults[name] += new_faults
         for name, ts in samples.items():
             # The ratio is the median of per-round ratios: each round times every
             # implementation back to back, so slow phases of a shared machine cancel out.
@@ -184,6 +231,7 @@ def run_case(
                     "replicas": k,
                     "median_us": statistics.median(ts) * 1e6,
                     "ratio": statistics.median(ratios),
+                    "page_faults_per_call": faults[name] / (reps * rounds),
                 }
             )
     return rows
@@ -205,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         help="cpu: repeated CPU devices; cuda: a CPU batch to cuda:0 repeated (needs CUDA)",
     )
     parser.add_argument("--rounds", type=int, help="interleaved rounds per case (default 15)")
+    parser.add_argument(
+        "--cold-allocator",
+        action="store_true",
+        help="skip freeing one large tensor first (page faults may then land on any implementation)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
@@ -221,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         where = f"CPU x K ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     print(
         f"treegather {tg.__version__}, torch {torch.__version__}, python "
-        f"{platform.python_version()}; {where}; 1 intra-op thread; median of {rounds} interleaved rounds"
+        f"{platform.python_version()}; {where}; 1 intra-op thread; median of {rounds} interleaved "
+        f"rounds; {'cold allocator' if args.cold_allocator else 'one 16 MiB tensor freed first'}"
     )
     print(
         f"{'op':8} {'leaves':>6} {'shape':>10} {'K':>2} | {'floor us':>9} {'treegather':>16} {'recursion':>16}"
@@ -229,7 +283,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for shape in shapes:
         for n in leaves:
             for k in ks:
-                case = run_case(n, shape, k, rounds=rounds, device=args.device)
+                case = run_case(
+                    n,
+                    shape,
+                    k,
+                    rounds=rounds,
+                    device=args.device,
+                    warm_allocator=not args.cold_allocator,
+                )
                 rows.extend(case)
                 for op in ("scatter", "gather"):
                     r = {row["impl"]: row for row in case if row["op"] == op}
@@ -240,6 +301,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                         f"{r['recursion']['median_us']:>9.1f} {r['recursion']['ratio']:>5.2f}x",
                         flush=True,
                     )
+    faulty = sorted(
+        {
+            f"{r['impl']} ({r['op']}, {r['leaves']} leaves)"
+            for r in rows
+            if r["page_faults_per_call"] >= 1
+        }
+    )
+    if faulty:
+        print(
+            "page faults: at least one per call for " + ", ".join(faulty) + " (see --json); "
+            "such a cell measures the allocator as much as the code",
+            file=sys.stderr,
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
