@@ -13,8 +13,9 @@ CPU time of the benchmarking thread with the garbage collector off, as ``timeit`
 samples of about 50 ms (``pyperf`` uses 100 ms), so that one cold first call does not dominate.
 
 Before timing, the process allocates and frees one 16 MiB tensor, as every training step does.
-glibc raises its trim threshold when a large block is freed; a process that never freed one
-(this benchmark, otherwise) keeps the 128 KiB default, and then, depending on where its heap
+When glibc frees a block it had mapped for a large allocation, it raises its mmap threshold to
+that size and its trim threshold to twice that; a process that never freed one (this benchmark,
+otherwise) keeps the 128 KiB defaults, and then, depending on where its heap
 happens to end, freeing a call's results can return memory to the OS that the next call faults
 back in: hundreds of page faults per call, landing on one implementation or another by chance
 (at 1000 leaves: 0.92x for treegather in one run, 1.45x in another). ``--cold-allocator``
