@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ._builders import replica_builder
 from ._devices import DeviceLike, accelerator_tensors_possible, as_devices
 from ._errors import BatchSizeError, LeafTypeError, bullet_list
 from ._gather import _move_tree
@@ -166,8 +167,7 @@ def _scatter_default(
                 columns = list(map(split, leaves, repeat(k, count), repeat(dim, count)))
             else:
                 columns = list(map(split, leaves, repeat(k, count)))
-            unflatten = spec.unflatten
-            return Shards([unflatten(c) for c in zip(*columns)], _balanced(n, k), devs[:k])
+            return Shards(_per_device(spec, k, columns), _balanced(n, k), devs[:k])
     # One pass: rows per split leaf, -1 for a leaf to broadcast, -2 for anything the general path
     # must look at (a tensor off the CPU, a leaf of another type).
     simple = _SIMPLE_LEAVES
@@ -202,8 +202,16 @@ def _scatter_default(
         columns = [x.tensor_split(k, dim) if r >= 0 else (x,) * k for x, r in zip(leaves, rows)]
     else:
         columns = [x.tensor_split(k) if r >= 0 else (x,) * k for x, r in zip(leaves, rows)]
+    return Shards(_per_device(spec, k, columns), _balanced(n, k), used)
+
+
+def _per_device(spec: Any, k: int, columns: list[Any]) -> list[Any]:
+    """The k trees, from one column (k values) per leaf."""
+    build = replica_builder(spec, k)
+    if build is not None:
+        return build(*columns)
     unflatten = spec.unflatten
-    return Shards([unflatten(c) for c in zip(*columns)], _balanced(n, k), used)
+    return [unflatten(c) for c in zip(*columns)]
 
 
 def _scatter(
