@@ -22,7 +22,7 @@ __all__ = ["replica_builder"]
 Builder = Callable[..., list[Any]]
 
 _COMPILE_AFTER = 3  # sightings of one (structure, k) before it is compiled
-_MAX_LEAVES = 20_000  # compiling costs about 7 ms per 1000 leaves and replica
+_MAX_CELLS = 40_000  # leaves x replicas; compiling takes about 8 ms per 1000 of them, once
 _MAX_DEPTH = 50  # well inside the parser's limit on nested brackets
 _MAX_ENTRIES = 256
 
@@ -70,7 +70,7 @@ class _Unsupported(Exception):
 
 def _compile(spec: PyTreeSpec, k: int) -> Builder | None:
     n = spec.num_leaves
-    if not 0 < n <= _MAX_LEAVES or k < 1:
+    if n == 0 or k < 1 or n * k > _MAX_CELLS:
         return None
     # The structure with leaf i replaced by the int i: its containers are the ones unflatten
     # builds, in the same order, and each int says which column a leaf comes from.

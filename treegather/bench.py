@@ -205,8 +205,9 @@ def run_case(
         impls = _cuda_impls(tree, k, leaves, outs, columns)
     rows = []
     for op, fns in impls.items():
-        for fn in fns.values():  # warm up, and size the repetitions
-            fn()
+        for fn in fns.values():  # warm up (caches, treegather's compiled builders), then size
+            for _ in range(3):
+                fn()
         # CUDA work is waited for, not computed, by this process: wall time there.
         clock = time.thread_time if device == "cpu" else time.perf_counter
         reps = max(1, int(target_s / max(_time(fns["floor"], 3, clock)[0], 1e-7)))
