@@ -15,6 +15,7 @@ from corpus import (
     AttrDict,
     CausalLMOutput,
     FrozenSample,
+    ModelOutputBase,
     Point,
     Sample,
     Tagged,
@@ -362,7 +363,7 @@ def test_default_factory_is_kept_after_the_cache_saw_another_factory() -> None:
 # --------------------------------------------- transformers' ModelOutput, via torch's pytree
 
 
-class TorchModelOutput(OrderedDict):  # type: ignore[type-arg]
+class TorchModelOutput(ModelOutputBase):
     """transformers' ModelOutput registers every subclass with torch's pytree as it is created:
     children are the values of the non-None fields, the context their keys."""
 
@@ -372,16 +373,6 @@ class TorchModelOutput(OrderedDict):  # type: ignore[type-arg]
             lambda out: (list(out.values()), list(out.keys())),
             lambda values, context: cls(**dict(zip(context, values))),
         )
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if value is not None:
-                self[f.name] = value
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        super().__setattr__(key, value)
 
 
 @dataclasses.dataclass
