@@ -14,6 +14,7 @@ stack, mean, sum, pad, as_list, first, cat_items or any callable on the way out.
 from __future__ import annotations
 
 from ._apply import parallel_apply, parallel_apply_async
+from ._caches import clear_caches
 from ._data_parallel import DataParallel, data_parallel, patch
 from ._errors import (
     BatchSizeError,
@@ -74,6 +75,8 @@ __all__ = [
     "register_dataclass",
     "register_node",
     "NAMESPACE",
+    # caches
+    "clear_caches",
     # errors
     "TreegatherError",
     "LayoutError",

@@ -1,0 +1,262 @@
+"""Every cache treegather keeps, in one registry: bounded, keyed by type-aware values.
+
+Each cache in the package is an :class:`LRU` (or a :class:`WeakCache`, keyed weakly by the
+object it describes) created through this module, so that
+
+- :func:`clear_caches` empties all of them at once (tests start cold with it; so does
+  registering a new tree node, since every cached structure may depend on the registry);
+- every cache has a bound: an LRU never holds more than ``maxsize`` entries, so a class or a
+  tree created per call is kept alive by at most that many entries, never forever;
+- keys never merge what Python's ``==`` merges: :func:`typed_key` makes ``True``, ``1`` and
+  ``1.0`` three different keys (types are part of every key).
+
+A cache lookup never formats, hashes or ``repr``\\ s user data it was not given as a key.
+
+>>> cache = LRU("example", maxsize=2)
+>>> cache.put(typed_key(1), "int"); cache.put(typed_key(True), "bool")
+>>> cache.get(typed_key(1)), cache.get(typed_key(True)), cache.get(typed_key(1.0))
+('int', 'bool', None)
+>>> clear_caches(); len(cache)
+0
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
+
+__all__ = ["LRU", "WeakCache", "clear_caches", "typed_key", "caches"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+_REGISTRY: weakref.WeakSet[Any] = weakref.WeakSet()
+_REGISTRY_LOCK = threading.Lock()
+
+
+class LRU(Generic[K, V]):
+    """A bounded least-recently-used map, registered for :func:`clear_caches`.
+
+    Thread-safe: one lock around each operation (a lookup is a few hundred nanoseconds).
+    """
+
+    __slots__ = ("__weakref__", "_data", "_lock", "maxsize", "name")
+
+    def __init__(self, name: str, maxsize: int) -> None:
+        if maxsize < 1:
+            raise ValueError("an LRU cache needs maxsize >= 1")
+        self.name = name
+        self.maxsize = maxsize
+        self._data: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+        with _REGISTRY_LOCK:
+            _REGISTRY.add(self)
+
+    def get(self, key: K, default: Any = None) -> Any:
+        """The value for ``key`` (marked as just used), else ``default``."""
+        with self._lock:
+            try:
+                value = self._data[key]
+            except KeyError:
+                return default
+            self._data.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        """Store ``value``; the least recently used entry goes when the cache is full."""
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+
+    def pop(self, key: K, default: Any = None) -> Any:
+        """Remove ``key`` and return its value (``default`` when absent)."""
+        with self._lock:
+            return self._data.pop(key, default)
+
+    def values(self) -> list[V]:
+        """A snapshot of the values, least recently used first."""
+        with self._lock:
+            return list(self._data.values())
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"LRU({self.name!r}, {len(self._data)}/{self.maxsize})"
+
+
+class WeakCache(Generic[K, V]):
+    """A map keyed weakly by objects (compared by identity), registered for :func:`clear_caches`.
+
+    An entry lives only as long as its key object: a deleted model frees what was cached for it.
+    ``maxsize`` bounds the number of live entries as well (least recently stored goes first).
+    """
+
+    __slots__ = ("__weakref__", "_data", "_lock", "maxsize", "name")
+
+    def __init__(self, name: str, maxsize: int) -> None:
+        self.name = name
+        self.maxsize = maxsize
+        self._data: OrderedDict[int, tuple[weakref.ref[Any], V]] = OrderedDict()
+        self._lock = threading.Lock()
+        with _REGISTRY_LOCK:
+            _REGISTRY.add(self)
+
+    def get(self, obj: Any, default: Any = None) -> Any:
+        """The value stored for ``obj`` itself (identity), else ``default``."""
+        with self._lock:
+            entry = self._data.get(id(obj))
+        if entry is None or entry[0]() is not obj:
+            return default
+        return entry[1]
+
+    def put(self, obj: Any, value: V) -> None:
+        """Store ``value`` for as long as ``obj`` lives."""
+        key = id(obj)
+        self_ref = weakref.ref(self)
+
+        def drop(ref: weakref.ref[Any], key: int = key) -> None:
+            cache = self_ref()
+            if cache is not None:
+                with cache._lock:
+                    entry = cache._data.get(key)
+                    if entry is not None and entry[0] is ref:
+                        del cache._data[key]
+
+        ref = weakref.ref(obj, drop)
+        with self._lock:
+            self._data[key] = (ref, value)
+            self._data.move_to_end(key)
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+
+    def pop(self, obj: Any, default: Any = None) -> Any:
+        """Forget ``obj``; return its value (``default`` when absent)."""
+        with self._lock:
+            entry = self._data.get(id(obj))
+            if entry is None or entry[0]() is not obj:
+                return default
+            del self._data[id(obj)]
+            return entry[1]
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"WeakCache({self.name!r}, {len(self._data)}/{self.maxsize})"
+
+
+def caches() -> list[LRU[Any, Any] | WeakCache[Any, Any]]:
+    """Every live cache in the registry, by name (for tests and debugging).
+
+    >>> all(len(c) <= c.maxsize for c in caches())
+    True
+    """
+    with _REGISTRY_LOCK:
+        return sorted(_REGISTRY, key=lambda c: c.name)
+
+
+_CLEAR_HOOKS: list[Callable[[], None]] = []
+
+
+def on_clear(hook: Callable[[], None]) -> Callable[[], None]:
+    """Run ``hook`` on every :func:`clear_caches` too (for state that is not an LRU)."""
+    _CLEAR_HOOKS.append(hook)
+    return hook
+
+
+def clear_caches() -> None:
+    """Empty every cache treegather keeps (structures, plans, compiled code, devices, ...).
+
+    The next call of each function then runs cold, exactly as in a fresh process. Registering a
+    tree node (:func:`treegather.register_dataclass`, :func:`treegather.register_node`, or a
+    class registered with torch's pytree) clears them too.
+
+    >>> import treegather as tg
+    >>> tg.clear_caches()
+    """
+    with _REGISTRY_LOCK:
+        registered = list(_REGISTRY)
+    for cache in registered:
+        cache.clear()
+    for hook in _CLEAR_HOOKS:
+        hook()
+
+
+# ------------------------------------------------------------------------------- typed keys
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def typed_key(value: Any) -> Hashable:
+    """A hashable key for ``value`` in which the type of every part counts.
+
+    ``True``, ``1`` and ``1.0`` compare equal in Python and would share a dict slot; here they
+    do not. Tuples, lists and dicts are keyed by their items (dicts in insertion order), frozen
+    dataclass-like objects with ``__eq__`` by their type and ``__dict__``/fields, anything else
+    by identity (callables compare by identity). Iterative: no recursion on nesting depth.
+
+    >>> typed_key(True) == typed_key(1), typed_key((1, "a")) == typed_key((1, "a"))
+    (False, True)
+    """
+    # Post-order build with an explicit stack: (value, children built so far).
+    out: list[Any] = []
+    stack: list[tuple[int, Any]] = [(0, value)]
+    while stack:
+        state, item = stack.pop()
+        if state == 1:  # all children of a container are on ``out``: fold them
+            tag, n = item
+            parts = tuple(out[len(out) - n :]) if n else ()
+            del out[len(out) - n :]
+            out.append((tag, parts))
+            continue
+        kind = type(item)
+        if kind in _ATOMS:
+            out.append((kind, item))
+        elif kind in (tuple, list):
+            stack.append((1, (kind, len(item))))
+            stack.extend((0, x) for x in reversed(item))
+        elif kind is dict:
+            stack.append((1, (kind, 2 * len(item))))
+            for k, v in reversed(list(item.items())):
+                stack.append((0, v))
+                stack.append((0, k))
+        else:
+            key = getattr(item, "_typed_fields", None)
+            if key is not None:
+                fields = key()
+                stack.append((1, (kind, len(fields))))
+                stack.extend((0, x) for x in reversed(fields))
+            else:
+                out.append((kind, id(item), _Identity(item)))
+    return out[0]
+
+
+class _Identity:
+    """Holds an object in a key, compared by identity (the id alone could be recycled)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
