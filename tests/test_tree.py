@@ -24,7 +24,8 @@ from corpus import (
 )
 
 import treegather as tg
-from treegather._tree import flatten, flatten_full, format_path, nodes
+from treegather._compiled import recognise
+from treegather._tree import flatten, format_path, nodes
 
 CPU2 = ["cpu", "cpu"]
 
@@ -319,10 +320,11 @@ def test_container_types_are_rebuilt_exactly() -> None:
     assert list(tg.gather(tg.scatter(od, CPU2), "cpu")) == ["z", "a"]
 
 
-def test_flatten_full_agrees_with_flatten() -> None:
+def test_the_compiled_layer_recognises_what_flatten_makes_cold_and_warm() -> None:
     tree = {"b": [torch.zeros(1), "x"], "a": None}
-    assert flatten_full(tree)[1] == flatten(tree)[1]
-    assert flatten_full(tree)[0] == flatten(tree)[0]
+    for _ in range(5):  # a sighting, a new structure, hits, then the compiled guard
+        leaves, _, spec = recognise(tree)
+        assert spec == flatten(tree)[1] and leaves == flatten(tree)[0]
 
 
 # ------------------------------------------------- mapping types behind the structure cache

@@ -1,9 +1,11 @@
 """Layouts: how a whole tree is divided or combined, resolved once per structure into a plan.
 
 A layout is a single rule, a prefix tree of rules in the vmap/pmap convention, or
-:func:`by_path` patterns. :func:`resolve` turns (structure, layout) into a :class:`Plan`: which
-rule each leaf gets, and which subtrees a whole-value rule takes as one. Plans are cached, so a
-training loop pays for resolution once.
+:func:`by_path` patterns. :func:`resolve` turns (structure, layout) into an immutable
+:class:`Plan`: which rule each leaf gets, and which subtrees a whole-value rule takes as one.
+This module is the plain definition and caches nothing; the compiled layer
+(:mod:`treegather._compiled`) keeps plans per structure, keyed by :func:`layout_key`, so that
+equal layouts (an inline ``by_path({...})`` each step) share one plan.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from typing import Any, cast
 import optree
 from optree import PyTreeSpec
 
+from ._caches import typed_key
 from ._errors import LayoutError, bullet_list
 from ._rules import SHORTHANDS, Broadcast, Cat, Custom, First, Rule, Split
-from ._tree import NAMESPACE, Node, _child_styles, format_path, nodes
+from ._tree import NAMESPACE, Node, child_styles, format_path, nodes
 
-__all__ = ["ByPath", "by_path", "Plan", "resolve", "display_path"]
+__all__ = ["ByPath", "by_path", "Plan", "resolve", "display_path", "layout_key"]
 
 _AUTO: Any = object()
 
@@ -28,7 +31,7 @@ _AUTO: Any = object()
 class ByPath:
     """A layout written as dotted path patterns; build it with :func:`by_path`."""
 
-    __slots__ = ("default", "patterns")
+    __slots__ = ("_key", "default", "patterns")
 
     def __init__(self, patterns: Mapping[str, Any], default: Any = None) -> None:
         if not isinstance(patterns, Mapping):
@@ -43,6 +46,20 @@ class ByPath:
             items.append((pattern, segments, rule))
         self.patterns: tuple[tuple[str, tuple[str, ...], Any], ...] = tuple(items)
         self.default = default
+        # Equal layouts are equal values (rules by value, callables by identity; True is not 1),
+        # so an inline by_path({...}) finds the plan of an equal one written last step.
+        self._key = typed_key((tuple((p, r) for p, _, r in items), default))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ByPath) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if hasattr(self, "_key"):
+            raise AttributeError("a by_path layout is immutable; build a new one")
+        object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{p!r}: {r!r}" for p, _, r in self.patterns)
@@ -79,7 +96,7 @@ def by_path(patterns: Mapping[str, Any], default: Any = None) -> ByPath:
 class Plan:
     """What to do with each leaf of one structure under one layout."""
 
-    __slots__ = ("all_cat", "default_only", "groups", "node_of", "rules", "spec", "up_spec")
+    __slots__ = ("default_only", "groups", "node_of", "rules", "spec", "up_spec")
 
     def __init__(
         self,
@@ -97,8 +114,6 @@ class Plan:
         self.groups = groups
         self.node_of = node_of
         self.default_only = up_spec is spec and all(r is None for r in rules)
-        # Learned by gather: every leaf concatenates with one torch.cat (its fast path).
-        self.all_cat = True
 
 
 def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
@@ -144,66 +159,30 @@ def display_path(node: Node, root: str | None) -> str:
 
 # ------------------------------------------------------------------------------ resolution
 
-_PLANS: dict[Any, Plan] = {}
 
+def layout_key(layout: Any) -> Any:
+    """A hashable, type-aware value key for ``layout``: equal layouts, equal keys.
 
-def _layout_key(layout: Any) -> Any:
-    if layout is None or isinstance(layout, (Rule, ByPath, str, int)) or callable(layout):
-        return layout
-    leaves, lspec = optree.tree_flatten(layout, none_is_leaf=True, namespace=NAMESPACE)
-    return (lspec, tuple(leaves))
+    Rules compare by value, callables by identity, ``True``/``1``/``1.0`` never match.
 
-
-_RECENT: dict[tuple[int, int, str, int, str | None], tuple[PyTreeSpec, Any, Plan]] = {}
+    >>> layout_key({"a": 1}) == layout_key({"a": 1}), layout_key({"a": 1}) == layout_key({"a": True})
+    (True, False)
+    """
+    if isinstance(layout, ByPath):
+        return (ByPath, layout._key)
+    return typed_key(layout)
 
 
 def resolve(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | None) -> Plan:
-    """The plan for data of structure ``spec`` under ``layout`` (cached)."""
-    # Identity fast path: the structure cache hands back the same spec object each step, and
-    # immutable layouts are the same object too; no hashing of a large spec then.
-    quick = (id(spec), id(layout), phase, dim, root)
-    hit = _RECENT.get(quick)
-    if hit is not None and hit[0] is spec and hit[1] is layout:
-        return hit[2]
-    try:
-        key = (spec, _layout_key(layout), phase, dim, root)
-        plan = _PLANS.get(key)
-    except TypeError:  # something unhashable (static metadata, a layout leaf): no cache
-        key, plan = None, None
-    if plan is not None and (plan.spec is spec or _key_orders(plan.spec) == _key_orders(spec)):
-        return plan
-    plan = _build(spec, layout, phase, dim, root)
-    if key is not None:
-        if len(_PLANS) > 512:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    if layout is None or isinstance(layout, (Rule, ByPath, str, int)):
-        if len(_RECENT) > 64:
-            _RECENT.clear()
-        _RECENT[quick] = (spec, layout, plan)
-    return plan
+    """The plan for data of structure ``spec`` under ``layout`` (the definition; no cache).
 
-
-_MAPPINGS = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT)
-
-
-def _key_orders(spec: PyTreeSpec) -> list[tuple[Any, ...]]:
-    """The insertion order of every mapping's keys in ``spec``, pre-order.
-
-    PyTreeSpec equality (and hash) ignores dict insertion order, so a plan cached for
-    ``{'a', 'b'}`` would otherwise rebuild ``{'b', 'a'}`` data in the order ``a, b``.
+    >>> import optree
+    >>> plan = resolve(optree.tree_structure({"a": 1, "b": 2}), {"a": 0, "b": None}, "scatter",
+    ...                0, "inputs")
+    >>> [r.describe() for r in plan.rules]
+    ['split()', 'broadcast()']
     """
-    out: list[tuple[Any, ...]] = []
-
-    def visit(node: PyTreeSpec) -> None:
-        level = node.one_level() if node.kind in _MAPPINGS and node.num_children > 1 else None
-        if level is not None:
-            out.append(tuple(level.unflatten([None] * node.num_children)))
-        for child in node.children():
-            visit(child)
-
-    visit(spec)
-    return out
+    return _build(spec, layout, phase, dim, root)
 
 
 def _build(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | None) -> Plan:
@@ -251,19 +230,18 @@ def _with_groups(
 ) -> Plan:
     """Replace each whole-value node by a single leaf position in a coarser structure."""
     by_raw = {nd.raw: i for i, (nd, _) in enumerate(whole)}
-    counter = iter(range(spec.num_leaves))
-
-    def build(node: PyTreeSpec, raw: tuple[Any, ...]) -> Any:
-        if raw in by_raw:
-            for _ in range(node.num_leaves):
-                next(counter)
-            return _Group(by_raw[raw])
-        if node.is_leaf():
-            return next(counter)
-        children = [build(c, (*raw, e)) for e, c in zip(node.entries(), node.children())]
-        return node.one_level().unflatten(children)  # type: ignore[union-attr]
-
-    skeleton = build(spec, ())
+    # Bottom-up over the nodes (reverse pre-order), no recursion: each node's skeleton value is
+    # a _Group marker, its leaf index, or its container rebuilt around its children's values.
+    values: dict[tuple[Any, ...], Any] = {}
+    for nd in reversed(all_nodes):
+        if nd.raw in by_raw:
+            values[nd.raw] = _Group(by_raw[nd.raw])
+        elif nd.spec.is_leaf():
+            values[nd.raw] = nd.start
+        else:
+            children = [values[(*nd.raw, e)] for e in nd.spec.entries()]
+            values[nd.raw] = nd.spec.one_level().unflatten(children)
+    skeleton = values[()]
     up_leaves, up_spec = optree.tree_flatten(skeleton, namespace=NAMESPACE)
     rules: list[Rule | None] = []
     groups: list[tuple[int, Node, Rule] | None] = []
@@ -357,7 +335,7 @@ def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[st
                 if extra:
                     parts.append(f"has key(s) {', '.join(map(repr, extra))} the data does not")
                 problems.append(f"{where}: the layout {' and '.join(parts)}")
-                styled = dict(zip(data_entries, _child_styles(node)))
+                styled = dict(zip(data_entries, child_styles(node)))
                 for key in common:
                     walk(
                         lay[key],
@@ -371,7 +349,7 @@ def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[st
                     f"{len(data_entries)}"
                 )
             return
-        styled = dict(zip(data_entries, _child_styles(node)))
+        styled = dict(zip(data_entries, child_styles(node)))
         for entry, child_lay, child in zip(entries, children, node.children()):
             walk(child_lay, child, (*path, styled[entry]), (*raw, entry))
 

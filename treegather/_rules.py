@@ -65,6 +65,10 @@ class Rule:
         )
         return f"{type(self).__name__.lower()}({args})"
 
+    def _typed_fields(self) -> tuple[Any, ...]:
+        """The field values, for :func:`treegather._caches.typed_key` (``True`` is not ``1``)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+
 
 class ScatterRule(Rule):
     """A rule for :func:`treegather.scatter`."""

@@ -1,33 +1,29 @@
-"""scatter: one input tree -> one tree per device, split or broadcast leaf by leaf."""
+"""scatter: one input tree -> one tree per device, split or broadcast leaf by leaf.
+
+This module is the definition (:func:`scatter_reference`): flatten, resolve the plan, validate
+every leaf, cut, place on devices. The public :func:`scatter` asks the compiled layer
+(:mod:`treegather._compiled`), which runs the same steps faster for structures it has seen.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Mapping, Sequence
-from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ._builders import replica_builder
-from ._devices import DeviceLike, accelerator_tensors_possible, as_devices
+from . import _compiled
+from ._devices import DeviceLike, as_devices
 from ._errors import BatchSizeError, LeafTypeError, bullet_list
-from ._gather import _move_tree
-from ._layout import display_path, resolve
+from ._layout import Plan, display_path, resolve
 from ._rules import Broadcast, Split
-from ._tree import describe, flatten
+from ._tree import describe, flatten, move_tree
 
-__all__ = ["Shards", "scatter", "scatter_kwargs"]
+__all__ = ["Shards", "balanced", "place", "scatter", "scatter_kwargs", "scatter_reference"]
 
 Tensor = torch.Tensor
-_SIMPLE_LEAVES = frozenset({str, bytes, int, float, bool, complex, type(None)})
-_SHAPE = operator.attrgetter("shape")
-_IS_CPU = operator.attrgetter("is_cpu")
-# len() of a tensor without the Python-level Tensor.__len__ wrapper (same result, torch function
-# modes still honoured; 0 for a 0-dim tensor): about 40% cheaper than reading .shape.
-_TENSOR_LEN = getattr(getattr(torch._C, "TensorBase", None), "__len__", None)
 
 
 class Shards(list[Any]):
@@ -91,7 +87,7 @@ def scatter(
     >>> [s["x"].tolist() for s in shards], shards.sizes, shards[3]["scale"]
     ([[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]], (3, 3, 2, 2), 2.0)
     """
-    return _scatter(inputs, as_devices(devices), layout, dim, "inputs")
+    return _compiled.scatter(inputs, as_devices(devices), layout, dim, "inputs")
 
 
 def scatter_kwargs(
@@ -119,7 +115,7 @@ def scatter_kwargs(
     if not isinstance(args, tuple):
         args = tuple(args)
     kw = {} if kwargs is None else dict(kwargs)
-    shards = _scatter((args, kw), as_devices(devices), layout, dim, None)
+    shards = _compiled.scatter((args, kw), as_devices(devices), layout, dim, None)
     return (
         Shards([s[0] for s in shards], shards.sizes, shards.devices),
         Shards([s[1] for s in shards], shards.sizes, shards.devices),
@@ -127,245 +123,194 @@ def scatter_kwargs(
 
 
 @functools.lru_cache(maxsize=256)
-def _balanced(n: int, k: int) -> tuple[int, ...]:
+def balanced(n: int, k: int) -> tuple[int, ...]:
+    """Rows per shard when ``n`` rows are split ``k`` ways, in ``torch.tensor_split`` order."""
     base, extra = divmod(n, k)
     return tuple(base + (1 if i < extra else 0) for i in range(k))
 
 
-def _scatter_default(
-    leaves: list[Any], spec: Any, devs: tuple[torch.device, ...], dim: int
-) -> Shards | None:
-    """The default rules (split tensors of >= 1 dim, broadcast the rest): the per-step hot path.
-
-    Returns ``None`` whenever anything is unusual (a batch-size mismatch, a bad dim, a
-    dataclass leaf, tensors that must move), leaving it to the general path, which reports
-    every problem before any work is done.
-    """
-    if not all(d.type == "cpu" for d in devs):
-        return None
-    T = Tensor
-    count = len(leaves)
-    if (
-        count
-        and list(map(type, leaves)).count(T) == count
-        and (not accelerator_tensors_possible() or all(map(_IS_CPU, leaves)))
-    ):
-        # Plain CPU tensors only (the usual batch): every leaf's size along ``dim`` read in C,
-        # then one tensor_split per leaf, also called from C.
-        try:
-            if dim == 0 and _TENSOR_LEN is not None:
-                sizes = set(map(_TENSOR_LEN, leaves))  # 0 for a 0-dim tensor
-            else:
-                sizes = set(map(operator.itemgetter(dim), map(_SHAPE, leaves)))
-        except IndexError:  # a 0-dim tensor, or a dim out of range
-            sizes = None
-        if sizes is not None and len(sizes) == 1 and 0 not in sizes:
-            n = sizes.pop()
-            k = min(n, len(devs))
-            split = T.tensor_split  # looked up per call, as x.tensor_split would be
-            if dim:
-                columns = list(map(split, leaves, repeat(k, count), repeat(dim, count)))
-            else:
-                columns = list(map(split, leaves, repeat(k, count)))
-            return Shards(_per_device(spec, k, columns), _balanced(n, k), devs[:k])
-    # One pass: rows per split leaf, -1 for a leaf to broadcast, -2 for anything the general path
-    # must look at (a tensor off the CPU, a leaf of another type).
-    simple = _SIMPLE_LEAVES
-    try:
-        # ``type(x) is T`` first: isinstance against torch.Tensor goes through its metaclass.
-        if accelerator_tensors_possible():
-            rows = [
-                (shape[dim] if (shape := x.shape) else -1)
-                if (type(x) is T or isinstance(x, T)) and x.is_cpu
-                else (-1 if type(x) in simple else -2)
-                for x in leaves
-            ]
-        else:  # no accelerator was ever initialised: every tensor here is on the CPU
-            rows = [
-                (shape[dim] if (shape := x.shape) else -1)
-                if type(x) is T or isinstance(x, T)
-                else (-1 if type(x) in simple else -2)
-                for x in leaves
-            ]
-    except IndexError:
-        return None
-    found = set(rows)
-    found.discard(-1)
-    if len(found) != 1:
-        return None  # nothing to split, a mismatch, or -2: the general path handles them
-    n = found.pop()
-    k = min(n, len(devs))
-    if k <= 0:
-        return None
-    used = devs[:k]
-    if dim:
-        columns = [x.tensor_split(k, dim) if r >= 0 else (x,) * k for x, r in zip(leaves, rows)]
-    else:
-        columns = [x.tensor_split(k) if r >= 0 else (x,) * k for x, r in zip(leaves, rows)]
-    return Shards(_per_device(spec, k, columns), _balanced(n, k), used)
-
-
-def _per_device(spec: Any, k: int, columns: list[Any]) -> list[Any]:
-    """The k trees, from one column (k values) per leaf."""
-    build = replica_builder(spec, k)
-    if build is not None:
-        return build(*columns)
-    unflatten = spec.unflatten
-    return [unflatten(c) for c in zip(*columns)]
-
-
-def _scatter(
+def scatter_reference(
     inputs: Any, devs: tuple[torch.device, ...], layout: Any, dim: int, root: str | None
 ) -> Shards:
+    """The definition of :func:`scatter`: flatten, resolve, then :func:`place`. No cache."""
     leaves, spec = flatten(inputs)
-    plan = resolve(spec, layout, "scatter", dim, root)
-    if plan.default_only:
-        fast = _scatter_default(leaves, spec, devs, dim)
-        if fast is not None:
-            return fast
-    up: list[Any] = leaves if plan.up_spec is spec else plan.up_spec.flatten_up_to(inputs)
+    return place(inputs, leaves, resolve(spec, layout, "scatter", dim, root), devs, dim, root)
 
-    # Pass 1: classify every position and validate everything, before any tensor is touched.
-    splits: list[tuple[int, int]] = []  # (position, dim)
-    items: list[int] = []
-    lengths: dict[int, list[int]] = {}  # batch size -> positions
-    explicit: dict[tuple[int, ...], list[int]] = {}
+
+def place(
+    inputs: Any,
+    leaves: list[Any],
+    plan: Plan,
+    devs: tuple[torch.device, ...],
+    dim: int,
+    root: str | None,
+) -> Shards:
+    """Validate every position of ``plan``, then cut and place it on the devices.
+
+    ``leaves`` are ``inputs``' leaves for ``plan.spec``; whole-value groups are taken from
+    ``inputs`` again. Nothing is split or moved unless every position is valid.
+    """
+    up = leaves if plan.up_spec is plan.spec else plan.up_spec.flatten_up_to(inputs)
+    cuts = _validate(up, plan, dim, root)
+    sizes = _shard_sizes(cuts, len(devs))
+    k = len(devs) if sizes is None else len(sizes)
+    columns = _cut(up, cuts, sizes, k)
+    return Shards(_on_devices(columns, cuts, plan, devs[:k]), sizes, devs[:k])
+
+
+class _Cuts(NamedTuple):
+    """What pass 1 found: positions to split (with their dim), per-sample item positions, the
+    batch size each was seen with, and explicit ``split(sizes=...)``."""
+
+    splits: list[tuple[int, int]]
+    items: list[int]
+    lengths: dict[int, list[int]]
+    explicit: dict[tuple[int, ...], list[int]]
+
+
+def _validate(up: list[Any], plan: Plan, dim: int, root: str | None) -> _Cuts:
+    """Pass 1: classify every position and report every problem, before any tensor is touched."""
+    cuts = _Cuts([], [], {}, {})
     problems: list[str] = []
     type_problem = False
-    rules, groups = plan.rules, plan.groups
     for pos, x in enumerate(up):
-        if groups[pos] is not None:
-            if not isinstance(x, (list, tuple)):
-                problems.append(
-                    f"{display_path(plan.node_of(pos), root)}: split_items() needs a list or tuple, "
-                    f"got {describe(x)}"
-                )
-                type_problem = True
-                continue
-            items.append(pos)
-            lengths.setdefault(len(x), []).append(pos)
-            continue
-        rule = rules[pos]
-        if rule is None:
-            if isinstance(x, Tensor):
-                if x.dim() == 0:
-                    continue
-                d = dim
-            else:
-                if dataclasses.is_dataclass(x) and not isinstance(x, type):
-                    problems.append(
-                        f"{display_path(plan.node_of(pos), root)}: {type(x).__qualname__} is a "
-                        "dataclass treegather does not know, so it would be sent whole to every "
-                        "device; register it with treegather.register_dataclass (or mark it "
-                        "broadcast() in the layout)"
-                    )
-                    type_problem = True
-                elif isinstance(x, (dict, list)):
-                    # A dict/list subclass optree does not know is a leaf: without this check the
-                    # whole batch inside it would silently go to every device.
-                    base = "dict" if isinstance(x, dict) else "list"
-                    problems.append(
-                        f"{display_path(plan.node_of(pos), root)}: {type(x).__qualname__} is a "
-                        f"{base} subclass treegather does not know, so it would be sent whole to "
-                        "every device; register it with treegather.register_node (or mark it "
-                        "broadcast() in the layout)"
-                    )
-                    type_problem = True
-                continue
-        elif isinstance(rule, Broadcast):
-            continue
-        elif isinstance(rule, Split):
-            if not isinstance(x, Tensor):
-                problems.append(
-                    f"{display_path(plan.node_of(pos), root)}: {rule.describe()} needs a tensor, "
-                    f"got {describe(x)}"
-                    + (
-                        " (use split_items() on a list of per-sample items)"
-                        if isinstance(x, (str, bytes))
-                        else ""
-                    )
-                )
-                type_problem = True
-                continue
-            d = rule.dim
-            if rule.sizes is not None:
-                explicit.setdefault(rule.sizes, []).append(pos)
-        else:
-            raise AssertionError(rule)
-        nd = x.dim()
-        if not -nd <= d < nd or nd == 0:
-            problems.append(
-                f"{display_path(plan.node_of(pos), root)}: cannot split along dim {d}: "
-                f"{describe(x)}"
-            )
-            continue
-        splits.append((pos, d))
-        lengths.setdefault(x.shape[d], []).append(pos)
+        found = _classify(pos, x, plan, dim, root, cuts)
+        if found is not None:
+            problems.append(found[0])
+            type_problem = type_problem or found[1]
 
     def where(positions: list[int]) -> str:
         shown = ", ".join(display_path(plan.node_of(p), root) for p in positions[:3])
         return shown + (f" and {len(positions) - 3} more" if len(positions) > 3 else "")
 
-    if len(lengths) > 1:
+    if len(cuts.lengths) > 1:
         problems.append(
             "split leaves disagree on the batch size: "
             + "; ".join(
-                f"{n} at {where(ps)}" for n, ps in sorted(lengths.items(), key=lambda kv: kv[1][0])
+                f"{n} at {where(ps)}"
+                for n, ps in sorted(cuts.lengths.items(), key=lambda kv: kv[1][0])
             )
         )
-    if len(explicit) > 1:
+    if len(cuts.explicit) > 1:
         problems.append(
             "split rules give different sizes: "
-            + "; ".join(f"{list(s)} at {where(ps)}" for s, ps in explicit.items())
+            + "; ".join(f"{list(s)} at {where(ps)}" for s, ps in cuts.explicit.items())
         )
     if problems:
-        hint = "use broadcast() for leaves every device needs whole" if lengths else None
+        hint = "use broadcast() for leaves every device needs whole" if cuts.lengths else None
         raise (LeafTypeError if type_problem else BatchSizeError)(bullet_list(problems, hint))
+    return cuts
 
-    k = len(devs)
-    if not lengths:
-        sizes: tuple[int, ...] | None = None
+
+def _classify(
+    pos: int, x: Any, plan: Plan, dim: int, root: str | None, cuts: _Cuts
+) -> tuple[str, bool] | None:
+    """Record position ``pos`` in ``cuts``; a problem (message, is-a-type-problem) or None."""
+    where = display_path(plan.node_of(pos), root)
+    if plan.groups[pos] is not None:
+        if not isinstance(x, (list, tuple)):
+            return f"{where}: split_items() needs a list or tuple, got {describe(x)}", True
+        cuts.items.append(pos)
+        cuts.lengths.setdefault(len(x), []).append(pos)
+        return None
+    rule = plan.rules[pos]
+    if rule is None:
+        if not isinstance(x, Tensor):
+            return _sent_whole(x, where)
+        if x.dim() == 0:
+            return None
+        d = dim
+    elif isinstance(rule, Broadcast):
+        return None
+    elif isinstance(rule, Split):
+        if not isinstance(x, Tensor):
+            hint = (
+                " (use split_items() on a list of per-sample items)"
+                if isinstance(x, (str, bytes))
+                else ""
+            )
+            return f"{where}: {rule.describe()} needs a tensor, got {describe(x)}{hint}", True
+        d = rule.dim
+        if rule.sizes is not None:
+            cuts.explicit.setdefault(rule.sizes, []).append(pos)
     else:
-        n = next(iter(lengths))
-        if explicit:
-            sizes = next(iter(explicit))
-            if sum(sizes) != n or len(sizes) > k:
-                raise BatchSizeError(
-                    f"split sizes {list(sizes)} must add up to the batch size {n} and name at "
-                    f"most {k} shards (one per device)"
-                )
-        elif n == 0:
-            sizes = (0,)  # an empty batch stays one (empty) shard rather than vanishing
-        else:
-            sizes = _balanced(n, min(n, k))
-        k = len(sizes)
-    used = devs[:k]
+        raise AssertionError(rule)
+    nd = x.dim()
+    if not -nd <= d < nd or nd == 0:
+        return f"{where}: cannot split along dim {d}: {describe(x)}", False
+    cuts.splits.append((pos, d))
+    cuts.lengths.setdefault(x.shape[d], []).append(pos)
+    return None
 
-    # Pass 2: split and broadcast.
+
+def _sent_whole(x: Any, where: str) -> tuple[str, bool] | None:
+    """A leaf the default rule would broadcast although it may hold the batch: a problem."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (
+            f"{where}: {type(x).__qualname__} is a dataclass treegather does not know, so it "
+            "would be sent whole to every device; register it with "
+            "treegather.register_dataclass (or mark it broadcast() in the layout)"
+        ), True
+    if isinstance(x, (dict, list)):
+        # A dict/list subclass optree does not know is a leaf: without this check the whole
+        # batch inside it would silently go to every device.
+        base = "dict" if isinstance(x, dict) else "list"
+        return (
+            f"{where}: {type(x).__qualname__} is a {base} subclass treegather does not know, so "
+            "it would be sent whole to every device; register it with treegather.register_node "
+            "(or mark it broadcast() in the layout)"
+        ), True
+    return None
+
+
+def _shard_sizes(cuts: _Cuts, k: int) -> tuple[int, ...] | None:
+    """Rows per shard (``None`` when nothing is split); never an empty shard but for n = 0."""
+    if not cuts.lengths:
+        return None
+    n = next(iter(cuts.lengths))
+    if cuts.explicit:
+        sizes = next(iter(cuts.explicit))
+        if sum(sizes) != n or len(sizes) > k:
+            raise BatchSizeError(
+                f"split sizes {list(sizes)} must add up to the batch size {n} and name at "
+                f"most {k} shards (one per device)"
+            )
+        return sizes
+    if n == 0:
+        return (0,)  # an empty batch stays one (empty) shard rather than vanishing
+    return balanced(n, min(n, k))
+
+
+def _cut(up: list[Any], cuts: _Cuts, sizes: tuple[int, ...] | None, k: int) -> list[Any]:
+    """Pass 2: one column (k values) per position: split, item runs, or the value k times."""
     columns: list[Any] = [None] * len(up)
-    balanced = sizes is not None and not explicit and sizes == _balanced(sum(sizes), k)
-    for pos, d in splits:
+    even = sizes is not None and not cuts.explicit and sizes == balanced(sum(sizes), k)
+    for pos, d in cuts.splits:
         x = up[pos]
-        columns[pos] = x.tensor_split(k, d) if balanced else x.split(list(sizes or ()), d)
-    if items:
+        columns[pos] = x.tensor_split(k, d) if even else x.split(list(sizes or ()), d)
+    if cuts.items:
         offsets = [0]
         for s in sizes or ():
             offsets.append(offsets[-1] + s)
-        for pos in items:
+        for pos in cuts.items:
             seq = up[pos]
             columns[pos] = tuple(seq[offsets[r] : offsets[r + 1]] for r in range(k))
     for pos, col in enumerate(columns):
         if col is None:
             columns[pos] = (up[pos],) * k
-    per_replica = list(zip(*columns)) if columns else [()] * k
+    return columns
 
-    # Pass 3: move to devices where needed.
-    src = {x.device for x in up if isinstance(x, Tensor)}
-    item_tensors = bool(items) and any(isinstance(v, Tensor) for pos in items for v in up[pos])
+
+def _on_devices(
+    columns: list[Any], cuts: _Cuts, plan: Plan, used: tuple[torch.device, ...]
+) -> list[Any]:
+    """Pass 3: each device's values moved where needed, rebuilt into its tree."""
+    k = len(used)
+    per_replica = list(zip(*columns)) if columns else [()] * k
+    src = {v.device for v in (c[0] for c in columns) if isinstance(v, Tensor)}
+    item_tensors = any(isinstance(v, Tensor) for pos in cuts.items for c in columns[pos] for v in c)
     trees = []
-    up_spec = plan.up_spec
-    for r in range(k):
-        dev = used[r]
+    for r, dev in enumerate(used):
         leaves_r: list[Any] = list(per_replica[r])
         if src and src != {dev}:
             nb = dev.type == "cuda"
@@ -374,7 +319,7 @@ def _scatter(
                 for v in leaves_r
             ]
         if item_tensors:
-            for pos in items:
-                leaves_r[pos] = _move_tree(leaves_r[pos], dev)
-        trees.append(up_spec.unflatten(leaves_r))
-    return Shards(trees, sizes, used)
+            for pos in cuts.items:
+                leaves_r[pos] = move_tree(leaves_r[pos], dev)
+        trees.append(plan.up_spec.unflatten(leaves_r))
+    return trees

@@ -13,25 +13,29 @@ import dataclasses
 import functools
 import keyword
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, TypeVar, cast, overload
+from typing import Any, NamedTuple, TypeVar, overload
 
 import optree
 import torch
 import torch.utils._pytree as _torch_pytree
 from optree import PyTreeKind, PyTreeSpec
 
+from ._caches import clear_caches
+
 __all__ = [
     "NAMESPACE",
     "register_dataclass",
     "register_node",
     "flatten",
-    "leaves_are_leaves",
-    "flatten_replicas",
-    "remember_replicas",
-    "flatten_full",
+    "is_leaf",
+    "registry_version",
     "Node",
     "nodes",
+    "leaf_nodes",
+    "child_styles",
     "format_path",
+    "describe",
+    "move_tree",
 ]
 
 NAMESPACE = "treegather"
@@ -47,11 +51,14 @@ _REGISTERED: set[type] = set()
 _BRIDGED: set[type] = set()
 
 
+_version = 0
+
+
 def _invalidate() -> None:
-    _SPEC_MRU.clear()
-    _KNOWN_LEAF_TYPES.clear()
-    _NODES_CACHE.clear()
-    _REPLICAS_CACHE.clear()
+    """Every cached structure may depend on which classes are nodes: start cold."""
+    global _version
+    _version += 1
+    clear_caches()
 
 
 @overload
@@ -244,26 +251,12 @@ def _sync_torch_registry() -> None:
 
 # ------------------------------------------------------------------------------- flattening
 
-# Recently seen structures per root type. A hit costs one ``flatten_up_to`` (C++, no key sorting)
-# plus a set of leaf types, instead of a full flatten: the hot path of every training step.
-_SPEC_MRU: dict[type, list[tuple[PyTreeSpec, Callable[[Any], bool] | None]]] = {}
-_MRU_SIZE = 4
-# Classes seen as leaves of a full flatten; a class is a leaf or a node by its type alone.
-_KNOWN_LEAF_TYPES: set[type] = set()
-
-
-def flatten_full(tree: Any) -> tuple[list[Any], PyTreeSpec]:
-    """Flatten ``tree`` in treegather's namespace, without the structure cache."""
-    _sync_torch_registry()
-    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    return leaves, spec
-
 
 def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
     """Flatten ``tree`` in treegather's namespace (``None`` is an empty node).
 
-    Returns the leaves and the exact structure; for a structure seen recently this skips the full
-    flatten (about 5x faster on a 1000-leaf nested dict).
+    The plain definition: one ``optree.tree_flatten``, no cache (the compiled layer,
+    :mod:`treegather._compiled`, recognises structures it has seen before without it).
 
     >>> leaves, spec = flatten({"b": 1, "a": (2, None)})
     >>> leaves, spec.unflatten(leaves)
@@ -271,164 +264,34 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
     """
     if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
         _sync_torch_registry()
-    root_type = type(tree)
-    recent = _SPEC_MRU.get(root_type)
-    if recent:
-        for i, (spec, key_order_ok) in enumerate(recent):
-            try:
-                leaves = spec.flatten_up_to(tree)
-            except (ValueError, TypeError):
-                continue
-            if leaves_are_leaves(leaves) and (key_order_ok is None or key_order_ok(tree)):
-                if i:
-                    recent.insert(0, recent.pop(i))
-                return leaves, spec
-            break
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    _KNOWN_LEAF_TYPES.update(map(type, leaves))
-    checker = _key_order_checker(spec)
-    if checker is not False:
-        bucket = _SPEC_MRU.setdefault(root_type, [])
-        bucket.insert(0, (spec, checker if callable(checker) else None))
-        del bucket[_MRU_SIZE:]
     return leaves, spec
 
 
-# Per (root type, replica count): the structure of the whole list of replica outputs seen last,
-# with its key-order check for replica 0. gather flattens every replica in one C call with it.
-_REPLICAS_CACHE: dict[tuple[type, int], list[Any]] = {}  # [spec, list spec, check, caller's]
+def is_leaf(value: Any) -> bool:
+    """Whether ``value`` is a leaf (not a registered container, not ``None``).
 
-
-def flatten_replicas(outputs: list[Any]) -> tuple[list[Any], PyTreeSpec, list[Any]] | None:
-    """All replicas' leaves at once, when they share the structure last seen for such a list.
-
-    Returns ``(flat, spec, entry)`` or ``None`` (a structure not seen recently, or replicas
-    that differ): the caller then takes the general path. ``flat`` holds replica 0's
-    ``spec.num_leaves`` leaves, then replica 1's, and so on. Replica 0's dict key order is
-    checked, so the spec rebuilds exactly its order. ``flatten_up_to`` lets a subtree or a
-    ``None`` stand where the structure has a leaf: the caller checks ``leaves_are_leaves(flat)``
-    unless its own work fails on such values anyway (``torch.cat`` does). ``entry[3]`` is the
-    caller's to keep per-structure state in (gather keeps its last plan there).
+    >>> is_leaf(1.0), is_leaf(None), is_leaf([1])
+    (True, False, False)
     """
     if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
-        return None
-    hit = _REPLICAS_CACHE.get((type(outputs[0]), len(outputs)))
-    if hit is None:
-        return None
-    spec, list_spec, key_order_ok, _ = hit
-    try:
-        flat: list[Any] = list_spec.flatten_up_to(cast(Any, outputs))
-    except (ValueError, TypeError):
-        return None
-    if key_order_ok is not None and not key_order_ok(outputs[0]):
-        return None
-    return flat, spec, hit
+        _sync_torch_registry()
+    return optree.tree_is_leaf(value, namespace=NAMESPACE)
 
 
-def remember_replicas(outputs: list[Any], spec: PyTreeSpec) -> None:
-    """Record that ``outputs`` (a list of replica trees) all have structure ``spec``."""
-    for cached, checker in _SPEC_MRU.get(type(outputs[0]), ()):
-        if cached is spec:
-            list_spec = optree.treespec_list([spec] * len(outputs), namespace=NAMESPACE)
-            if len(_REPLICAS_CACHE) > 64:
-                _REPLICAS_CACHE.clear()
-            _REPLICAS_CACHE[(type(outputs[0]), len(outputs))] = [spec, list_spec, checker, None]
-            return
+def registry_version() -> int:
+    """A number that changes whenever treegather's idea of which classes are nodes changes.
 
-
-def leaves_are_leaves(values: list[Any]) -> bool:
-    """Whether every value is of a class seen as a leaf (not a container, not ``None``).
-
-    ``flatten_up_to`` lets a subtree stand where a structure has a leaf; this is the check, at
-    C speed for the usual all-tensor case (a list count is about twice as fast as a set).
+    Cached structures record it; a registration (here or with torch's pytree) makes them stale.
     """
-    types = list(map(type, values))
-    if types.count(torch.Tensor) == len(types):
-        return True
-    return set(types) <= _KNOWN_LEAF_TYPES
-
-
-_MAPPING_KINDS = (PyTreeKind.DICT, PyTreeKind.ORDEREDDICT, PyTreeKind.DEFAULTDICT)
-_INDEXABLE_KINDS = (
-    PyTreeKind.DICT,
-    PyTreeKind.ORDEREDDICT,
-    PyTreeKind.DEFAULTDICT,
-    PyTreeKind.LIST,
-    PyTreeKind.TUPLE,
-    PyTreeKind.NAMEDTUPLE,
-    PyTreeKind.STRUCTSEQUENCE,
-    PyTreeKind.DEQUE,
-)
-
-
-def _key_order_checker(spec: PyTreeSpec) -> Callable[[Any], bool] | bool | None:
-    """Compile a check that a tree's mappings match ``spec``'s: type, default_factory, key order.
-
-    ``flatten_up_to`` matches mappings by key, whatever their mapping type, so a cached structure
-    would otherwise hand back the key order, the mapping type or the defaultdict factory of an
-    earlier call. Returns ``None`` when the structure has no mapping, and ``False`` when a
-    mapping sits below a node it cannot index (never cache then).
-    """
-    consts: dict[str, Any] = {}
-    lines: list[str] = []  # the parts of one tuple expression, compared with one constant
-    expected: list[Any] = []
-    names = iter(range(1 << 30))
-
-    def const(value: Any) -> str:
-        name = f"_c{len(consts)}"
-        consts[name] = value
-        return name
-
-    def visit(node: PyTreeSpec, var: str) -> bool:
-        kind = node.kind
-        if kind in (PyTreeKind.LEAF, PyTreeKind.NONE):
-            return True
-        if kind not in _INDEXABLE_KINDS:
-            return not any(c.kind in _MAPPING_KINDS or not c.is_leaf() for c in node.children())
-        entries = node.entries()
-        if kind in _MAPPING_KINDS:
-            # flatten_up_to also accepts dict, OrderedDict and defaultdict for one another (and
-            # ignores default_factory): check the exact type and factory too.
-            rebuilt = node.unflatten([None] * node.num_leaves)
-            lines.append(f"type({var})")
-            expected.append(type(rebuilt))
-            if kind == PyTreeKind.DEFAULTDICT:
-                lines.append(f"{var}.default_factory")
-                expected.append(rebuilt.default_factory)
-            if len(entries) > 1:
-                lines.append(f"*{var}")
-                expected.extend(rebuilt.keys())
-        elif kind == PyTreeKind.DEQUE:  # flatten_up_to ignores maxlen too
-            lines.append(f"{var}.maxlen")
-            expected.append(node.unflatten([None] * node.num_leaves).maxlen)
-        for entry, child in zip(entries, node.children()):
-            if child.is_leaf():
-                continue
-            child_var = f"v{next(names)}"
-            mark = len(lines)
-            # Fetch the child where it is first needed (a walrus inside the one expression).
-            if not visit(child, child_var):
-                return False
-            if len(lines) > mark:
-                lines[mark] = lines[mark].replace(
-                    child_var, f"({child_var} := {var}[{const(entry)}])", 1
-                )
-        return True
-
-    if not visit(spec, "t"):
-        return False
-    if not lines:
-        return None
-    # One tuple of types, factories and keys against one constant: each container is fetched
-    # once, and a single comparison decides (a microsecond or so for a few dicts). The check
-    # runs after flatten_up_to has matched every mapping's key set, so only orders can differ.
-    source = f"def check(t):\n    return ({', '.join(lines)},) == {const(tuple(expected))}\n"
-    namespace: dict[str, Any] = dict(consts)
-    exec(compile(source, "<treegather structure check>", "exec"), namespace)
-    return namespace["check"]
+    if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
+        _sync_torch_registry()
+    return _version
 
 
 # ---------------------------------------------------------------------------------- paths
+
+MAPPING_KINDS = (PyTreeKind.DICT, PyTreeKind.ORDEREDDICT, PyTreeKind.DEFAULTDICT)
 
 
 class Node(NamedTuple):
@@ -446,13 +309,11 @@ class Node(NamedTuple):
     """The node's own structure."""
 
 
-_NODES_CACHE: dict[PyTreeSpec, list[Node]] = {}
-
-
-def _child_styles(node: PyTreeSpec) -> list[tuple[Any, str]]:
+def child_styles(node: PyTreeSpec) -> list[tuple[Any, str]]:
+    """How each child of ``node`` is written in a path: ``(entry, "key" | "index" | "attr")``."""
     kind = node.kind
     entries = node.entries()
-    if kind in _MAPPING_KINDS:
+    if kind in MAPPING_KINDS:
         return [(k, "key") for k in entries]
     if kind in (PyTreeKind.NAMEDTUPLE, PyTreeKind.STRUCTSEQUENCE):
         fields = (
@@ -474,34 +335,41 @@ def _child_styles(node: PyTreeSpec) -> list[tuple[Any, str]]:
 def nodes(spec: PyTreeSpec) -> list[Node]:
     """Every node of ``spec`` in pre-order (root first, leaves included), with its path and leaves.
 
+    Iterative: a tree of any depth optree can flatten is fine.
+
     >>> [format_path("x", n.path) for n in nodes(optree.tree_structure({"a": [1, 2]}))]
     ['x', "x['a']", "x['a'][0]", "x['a'][1]"]
     """
-    try:
-        return _NODES_CACHE[spec]
-    except (KeyError, TypeError):
-        pass
     out: list[Node] = []
-
-    def visit(
-        node: PyTreeSpec, path: tuple[tuple[Any, str], ...], raw: tuple[Any, ...], start: int
-    ) -> None:
+    stack: list[tuple[PyTreeSpec, tuple[tuple[Any, str], ...], tuple[Any, ...], int]] = [
+        (spec, (), (), 0)
+    ]
+    while stack:
+        node, path, raw, start = stack.pop()
         out.append(Node(path, raw, start, start + node.num_leaves, node))
         if node.is_leaf():
-            return
+            continue
+        children = []
         pos = start
-        for styled, entry, child in zip(_child_styles(node), node.entries(), node.children()):
-            visit(child, (*path, styled), (*raw, entry), pos)
+        for styled, entry, child in zip(child_styles(node), node.entries(), node.children()):
+            children.append((child, (*path, styled), (*raw, entry), pos))
             pos += child.num_leaves
-
-    visit(spec, (), (), 0)
-    try:
-        if len(_NODES_CACHE) > 256:
-            _NODES_CACHE.clear()
-        _NODES_CACHE[spec] = out
-    except TypeError:  # unhashable static metadata: do not cache
-        pass
+        stack.extend(reversed(children))
     return out
+
+
+def leaf_nodes(spec: PyTreeSpec) -> list[Node]:
+    """The nodes of ``spec``'s leaves, in leaf order."""
+    return [nd for nd in nodes(spec) if nd.spec.is_leaf()]
+
+
+def move_tree(tree: Any, target: torch.device) -> Any:
+    """``tree`` with every tensor leaf on ``target`` (others untouched)."""
+    return optree.tree_map(
+        lambda x: x.to(target) if isinstance(x, torch.Tensor) and x.device != target else x,
+        tree,
+        namespace=NAMESPACE,
+    )
 
 
 def format_path(root: str, path: Sequence[tuple[Any, str]]) -> str:

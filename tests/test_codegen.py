@@ -1,4 +1,4 @@
-"""The compiled per-device builders scatter uses for structures it sees again and again."""
+"""The code the compiled layer generates: structure guards and per-device builders."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import treegather as tg
-from treegather._builders import _COMPILE_AFTER, _MAX_DEPTH, replica_builder
+from treegather._codegen import (
+    MAX_DEPTH,
+    compiled_builder,
+    compiled_guard,
+    guard_steps,
+    interpreted_guard,
+)
+from treegather._compiled import COMPILE_AFTER
 from treegather._tree import NAMESPACE, flatten
 
 Pair = namedtuple("Pair", ["left", "right"])
@@ -35,14 +42,11 @@ TREES = st.recursive(LEAF, _containers, max_leaves=12)
 
 
 def _spec(tree: Any) -> optree.PyTreeSpec:
-    # A new spec object every time (flatten would hand back a cached one, already counted).
     return optree.tree_structure(tree, namespace=NAMESPACE)
 
 
 def _compiled(spec: optree.PyTreeSpec, k: int) -> Any:
-    for _ in range(_COMPILE_AFTER - 1):
-        assert replica_builder(spec, k) is None
-    return replica_builder(spec, k)
+    return compiled_builder(spec, k)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -86,21 +90,10 @@ def test_structures_it_cannot_write_out_keep_unflatten(tree: Any) -> None:
 
 def test_too_deep_a_structure_keeps_unflatten() -> None:
     tree: Any = 0
-    for _ in range(_MAX_DEPTH + 1):
+    for _ in range(MAX_DEPTH + 1):
         tree = [tree]
     spec = _spec(tree)
     assert _compiled(spec, 2) is None
-
-
-def test_a_rebuilt_equal_spec_object_starts_counting_again() -> None:
-    # Entries are keyed by the spec object; another object with the same structure is another
-    # entry (never a stale builder for a recycled id).
-    spec = _spec({"q": [0, 0]})
-    build = _compiled(spec, 3)
-    assert build is not None
-    other = _spec({"q": [0, 0]})
-    assert other == spec and other is not spec
-    assert replica_builder(other, 3) is None
 
 
 def test_scatter_gives_the_same_trees_before_and_after_compiling() -> None:
@@ -112,7 +105,7 @@ def test_scatter_gives_the_same_trees_before_and_after_compiling() -> None:
         }
 
     first = tg.scatter(batch(), ["cpu"] * 4)
-    for _ in range(_COMPILE_AFTER + 2):
+    for _ in range(COMPILE_AFTER + 2):
         again = tg.scatter(batch(), ["cpu"] * 4)
         assert again.sizes == first.sizes == (2, 2, 1, 1)
         for a, b in zip(again, first, strict=True):
@@ -123,3 +116,76 @@ def test_scatter_gives_the_same_trees_before_and_after_compiling() -> None:
             assert all(torch.equal(x, y) for x, y in zip(flatten(a)[0], flatten(b)[0], strict=True))
     # The trees share no containers (each replica owns its dicts and lists).
     assert again[0]["m"] is not again[1]["m"] and again[0]["a"] is not again[1]["a"]
+
+
+# ------------------------------------------------------------------------------------ guards
+
+MUTATIONS = st.sampled_from(["same", "reorder", "retype", "grow", "leaf_to_none", "none_to_leaf"])
+
+
+def _mutate(tree: Any, how: str) -> Any:
+    """A tree of another structure (or the same one, for "same"), changed at its first node."""
+    if how == "same" or tree is None or not isinstance(tree, (dict, list, tuple)):
+        return tree if how == "same" else [tree]
+    if isinstance(tree, dict):
+        if how == "reorder" and len(tree) > 1:
+            return dict(reversed(list(tree.items())))
+        if how == "retype":
+            return OrderedDict(tree)
+        if how == "grow":
+            return {**tree, "zz": 0}
+        return {key: (None if v == 0 else 0) for key, v in tree.items()} if tree else {"n": 0}
+    if how == "retype":
+        return tuple(tree) if isinstance(tree, list) else list(tree)
+    if how == "grow":
+        return type(tree)([*tree, 0])
+    return type(tree)([None if v == 0 else v for v in tree]) if tree else type(tree)([0])
+
+
+@given(tree=TREES, how=MUTATIONS)
+def test_guards_accept_exactly_the_structure_they_were_made_for(tree: Any, how: str) -> None:
+    spec = _spec(tree)
+    steps = guard_steps(spec)
+    assert steps is not None
+    other = _mutate(tree, how)
+    # The exact containers (classes, lengths, dict keys in the same insertion order); a leaf
+    # position may hold anything (the compiled layer checks leaves separately).
+    same = _same_shape(tree, other)
+    for guard in (interpreted_guard(steps), compiled_guard(steps)):
+        assert guard(tree)
+        assert guard(other) is same
+        if same:  # then flatten_up_to cannot fail
+            spec.flatten_up_to(other)
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    if type(a) is int:  # a leaf of the spec
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_shape(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_shape(x, y) for x, y in zip(a, b))
+    return True
+
+
+def test_guards_compare_custom_metadata_by_type() -> None:
+    from corpus import Tagged
+
+    steps = guard_steps(_spec(Tagged(0, name=1)))
+    assert steps is not None
+    for guard in (interpreted_guard(steps), compiled_guard(steps)):
+        assert guard(Tagged(5, name=1))
+        assert not guard(Tagged(5, name=True)) and not guard(Tagged(5, name=1.0))
+
+
+def test_guards_handle_a_thousand_levels() -> None:
+    tree: Any = 0
+    for i in range(1000):
+        tree = {"k": tree} if i % 2 else [tree]
+    steps = guard_steps(_spec(tree))
+    assert steps is not None and len(steps) == 1000
+    for guard in (interpreted_guard(steps), compiled_guard(steps)):
+        assert guard(tree)
+        assert not guard([tree])

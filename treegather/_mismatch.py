@@ -1,0 +1,219 @@
+"""Why a gather failed: structure differences between replicas, and leaves that do not fit.
+
+Only the error paths come here (after a combine failed, or before moving tensors across
+devices), so clarity wins over speed; nothing recurses on tree depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, bullet_list
+from ._layout import Plan, display_path
+from ._rules import Cat, Mean, Pad, Stack, Sum
+from ._tree import NAMESPACE, describe, format_path, is_leaf
+
+__all__ = ["ROOT", "structure_error", "diagnose", "is_number", "where"]
+
+Tensor = torch.Tensor
+ROOT = "outputs"
+
+
+def is_number(x: Any) -> bool:
+    """A Python/numpy number that is not a bool."""
+    import numbers
+
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def where(node: Any) -> str:
+    """``"outputs['x']: "`` for a plan node (``""`` without one), to start an error message."""
+    return "" if node is None else f"{display_path(node, ROOT)}: "
+
+
+def _describe_node(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return describe(x)
+    if x is None:
+        return "None"
+    try:
+        children, _, _, _ = optree.tree_flatten_one_level(x, namespace=NAMESPACE)
+    except ValueError:
+        return describe(x)
+    return f"a {type(x).__qualname__} of {len(children)} item(s)"
+
+
+def _diff(a: Any, b: Any, r: int, out: list[str]) -> None:
+    """List the differences between replica 0's tree ``a`` and replica ``r``'s ``b`` (at most 20).
+
+    Iterative: trees of any depth.
+    """
+    stack: list[tuple[Any, Any, tuple[tuple[Any, str], ...]]] = [(a, b, ())]
+    while stack and len(out) < 20:
+        x, y, path = stack.pop()
+        found = _diff_node(x, y, path, r)
+        if isinstance(found, str):
+            out.append(found)
+        elif found:
+            stack.extend(reversed(found))
+
+
+def _diff_node(
+    a: Any, b: Any, path: tuple[tuple[Any, str], ...], r: int
+) -> str | list[tuple[Any, Any, tuple[tuple[Any, str], ...]]]:
+    """One node's difference (a message), or the child pairs to compare next."""
+    here = format_path(ROOT, path)
+    a_leaf = a is not None and is_leaf(a)
+    b_leaf = b is not None and is_leaf(b)
+    if a_leaf and b_leaf:
+        return []
+    if a_leaf != b_leaf or type(a) is not type(b) or (a is None) != (b is None):
+        return f"{here}: replica 0 has {_describe_node(a)}, replica {r} has {_describe_node(b)}"
+    if a is None:
+        return []
+    ca, ma, ea, _ = optree.tree_flatten_one_level(a, namespace=NAMESPACE)
+    cb, mb, _, _ = optree.tree_flatten_one_level(b, namespace=NAMESPACE)
+    if isinstance(a, dict):
+        ka, kb = set(a), set(b)
+        if ka != kb:
+            missing = sorted(map(repr, ka - kb))
+            extra = sorted(map(repr, kb - ka))
+            parts = []
+            if missing:
+                parts.append(f"lacks key(s) {', '.join(missing)}")
+            if extra:
+                parts.append(f"has extra key(s) {', '.join(extra)}")
+            return f"{here}: replica {r} {' and '.join(parts)} (compared with replica 0)"
+        return [(a[key], b[key], (*path, (key, "key"))) for key in a]
+    if len(ca) != len(cb):
+        return f"{here}: replica 0 has {_describe_node(a)}, replica {r} has {_describe_node(b)}"
+    if ma != mb:
+        return f"{here}: replica {r}'s static fields/metadata {mb!r} differ from replica 0's {ma!r}"
+    return [(x, y, (*path, e)) for e, x, y in zip(_styles_for(a, ea), ca, cb)]
+
+
+def _styles_for(x: Any, entries: Sequence[Any]) -> list[tuple[Any, str]]:
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return [(f, "attr") for f in x._fields]
+    if isinstance(x, (list, tuple)):
+        return [(i, "index") for i in range(len(entries))]
+    return [
+        (e, "attr")
+        if isinstance(e, str) and e.isidentifier()
+        else (e, "index" if isinstance(e, int) else "key")
+        for e in entries
+    ]
+
+
+def structure_error(outputs: Sequence[Any], plan: Plan) -> StructureMismatchError:
+    """The differences between replica 0's tree and the others', as one error."""
+    problems: list[str] = []
+    groups = [g for g in plan.groups if g is not None]
+    grouped = {g[1].raw for g in groups}
+    for r in range(1, len(outputs)):
+        found: list[str] = []
+        _diff(outputs[0], outputs[r], r, found)
+        problems.extend(found)
+    if grouped:
+        # Differences inside whole-value nodes are fine; drop them from the report.
+        ok_prefixes = [format_path(ROOT, g[1].path) for g in groups]
+        problems = [p for p in problems if not any(p.startswith(o) for o in ok_prefixes)]
+    if not problems:
+        problems = ["the replicas' trees do not have the same structure"]
+    return StructureMismatchError(
+        bullet_list(
+            problems,
+            "every replica must return the same structure; for a node whose length varies by "
+            "replica (per-sample lists) use cat_items() or as_list() in the layout",
+        )
+    )
+
+
+def diagnose(
+    plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseException | None
+) -> Exception | None:
+    """Every leaf whose per-replica values do not fit its rule, as one error.
+
+    Returns ``None`` when nothing is wrong with the data: before any work (``exc=None``) all is
+    well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged.
+    """
+    problems: list[str] = []
+    type_problem = False
+    for pos, col in enumerate(columns):
+        if plan.groups[pos] is not None:
+            continue
+        rule = plan.rules[pos]
+        where = display_path(plan.node_of(pos), ROOT)
+        tensors = [isinstance(v, Tensor) for v in col]
+        rule_name = (
+            rule.describe()
+            if rule is not None
+            else (f"cat(dim={dim})" if tensors[0] else "as_list()")
+        )
+        if rule is None and not tensors[0]:
+            continue
+        if isinstance(rule, (Mean, Sum)) and all(is_number(v) for v in col):
+            continue
+        if not all(tensors):
+            bad = next(i for i, t in enumerate(tensors) if not t)
+            problems.append(
+                f"{where}: {rule_name} needs tensors, replica {bad} holds {describe(col[bad])}"
+            )
+            type_problem = True
+            continue
+        shapes = [tuple(v.shape) for v in col]
+        d = rule.dim if isinstance(rule, (Cat, Pad)) else dim
+        if isinstance(rule, (Stack, Mean, Sum)):
+            if len(set(shapes)) > 1:
+                problems.append(
+                    f"{where}: {rule_name} needs equal shapes, got {_by_replica(shapes)}"
+                )
+            elif isinstance(rule, Stack) and not -len(shapes[0]) - 1 <= rule.dim <= len(shapes[0]):
+                problems.append(
+                    f"{where}: {rule_name} is out of range for {len(shapes[0])}-dim tensors"
+                )
+        elif isinstance(rule, Pad):
+            if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
+                problems.append(
+                    f"{where}: {rule_name} needs tensors with the same number of dims (>= 1), got {_by_replica(shapes)}"
+                )
+            elif not -len(shapes[0]) <= d < len(shapes[0]):
+                problems.append(
+                    f"{where}: {rule_name} is out of range for {len(shapes[0])}-dim tensors"
+                )
+        else:
+            ndims = {len(s) for s in shapes}
+            if ndims == {0}:
+                continue
+            if len(ndims) > 1:
+                problems.append(
+                    f"{where}: {rule_name} cannot mix 0-dim and n-dim tensors: {_by_replica(shapes)}"
+                    if 0 in ndims
+                    else f"{where}: {rule_name} needs tensors with the same number of dims, "
+                    f"got {_by_replica(shapes)}"
+                )
+                continue
+            nd = ndims.pop()
+            if not -nd <= d < nd:
+                problems.append(f"{where}: {rule_name} is out of range for {nd}-dim tensors")
+                continue
+            others = {tuple(s[: d % nd] + s[d % nd + 1 :]) for s in shapes}
+            if len(others) > 1:
+                problems.append(
+                    f"{where}: {rule_name} needs equal sizes in every dim but {d}, got {_by_replica(shapes)}"
+                )
+    if not problems:
+        # Nothing wrong with the data: the caller re-raises the original exception (a custom
+        # rule's own ValueError stays a ValueError).
+        return None
+    hint = "pad() concatenates tensors whose other dims differ; as_list() keeps per-replica values"
+    cls = LeafTypeError if type_problem else ShapeMismatchError
+    return cls(bullet_list(problems, hint))
+
+
+def _by_replica(shapes: Sequence[tuple[int, ...]]) -> str:
+    return ", ".join(f"replica {i}: {list(s)}" for i, s in enumerate(shapes))
