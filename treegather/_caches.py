@@ -57,13 +57,15 @@ class LRU(Generic[K, V]):
 
     def get(self, key: K, default: Any = None) -> Any:
         """The value for ``key`` (marked as just used), else ``default``."""
-        with self._lock:
-            try:
-                value = self._data[key]
-            except KeyError:
-                return default
-            self._data.move_to_end(key)
-            return value
+        # No lock on the hot path: a dict lookup and OrderedDict.move_to_end are each atomic
+        # under the GIL; an entry evicted in between is simply not marked.
+        data = self._data
+        try:
+            value = data[key]
+            data.move_to_end(key)
+        except KeyError:
+            return default
+        return value
 
     def put(self, key: K, value: V) -> None:
         """Store ``value``; the least recently used entry goes when the cache is full."""

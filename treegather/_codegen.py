@@ -172,8 +172,8 @@ def compiled_guard(steps: list[Step]) -> Guard:
     >>> guard({"a": [3, 4], "b": None}), guard({"a": (3, 4), "b": None})
     (True, False)
     """
-    consts: dict[str, Any] = {"_custom": _custom_children, "_deque": deque}
-    lines = ["def guard(s0):"]
+    consts: dict[str, Any] = {"_custom": _custom_children}
+    lines = ["def guard(s0):", "  try:", "    pass"]
 
     def const(value: Any) -> str:
         name = f"_c{len(consts)}"
@@ -181,12 +181,9 @@ def compiled_guard(steps: list[Step]) -> Guard:
         return name
 
     for i, (parent, reach, kind, cls, expected) in enumerate(steps, start=1):
-        src = f"s{parent}" if reach is _ROOT else f"s{parent}[{const(reach)}]"
-        if i != 1 or reach is not _ROOT:
-            lines.append(f"    s{i} = {src}")
-        else:
-            lines.append(f"    s{i} = s0")
         var = f"s{i}"
+        src = f"s{parent}" if reach is _ROOT else f"s{parent}[{const(reach)}]"
+        lines.append(f"    {var} = {src}")
         if kind == _NONE:
             lines.append(f"    if {var} is not None: return False")
             continue
@@ -203,17 +200,11 @@ def compiled_guard(steps: list[Step]) -> Guard:
         elif kind == _CUSTOM:
             lines.append(f"    {var} = _custom({var}, {const(expected)})")
             lines.append(f"    if {var} is None: return False")
-    lines.append("    return True")
+    # A user container misbehaving under indexing is not this structure.
+    lines += ["  except Exception:", "    return False", "  return True"]
     namespace = dict(consts)
     exec(compile("\n".join(lines), f"<treegather guard: {len(steps)} nodes>", "exec"), namespace)
-    compiled: Guard = namespace["guard"]
-
-    def guard(tree: Any) -> bool:
-        try:
-            return compiled(tree)
-        except Exception:  # a user container misbehaving under indexing: not this structure
-            return False
-
+    guard: Guard = namespace["guard"]
     return guard
 
 

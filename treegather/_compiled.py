@@ -54,7 +54,7 @@ from ._devices import accelerator_tensors_possible
 from ._layout import ByPath, Plan, layout_key, resolve
 from ._rules import Rule
 
-__all__ = ["scatter", "gather", "reference_only", "Structure", "recognise"]
+__all__ = ["COMPILE_AFTER", "Structure", "find", "gather", "recognise", "reference_only", "scatter"]
 
 Tensor = torch.Tensor
 COMPILE_AFTER = 3  # sightings of a structure before its guard and builders are compiled
@@ -96,6 +96,7 @@ class Structure:
         "builders",
         "guard",
         "hits",
+        "last",
         "leaf_types",
         "list_specs",
         "plans",
@@ -112,6 +113,8 @@ class Structure:
         self.version = version
         self.hits = 0
         self.plans: dict[Any, tuple[Plan, bool]] = {}
+        # The last immutable layout asked for, by identity: (layout, phase, root, dim, found).
+        self.last: tuple[Any, ...] = (_NO_LAYOUT,)
         self.builders: dict[int, Builder | None] = {}
         self.list_specs: dict[int, PyTreeSpec] = {}
 
@@ -156,17 +159,24 @@ class Structure:
         self, layout: Any, phase: str, dim: int, root: str | None, leaves: list[Any]
     ) -> tuple[Plan, bool]:
         """The plan (resolved once per equal layout) and whether every leaf is a >= 1-dim tensor."""
-        key = (phase, root, type(dim), dim, layout if _immutable(layout) else layout_key(layout))
-        try:
-            return self.plans[key]
-        except (KeyError, TypeError):
-            pass
-        found = (resolve(self.spec, layout, phase, dim, root), _all_batched(leaves))
-        if len(self.plans) >= _PLANS_PER_STRUCTURE:
-            self.plans.clear()
-        with contextlib.suppress(TypeError):
+        last = self.last
+        if last[0] is layout and last[1] is phase and last[2] is root and last[3] is dim:
+            return last[4]
+        immutable = _immutable(layout)
+        plain = type(layout) in (type(None), str, int, ByPath)  # their hash is a typed value
+        key = (phase, root, type(dim), dim, type(layout), layout if plain else layout_key(layout))
+        found = self.plans.get(key)
+        if found is None:
+            found = (resolve(self.spec, layout, phase, dim, root), _all_batched(leaves))
+            if len(self.plans) >= _PLANS_PER_STRUCTURE:
+                self.plans.clear()
             self.plans[key] = found
+        if immutable:  # (a mutable layout may change between calls: keyed by value each time)
+            self.last = (layout, phase, root, dim, found)
         return found
+
+
+_NO_LAYOUT: Any = object()
 
 
 def _immutable(layout: Any) -> bool:
@@ -178,23 +188,32 @@ def _all_batched(leaves: list[Any]) -> bool:
     return all(type(x) is Tensor and x.dim() > 0 for x in leaves)
 
 
+def find(tree: Any) -> Structure | None:
+    """The :class:`Structure` whose guard accepts ``tree`` (containers only), if any."""
+    bucket = _STRUCTURES.get(type(tree))
+    if bucket:
+        version = _tree.registry_version()
+        for st in bucket:
+            if st.version == version and st.guard(tree):
+                return st
+    return None
+
+
 def recognise(tree: Any) -> tuple[list[Any], Structure | None, PyTreeSpec]:
     """The leaves of ``tree``, its :class:`Structure` when seen before, and its spec.
 
     A hit costs the guard and one ``flatten_up_to``; a miss costs one full flatten.
     """
-    version = _tree.registry_version()
-    bucket = _STRUCTURES.get(type(tree))
-    if bucket:
-        for st in bucket:
-            if st.version == version and st.guard(tree):
-                leaves: list[Any] = st.spec.flatten_up_to(tree)
-                if st.leaves_ok(leaves):
-                    st.seen()
-                    return leaves, st, st.spec
-                break  # the containers match but a leaf is a subtree: the plain path
+    st = find(tree)
+    if st is not None:
+        leaves: list[Any] = st.spec.flatten_up_to(tree)
+        if st.leaves_ok(leaves):
+            st.seen()
+            return leaves, st, st.spec
     leaves, spec = _tree.flatten(tree)
-    return leaves, _learn(tree, spec, leaves, version), spec
+    if st is not None:  # the containers match but a leaf is a subtree: never learned
+        return leaves, None, spec
+    return leaves, _learn(tree, spec, leaves, _tree.registry_version()), spec
 
 
 def _learn(tree: Any, spec: PyTreeSpec, leaves: list[Any], version: int) -> Structure | None:
@@ -285,19 +304,40 @@ def gather(
     """:func:`treegather.gather` for a structure seen before; the reference steps otherwise."""
     if getattr(_LOCAL, "off", False):
         return _g.gather_reference(outputs, target, layout, dim, sizes)
+    st = find(outputs[0])
+    k = len(outputs)
+    if st is not None:
+        if k == 1 or all(map(st.guard, outputs[1:])):
+            flat: list[Any] = st.list_spec(k).flatten_up_to(outputs)  # type: ignore[arg-type]
+            n = st.spec.num_leaves
+            if st.leaves_ok(flat):
+                st.seen()
+                return _gather_seen(st, outputs, flat, n, target, layout, dim, sizes)
     leaves0, st, spec0 = recognise(outputs[0])
     if st is None:
         plan = resolve(spec0, layout, "gather", dim, _g.ROOT)
-        return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
-    plan, all_batched = st.plan(layout, "gather", dim, _g.ROOT, leaves0)
+    else:
+        plan, _ = st.plan(layout, "gather", dim, _g.ROOT, leaves0)
+    # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
+    # mismatch), or a structure not seen before: the reference steps.
+    return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
+
+
+def _gather_seen(
+    st: Structure,
+    outputs: list[Any],
+    flat: list[Any],
+    n: int,
+    target: torch.device,
+    layout: Any,
+    dim: int,
+    sizes: tuple[int, ...] | None,
+) -> Any:
+    """Every replica has exactly ``st``'s structure; ``flat`` holds their leaves, n per replica."""
     k = len(outputs)
-    guard = st.guard
-    if plan.up_spec is not st.spec or not all(guard(o) for o in outputs[1:]):
-        # Whole-value groups, or replicas whose structure is not replica 0's exactly (keys in
-        # another order, or a real mismatch): the reference steps.
-        return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
-    flat: list[Any] = st.list_spec(k).flatten_up_to(outputs)  # type: ignore[arg-type]
-    n = st.spec.num_leaves
+    plan, all_batched = st.plan(layout, "gather", dim, _g.ROOT, flat[:n])
+    if plan.up_spec is not st.spec:  # whole-value groups: the reference steps take them
+        return _g.gather_from(outputs, flat[:n], plan, target, dim, sizes)
     if (
         all_batched
         and plan.default_only
@@ -314,7 +354,5 @@ def gather(
                 if dim:
                     return st.spec.unflatten([torch.cat(c, dim) for c in zip(*rows)])
                 return st.spec.unflatten(list(map(torch.cat, zip(*rows))))
-    if not st.leaves_ok(flat):
-        return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
     per_replica = [flat[i : i + n] for i in range(0, k * n, n)] if n else [[] for _ in range(k)]
     return _g.combine(outputs, per_replica, plan, target, dim, sizes)
