@@ -18,12 +18,12 @@ Both are made from a ``PyTreeSpec`` alone (never from user data) and are pure fu
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
 import optree
-from optree import PyTreeKind, PyTreeSpec
+from optree import PyTreeSpec
 
 from ._caches import typed_key
 from ._tree import NAMESPACE
@@ -42,7 +42,7 @@ _EXACT_KEYS, _EXACT_LEN, _EXACT_TYPE, _NONE, _CUSTOM, _DEFAULTDICT, _DEQUE = ran
 Step = tuple[int, Any, int, type, Any]
 _ROOT: Any = object()
 
-MAX_CELLS = 40_000  # leaves x replicas a builder is compiled for (about 8 ms per 1000 cells)
+MAX_CELLS = 2_000  # leaves x replicas a builder is compiled for (about 8 ms per 1000 cells)
 MAX_DEPTH = 50  # builder displays nest; well inside the parser's limit on nested brackets
 
 
@@ -50,52 +50,60 @@ def guard_steps(spec: PyTreeSpec) -> list[Step] | None:
     """The checks a tree must pass to have exactly ``spec``'s structure, in pre-order.
 
     Step ``i`` puts the node it checks in slot ``i + 1`` (slot 0 is the tree). ``None`` when the
-    structure has a node the guard cannot check (the caller then does not cache it).
+    structure has a node the guard cannot check (the caller then does not cache it). Made from
+    the spec rebuilt around placeholder leaves: one ``unflatten``, then a walk of the
+    containers (no recursion, no copies of sub-specs).
     """
+    try:
+        template = spec.unflatten([_LEAF] * spec.num_leaves)
+    except Exception:  # a registered class refusing placeholder children: not cached
+        return None
     steps: list[Step] = []
-    stack: list[tuple[PyTreeSpec, int, Any]] = [(spec, 0, _ROOT)]
+    stack: list[tuple[Any, int, Any]] = [(template, 0, _ROOT)]
     while stack:
         node, parent, reach = stack.pop()
-        kind = node.kind
-        if kind == PyTreeKind.LEAF:
+        if node is _LEAF:
             continue
         slot = len(steps) + 1
-        if kind == PyTreeKind.NONE:
-            steps.append((parent, reach, _NONE, type(None), None))
-            continue
-        entries = node.entries()
-        try:  # one node rebuilt with None children: its class, keys, factory, metadata
-            sample = node.one_level().unflatten([None] * node.num_children)  # type: ignore[union-attr]
-        except Exception:  # a registered class that refuses None children: not cached
+        found = _step(node)
+        if found is None:
             return None
-        if kind in (PyTreeKind.DICT, PyTreeKind.ORDEREDDICT):
-            steps.append((parent, reach, _EXACT_KEYS, type(sample), tuple(sample)))
-        elif kind == PyTreeKind.DEFAULTDICT:
-            steps.append(
-                (parent, reach, _DEFAULTDICT, type(sample), (sample.default_factory, tuple(sample)))
-            )
-        elif kind in (PyTreeKind.LIST, PyTreeKind.TUPLE):
-            steps.append((parent, reach, _EXACT_LEN, type(sample), len(entries)))
-        elif kind == PyTreeKind.DEQUE:
-            steps.append((parent, reach, _DEQUE, deque, (len(entries), sample.maxlen)))
-        elif kind in (PyTreeKind.NAMEDTUPLE, PyTreeKind.STRUCTSEQUENCE):
-            steps.append((parent, reach, _EXACT_TYPE, type(sample), None))
-        elif kind == PyTreeKind.CUSTOM:
-            try:
-                _, meta, custom_entries, _ = optree.tree_flatten_one_level(
-                    sample, namespace=NAMESPACE
-                )
-            except Exception:
-                return None
-            expected = (len(entries), typed_key((meta, tuple(custom_entries))))
-            steps.append((parent, reach, _CUSTOM, type(sample), expected))
-            entries = list(range(len(entries)))  # children are reached by index in the list
-        else:
+        kind, expected, children = found
+        steps.append((parent, reach, kind, type(node), expected))
+        stack.extend((child, slot, entry) for entry, child in reversed(children))
+    try:
+        # The walk must have seen exactly the spec (a custom unflatten may transform children).
+        if optree.tree_structure(template, namespace=NAMESPACE) != spec:
             return None
-        stack.extend(
-            (child, slot, entry) for entry, child in reversed(list(zip(entries, node.children())))
-        )
+    except Exception:
+        return None
     return steps
+
+
+_LEAF: Any = object()  # the placeholder leaf of a template
+
+
+def _step(node: Any) -> tuple[int, Any, list[tuple[Any, Any]]] | None:
+    """(check kind, expected value, [(entry, child)]) for one container of a template."""
+    cls = type(node)
+    if node is None:
+        return _NONE, None, []
+    if cls is dict or cls is OrderedDict:
+        return _EXACT_KEYS, tuple(node), [(key, node[key]) for key in node]
+    if cls is defaultdict:
+        return _DEFAULTDICT, (node.default_factory, tuple(node)), [(k, node[k]) for k in node]
+    if cls is list or cls is tuple:
+        return _EXACT_LEN, len(node), list(enumerate(node))
+    if cls is deque:
+        return _DEQUE, (len(node), node.maxlen), list(enumerate(node))
+    if optree.is_namedtuple_class(cls) or optree.is_structseq_class(cls):
+        return _EXACT_TYPE, None, list(enumerate(node))
+    try:
+        children, meta, entries, _ = optree.tree_flatten_one_level(node, namespace=NAMESPACE)
+    except Exception:
+        return None
+    expected = (len(children), typed_key((meta, tuple(entries))))
+    return _CUSTOM, expected, list(enumerate(children))  # reached by index in the children
 
 
 def _custom_children(value: Any, expected: tuple[int, Any]) -> list[Any] | None:

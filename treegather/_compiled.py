@@ -58,7 +58,7 @@ __all__ = ["COMPILE_AFTER", "Structure", "find", "gather", "recognise", "referen
 
 Tensor = torch.Tensor
 COMPILE_AFTER = 3  # sightings of a structure before its guard and builders are compiled
-_BUCKET = 8  # structures kept per root type
+_BUCKET = 16  # structures kept per root type
 _PLANS_PER_STRUCTURE = 16
 
 # Root type -> the structures recently seen with that root type, newest first.

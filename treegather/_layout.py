@@ -21,7 +21,7 @@ from optree import PyTreeSpec
 from ._caches import typed_key
 from ._errors import LayoutError, bullet_list
 from ._rules import SHORTHANDS, Broadcast, Cat, Custom, First, Rule, Split
-from ._tree import NAMESPACE, Node, child_styles, format_path, nodes
+from ._tree import NAMESPACE, Node, child_styles, format_path, leaf_nodes, nodes
 
 __all__ = ["ByPath", "by_path", "Plan", "resolve", "display_path", "layout_key"]
 
@@ -208,8 +208,14 @@ def _build(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | None
 
 
 def _lazy_leaf_nodes(spec: PyTreeSpec) -> Callable[[int], Node]:
+    """``node_of`` for a default plan: the leaves' nodes are walked only if an error needs a
+    path, and then once (a pure function of the spec, computed on first use)."""
+    found: list[list[Node]] = []
+
     def node_of(i: int) -> Node:
-        return [nd for nd in nodes(spec) if nd.spec.is_leaf()][i]
+        if not found:
+            found.append(leaf_nodes(spec))
+        return found[0][i]
 
     return node_of
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -206,10 +206,13 @@ def _classify(
     pos: int, x: Any, plan: Plan, dim: int, root: str | None, cuts: _Cuts
 ) -> tuple[str, bool] | None:
     """Record position ``pos`` in ``cuts``; a problem (message, is-a-type-problem) or None."""
-    where = display_path(plan.node_of(pos), root)
+
+    def where() -> str:  # only on errors: a node's path costs a walk of the structure
+        return display_path(plan.node_of(pos), root)
+
     if plan.groups[pos] is not None:
         if not isinstance(x, (list, tuple)):
-            return f"{where}: split_items() needs a list or tuple, got {describe(x)}", True
+            return f"{where()}: split_items() needs a list or tuple, got {describe(x)}", True
         cuts.items.append(pos)
         cuts.lengths.setdefault(len(x), []).append(pos)
         return None
@@ -229,7 +232,7 @@ def _classify(
                 if isinstance(x, (str, bytes))
                 else ""
             )
-            return f"{where}: {rule.describe()} needs a tensor, got {describe(x)}{hint}", True
+            return f"{where()}: {rule.describe()} needs a tensor, got {describe(x)}{hint}", True
         d = rule.dim
         if rule.sizes is not None:
             cuts.explicit.setdefault(rule.sizes, []).append(pos)
@@ -237,17 +240,17 @@ def _classify(
         raise AssertionError(rule)
     nd = x.dim()
     if not -nd <= d < nd or nd == 0:
-        return f"{where}: cannot split along dim {d}: {describe(x)}", False
+        return f"{where()}: cannot split along dim {d}: {describe(x)}", False
     cuts.splits.append((pos, d))
     cuts.lengths.setdefault(x.shape[d], []).append(pos)
     return None
 
 
-def _sent_whole(x: Any, where: str) -> tuple[str, bool] | None:
+def _sent_whole(x: Any, where: Callable[[], str]) -> tuple[str, bool] | None:
     """A leaf the default rule would broadcast although it may hold the batch: a problem."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (
-            f"{where}: {type(x).__qualname__} is a dataclass treegather does not know, so it "
+            f"{where()}: {type(x).__qualname__} is a dataclass treegather does not know, so it "
             "would be sent whole to every device; register it with "
             "treegather.register_dataclass (or mark it broadcast() in the layout)"
         ), True
@@ -256,7 +259,7 @@ def _sent_whole(x: Any, where: str) -> tuple[str, bool] | None:
         # batch inside it would silently go to every device.
         base = "dict" if isinstance(x, dict) else "list"
         return (
-            f"{where}: {type(x).__qualname__} is a {base} subclass treegather does not know, so "
+            f"{where()}: {type(x).__qualname__} is a {base} subclass treegather does not know, so "
             "it would be sent whole to every device; register it with treegather.register_node "
             "(or mark it broadcast() in the layout)"
         ), True

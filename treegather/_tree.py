@@ -199,6 +199,10 @@ class _Context:
     def __repr__(self) -> str:
         return self._key
 
+    def _typed_fields(self) -> tuple[Any, ...]:
+        """For :func:`treegather._caches.typed_key`: the context's value, types included."""
+        return (self.value,)
+
 
 def _bridge(cls: type, node_def: Any) -> None:
     t_flatten = node_def.flatten_fn

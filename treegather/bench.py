@@ -164,6 +164,142 @@ def _cuda_impls(
     }
 
 
+def _compare(
+    fns: dict[str, Callable[[], Any]],
+    baseline: str,
+    rounds: int,
+    target_s: float,
+    clock: Callable[[], float] = time.thread_time,
+) -> dict[str, tuple[float, float, float]]:
+    """Interleaved timing: per implementation (median seconds per call, median ratio to the
+    baseline over rounds, page faults per call)."""
+    for fn in fns.values():  # warm up (caches, treegather's compiled guards and builders)
+        for _ in range(3):
+            fn()
+    reps = max(1, int(target_s / max(_time(fns[baseline], 3, clock)[0], 1e-7)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    faults = dict.fromkeys(fns, 0)
+    names = list(fns)
+    for r in range(rounds):
+        # Rotate the order each round so no implementation always runs first (or last).
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            seconds, new_faults = _time(fns[name], reps, clock)
+            samples[name].append(seconds)
+            faults[name] += new_faults
+    # The ratio is the median of per-round ratios: each round times every implementation back
+    # to back, so slow phases of a shared machine cancel out.
+    return {
+        name: (
+            statistics.median(ts),
+            statistics.median(t / b for t, b in zip(ts, samples[baseline])),
+            faults[name] / (reps * rounds),
+        )
+        for name, ts in samples.items()
+    }
+
+
+def engine_cases(
+    n_leaves: int, k: int = 4, rounds: int = 15, target_s: float = 0.05
+) -> list[dict[str, Any]]:
+    """The compiled layer's promises, each a ratio measured side by side in one run:
+
+    - ``alternating``: two structures of ``n_leaves`` taking turns (a GAN step, train and eval
+      outputs) against one repeated structure, per call (target <= 1.3x);
+    - ``first call``: a call on a structure never seen (made right after the caches were
+      cleared; only the call is timed) against a warm call (target <= 3x at 1000 leaves);
+    - ``inline by_path``: ``by_path({...})`` written inside the call against the same layout
+      hoisted out of the loop (target <= 1.1x).
+    """
+    prepare_allocator()
+    devices = ["cpu"] * k
+    tree_a = nested_tree(n_leaves, (8, 4))
+    tree_b = {f"b{key}": value for key, value in nested_tree(n_leaves, (8, 4)).items()}
+    outs_a, outs_b = list(tg.scatter(tree_a, devices)), list(tg.scatter(tree_b, devices))
+    first_key = next(iter(tree_a))
+    hoisted = tg.by_path({f"{first_key}.**": "cat"}, default="cat")
+
+    def alternate(fn: Callable[[Any], Any], a: Any, b: Any) -> Callable[[], Any]:
+        return lambda: (fn(a), fn(b))
+
+    def repeat_(fn: Callable[[Any], Any], a: Any) -> Callable[[], Any]:
+        return lambda: (fn(a), fn(a))
+
+    def scatter(t: Any) -> Any:
+        return tg.scatter(t, devices)
+
+    def gather(o: Any) -> Any:
+        return tg.gather(o, "cpu")
+
+    cases: dict[tuple[str, str], dict[str, Callable[[], Any]]] = {
+        ("scatter", "alternating"): {
+            "repeated": repeat_(scatter, tree_a),
+            "treegather": alternate(scatter, tree_a, tree_b),
+        },
+        ("gather", "alternating"): {
+            "repeated": repeat_(gather, outs_a),
+            "treegather": alternate(gather, outs_a, outs_b),
+        },
+        ("gather", "inline by_path"): {
+            "repeated": lambda: tg.gather(outs_a, "cpu", hoisted),
+            "treegather": lambda: tg.gather(
+                outs_a, "cpu", tg.by_path({f"{first_key}.**": "cat"}, default="cat")
+            ),
+        },
+    }
+    rows = []
+    for (op, what), fns in cases.items():
+        found = _compare(fns, "repeated", rounds, target_s)
+        rows.append(_engine_row(op, what, n_leaves, k, found["repeated"][0], found["treegather"]))
+    for op, call in (("scatter", lambda: scatter(tree_a)), ("gather", lambda: gather(outs_a))):
+        warm_s, cold_s, ratio = _first_call(call, rounds)
+        rows.append(_engine_row(op, "first call", n_leaves, k, warm_s, (cold_s, ratio, 0.0)))
+    return rows
+
+
+def _engine_row(
+    op: str, what: str, n: int, k: int, base_s: float, found: tuple[float, float, float]
+) -> dict[str, Any]:
+    return {
+        "op": op,
+        "impl": what,
+        "leaves": n,
+        "replicas": k,
+        "median_us": found[0] * 1e6,
+        "baseline_us": base_s * 1e6,
+        "ratio": found[1],
+    }
+
+
+def _first_call(call: Callable[[], Any], rounds: int, reps: int = 5) -> tuple[float, float, float]:
+    """(warm s, first-call s, median of per-round first/warm) for ``call``.
+
+    Each round warms the structure up again (guards and builders compiled), times warm calls,
+    then times calls each made right after :func:`treegather.clear_caches` (a structure never
+    seen), minus the time clearing takes.
+    """
+    warm, cold, ratios = [], [], []
+    for _ in range(rounds):
+        for _ in range(6):  # past COMPILE_AFTER: the compiled guard and builder exist
+            call()
+        w = _time(call, reps)[0]
+        gc.collect()
+        gc.disable()
+        try:
+            spent = 0.0
+            for _ in range(reps):
+                tg.clear_caches()
+                t0 = time.thread_time()
+                call()
+                spent += time.thread_time() - t0
+        finally:
+            gc.enable()
+        c = spent / reps
+        warm.append(w)
+        cold.append(c)
+        ratios.append(c / w)
+    return statistics.median(warm), statistics.median(cold), statistics.median(ratios)
+
+
 def run_case(
     n_leaves: int,
     shape: Sequence[int],
@@ -203,27 +339,12 @@ def run_case(
         }
     else:
         impls = _cuda_impls(tree, k, leaves, outs, columns)
+    clock = time.thread_time if device == "cpu" else time.perf_counter
     rows = []
     for op, fns in impls.items():
-        for fn in fns.values():  # warm up (caches, treegather's compiled builders), then size
-            for _ in range(3):
-                fn()
-        # CUDA work is waited for, not computed, by this process: wall time there.
-        clock = time.thread_time if device == "cpu" else time.perf_counter
-        reps = max(1, int(target_s / max(_time(fns["floor"], 3, clock)[0], 1e-7)))
-        samples: dict[str, list[float]] = {name: [] for name in fns}
-        faults = dict.fromkeys(fns, 0)
-        names = list(fns)
-        for r in range(rounds):
-            # Rotate the order each round so no implementation always runs first (or last).
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                seconds, new_faults = _time(fns[name], reps, clock)
-                samples[name].append(seconds)
-                faults[name] += new_faults
-        for name, ts in samples.items():
-            # The ratio is the median of per-round ratios: each round times every
-            # implementation back to back, so slow phases of a shared machine cancel out.
-            ratios = [t / f for t, f in zip(ts, samples["floor"])]
+        for name, (median_s, ratio, faults) in _compare(
+            fns, "floor", rounds, target_s, clock
+        ).items():
             rows.append(
                 {
                     "op": op,
@@ -231,9 +352,9 @@ def run_case(
                     "leaves": n_leaves,
                     "shape": list(shape),
                     "replicas": k,
-                    "median_us": statistics.median(ts) * 1e6,
-                    "ratio": statistics.median(ratios),
-                    "page_faults_per_call": faults[name] / (reps * rounds),
+                    "median_us": median_s * 1e6,
+                    "ratio": ratio,
+                    "page_faults_per_call": faults,
                 }
             )
     return rows
@@ -263,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
-        leaves, ks, shapes, rounds = [10, 1000], [4], [(8, 4)], 9
+        leaves, ks, shapes, rounds = [10, 100, 1000], [4], [(8, 4)], 9
     else:
         leaves, ks, shapes, rounds = [10, 100, 1000], [2, 4, 8], [(8, 4), (128, 256)], 15
     rounds = args.rounds or rounds
@@ -303,11 +424,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                         f"{r['recursion']['median_us']:>9.1f} {r['recursion']['ratio']:>5.2f}x",
                         flush=True,
                     )
+    engine_leaves = [n for n in leaves if n >= 100] or leaves[-1:]
+    print(f"\ncompiled layer, K=4 ({'x'.join(map(str, shapes[0]))} tensors):")
+    print(f"{'op':8} {'leaves':>6} {'case':>16} | {'baseline us':>11} {'us':>9} {'ratio':>7}")
+    for n in engine_leaves:
+        for row in engine_cases(n, rounds=rounds):
+            rows.append(row)
+            print(
+                f"{row['op']:8} {n:>6} {row['impl']:>16} | {row['baseline_us']:>11.1f} "
+                f"{row['median_us']:>9.1f} {row['ratio']:>6.2f}x",
+                flush=True,
+            )
     faulty = sorted(
         {
             f"{r['impl']} ({r['op']}, {r['leaves']} leaves)"
             for r in rows
-            if r["page_faults_per_call"] >= 1
+            if r.get("page_faults_per_call", 0) >= 1
         }
     )
     if faulty:
