@@ -20,12 +20,24 @@ def test_bench_main_writes_one_row_per_op_and_implementation(
     printed = capsys.readouterr().out
     assert ("cold allocator" in printed) == cold
     assert json.loads(out.read_text()) == rows
-    # Two shapes in the full grid, 2 ops, 3 implementations.
-    assert sorted({(r["op"], r["impl"]) for r in rows}) == sorted(
+    # Two shapes in the full grid, 2 ops, 3 implementations; then the compiled layer's rows.
+    main_rows = [r for r in rows if "shape" in r]
+    assert sorted({(r["op"], r["impl"]) for r in main_rows}) == sorted(
         (op, impl) for op in ("scatter", "gather") for impl in ("floor", "treegather", "recursion")
     )
-    assert len(rows) == 2 * 2 * 3
-    for row in rows:
+    assert len(main_rows) == 2 * 2 * 3
+    engine = sorted((r["op"], r["impl"]) for r in rows if "shape" not in r)
+    assert engine == sorted(
+        [
+            ("scatter", "alternating"),
+            ("gather", "alternating"),
+            ("gather", "inline by_path"),
+            ("scatter", "first call"),
+            ("gather", "first call"),
+        ]
+    )
+    assert all(r["ratio"] > 0 and r["baseline_us"] > 0 for r in rows if "shape" not in r)
+    for row in main_rows:
         assert row["leaves"] == 3 and row["replicas"] == 2
         assert row["median_us"] > 0 and row["page_faults_per_call"] >= 0
         if row["impl"] == "floor":
