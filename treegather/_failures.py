@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import re
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -55,17 +56,35 @@ def annotate_failure(exc: BaseException, index: int, device: torch.device | None
 
 
 def combine_failures(
-    failures: list[tuple[int, torch.device | None, BaseException]], total: int
+    failures: list[tuple[int, torch.device | None, BaseException]],
+    total: int,
+    *,
+    not_run: Sequence[int] = (),
 ) -> BaseException:
-    """One exception for all failed replicas (``failures`` sorted by replica index)."""
+    """One exception for all failed replicas (``failures`` sorted by replica index).
+
+    ``not_run``: replicas never started (after a ``KeyboardInterrupt`` or ``SystemExit``),
+    named in a note.
+    """
     annotated = [annotate_failure(e, i, d) for i, d, e in failures]
     if len(annotated) == 1:
-        return annotated[0]
-    indices = ", ".join(str(i) for i, _, _ in failures)
-    message = f"{len(failures)} of {total} replicas failed (replicas {indices})"
-    if all(isinstance(e, Exception) for e in annotated):
-        return ExceptionGroup(message, annotated)  # type: ignore[type-var]
-    return BaseExceptionGroup(message, annotated)
+        result = annotated[0]
+    else:
+        indices = ", ".join(str(i) for i, _, _ in failures)
+        message = f"{len(failures)} of {total} replicas failed (replicas {indices})"
+        if all(isinstance(e, Exception) for e in annotated):
+            result = ExceptionGroup(message, annotated)  # type: ignore[type-var]
+        else:
+            result = BaseExceptionGroup(message, annotated)
+    if not_run:
+        index, _, stop = failures[-1]
+        names = ", ".join(str(i) for i in not_run)
+        were = f"replica {names} was" if len(not_run) == 1 else f"replicas {names} were"
+        _add_note(
+            result,
+            f"{were} not run: the serial loop stopped at {type(stop).__name__} in replica {index}",
+        )
+    return result
 
 
 def _scripted_origin(exc: BaseException) -> tuple[type[BaseException], str] | None:
