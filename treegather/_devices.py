@@ -36,6 +36,8 @@ def as_device(device: DeviceLike) -> torch.device:
             int id counts) where CUDA is not available.
         ArgumentTypeError: neither an int, a string nor a ``torch.device`` (``True``, ``1.0``).
     """
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return device  # nothing to normalise or check
     kind = type(device)
     if kind in _KEY_TYPES:
         hit = _CACHE.get((kind, device))
