@@ -92,12 +92,17 @@ def parallel_apply(
     Raises:
         ValueError: lengths of ``fns``/``args``/``kwargs``/``devices`` disagree, or an
             unknown backend.
-        Exception: one failing replica re-raises its exception type (rebuilt with a message
-            naming the replica index and device; else ``RuntimeError``), the original
-            chained as ``__cause__``; several raise an ``ExceptionGroup`` with one entry per
-            failing replica (``BaseExceptionGroup`` when a ``SystemExit`` or
-            ``KeyboardInterrupt`` is among them; alone, those are re-raised as themselves, and
-            serially run replicas after them are not run, as a note says).
+        DeviceError: a device names nothing usable (e.g. an int id without CUDA).
+        Exception: a failing replica re-raises its exception type with the same ``args``
+            and attributes (``KeyError('x').args == ('x',)``), located by a note
+            (``in replica 1 on device cpu``) or, where the one argument is the message, in the
+            message (``in replica 1 on device cpu: bad value``); the original is the
+            ``__cause__`` (``RuntimeError`` if the type can be neither rebuilt nor copied).
+            Replicas failing with the same type and message are reported once
+            (``in replicas 0, 1, 2 (devices cpu, cpu, cpu): ...``); distinct failures raise an
+            ``ExceptionGroup`` with one entry each (``BaseExceptionGroup`` when a
+            ``SystemExit`` or ``KeyboardInterrupt`` is among them; alone, those are re-raised
+            as themselves, and serially run replicas after them are not run, as a note says).
     """
     calls = _prepare(fns, args, kwargs, devices)
     chosen = _resolve(backend, calls)
