@@ -712,3 +712,17 @@ def test_fanout_classes_live_in_a_bounded_registered_cache() -> None:
     assert len(fanout) == 0
     outs = tg.parallel_apply(replicas, [torch.ones(1)] * 2, backend="fork")  # a cold cache
     assert [o.item() for o in outs] == [1.0, 1.0]
+
+
+class Truncated(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message[:20])
+
+
+def test_an_exception_that_rewrites_its_message_is_copied_not_wrapped() -> None:
+    original = Truncated("disk is full")
+    with pytest.raises(Truncated) as info:  # was a RuntimeError: the location cut the message
+        tg.parallel_apply(_maybe_fail, [original, 1], devices=["cpu"] * 2)
+    assert info.value.args == ("disk is full",)
+    assert info.value.__notes__ == ["in replica 0 on device cpu"]  # type: ignore[attr-defined]
+    assert info.value.__cause__ is original

@@ -116,6 +116,7 @@ def annotate_failure(exc: BaseException, where: str) -> BaseException:
         new = _with_message(cls, exc, _prefixed(where, text), text, keep_attributes=False)
     elif len(exc.args) == 1 and isinstance(exc.args[0], str) and exc.args[0] == text:
         new = _with_message(type(exc), exc, _prefixed(where, text), text, keep_attributes=True)
+        new = new or _copy(exc)  # a class that rewrites its message: keep it, note the place
     else:
         new = _copy(exc)
     if new is None:
