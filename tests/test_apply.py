@@ -77,19 +77,23 @@ def test_auto_is_serial_on_cpu() -> None:
     assert names == [threading.current_thread().name] * 2
 
 
-def test_thread_pool_is_persistent() -> None:
-    from treegather import _apply
+def _pool_threads() -> list[threading.Thread]:
+    """treegather's worker threads (named ``treegather-apply_<n>``)."""
+    return [t for t in threading.enumerate() if t.name.startswith("treegather-apply")]
 
+
+def test_thread_pool_is_persistent() -> None:
     def ident(_: Any) -> int:
         return threading.get_ident()
 
+    before = len(_pool_threads())
     seen: set[int] = set()
     for _ in range(10):
         seen.update(tg.parallel_apply(ident, list(range(4)), backend="threads"))
     assert threading.get_ident() not in seen
-    pool_threads = [t for t in threading.enumerate() if t.name.startswith("treegather-apply")]
-    assert seen <= {t.ident for t in pool_threads}
-    assert len(pool_threads) <= _apply._POOL_SIZE  # 40 tasks, never more threads than the pool
+    assert seen <= {t.ident for t in _pool_threads()}
+    # 40 tasks on at most the threads already there, or a first pool of 8 workers.
+    assert len(_pool_threads()) <= max(before, 8)
 
 
 def _state(_: Any) -> tuple[Any, ...]:
@@ -347,7 +351,8 @@ def test_two_failing_replicas_give_an_exception_group(backend: str, use_async: b
     group = info.value
     assert "2 of 4 replicas failed (replicas 0, 2)" in str(group)
     first, second = group.exceptions
-    assert isinstance(first, KeyError) and "in replica 0 on device cpu" in str(first)
+    assert isinstance(first, KeyError) and first.args == ("k",)
+    assert first.__notes__ == ["in replica 0 on device cpu"]  # type: ignore[attr-defined]
     assert isinstance(second, ValueError) and str(second) == "in replica 2 on device cpu: bad value"
 
 
@@ -357,22 +362,29 @@ def test_system_exit_stays_itself(backend: str, use_async: bool) -> None:
     with pytest.raises(SystemExit) as info:
         _apply(backend, [1, exit_], use_async)
     assert info.value is exit_ and info.value.code == 3
+    # ValueError first: the serial loop (fork runs eager functions serially too) stops at a
+    # SystemExit, so a replica after it would never run.
     with pytest.raises(BaseExceptionGroup) as group:
-        _apply(backend, [SystemExit(4), ValueError("v")], use_async)
+        _apply(backend, [ValueError("v"), SystemExit(4)], use_async)
     assert not isinstance(group.value, ExceptionGroup)
-    assert [type(e) for e in group.value.exceptions] == [SystemExit, ValueError]
+    assert [type(e) for e in group.value.exceptions] == [ValueError, SystemExit]
     assert _apply(backend, [1, 2], use_async) == [1, 2]
 
 
 def test_unrebuildable_exception_becomes_runtime_error() -> None:
-    class Strict(Exception):
-        def __new__(cls, *args: Any) -> Strict:
-            if len(args) != 2:
-                raise TypeError("Strict needs two arguments")
+    token = object()
+
+    class Strict(Exception):  # only its factory can make one: neither rebuilt nor copied
+        def __new__(cls, *args: Any, token_: object = None) -> Strict:
+            if token_ is not token:
+                raise TypeError("Strict is made by its factory only")
             return super().__new__(cls, *args)
 
+        def __init__(self, *args: Any, token_: object = None) -> None:
+            super().__init__(*args)
+
     with pytest.raises(RuntimeError, match=r"in replica 0 on device cpu: .*Strict") as info:
-        tg.parallel_apply(_maybe_fail, [Strict("a", "b"), 1], devices=["cpu", "cpu"])
+        tg.parallel_apply(_maybe_fail, [Strict("a", "b", token_=token), 1], devices=["cpu"] * 2)
     assert isinstance(info.value.__cause__, Strict)
     with pytest.raises(ValueError, match=r"^in replica 1: v$"):
         tg.parallel_apply(_maybe_fail, [1, ValueError("v")])
@@ -390,9 +402,9 @@ class CodeOnly(Exception):
 @pytest.mark.parametrize(
     ("original", "expected_type", "expected_text"),
     [
-        (KeyError("k"), KeyError, "in replica 1 on device cpu: 'k'"),
+        (KeyError("k"), KeyError, "'k'"),
         (FileNotFoundError(2, "gone", "f.txt"), FileNotFoundError, "[Errno 2] gone: 'f.txt'"),
-        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), RuntimeError, "can't decode byte"),
+        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), UnicodeDecodeError, "can't decode"),
         (CodeOnly(7), CodeOnly, "code=7"),
     ],
     ids=["KeyError", "OSError", "UnicodeDecodeError", "custom-str"],
@@ -406,10 +418,77 @@ def test_rebuilt_exceptions_keep_type_message_and_attributes(
     assert expected_text in str(err)
     assert "in replica 1 on device cpu" in str(err) + "".join(getattr(err, "__notes__", []))
     assert err.__cause__ is original
+    assert err.args == original.args  # the location is a note, never part of the arguments
     if isinstance(original, OSError):
-        assert err.errno == 2  # type: ignore[attr-defined]
+        assert (err.errno, err.strerror, err.filename) == (2, "gone", "f.txt")  # type: ignore[attr-defined]
     if isinstance(original, CodeOnly):
         assert err.code == 7  # type: ignore[attr-defined]
+    if isinstance(original, UnicodeDecodeError):
+        assert isinstance(err, ValueError)
+        assert (err.encoding, err.object, err.start, err.end, err.reason) == (  # type: ignore[attr-defined]
+            "utf-8",
+            b"\xff",
+            0,
+            1,
+            "bad",
+        )
+
+
+def test_key_error_from_a_replica_keeps_its_key() -> None:
+    def lookup(key: str) -> int:
+        return {"a": 1}[key]
+
+    with pytest.raises(KeyError) as info:
+        tg.parallel_apply(lookup, ["a", "x", "a"], devices=["cpu"] * 3, backend="threads")
+    assert info.value.args == ("x",)
+    assert info.value.__notes__ == ["in replica 1 on device cpu"]  # type: ignore[attr-defined]
+
+
+def test_the_original_exception_is_left_as_it_was() -> None:
+    original = KeyError("k")
+    original.add_note("from the user")
+    with pytest.raises(KeyError) as info:
+        tg.parallel_apply(_maybe_fail, [1, original], devices=["cpu"] * 2)
+    assert info.value.__notes__ == ["from the user", "in replica 1 on device cpu"]  # type: ignore[attr-defined]
+    assert original.__notes__ == ["from the user"]  # type: ignore[attr-defined]
+
+
+class NoSize:
+    pass
+
+
+def _size_of(x: Any) -> Any:
+    return x.size(0)
+
+
+@pytest.mark.parametrize("backend", ["serial", "threads"])
+def test_identical_failures_are_reported_once(backend: str) -> None:
+    with pytest.raises(AttributeError) as info:
+        tg.parallel_apply(_size_of, [NoSize()] * 3, devices=["cpu"] * 3, backend=backend)  # type: ignore[arg-type]
+    err = info.value
+    assert str(err) == (
+        "in replicas 0, 1, 2 (devices cpu, cpu, cpu): 'NoSize' object has no attribute 'size'"
+    )
+    assert isinstance(err.__cause__, AttributeError) and err.name == "size"
+    assert "_size_of" in "".join(traceback.format_tb(err.__cause__.__traceback__))
+    with pytest.raises(KeyError) as keys:
+        tg.parallel_apply(_maybe_fail, [KeyError("k"), 1, KeyError("k")])
+    assert keys.value.args == ("k",)
+    assert keys.value.__notes__ == ["in replicas 0, 2"]  # type: ignore[attr-defined]
+
+
+def test_distinct_failures_make_one_group_entry_each() -> None:
+    specs = [ValueError("bad"), KeyError("k"), ValueError("bad"), 3, ValueError("other")]
+    with pytest.raises(ExceptionGroup) as info:
+        tg.parallel_apply(_maybe_fail, specs, devices=["cpu"] * 5)
+    group = info.value
+    assert group.message == "4 of 5 replicas failed (replicas 0, 1, 2, 4); 3 distinct errors"
+    assert [str(e) for e in group.exceptions] == [
+        "in replicas 0, 2 (devices cpu, cpu): bad",
+        "'k'",
+        "in replica 4 on device cpu: other",
+    ]
+    assert [e.__cause__ for e in group.exceptions] == [specs[0], specs[1], specs[4]]
 
 
 def test_nested_parallel_apply_in_workers_does_not_hang() -> None:
@@ -435,3 +514,215 @@ def test_threads_on_cuda_carry_device_and_stream(backend: str) -> None:
         )  # type: ignore[arg-type]
     assert [g[0] for g in got] == [torch.device(d).index for d in devices]
     assert got[0][1] == side.cuda_stream
+
+
+# -- the pool under concurrency, nesting and interrupts (issue 10) ------------------------------
+
+
+def _apply_threads(n: int) -> list[int]:
+    return tg.parallel_apply(lambda i: i * 2, list(range(n)), backend="threads")
+
+
+def _in_daemon(target: Any, seconds: float) -> list[BaseException]:
+    """Run ``target`` in a daemon thread; a hang fails the test instead of hanging it."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s (deadlock?)"
+    return errors
+
+
+def test_growing_the_pool_never_fails_concurrent_calls() -> None:
+    # Each call asks for a larger pool than the last one while three other threads submit.
+    start = threading.Barrier(4)
+    failures: list[BaseException] = []
+
+    def hammer(offset: int) -> None:
+        start.wait()
+        for n in range(2, 34, 2):
+            try:
+                assert _apply_threads(n + offset) == [2 * i for i in range(n + offset)]
+            except BaseException as exc:  # collected and asserted below
+                failures.append(exc)
+
+    def scenario() -> None:
+        threads = [threading.Thread(target=hammer, args=(k,), daemon=True) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+
+    assert _in_daemon(scenario, 30) == []
+    assert failures == [], failures[:1]
+
+
+CALLBACK_SCRIPT = """
+import faulthandler
+import torch
+import treegather as tg
+
+faulthandler.dump_traceback_later(25, exit=True)  # a deadlock fails with every thread's stack
+
+
+def inner(fut):
+    return tg.parallel_apply(torch.neg, [t * 2 for t in fut.value()], backend="threads")
+
+
+chains = [
+    tg.parallel_apply_async(torch.neg, [torch.ones(1)] * 2, backend="threads").then(inner)
+    for _ in range(24)
+]
+print(sum(float(sum(f.wait())) for f in chains), flush=True)
+"""
+
+
+def test_parallel_apply_in_then_callbacks_does_not_deadlock(tmp_path: Any) -> None:
+    # The callbacks run on pool workers; more chains than workers used to wait on each other.
+    script = tmp_path / "chains.py"
+    script.write_text(CALLBACK_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == str(24 * 2 * 2.0)
+
+
+def test_callbacks_know_they_run_on_a_pool_thread() -> None:
+    def nested(fut: Any) -> tuple[str, list[str]]:
+        names = tg.parallel_apply(
+            lambda _: threading.current_thread().name, [0, 1, 2], backend="threads"
+        )
+        return threading.current_thread().name, names
+
+    go = threading.Event()
+
+    def held(x: int) -> int:
+        go.wait(10)
+        return abs(x)
+
+    def scenario() -> None:
+        # Still pending when .then() is attached, so the callback runs where it completes.
+        fut = tg.parallel_apply_async(held, [-1, -2], backend="threads").then(nested)
+        go.set()
+        outer, inner = fut.wait()
+        assert outer.startswith("treegather-apply")
+        assert inner == [outer] * 3  # inline on the callback's own thread
+
+    assert _in_daemon(scenario, 20) == []
+
+
+@pytest.mark.parametrize("backend", ["serial", "fork", "auto"])
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_serial_stops_at_keyboard_interrupt_and_system_exit(
+    backend: str, use_async: bool, stop: type[BaseException]
+) -> None:
+    ran: list[int] = []
+
+    def step(i: int) -> int:
+        ran.append(i)
+        if i == 1:
+            raise stop()
+        return i
+
+    apply = tg.parallel_apply_async if use_async else tg.parallel_apply
+    with pytest.raises(stop) as info:
+        result = apply(step, [0, 1, 2, 3], devices=["cpu"] * 4, backend=backend)  # type: ignore[arg-type]
+        if use_async:
+            result.wait()  # type: ignore[union-attr]
+    assert ran == [0, 1]
+    assert type(info.value) is stop
+    assert "replicas 2, 3 were not run" in "\n".join(getattr(info.value, "__notes__", []))
+
+
+def test_serial_reports_failures_before_the_interrupt_with_it() -> None:
+    ran: list[int] = []
+
+    def step(i: int) -> int:
+        ran.append(i)
+        if i == 0:
+            raise ValueError("zero")
+        if i == 1:
+            raise KeyboardInterrupt
+        return i
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        tg.parallel_apply(step, [0, 1, 2], backend="serial")
+    assert ran == [0, 1]
+    assert [type(e) for e in info.value.exceptions] == [ValueError, KeyboardInterrupt]
+
+
+LEAK_SCRIPT = """
+import threading
+import time
+
+import treegather as tg
+
+sizes = [2, 5, 9, 3, 17, 24, 4]
+for k in range(1000):
+    n = sizes[k % len(sizes)]
+    if k % 100 == 99:
+        assert tg.parallel_apply_async(abs, list(range(-n, 0)), backend="threads").wait()[0] == n
+    else:
+        assert tg.parallel_apply(lambda i: 2 * i, list(range(n)), backend="threads")[-1] == 2 * n - 2
+
+
+def pool_threads():
+    return sum(t.name.startswith("treegather-apply") for t in threading.enumerate())
+
+
+deadline = time.monotonic() + 20  # retired executors' threads exit once their queue is done
+while pool_threads() > 24 and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(pool_threads(), threading.active_count(), flush=True)
+"""
+
+
+def test_no_thread_leak_after_a_thousand_calls_of_mixed_sizes(tmp_path: Any) -> None:
+    # A fresh process, so that the bound is known: the pool grows to the largest call (24),
+    # and the executors it replaced while growing have let their threads go.
+    script = tmp_path / "leak.py"
+    script.write_text(LEAK_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pool, active = map(int, proc.stdout.split())
+    assert pool <= 24
+    assert active <= pool + 1  # the main thread and the pool, nothing else
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fanout_classes_live_in_a_bounded_registered_cache() -> None:
+    from treegather._caches import caches
+
+    replicas = tg.replicate(torch.jit.script(GradMode()), ["cpu"] * 2)
+    assert len(tg.parallel_apply(replicas, [torch.ones(1)] * 2, backend="fork")) == 2
+    (fanout,) = [c for c in caches() if c.name == "apply.fanout_classes"]
+    assert 1 <= len(fanout) <= fanout.maxsize
+    tg.clear_caches()
+    assert len(fanout) == 0
+    outs = tg.parallel_apply(replicas, [torch.ones(1)] * 2, backend="fork")  # a cold cache
+    assert [o.item() for o in outs] == [1.0, 1.0]
+
+
+class Truncated(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message[:20])
+
+
+def test_an_exception_that_rewrites_its_message_is_copied_not_wrapped() -> None:
+    original = Truncated("disk is full")
+    with pytest.raises(Truncated) as info:  # was a RuntimeError: the location cut the message
+        tg.parallel_apply(_maybe_fail, [original, 1], devices=["cpu"] * 2)
+    assert info.value.args == ("disk is full",)
+    assert info.value.__notes__ == ["in replica 0 on device cpu"]  # type: ignore[attr-defined]
+    assert info.value.__cause__ is original

@@ -318,3 +318,57 @@ def test_overridden_scatter_may_return_plain_lists_as_torch_allows() -> None:
     dp = ManualScatter(Doubler(), device_ids=["cpu", "cpu"])
     out = dp(torch.arange(5.0))
     assert torch.equal(out["y"], torch.arange(5.0) * 2)
+
+
+# -------------------------------------------------------------- a dict batch for a kwargs model
+
+
+class KwargsModel(nn.Module):
+    """The calling convention of every Hugging Face model: ``model(**batch)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        hidden = self.emb(input_ids)
+        if attention_mask is not None:
+            hidden = hidden * attention_mask.unsqueeze(-1)
+        return {"logits": hidden.sum(-1)}
+
+
+def _token_batch() -> dict[str, torch.Tensor]:
+    ids = torch.arange(12).reshape(6, 2) % 10
+    return {"input_ids": ids, "attention_mask": torch.ones(6, 2)}
+
+
+def test_dict_batch_for_a_kwargs_model_hints_module_kwargs_and_reports_once() -> None:
+    model, batch = KwargsModel(), _token_batch()
+    with pytest.raises(Exception) as info:
+        tg.data_parallel(model, batch, ["cpu"] * 3)
+    err = info.value
+    assert not hasattr(err, "exceptions")  # no group: three identical failures, reported once
+    assert str(err).startswith("in replicas 0, 1, 2 (devices cpu, cpu, cpu): ")
+    assert err.__notes__[-1] == (  # type: ignore[attr-defined]
+        "Hint: inputs is a dict whose keys name parameters of KwargsModel.forward "
+        "(input_ids, attention_mask) but it was passed as one positional argument; to call "
+        "KwargsModel.forward(**batch), pass it as module_kwargs: "
+        "data_parallel(model, (), devices, module_kwargs=batch)"
+    )
+    out = tg.data_parallel(model, (), ["cpu"] * 3, module_kwargs=batch)  # the hinted fix
+    torch.testing.assert_close(out["logits"], model(**batch)["logits"])
+
+
+def test_no_module_kwargs_hint_where_it_does_not_apply() -> None:
+    def fails(batch: Any) -> Any:
+        raise ValueError("broken model")
+
+    for fn, inputs, kwargs in [
+        (fails, {"x": torch.ones(4)}, None),  # keys name no parameter
+        (KwargsModel(), (torch.ones(4, 2),), {"oops": torch.ones(4)}),  # kwargs given
+    ]:
+        with pytest.raises(Exception) as info:
+            tg.data_parallel(fn, inputs, ["cpu"] * 2, module_kwargs=kwargs)
+        assert not any("module_kwargs" in n for n in getattr(info.value, "__notes__", []))

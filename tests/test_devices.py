@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+from torch import nn
 
+import treegather as tg
 from treegather._devices import as_device, as_devices
+from treegather._errors import check_dim
+
+
+@pytest.fixture
+def cuda_claimed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """CUDA reported available (nothing here touches a GPU), with cold caches either side."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tg.clear_caches()
+    yield
+    tg.clear_caches()
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """CUDA reported unavailable, as on a CPU-only machine, with cold caches either side."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tg.clear_caches()
+    yield
+    tg.clear_caches()
 
 
 @pytest.mark.parametrize(
@@ -19,12 +42,12 @@ from treegather._devices import as_device, as_devices
         ("cuda:1", torch.device("cuda", 1)),
     ],
 )
-def test_as_device(given: object, expected: torch.device) -> None:
+def test_as_device(cuda_claimed: None, given: object, expected: torch.device) -> None:
     assert as_device(given) == expected  # type: ignore[arg-type]
     assert as_device(given) == expected  # type: ignore[arg-type]  # cached
 
 
-def test_as_devices_single_and_many() -> None:
+def test_as_devices_single_and_many(cuda_claimed: None) -> None:
     assert as_devices(-1) == (torch.device("cpu"),)
     assert as_devices("cpu") == (torch.device("cpu"),)
     assert as_devices([-1, "cpu", 0]) == (torch.device("cpu"),) * 2 + (torch.device("cuda", 0),)
@@ -33,13 +56,118 @@ def test_as_devices_single_and_many() -> None:
 
 
 @pytest.mark.parametrize("bad", [True, False, 1.0, 0.0, -1.0, None, [0]])
-def test_bools_floats_and_others_are_not_devices_even_after_equal_ints(bad: object) -> None:
+def test_bools_floats_and_others_are_not_devices_even_after_equal_ints(
+    cuda_claimed: None, bad: object
+) -> None:
     # True == 1 and 1.0 == 1 hash alike: a cache keyed by value alone would answer cuda:1.
     as_device(0), as_device(1), as_device(-1)
-    with pytest.raises(TypeError, match="not a device"):
+    with pytest.raises(tg.ArgumentTypeError, match="not a device") as info:
         as_device(bad)  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)
 
 
 def test_index_below_minus_one_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"device index must be >= -1 \(-1 is the CPU\), got -2"):
+    with pytest.raises(
+        tg.DeviceError, match=r"device index must be >= -1 \(-1 is the CPU\), got -2"
+    ) as info:
         as_device(-2)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("bad", ["gpu:0", "cuda:x", "", "cpu:0:1"])
+def test_bad_device_strings_are_device_errors(bad: str) -> None:
+    with pytest.raises(tg.DeviceError, match=rf"^not a device: {bad!r} \(") as info:
+        as_device(bad)
+    assert isinstance(info.value, ValueError)
+    assert str(info.value).endswith("write 'cpu', 'cuda:0', an int CUDA index, or -1 for the CPU")
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (0, "device 0 (that is cuda:0)"),
+        (2, "device 2 (that is cuda:2)"),
+        ("cuda:1", "device 'cuda:1'"),
+        ("cuda", "device 'cuda'"),
+        (torch.device("cuda", 0), "device cuda:0"),
+    ],
+)
+def test_cuda_devices_without_cuda_say_so(no_cuda: None, given: object, named: str) -> None:
+    with pytest.raises(tg.DeviceError) as info:
+        as_device(given)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        f"{named} is a CUDA device, but CUDA is not available on this machine "
+        "(torch.cuda.is_available() is False); use 'cpu' or -1, repeated for several replicas "
+        "(e.g. ['cpu'] * 4)"
+    )
+
+
+def test_a_cached_cuda_device_is_not_answered_once_cuda_is_gone(
+    monkeypatch: pytest.MonkeyPatch, cuda_claimed: None
+) -> None:
+    assert as_device(0) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tg.clear_caches()
+    with pytest.raises(tg.DeviceError, match="CUDA is not available"):
+        as_device(0)
+
+
+def test_int_device_ids_without_cuda_fail_early_in_every_entry_point(no_cuda: None) -> None:
+    x = torch.ones(4, 2)
+    for call in (
+        lambda: tg.scatter(x, [0, 1]),
+        lambda: tg.replicate(nn.Linear(2, 2), [0, 1]),
+        lambda: tg.data_parallel(nn.Linear(2, 2), x, [0, 1]),
+        lambda: tg.DataParallel(nn.Linear(2, 2), device_ids=[0, 1]),
+        lambda: tg.parallel_apply(torch.neg, [x, x], devices=[0, 1]),
+        lambda: tg.gather([x, x], 0),
+    ):
+        with pytest.raises(tg.DeviceError, match=r"^device 0 \(that is cuda:0\) is a CUDA device"):
+            call()
+
+
+def test_error_classes_are_public_and_refine_builtins() -> None:
+    assert issubclass(tg.DeviceError, tg.TreegatherError) and issubclass(tg.DeviceError, ValueError)
+    assert issubclass(tg.ArgumentTypeError, tg.TreegatherError)
+    assert issubclass(tg.ArgumentTypeError, TypeError)
+
+
+# ------------------------------------------------------------------------------------ dim
+
+
+def test_check_dim_accepts_ints() -> None:
+    assert check_dim(0, "scatter") == 0
+    assert check_dim(-2, "gather") == -2
+    assert type(check_dim(torch.tensor(1).item(), "gather")) is int
+
+
+@pytest.mark.parametrize(
+    ("dim", "message"),
+    [
+        (
+            True,
+            "scatter: dim must be an int (a tensor dim, negative from the end), got bool True; "
+            "write dim=0 or dim=1 (a bool is not a dim)",
+        ),
+        (
+            1.0,
+            "scatter: dim must be an int (a tensor dim, negative from the end), got float 1.0; "
+            "write dim=1",
+        ),
+        (
+            "0",
+            "scatter: dim must be an int (a tensor dim, negative from the end), got str '0'; "
+            "write an int such as dim=0",
+        ),
+        (
+            None,
+            "scatter: dim must be an int (a tensor dim, negative from the end), got NoneType "
+            "None; write an int such as dim=0",
+        ),
+    ],
+)
+def test_check_dim_refuses_bools_floats_and_others(dim: object, message: str) -> None:
+    with pytest.raises(tg.ArgumentTypeError) as info:
+        check_dim(dim, "scatter")
+    assert str(info.value) == message
+    assert isinstance(info.value, TypeError)

@@ -17,7 +17,9 @@ from ._apply import parallel_apply, parallel_apply_async
 from ._caches import clear_caches
 from ._data_parallel import DataParallel, data_parallel, patch
 from ._errors import (
+    ArgumentTypeError,
     BatchSizeError,
+    DeviceError,
     LayoutError,
     LeafTypeError,
     ShapeMismatchError,
@@ -84,6 +86,8 @@ __all__ = [
     "BatchSizeError",
     "LeafTypeError",
     "ShapeMismatchError",
+    "DeviceError",
+    "ArgumentTypeError",
     # replicate, apply and the data-parallel entry points (issue 3)
     "replicate",
     "parallel_apply",

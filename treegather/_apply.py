@@ -2,7 +2,8 @@
 
 Backends:
 
-- ``"serial"``: a plain loop in the calling thread; exact under every transform and mode.
+- ``"serial"``: a plain loop in the calling thread; exact under every transform and mode. Like
+  a loop, it stops at a ``KeyboardInterrupt`` or ``SystemExit``: no later replica runs.
 - ``"threads"``: a persistent worker pool. Each call enters the caller's grad mode, inference
   mode and autocast state (enabled flag and dtype, per device type), then the replica's
   device and that device's current stream (captured in the caller). Under an active
@@ -30,17 +31,19 @@ Backends:
 from __future__ import annotations
 
 import contextlib
-import functools
+import itertools
 import linecache
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any, Literal
 
 import torch
 
+from ._caches import LRU, typed_key
 from ._devices import DeviceLike, as_device
 from ._failures import combine_failures
 from ._tree import flatten
@@ -89,24 +92,29 @@ def parallel_apply(
     Raises:
         ValueError: lengths of ``fns``/``args``/``kwargs``/``devices`` disagree, or an
             unknown backend.
-        Exception: one failing replica re-raises its exception type (rebuilt with a message
-            naming the replica index and device; else ``RuntimeError``), the original
-            chained as ``__cause__``; several raise an ``ExceptionGroup`` with one entry per
-            failing replica (``BaseExceptionGroup`` when a ``SystemExit`` or
-            ``KeyboardInterrupt`` is among them; alone, those are re-raised as themselves).
+        DeviceError: a device names nothing usable (e.g. an int id without CUDA).
+        Exception: a failing replica re-raises its exception type with the same ``args``
+            and attributes (``KeyError('x').args == ('x',)``), located by a note
+            (``in replica 1 on device cpu``) or, where the one argument is the message, in the
+            message (``in replica 1 on device cpu: bad value``); the original is the
+            ``__cause__`` (``RuntimeError`` if the type can be neither rebuilt nor copied).
+            Replicas failing with the same type and message are reported once
+            (``in replicas 0, 1, 2 (devices cpu, cpu, cpu): ...``); distinct failures raise an
+            ``ExceptionGroup`` with one entry each (``BaseExceptionGroup`` when a
+            ``SystemExit`` or ``KeyboardInterrupt`` is among them; alone, those are re-raised
+            as themselves, and serially run replicas after them are not run, as a note says).
     """
     calls = _prepare(fns, args, kwargs, devices)
     chosen = _resolve(backend, calls)
     if chosen == "threads":
-        futures = [
-            _pool(len(calls)).submit(_in_worker, state, call) for state, call in _stated(calls)
-        ]
+        n = len(calls)
+        futures = [_submit(n, _in_worker, state, call) for state, call in _stated(calls)]
         wait_all(futures)
         outcomes = [f.result() for f in futures]
     elif chosen == "fork":
         outcomes = [_outcome_of(f) for f in _fork(calls)]
     else:
-        outcomes = [_run(call) for call in calls]
+        outcomes = _serial(calls)
     return _finish(outcomes, calls)
 
 
@@ -130,7 +138,9 @@ def parallel_apply_async(
     runs before this function returns; ``"threads"`` runs on the persistent pool and
     ``"fork"`` with TorchScript modules in torch's inter-op pool, so the caller can overlap
     other work. The future is completed (and its callbacks run) on treegather's worker
-    threads, which the interpreter joins at exit, so exiting without waiting is safe.
+    threads, which the interpreter joins at exit, so exiting without waiting is safe. A
+    :func:`parallel_apply` called from such a callback (or from a replica) runs serially on
+    that thread, so chains of futures never wait on the pool they occupy.
 
     Args:
         fns: as in :func:`parallel_apply`.
@@ -150,8 +160,9 @@ def parallel_apply_async(
         remaining = [len(calls)]
         lock = threading.Lock()
 
-        def done(i: int, f: Future[_Outcome]) -> None:
-            outcomes[i] = f.result()
+        def task(i: int, state: tuple[_CallerState, Any], call: _Call) -> None:
+            # The last replica to finish completes the future, on its own pool thread.
+            outcomes[i] = _in_worker(state, call)
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
@@ -159,17 +170,16 @@ def parallel_apply_async(
                 _complete(result, [o for o in outcomes if o is not None], calls)
 
         for i, (state, call) in enumerate(_stated(calls)):
-            f = _pool(len(calls)).submit(_in_worker, state, call)
-            f.add_done_callback(functools.partial(done, i))
+            _submit(len(calls), task, i, state, call)
     elif chosen == "fork":
         # Completed from a pool thread, never from torch's inter-op threads: callbacks on the
         # result then run in a Python thread that the interpreter joins at exit, so a script
         # that exits without waiting cannot abort ("terminate called without an active
         # exception") while forked work or a callback is still running.
         futs = _fork(calls)
-        _pool(1).submit(lambda: _complete(result, [_outcome_of(f) for f in futs], calls))
+        _submit(1, lambda: _complete(result, [_outcome_of(f) for f in futs], calls))
     else:
-        _complete(result, [_run(call) for call in calls], calls)
+        _complete(result, _serial(calls), calls)
     return result
 
 
@@ -232,6 +242,20 @@ def _thread_local_context_active() -> bool:
 
 
 # -- serial and threads --------------------------------------------------------------------------
+
+
+def _serial(calls: list[_Call]) -> list[_Outcome]:
+    """Run the replicas in order; stop after a ``KeyboardInterrupt``/``SystemExit`` as a loop would.
+
+    The outcomes of the replicas that ran (fewer than ``calls`` after such a stop).
+    """
+    outcomes: list[_Outcome] = []
+    for call in calls:
+        ok, value = _run(call)
+        outcomes.append((ok, value))
+        if not ok and not isinstance(value, Exception):
+            break
+    return outcomes
 
 
 def _run(call: _Call) -> _Outcome:
@@ -297,7 +321,6 @@ def _stated(calls: list[_Call]) -> list[tuple[tuple[_CallerState, Any], _Call]]:
 
 def _in_worker(state: tuple[_CallerState, Any], call: _Call) -> _Outcome:
     caller, stream = state
-    _LOCAL.worker = True
     try:
         with contextlib.ExitStack() as stack:
             caller.enter(stack)
@@ -306,27 +329,38 @@ def _in_worker(state: tuple[_CallerState, Any], call: _Call) -> _Outcome:
             return True, fn(*a, **kw)
     except BaseException as exc:
         return False, exc
-    finally:
-        _LOCAL.worker = False
 
 
+# The persistent pool. Every submit happens under ``_POOL_LOCK``, so nobody can hold on to an
+# executor that is being replaced: growing swaps in a larger executor and retires the old one
+# with ``shutdown(wait=False)``, which lets the work already queued on it finish; its threads
+# then exit. Pool threads are marked as workers for their whole life (callbacks of futures
+# completed there included), and ``parallel_apply`` runs serially on them: a nested call never
+# waits for a pool it occupies.
 _LOCAL = threading.local()
+_MIN_WORKERS = 8
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
 _POOL_LOCK = threading.Lock()
 
 
-def _pool(n: int) -> ThreadPoolExecutor:
-    """The persistent worker pool, grown (never shrunk) to at least ``n`` workers."""
+def _mark_worker() -> None:
+    _LOCAL.worker = True
+
+
+def _submit(n: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Submit ``fn(*args)`` to the persistent pool, first grown to at least ``n`` workers."""
     global _POOL, _POOL_SIZE
     with _POOL_LOCK:
         if _POOL is None or _POOL_SIZE < n:
             old = _POOL
-            _POOL_SIZE = max(n, 8)
-            _POOL = ThreadPoolExecutor(_POOL_SIZE, thread_name_prefix="treegather-apply")
+            _POOL_SIZE = max(n, _MIN_WORKERS)
+            _POOL = ThreadPoolExecutor(
+                _POOL_SIZE, thread_name_prefix="treegather-apply", initializer=_mark_worker
+            )
             if old is not None:
-                old.shutdown(wait=False)
-        return _POOL
+                old.shutdown(wait=False)  # its queued work still runs, then its threads exit
+        return _POOL.submit(fn, *args)
 
 
 # -- fork ------------------------------------------------------------------------------------------
@@ -338,9 +372,8 @@ def _fork(calls: list[_Call]) -> list[torch.futures.Future[Any]]:
     if futures is not None:
         return futures
     out: list[torch.futures.Future[Any]] = []
-    for call in calls:  # eager Python: torch.jit.fork would run it inline anyway
+    for ok, value in _serial(calls):  # eager Python: torch.jit.fork would run it inline anyway
         fut: torch.futures.Future[Any] = torch.futures.Future()
-        ok, value = _run(call)
         _settle(fut, ok, value)
         out.append(fut)
     return out
@@ -350,7 +383,10 @@ def _is_script_module(fn: Any) -> bool:
     return isinstance(fn, torch.jit.ScriptModule) and hasattr(fn, "forward")
 
 
-_FANOUT_CLASSES: dict[tuple[Any, ...], type[torch.nn.Module]] = {}
+# Generated fan-out classes by signature (every annotation a str from torch's schema; the key is
+# typed all the same). Each class's source lives in linecache for as long as the class does.
+_FANOUT_CLASSES: LRU[Hashable, type[torch.nn.Module]] = LRU("apply.fanout_classes", maxsize=64)
+_FANOUT_COUNT = itertools.count()
 _ANNOTATION_NAMES = "from typing import Any, Dict, List, Optional, Tuple, Union\n"
 
 
@@ -360,10 +396,14 @@ def _scripted_fanout(calls: list[_Call]) -> list[torch.futures.Future[Any]] | No
         bound = [_bind(call) for call in calls]
     except (TypeError, RuntimeError, AttributeError):
         return None
-    key = tuple((tuple(b[1]), b[2]) for b in bound)
+    signature = tuple((tuple(b[1]), b[2]) for b in bound)
+    key = typed_key(signature)
     try:
         with _quiet_jit():
-            cls = _FANOUT_CLASSES.get(key) or _fanout_class(key)
+            cls = _FANOUT_CLASSES.get(key)
+            if cls is None:
+                cls = _fanout_class(signature)
+                _FANOUT_CLASSES.put(key, cls)
             for c in calls:
                 module: Any = c[0]
                 if not hasattr(module, "_concrete_type"):
@@ -421,14 +461,15 @@ def _bind(call: _Call) -> tuple[list[Any], list[str], str]:
     return values, annotations, ret
 
 
-def _fanout_class(key: tuple[Any, ...]) -> type[torch.nn.Module]:
-    n = len(key)
+def _fanout_class(signature: tuple[tuple[tuple[str, ...], str], ...]) -> type[torch.nn.Module]:
+    """A module class whose ``forward`` forks ``self.m{i}`` on each replica's arguments."""
+    n = len(signature)
     params, forks = [], []
-    for i, (anns, _) in enumerate(key):
+    for i, (anns, _) in enumerate(signature):
         names = [f"a{i}_{k}" for k in range(len(anns))]
         params += [f"{name}: {ann}" for name, ann in zip(names, anns)]
         forks.append(f"torch.jit.fork(self.m{i}{''.join(', ' + x for x in names)})")
-    ret = ", ".join(f"torch.jit.Future[{r}]" for _, r in key)
+    ret = ", ".join(f"torch.jit.Future[{r}]" for _, r in signature)
     assigns = "".join(f"        self.m{i} = fns[{i}]\n" for i in range(n))
     source = (
         "import torch\nfrom torch import Tensor\n"
@@ -440,12 +481,13 @@ def _fanout_class(key: tuple[Any, ...]) -> type[torch.nn.Module]:
         + f"    def forward(self, {', '.join(params)}) -> Tuple[{ret}]:\n"
         + f"        return ({', '.join(forks)},)\n"
     )
-    filename = f"<treegather-fanout-{len(_FANOUT_CLASSES)}>"
+    number = next(_FANOUT_COUNT)
+    filename = f"<treegather-fanout-{number}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace: dict[str, Any] = {"__name__": f"treegather._fanout{len(_FANOUT_CLASSES)}"}
+    namespace: dict[str, Any] = {"__name__": f"treegather._fanout{number}"}
     exec(compile(source, filename, "exec"), namespace)
     cls: type[torch.nn.Module] = namespace["FanOut"]
-    _FANOUT_CLASSES[key] = cls
+    weakref.finalize(cls, linecache.cache.pop, filename, None)
     return cls
 
 
@@ -468,9 +510,11 @@ def _outcome_of(fut: torch.futures.Future[Any]) -> _Outcome:
 
 
 def _finish(outcomes: list[_Outcome], calls: list[_Call]) -> list[Any]:
+    """The results; or one exception for every failure (``outcomes`` may stop short of
+    ``calls`` after a ``KeyboardInterrupt`` or ``SystemExit``: the rest were not run)."""
     failures = [(i, calls[i][3], v) for i, (ok, v) in enumerate(outcomes) if not ok]
     if failures:
-        raise combine_failures(failures, len(calls))
+        raise combine_failures(failures, len(calls), not_run=range(len(outcomes), len(calls)))
     return [v for _, v in outcomes]
 
 

@@ -7,8 +7,10 @@ scatter/gather steps of an existing ``nn.DataParallel``.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -69,7 +71,8 @@ def data_parallel(
         devices: the devices (repeats allowed, e.g. ``["cpu"] * 4``); default: every
             visible CUDA device, else the CPU alone.
         output_device: where the result goes; default ``devices[0]``.
-        module_kwargs: keyword arguments for ``fn``, scattered with the positional ones.
+        module_kwargs: keyword arguments for ``fn``, scattered with the positional ones (a
+            dict batch for ``model(**batch)``, as every Hugging Face model takes, goes here).
         in_layout: a layout of ``(args, kwargs)`` as in :func:`scatter_kwargs`.
         out_layout: a layout of ``fn``'s output as in :func:`gather`.
         dim: the default split/concatenation dim.
@@ -93,7 +96,8 @@ def data_parallel(
         )
     else:
         fns = fn
-    outputs = parallel_apply(fns, list(args_shards), list(kwargs_shards), used, backend=backend)
+    with _module_kwargs_hint(fn, inputs, module_kwargs):
+        outputs = parallel_apply(fns, list(args_shards), list(kwargs_shards), used, backend=backend)
     target = devs[0] if output_device is None else as_device(output_device)
     return gather(outputs, target, out_layout, dim=dim, sizes=args_shards.sizes)
 
@@ -249,6 +253,46 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
     dp.scatter = types.MethodType(scatter, dp)  # type: ignore[method-assign]
     dp.gather = types.MethodType(gather_, dp)  # type: ignore[method-assign]
     return dp
+
+
+@contextlib.contextmanager
+def _module_kwargs_hint(
+    fn: Callable[..., Any], inputs: Any, module_kwargs: Mapping[str, Any] | None
+) -> Iterator[None]:
+    """On a failure, hint ``module_kwargs=batch`` when a dict batch whose keys name parameters of
+    ``fn`` (``forward`` for a module: every Hugging Face model) was passed positionally."""
+    try:
+        yield
+    except Exception as exc:
+        names = _parameters_named_by(fn, inputs) if not module_kwargs else []
+        if names:
+            module = isinstance(fn, nn.Module)
+            owner = type(fn).__name__ + ".forward" if module else "fn"
+            hint = (
+                f"Hint: inputs is a dict whose keys name parameters of {owner} "
+                f"({', '.join(names)}) but it was passed as one positional argument; to call "
+                f"{owner}(**batch), pass it as module_kwargs: "
+                f"data_parallel({'model' if module else 'fn'}, (), devices, module_kwargs=batch)"
+            )
+            if hasattr(exc, "add_note"):
+                exc.add_note(hint)
+            else:  # pragma: no cover - Python 3.10
+                exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
+        raise
+
+
+def _parameters_named_by(fn: Callable[..., Any], inputs: Any) -> list[str]:
+    """The keys of a Mapping ``inputs`` that are parameter names of ``fn`` (or its forward)."""
+    if not isinstance(inputs, Mapping):
+        return []
+    try:
+        params = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn).parameters
+    except (TypeError, ValueError):
+        return []
+    named = {
+        name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+    return [k for k in inputs if isinstance(k, str) and k in named]
 
 
 def _as_args(inputs: Any) -> tuple[Any, ...]:

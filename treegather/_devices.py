@@ -7,11 +7,16 @@ from typing import Union
 
 import torch
 
+from ._caches import LRU
+from ._errors import ArgumentTypeError, DeviceError
+
 __all__ = ["DeviceLike", "as_device", "as_devices", "accelerator_tensors_possible"]
 
 DeviceLike = Union[int, str, torch.device]  # noqa: UP007 - a runtime alias
 
-_CACHE: dict[tuple[type, object], torch.device] = {}
+# Keyed by (exact type, value): True == 1 and 1.0 == 1 hash alike and must not find cuda:1.
+_CACHE: LRU[tuple[type, object], torch.device] = LRU("devices", maxsize=256)
+_KEY_TYPES = (int, str, torch.device)
 
 
 def as_device(device: DeviceLike) -> torch.device:
@@ -21,35 +26,66 @@ def as_device(device: DeviceLike) -> torch.device:
 
     >>> as_device(-1), as_device("cpu"), as_device(torch.device("cpu"))
     (device(type='cpu'), device(type='cpu'), device(type='cpu'))
-    >>> as_device(1)
-    device(type='cuda', index=1)
+    >>> as_device("gpu:0")
+    Traceback (most recent call last):
+    ...
+    treegather.DeviceError: not a device: 'gpu:0' (...); write 'cpu', 'cuda:0', ...
+
+    Raises:
+        DeviceError: an unknown device string, an index below ``-1``, or a CUDA device (an
+            int id counts) where CUDA is not available.
+        ArgumentTypeError: neither an int, a string nor a ``torch.device`` (``True``, ``1.0``).
     """
-    # Keyed by type too: True == 1 and 1.0 == 1 hash alike and must not find cuda:1.
-    key = (type(device), device)
-    try:
-        return _CACHE[key]
-    except (KeyError, TypeError):
-        pass
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return device  # nothing to normalise or check
+    kind = type(device)
+    if kind in _KEY_TYPES:
+        hit = _CACHE.get((kind, device))
+        if hit is not None:
+            return hit
+    out = _normalise(device)
+    # "cuda" and torch.device("cuda") mean the current device, which may change.
+    if kind in _KEY_TYPES and not (out.type == "cuda" and _without_index(device)):
+        _CACHE.put((kind, device), out)
+    return out
+
+
+def _normalise(device: object) -> torch.device:
     if isinstance(device, torch.device):
         out = device
-    elif isinstance(device, bool):
-        raise TypeError(f"not a device: {device!r}")
+    elif isinstance(device, bool) or not isinstance(device, (int, str)):
+        raise ArgumentTypeError(
+            f"not a device: {device!r} ({type(device).__name__}; expected an int, a string such "
+            "as 'cuda:0' or 'cpu', or a torch.device)"
+        )
     elif isinstance(device, int):
         if device < -1:
-            raise ValueError(f"device index must be >= -1 (-1 is the CPU), got {device}")
+            raise DeviceError(f"device index must be >= -1 (-1 is the CPU), got {device}")
         out = torch.device("cpu") if device == -1 else torch.device("cuda", device)
-    elif isinstance(device, str):
-        out = torch.device(device)
     else:
-        raise TypeError(
-            f"not a device: {device!r} (expected an int, a string such as 'cuda:0' or 'cpu', "
-            "or a torch.device)"
-        )
-    if out.type == "cuda" and out.index is None and torch.cuda.is_available():
-        out = torch.device("cuda", torch.cuda.current_device())
-    if len(_CACHE) < 256 and not (isinstance(device, str) and device == "cuda"):
-        _CACHE[key] = out
+        try:
+            out = torch.device(device)
+        except (RuntimeError, ValueError) as exc:
+            raise DeviceError(
+                f"not a device: {device!r} ({str(exc).splitlines()[0]}); write 'cpu', 'cuda:0', "
+                "an int CUDA index, or -1 for the CPU"
+            ) from None
+    if out.type == "cuda":
+        if not torch.cuda.is_available():
+            given = str(device) if isinstance(device, torch.device) else repr(device)
+            named = given if given.strip("'") == str(out) else f"{given} (that is {out})"
+            raise DeviceError(
+                f"device {named} is a CUDA device, but CUDA is not available on this machine "
+                "(torch.cuda.is_available() is False); use 'cpu' or -1, repeated for several "
+                "replicas (e.g. ['cpu'] * 4)"
+            )
+        if out.index is None:
+            out = torch.device("cuda", torch.cuda.current_device())
     return out
+
+
+def _without_index(device: object) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).index is None
 
 
 def as_devices(devices: Sequence[DeviceLike] | DeviceLike) -> tuple[torch.device, ...]:

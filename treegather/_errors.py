@@ -1,10 +1,12 @@
-"""The exceptions treegather raises.
+"""The exceptions treegather raises, and the checks of plain arguments that raise them.
 
 Every class refines the builtin a caller would catch anyway (``ValueError``,
 ``TypeError``) and shows ``treegather`` as its module in tracebacks.
 """
 
 from __future__ import annotations
+
+import operator
 
 __all__ = [
     "TreegatherError",
@@ -13,6 +15,9 @@ __all__ = [
     "BatchSizeError",
     "LeafTypeError",
     "ShapeMismatchError",
+    "DeviceError",
+    "ArgumentTypeError",
+    "check_dim",
 ]
 
 
@@ -40,6 +45,16 @@ class ShapeMismatchError(TreegatherError, ValueError):
     """Per-replica tensors cannot be combined: other dims, dtypes or devices disagree."""
 
 
+class DeviceError(TreegatherError, ValueError):
+    """A device names nothing usable: an unknown string (``"gpu:0"``), an index below ``-1``, or
+    a CUDA device (an int id counts) on a machine where CUDA is not available."""
+
+
+class ArgumentTypeError(TreegatherError, TypeError):
+    """An argument has the wrong type: ``dim=True`` or ``dim=1.0`` (a dim is an int), a device
+    given as ``True``, ``1.0`` or ``None`` (a device is an int, a string or a ``torch.device``)."""
+
+
 for _cls in (
     TreegatherError,
     LayoutError,
@@ -47,6 +62,8 @@ for _cls in (
     BatchSizeError,
     LeafTypeError,
     ShapeMismatchError,
+    DeviceError,
+    ArgumentTypeError,
 ):
     _cls.__module__ = "treegather"
 del _cls
@@ -61,3 +78,36 @@ def bullet_list(problems: list[str], hint: str | None = None) -> str:
     if hint:
         text += f"\nHint: {hint}"
     return text
+
+
+def check_dim(dim: object, where: str) -> int:
+    """``dim`` as an int, or an :class:`ArgumentTypeError` naming ``where`` it was given.
+
+    Any int is accepted (negative dims count from the end; whether the dim exists is checked
+    against each tensor later), and integer types with ``__index__`` (``numpy.int64``) become
+    ``int``. ``True``/``False`` and floats are refused: torch would read ``True`` as dim 1.
+
+    >>> check_dim(-1, "gather")
+    -1
+    >>> check_dim(True, "scatter")
+    Traceback (most recent call last):
+    ...
+    treegather.ArgumentTypeError: scatter: dim must be an int (...), got bool True; write dim=0 ...
+    """
+    if type(dim) is int:
+        return dim
+    if not isinstance(dim, bool):
+        try:
+            return operator.index(dim)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    if isinstance(dim, bool):
+        fix = "write dim=0 or dim=1 (a bool is not a dim)"
+    elif isinstance(dim, float) and dim.is_integer():
+        fix = f"write dim={int(dim)}"
+    else:
+        fix = "write an int such as dim=0"
+    raise ArgumentTypeError(
+        f"{where}: dim must be an int (a tensor dim, negative from the end), "
+        f"got {type(dim).__name__} {dim!r}; {fix}"
+    )
