@@ -386,3 +386,155 @@ def test_a_dim_out_of_range_is_an_error_not_a_wrap_around(rule: Any, ndim: int) 
     with pytest.raises(tg.ShapeMismatchError) as info:
         tg.gather(outs, "cpu", tg.by_path({"t": rule}))
     assert f"outputs['t']: {rule.describe()} is out of range" in str(info.value)
+
+
+# --------------------------------------------- no silent wrong results, errors that lead to a fix
+
+
+@pytest.mark.parametrize(
+    "layout", [None, tg.cat(), tg.stack(), tg.mean(), tg.sum(), tg.pad()], ids=repr
+)
+def test_mixed_dtypes_across_replicas_are_an_error_not_a_promotion(layout: Any) -> None:
+    outs = [{"id": torch.tensor([123456789])}, {"id": torch.tensor([0.5])}]
+    for _ in range(5):  # cold, then through the compiled layer
+        with pytest.raises(tg.ShapeMismatchError) as info:
+            tg.gather(outs, "cpu", layout)
+        text = str(info.value)
+        assert "outputs['id']" in text and "torch.int64" in text and "torch.float32" in text
+        assert "one dtype" in text
+
+
+def test_bool_and_float_replicas_do_not_mix() -> None:
+    with pytest.raises(tg.ShapeMismatchError, match=r"replica 0: torch.bool, replica 1"):
+        tg.gather([torch.tensor([True]), torch.tensor([0.5])], "cpu")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fill"),
+    [(torch.bool, -1), (torch.uint8, -1), (torch.int64, -1.5), (torch.int64, float("nan"))],
+)
+def test_pad_fill_the_dtype_cannot_hold_is_an_error_naming_path_dtype_and_fill(
+    dtype: torch.dtype, fill: float
+) -> None:
+    outs = [{"m": torch.ones(1, 2, dtype=dtype)}, {"m": torch.ones(1, 3, dtype=dtype)}]
+    with pytest.raises(tg.LeafTypeError) as info:
+        tg.gather(outs, "cpu", tg.pad(fill=fill))
+    text = str(info.value)
+    assert "outputs['m']" in text and str(dtype) in text and repr(fill) in text
+
+
+def test_pad_fill_the_dtype_holds_still_pads() -> None:
+    outs = [torch.ones(1, 2, dtype=torch.uint8), torch.ones(1, 3, dtype=torch.uint8)]
+    out = tg.gather(outs, "cpu", tg.pad(fill=255))
+    assert out.dtype == torch.uint8 and out[0, 2].item() == 255
+
+
+def test_unknown_containers_holding_tensors_are_not_sent_whole() -> None:
+    import collections
+
+    class Pair(tuple):  # a tuple subclass optree does not know: a leaf
+        pass
+
+    for value in (collections.UserDict(ids=torch.zeros(8, 2)), Pair((torch.zeros(8),))):
+        with pytest.raises(tg.LeafTypeError, match=r"inputs\['enc'\].*register_node"):
+            tg.scatter({"x": torch.zeros(8, 1), "enc": value}, CPU2)
+    # Containers of plain values are still broadcast, and broadcast() is the way out.
+    shards = tg.scatter({"x": torch.zeros(8, 1), "cfg": collections.UserDict(lr=0.1)}, CPU2)
+    assert shards[1]["cfg"]["lr"] == 0.1
+    tree = {"x": torch.zeros(8, 1), "enc": collections.UserDict(ids=torch.zeros(8, 2))}
+    assert tg.scatter(tree, CPU2, tg.by_path({"enc": tg.broadcast()}))[0]["enc"] is tree["enc"]
+
+
+def test_numpy_arrays_next_to_split_data_are_refused() -> None:
+    np = pytest.importorskip("numpy")
+    with pytest.raises(tg.LeafTypeError, match=r"inputs\['ids'\].*torch.as_tensor"):
+        tg.scatter({"x": torch.zeros(4, 1), "ids": np.arange(4)}, CPU2)
+    # Alone (nothing split) an array is broadcast like any value.
+    assert tg.scatter({"ids": np.arange(4)}, CPU2)[1]["ids"].tolist() == [0, 1, 2, 3]
+
+
+def test_cat_items_checks_each_list_against_its_shard_size() -> None:
+    outs = [{"ids": list(range(9))}, {"ids": list(range(9))}]  # a broadcast list, never split
+    with pytest.raises(tg.BatchSizeError) as info:
+        tg.gather(outs, "cpu", {"ids": tg.cat_items()}, sizes=[5, 4])
+    assert "outputs['ids']" in str(info.value) and "split_items()" in str(info.value)
+    ok = tg.gather([{"ids": [1, 2]}, {"ids": [3]}], "cpu", {"ids": tg.cat_items()}, sizes=[2, 1])
+    assert ok == {"ids": [1, 2, 3]}
+
+
+def test_data_parallel_catches_a_per_sample_list_that_was_never_split() -> None:
+    def fn(x: torch.Tensor, ids: list[int]) -> dict[str, Any]:
+        return {"y": x, "ids": ids}
+
+    with pytest.raises(tg.BatchSizeError, match="split_items"):
+        tg.data_parallel(
+            fn,
+            (torch.zeros(9, 1), list(range(9))),
+            ["cpu"] * 2,
+            out_layout=tg.by_path({"ids": "cat_items"}),
+        )
+
+
+@pytest.mark.parametrize(
+    ("sizes", "error"),
+    [([-1, 3], ValueError), ([1.9, 1], TypeError), ([True, 1], TypeError), ("ab", TypeError)],
+)
+def test_gather_sizes_are_non_negative_ints(sizes: Any, error: type) -> None:
+    with pytest.raises(error, match="sizes"):
+        tg.gather([torch.tensor(1.0), torch.tensor(3.0)], "cpu", tg.mean(), sizes=sizes)
+
+
+def test_mean_weighted_by_sizes_adding_up_to_zero_is_an_error() -> None:
+    with pytest.raises(tg.ShapeMismatchError, match=r"outputs: mean\(\).*add up to 0"):
+        tg.gather([torch.tensor(1.0), torch.tensor(3.0)], "cpu", tg.mean(), sizes=[0, 0])
+
+
+@pytest.mark.parametrize("layout", [None, tg.cat(), tg.stack()], ids=repr)
+def test_an_unregistered_dataclass_output_says_register_dataclass(layout: Any) -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+
+    with pytest.raises(tg.LeafTypeError) as info:
+        tg.gather([Out(torch.ones(1)), Out(torch.ones(1))], "cpu", layout)
+    assert "register_dataclass" in str(info.value) and "Out" in str(info.value)
+
+
+def test_a_custom_rule_that_raises_keeps_its_type_and_names_path_and_rule() -> None:
+    outs = [{"n": torch.tensor(1.0)}, {"n": torch.tensor(2.0)}]
+    with pytest.raises(TypeError) as info:
+        tg.gather(outs, "cpu", {"n": max})
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "outputs['n']" in notes and "'max'" in notes and "f(values, device)" in notes
+
+
+@pytest.mark.parametrize("kind", ["sparse", "nested", "meta"])
+def test_tensors_scatter_cannot_split_or_place_get_typed_errors(kind: Any) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype API
+        x = {
+            "sparse": lambda: torch.randn(4, 3).to_sparse(),
+            "nested": lambda: torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)]),
+            "meta": lambda: torch.empty(4, 3, device="meta"),
+        }[kind]()
+    for _ in range(5):  # cold and through the compiled layer: never meta "shards"
+        with pytest.raises(tg.LeafTypeError, match=r"inputs\['x'\]"):
+            tg.scatter({"x": x, "y": torch.zeros(4)}, CPU2)
+
+
+def test_split_sizes_naming_fewer_shards_than_devices_use_fewer_devices() -> None:
+    # Documented in split(): explicit sizes name the shards; the remaining devices get none.
+    shards = tg.scatter(torch.arange(6), ["cpu"] * 3, tg.split(sizes=(2, 4)))
+    assert shards.sizes == (2, 4) and len(shards) == 2
+
+
+@pytest.mark.parametrize("dim", [True, 1.0, "0"])
+def test_bad_dims_are_typed_errors(dim: Any) -> None:
+    with pytest.raises(tg.ArgumentTypeError, match="dim"):
+        tg.scatter(torch.zeros(2, 2), CPU2, dim=dim)
+    with pytest.raises(tg.ArgumentTypeError, match="dim"):
+        tg.gather([torch.zeros(2, 2)] * 2, "cpu", dim=dim)

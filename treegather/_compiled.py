@@ -73,6 +73,7 @@ _LOCAL = threading.local()
 _TENSOR_LEN = getattr(getattr(torch._C, "TensorBase", None), "__len__", None)
 _IS_CPU = operator.attrgetter("is_cpu")
 _SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
 
 
 @contextlib.contextmanager
@@ -264,7 +265,7 @@ def _scatter_cpu_tensors(
     count = len(leaves)
     if not count or list(map(type, leaves)).count(Tensor) != count:
         return None
-    if accelerator_tensors_possible() and not all(map(_IS_CPU, leaves)):
+    if not all(map(_IS_CPU, leaves)):  # (a meta tensor is not on the CPU either)
         return None
     try:
         if dim == 0 and _TENSOR_LEN is not None:
@@ -278,10 +279,13 @@ def _scatter_cpu_tensors(
     n = sizes.pop()
     k = min(n, len(devs))
     split = Tensor.tensor_split  # looked up per call, as x.tensor_split would be
-    if dim:
-        columns = list(map(split, leaves, repeat(k, count), repeat(dim, count)))
-    else:
-        columns = list(map(split, leaves, repeat(k, count)))
+    try:
+        if dim:
+            columns = list(map(split, leaves, repeat(k, count), repeat(dim, count)))
+        else:
+            columns = list(map(split, leaves, repeat(k, count)))
+    except (RuntimeError, NotImplementedError):  # sparse or nested: the reference explains
+        return None
     build = st.builder(k)
     if build is not None:
         trees = build(*columns)
@@ -350,7 +354,9 @@ def _gather_seen(
         # reference steps below explain the problem.
         rows = [flat[i : i + n] for i in range(0, k * n, n)]
         with contextlib.suppress(TypeError, RuntimeError, AttributeError):
-            if flat[0].is_cpu:
+            # One dtype per leaf across replicas (torch.cat would promote silently), read in C.
+            dtypes = list(map(_DTYPE, flat))
+            if flat[0].is_cpu and dtypes[:n] * k == dtypes:
                 if dim:
                     return st.spec.unflatten([torch.cat(c, dim) for c in zip(*rows)])
                 return st.spec.unflatten(list(map(torch.cat, zip(*rows))))

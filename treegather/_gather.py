@@ -9,7 +9,9 @@ rule, unflatten. The public :func:`gather` checks its arguments and asks the com
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -17,10 +19,30 @@ import torch
 
 from . import _compiled
 from ._devices import DeviceLike, accelerator_tensors_possible, as_device
-from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError
+from ._errors import (
+    ArgumentTypeError,
+    BatchSizeError,
+    LeafTypeError,
+    ShapeMismatchError,
+    StructureMismatchError,
+    check_dim,
+)
 from ._layout import Plan, resolve
 from ._mismatch import ROOT, diagnose, is_number, structure_error, where
-from ._rules import AsList, Cat, CatItems, Custom, First, Mean, Pad, Padded, Rule, Stack, Sum
+from ._rules import (
+    AsList,
+    Cat,
+    CatItems,
+    Custom,
+    First,
+    Mean,
+    Pad,
+    Padded,
+    Rule,
+    Stack,
+    Sum,
+    fill_fits,
+)
 from ._tree import describe, flatten, is_leaf, move_tree
 
 __all__ = ["gather", "gather_reference", "gather_from", "combine", "ROOT"]
@@ -80,10 +102,37 @@ def gather(
         raise ValueError("gather needs at least one replica's output, got an empty sequence")
     target = target_device if type(target_device) is torch.device else as_device(target_device)
     if sizes is not None:
-        sizes = tuple(int(s) for s in sizes)
-        if len(sizes) != k:
-            raise ValueError(f"gather got {len(sizes)} sizes for {k} replicas: {list(sizes)}")
-    return _compiled.gather(outputs, target, layout, dim, sizes)
+        sizes = _check_sizes(sizes, k)
+    return _compiled.gather(outputs, target, layout, check_dim(dim, "gather"), sizes)
+
+
+def _check_sizes(sizes: Sequence[int], k: int) -> tuple[int, ...]:
+    """``sizes`` as a tuple of k non-negative ints (rows per replica), or a clear error."""
+    try:
+        items = list(sizes) if not isinstance(sizes, (str, bytes)) else None
+    except TypeError:
+        items = None
+    if items is None:
+        raise ArgumentTypeError(
+            f"gather: sizes must be a sequence of ints (rows per replica), got {sizes!r}"
+        )
+    out: list[int] = []
+    for r, s in enumerate(items):
+        try:
+            if isinstance(s, bool):
+                raise TypeError
+            n = operator.index(s)  # ints, numpy ints, 0-dim integer tensors; never 1.9
+        except TypeError:
+            raise ArgumentTypeError(
+                f"gather: sizes[{r}] must be an int (the rows replica {r} got), "
+                f"got {type(s).__name__} {s!r}"
+            ) from None
+        if n < 0:
+            raise ValueError(f"gather: sizes[{r}] must be >= 0 (rows of replica {r}), got {n}")
+        out.append(n)
+    if len(out) != k:
+        raise ValueError(f"gather got {len(out)} sizes for {k} replicas: {out}")
+    return tuple(out)
 
 
 def gather_reference(
@@ -152,7 +201,7 @@ def combine(
     moving = _needs_move(per_replica, target)
     cpu_only = target.type == "cpu" and not accelerator_tensors_possible()
     if moving:
-        problem = diagnose(plan, list(zip(*per_replica)), dim, None)
+        problem = diagnose(plan, list(zip(*per_replica)), dim, None, sizes)
         if problem is not None:
             raise problem
     try:
@@ -163,7 +212,7 @@ def combine(
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
         if isinstance(exc, (StructureMismatchError, ShapeMismatchError, LeafTypeError)):
             raise
-        err = diagnose(plan, list(zip(*per_replica)), dim, exc)
+        err = diagnose(plan, list(zip(*per_replica)), dim, exc, sizes)
         if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
             raise
         raise err from exc
@@ -187,12 +236,22 @@ def _needs_move(per_replica: list[list[Any]], target: torch.device) -> bool:
     return False
 
 
+def _one_dtype(col: Sequence[Tensor]) -> None:
+    """Refuse per-replica tensors of several dtypes (torch would promote them: an int64 id
+    becomes a float32 that cannot hold it); ``diagnose`` names the path and each dtype."""
+    first = col[0].dtype
+    for v in col:
+        if v.dtype != first:
+            raise ValueError("per-replica tensors have different dtypes")
+
+
 def _to(values: Sequence[Tensor], target: torch.device) -> list[Tensor]:
     nb = target.type == "cuda"
     return [v if v.device == target else v.to(target, non_blocking=nb) for v in values]
 
 
 def _cat(col: Sequence[Tensor], target: torch.device, moving: bool, dim: int) -> Tensor:
+    _one_dtype(col)
     if moving:
         col = _to(col, target)
     if col[0].dim() == 0:
@@ -228,7 +287,7 @@ def _gather_default(
     """
     if moving:
         return [
-            _cat(col, target, True, dim) if isinstance(col[0], Tensor) else list(col)
+            _cat(col, target, True, dim) if isinstance(col[0], Tensor) else _as_list(col)
             for col in columns
         ]
     cat = torch.cat
@@ -243,12 +302,24 @@ def _gather_default(
             if isinstance(col[0], Tensor):  # 0-dim values, or replicas on several devices
                 append(_cat(col, target, False, dim))
             else:
-                append(list(col))
+                append(_as_list(col))
             continue
+        first = col[0].dtype
+        for v in col:
+            if v.dtype != first:
+                raise ValueError("per-replica tensors have different dtypes")
         if check and ((not r.is_cpu) if cpu else (r.get_device() != index)):
             r = r.to(target)
         append(r)
     return out
+
+
+def _as_list(col: tuple[Any, ...]) -> list[Any]:
+    """The default for non-tensors: the per-replica values; an unregistered dataclass is an
+    error (``diagnose`` names the path and hints ``register_dataclass``)."""
+    if dataclasses.is_dataclass(col[0]) and not isinstance(col[0], type):
+        raise TypeError("an unregistered dataclass output")
+    return list(col)
 
 
 def _gather_planned(
@@ -276,7 +347,7 @@ def _gather_planned(
         else:
             out.append(_leaf(rule, col, target, moving, sizes))
     for pos, group, col in deferred:
-        out[pos] = _whole(group[2], col, target, group[1])
+        out[pos] = _whole(group[2], col, target, group[1], sizes)
     return out
 
 
@@ -292,6 +363,7 @@ def _leaf(
     if isinstance(rule, (Mean, Sum)):
         return _reduce(rule, col, target, sizes)
     if isinstance(rule, Stack):
+        _one_dtype(col)
         return torch.stack(_to(col, target), rule.dim)
     if isinstance(rule, Pad):
         return _pad(rule, col, target)
@@ -302,6 +374,8 @@ def _reduce(
     rule: Rule, col: tuple[Any, ...], target: torch.device, sizes: tuple[int, ...] | None
 ) -> Any:
     if sizes is not None and builtins.sum(sizes) == 0:
+        if len(sizes) > 1:  # weights that are all zero weigh nothing: no mean to take
+            raise ValueError("mean() weighted by sizes needs sizes that add up to more than 0")
         sizes = None  # an empty batch (one empty shard): nothing to weight by
     if all(is_number(v) for v in col):
         if isinstance(rule, Sum):
@@ -309,6 +383,7 @@ def _reduce(
         if sizes is None:
             return builtins.sum(col) / len(col)
         return builtins.sum(v * s for v, s in zip(col, sizes)) / builtins.sum(sizes)
+    _one_dtype(col)
     stacked = torch.stack(_to(col, target))
     if isinstance(rule, Sum):
         return stacked.sum(0)
@@ -322,6 +397,9 @@ def _reduce(
 
 
 def _pad(rule: Pad, col: tuple[Any, ...], target: torch.device) -> Any:
+    _one_dtype(col)
+    if not fill_fits(rule.fill, col[0].dtype):
+        raise ValueError(f"pad(fill={rule.fill!r}) cannot be stored in {col[0].dtype}")
     values = _to(col, target)
     ndim = values[0].dim()
     if ndim == 0 or any(v.dim() != ndim for v in values):
@@ -348,7 +426,13 @@ def _pad(rule: Pad, col: tuple[Any, ...], target: torch.device) -> Any:
     return Padded(data, lengths)
 
 
-def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device, node: Any = None) -> Any:
+def _whole(
+    rule: Rule,
+    col: tuple[Any, ...],
+    target: torch.device,
+    node: Any = None,
+    sizes: tuple[int, ...] | None = None,
+) -> Any:
     if isinstance(rule, AsList):
         return list(col)
     if isinstance(rule, First):
@@ -367,10 +451,27 @@ def _whole(rule: Rule, col: tuple[Any, ...], target: torch.device, node: Any = N
                     f"{where(node)}cat_items() needs a list or tuple in every replica; replica {r} holds "
                     f"{describe(v)}"
                 )
+        if sizes is not None and [len(v) for v in col] != list(sizes):
+            lengths = ", ".join(f"replica {r}: {len(v)}" for r, v in enumerate(col))
+            raise BatchSizeError(
+                f"{where(node)}cat_items() got lists of {lengths} items for shards of "
+                f"{list(sizes)} rows: the items are not per sample of the shard.\nHint: split "
+                "a per-sample list with split_items() in the in-layout, so that each replica "
+                "gets (and returns) its own items; as_list() keeps per-replica values"
+            )
         items = move_tree(list(itertools.chain.from_iterable(col)), target)
         return tuple(items) if isinstance(col[0], tuple) else items
     if isinstance(rule, Custom):
-        return rule.fn(list(col), target)
+        try:
+            return rule.fn(list(col), target)
+        except Exception as exc:  # keep the user's exception, say where it came from
+            note = (
+                f"raised by the gather rule {rule.describe()} at {where(node).rstrip(': ')} "
+                "(a custom rule is called as f(values, device) with the per-replica values)"
+            )
+            if note not in getattr(exc, "__notes__", ()):
+                exc.add_note(note)
+            raise
     raise LeafTypeError(f"{rule.describe()} is not a gather rule")
 
 

@@ -6,6 +6,7 @@ devices), so clarity wins over speed; nothing recurses on tree depth.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, bullet_list
 from ._layout import Plan, display_path
-from ._rules import Cat, Mean, Pad, Stack, Sum
+from ._rules import Cat, Mean, Pad, Stack, Sum, fill_fits
 from ._tree import NAMESPACE, describe, format_path, is_leaf
 
 __all__ = ["ROOT", "structure_error", "diagnose", "is_number", "where"]
@@ -133,8 +134,22 @@ def structure_error(outputs: Sequence[Any], plan: Plan) -> StructureMismatchErro
     )
 
 
+_HINTS = {
+    "shape": "pad() concatenates tensors whose other dims differ; as_list() keeps per-replica "
+    "values",
+    "dataclass": "register output dataclasses with treegather.register_dataclass(cls) (or "
+    "@treegather.register_dataclass above @dataclass): they then come back whole",
+    "dtype": "return one dtype from every replica (cast in the model, e.g. .float() or "
+    ".long()); torch would promote them, and an int64 id does not survive float32",
+}
+
+
 def diagnose(
-    plan: Plan, columns: list[tuple[Any, ...]], dim: int, exc: BaseException | None
+    plan: Plan,
+    columns: list[tuple[Any, ...]],
+    dim: int,
+    exc: BaseException | None,
+    sizes: tuple[int, ...] | None = None,
 ) -> Exception | None:
     """Every leaf whose per-replica values do not fit its rule, as one error.
 
@@ -142,6 +157,7 @@ def diagnose(
     well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged.
     """
     problems: list[str] = []
+    hints: dict[str, None] = {}
     type_problem = False
     for pos, col in enumerate(columns):
         if plan.groups[pos] is not None:
@@ -154,6 +170,16 @@ def diagnose(
             if rule is not None
             else (f"cat(dim={dim})" if tensors[0] else "as_list()")
         )
+        classes = {type(v) for v in col if dataclasses.is_dataclass(v) and not isinstance(v, type)}
+        if classes and (rule is None or not all(tensors)):
+            names = ", ".join(sorted(c.__qualname__ for c in classes))
+            problems.append(
+                f"{where}: {names} is a dataclass treegather does not know, so {rule_name} "
+                "cannot look inside it; register it with treegather.register_dataclass"
+            )
+            hints["dataclass"] = None
+            type_problem = True
+            continue
         if rule is None and not tensors[0]:
             continue
         if isinstance(rule, (Mean, Sum)) and all(is_number(v) for v in col):
@@ -163,8 +189,30 @@ def diagnose(
             problems.append(
                 f"{where}: {rule_name} needs tensors, replica {bad} holds {describe(col[bad])}"
             )
+            hints["shape"] = None
             type_problem = True
             continue
+        dtypes = [v.dtype for v in col]
+        if len(set(dtypes)) > 1:
+            problems.append(
+                f"{where}: {rule_name} needs one dtype in every replica, got "
+                + ", ".join(f"replica {i}: {d}" for i, d in enumerate(dtypes))
+            )
+            hints["dtype"] = None
+            continue
+        if isinstance(rule, Pad) and not fill_fits(rule.fill, dtypes[0]):
+            problems.append(
+                f"{where}: {rule_name}: fill {rule.fill!r} cannot be stored in {dtypes[0]} "
+                "(padding would look like data, or be cut); pick a fill the dtype holds"
+            )
+            type_problem = True
+            continue
+        if isinstance(rule, Mean) and sizes is not None and len(sizes) > 1 and not any(sizes):
+            problems.append(
+                f"{where}: {rule_name} is weighted by sizes {list(sizes)}, which add up to 0"
+            )
+            continue
+        hints["shape"] = None
         shapes = [tuple(v.shape) for v in col]
         d = rule.dim if isinstance(rule, (Cat, Pad)) else dim
         if isinstance(rule, (Stack, Mean, Sum)):
@@ -210,7 +258,7 @@ def diagnose(
         # Nothing wrong with the data: the caller re-raises the original exception (a custom
         # rule's own ValueError stays a ValueError).
         return None
-    hint = "pad() concatenates tensors whose other dims differ; as_list() keeps per-replica values"
+    hint = "; ".join(_HINTS[h] for h in hints) or None
     cls = LeafTypeError if type_problem else ShapeMismatchError
     return cls(bullet_list(problems, hint))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -46,6 +47,7 @@ __all__ = [
     "as_list",
     "first",
     "cat_items",
+    "fill_fits",
 ]
 
 
@@ -176,7 +178,10 @@ def split(dim: int = 0, sizes: Sequence[int] | None = None) -> Split:
 
     The default for tensors of one or more dims (along the call's ``dim``). Shards follow
     ``torch.tensor_split`` (10 rows on 4 devices: 3, 3, 2, 2) unless ``sizes`` gives the rows of
-    each shard; every split leaf must agree on the batch size.
+    each shard; every split leaf must agree on the batch size. ``sizes`` names the shards: it
+    must add up to the batch size and may name fewer shards than there are devices (then only
+    the first ``len(sizes)`` devices get one, as with a batch smaller than the device count);
+    more shards than devices is an error.
 
     >>> import torch, treegather as tg
     >>> [s.shape[1] for s in tg.scatter(torch.zeros(2, 5), ["cpu"] * 2, tg.split(1, sizes=[4, 1]))]
@@ -312,6 +317,32 @@ def cat_items() -> CatItems:
     {'ids': ['a', 'b', 'c']}
     """
     return CatItems()
+
+
+def fill_fits(fill: Any, dtype: torch.dtype) -> bool:
+    """Whether ``pad(fill=...)`` can be stored in ``dtype`` exactly (no wrap, no truncation).
+
+    >>> import torch
+    >>> fill_fits(-1, torch.uint8), fill_fits(1.5, torch.int64), fill_fits(True, torch.bool)
+    (False, False, True)
+    """
+    if isinstance(fill, bool):
+        return True  # False/True are 0/1 in every dtype
+    if not isinstance(fill, numbers.Number):
+        return False
+    if dtype.is_complex:
+        return True
+    if isinstance(fill, complex):
+        return False
+    if dtype.is_floating_point:
+        return True
+    value = float(fill)  # type: ignore[arg-type]
+    if not value.is_integer():  # 1.5, nan, inf
+        return False
+    if dtype == torch.bool:
+        return value in (0.0, 1.0)
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max
 
 
 SHORTHANDS: dict[str, Callable[[int], Rule]] = {

@@ -16,7 +16,7 @@ import torch
 
 from . import _compiled
 from ._devices import DeviceLike, as_devices
-from ._errors import BatchSizeError, LeafTypeError, bullet_list
+from ._errors import BatchSizeError, LeafTypeError, bullet_list, check_dim
 from ._layout import Plan, display_path, resolve
 from ._rules import Broadcast, Split
 from ._tree import describe, flatten, move_tree
@@ -87,7 +87,9 @@ def scatter(
     >>> [s["x"].tolist() for s in shards], shards.sizes, shards[3]["scale"]
     ([[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]], (3, 3, 2, 2), 2.0)
     """
-    return _compiled.scatter(inputs, as_devices(devices), layout, dim, "inputs")
+    return _compiled.scatter(
+        inputs, as_devices(devices), layout, check_dim(dim, "scatter"), "inputs"
+    )
 
 
 def scatter_kwargs(
@@ -115,6 +117,7 @@ def scatter_kwargs(
     if not isinstance(args, tuple):
         args = tuple(args)
     kw = {} if kwargs is None else dict(kwargs)
+    dim = check_dim(dim, "scatter_kwargs")
     shards = _compiled.scatter((args, kw), as_devices(devices), layout, dim, None)
     return (
         Shards([s[0] for s in shards], shards.sizes, shards.devices),
@@ -151,7 +154,7 @@ def place(
     ``inputs`` again. Nothing is split or moved unless every position is valid.
     """
     up = leaves if plan.up_spec is plan.spec else plan.up_spec.flatten_up_to(inputs)
-    cuts = _validate(up, plan, dim, root)
+    cuts = _validate(up, plan, dim, root, devs)
     sizes = _shard_sizes(cuts, len(devs))
     k = len(devs) if sizes is None else len(sizes)
     columns = _cut(up, cuts, sizes, k)
@@ -168,16 +171,30 @@ class _Cuts(NamedTuple):
     explicit: dict[tuple[int, ...], list[int]]
 
 
-def _validate(up: list[Any], plan: Plan, dim: int, root: str | None) -> _Cuts:
+def _validate(
+    up: list[Any], plan: Plan, dim: int, root: str | None, devs: tuple[torch.device, ...]
+) -> _Cuts:
     """Pass 1: classify every position and report every problem, before any tensor is touched."""
     cuts = _Cuts([], [], {}, {})
     problems: list[str] = []
     type_problem = False
+    arrays: list[int] = []  # array-likes broadcast by default: wrong only next to split data
+    meta_ok = all(d.type == "meta" for d in devs)
     for pos, x in enumerate(up):
-        found = _classify(pos, x, plan, dim, root, cuts)
-        if found is not None:
+        found = _classify(pos, x, plan, dim, root, cuts, meta_ok)
+        if found is _ARRAY:
+            arrays.append(pos)
+        elif found is not None:
             problems.append(found[0])
             type_problem = type_problem or found[1]
+    if cuts.lengths and arrays:
+        type_problem = True
+        problems.extend(
+            f"{display_path(plan.node_of(pos), root)}: {describe(up[pos])} would be sent whole "
+            "to every device while the batch is split; convert it with torch.as_tensor (then it "
+            "is split too) or mark it broadcast() in the layout"
+            for pos in arrays
+        )
 
     def where(positions: list[int]) -> str:
         shown = ", ".join(display_path(plan.node_of(p), root) for p in positions[:3])
@@ -202,8 +219,11 @@ def _validate(up: list[Any], plan: Plan, dim: int, root: str | None) -> _Cuts:
     return cuts
 
 
+_ARRAY: Any = ("array", True)  # marker: an array-like leaf the default rule broadcasts
+
+
 def _classify(
-    pos: int, x: Any, plan: Plan, dim: int, root: str | None, cuts: _Cuts
+    pos: int, x: Any, plan: Plan, dim: int, root: str | None, cuts: _Cuts, meta_ok: bool
 ) -> tuple[str, bool] | None:
     """Record position ``pos`` in ``cuts``; a problem (message, is-a-type-problem) or None."""
 
@@ -217,6 +237,11 @@ def _classify(
         cuts.lengths.setdefault(len(x), []).append(pos)
         return None
     rule = plan.rules[pos]
+    if isinstance(x, Tensor) and x.is_meta and not meta_ok:
+        return (
+            f"{where()}: {describe(x)} is a meta tensor: it holds no data to place on a device",
+            True,
+        )
     if rule is None:
         if not isinstance(x, Tensor):
             return _sent_whole(x, where)
@@ -238,6 +263,13 @@ def _classify(
             cuts.explicit.setdefault(rule.sizes, []).append(pos)
     else:
         raise AssertionError(rule)
+    if x.layout != torch.strided or x.is_nested:
+        kind = "nested" if x.is_nested else str(x.layout).replace("torch.", "")
+        return (
+            f"{where()}: split needs a dense (strided) tensor, got a {kind} tensor "
+            f"{describe(x)}; convert it with .to_dense() (or torch.nested.to_padded_tensor), "
+            "or mark it broadcast() in the layout"
+        ), True
     nd = x.dim()
     if not -nd <= d < nd or nd == 0:
         return f"{where()}: cannot split along dim {d}: {describe(x)}", False
@@ -247,7 +279,13 @@ def _classify(
 
 
 def _sent_whole(x: Any, where: Callable[[], str]) -> tuple[str, bool] | None:
-    """A leaf the default rule would broadcast although it may hold the batch: a problem."""
+    """A leaf the default rule would broadcast although it may hold the batch: a problem.
+
+    Unregistered dataclasses, dict/list subclasses, and any other mapping or sequence holding
+    tensors (``collections.UserDict`` -- the shape of transformers' ``BatchEncoding`` --, a
+    tuple subclass) are refused; numpy arrays of >= 1 dim are refused next to split data
+    (``_ARRAY``). Strings, numbers and containers of plain values are broadcast.
+    """
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (
             f"{where()}: {type(x).__qualname__} is a dataclass treegather does not know, so it "
@@ -263,6 +301,16 @@ def _sent_whole(x: Any, where: Callable[[], str]) -> tuple[str, bool] | None:
             "it would be sent whole to every device; register it with treegather.register_node "
             "(or mark it broadcast() in the layout)"
         ), True
+    if isinstance(x, (Mapping, Sequence)) and not isinstance(x, (str, bytes)):
+        values = x.values() if isinstance(x, Mapping) else x
+        if any(isinstance(v, Tensor) for v in values):
+            return (
+                f"{where()}: {type(x).__qualname__} is a container treegather does not know "
+                "and it holds tensors, so it would be sent whole to every device; register it "
+                "with treegather.register_node (or mark it broadcast() in the layout)"
+            ), True
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", 0) >= 1:
+        return _ARRAY
     return None
 
 

@@ -396,6 +396,8 @@ def format_path(root: str, path: Sequence[tuple[Any, str]]) -> str:
 def describe(value: Any) -> str:
     """A short description of a leaf for error messages: shape/dtype/device or type."""
     if isinstance(value, torch.Tensor):
+        if value.is_nested:  # a nested tensor has no single shape
+            return f"nested Tensor(dtype={value.dtype}, device={value.device})"
         return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
     text = repr(value)
     if len(text) > 60:
