@@ -45,7 +45,8 @@ def _describe_node(x: Any) -> str:
         children, _, _, _ = optree.tree_flatten_one_level(x, namespace=NAMESPACE)
     except ValueError:
         return describe(x)
-    return f"a {type(x).__qualname__} of {len(children)} item(s)"
+    name = type(x).__qualname__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name} of {len(children)} item(s)"
 
 
 def _diff(a: Any, b: Any, r: int, out: list[str]) -> None:
