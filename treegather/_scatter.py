@@ -8,7 +8,6 @@ every leaf, cut, place on devices. The public :func:`scatter` asks the compiled 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -125,11 +124,14 @@ def scatter_kwargs(
     )
 
 
-@functools.lru_cache(maxsize=256)
 def balanced(n: int, k: int) -> tuple[int, ...]:
-    """Rows per shard when ``n`` rows are split ``k`` ways, in ``torch.tensor_split`` order."""
+    """Rows per shard when ``n`` rows are split ``k`` ways, in ``torch.tensor_split`` order.
+
+    >>> balanced(10, 4)
+    (3, 3, 2, 2)
+    """
     base, extra = divmod(n, k)
-    return tuple(base + (1 if i < extra else 0) for i in range(k))
+    return (base + 1,) * extra + (base,) * (k - extra)
 
 
 def scatter_reference(
