@@ -157,7 +157,7 @@ class Structure:
         return spec
 
     def plan(
-        self, layout: Any, phase: str, dim: int, root: str | None, leaves: list[Any]
+        self, layout: Any, phase: str, dim: int, root: str | None, leaves: list[Any], n: int
     ) -> tuple[Plan, bool]:
         """The plan (resolved once per equal layout) and whether every leaf is a >= 1-dim tensor."""
         last = self.last
@@ -168,7 +168,7 @@ class Structure:
         key = (phase, root, type(dim), dim, type(layout), layout if plain else layout_key(layout))
         found = self.plans.get(key)
         if found is None:
-            found = (resolve(self.spec, layout, phase, dim, root), _all_batched(leaves))
+            found = (resolve(self.spec, layout, phase, dim, root), _all_batched(leaves[:n]))
             if len(self.plans) >= _PLANS_PER_STRUCTURE:
                 self.plans.clear()
             self.plans[key] = found
@@ -247,8 +247,8 @@ def scatter(
     if st is None:
         plan = resolve(spec, layout, "scatter", dim, root)
     else:
-        plan, _ = st.plan(layout, "scatter", dim, root, leaves)
-        if plan.default_only and all(d.type == "cpu" for d in devs):
+        plan, _ = st.plan(layout, "scatter", dim, root, leaves, len(leaves))
+        if plan.default_only and [d.type for d in devs].count("cpu") == len(devs):
             fast = _scatter_cpu_tensors(leaves, st, devs, dim)
             if fast is not None:
                 return fast
@@ -308,20 +308,24 @@ def gather(
     """:func:`treegather.gather` for a structure seen before; the reference steps otherwise."""
     if getattr(_LOCAL, "off", False):
         return _g.gather_reference(outputs, target, layout, dim, sizes)
-    st = find(outputs[0])
     k = len(outputs)
-    if st is not None:
-        if k == 1 or all(map(st.guard, outputs[1:])):
-            flat: list[Any] = st.list_spec(k).flatten_up_to(outputs)  # type: ignore[arg-type]
-            n = st.spec.num_leaves
-            if st.leaves_ok(flat):
-                st.seen()
-                return _gather_seen(st, outputs, flat, n, target, layout, dim, sizes)
+    bucket = _STRUCTURES.get(type(outputs[0]))
+    if bucket:
+        version = _tree.registry_version()
+        for st in bucket:
+            # Every replica has exactly this structure (replica 0 first: a miss stops at once).
+            if st.version == version and all(map(st.guard, outputs)):
+                spec_k = st.list_specs.get(k) or st.list_spec(k)
+                flat: list[Any] = spec_k.flatten_up_to(outputs)  # (cannot fail after the guards)
+                if st.leaves_ok(flat):
+                    st.seen()
+                    return _gather_seen(st, outputs, flat, target, layout, dim, sizes)
+                break
     leaves0, st, spec0 = recognise(outputs[0])
     if st is None:
         plan = resolve(spec0, layout, "gather", dim, _g.ROOT)
     else:
-        plan, _ = st.plan(layout, "gather", dim, _g.ROOT, leaves0)
+        plan, _ = st.plan(layout, "gather", dim, _g.ROOT, leaves0, len(leaves0))
     # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
     # mismatch), or a structure not seen before: the reference steps.
     return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
@@ -331,7 +335,6 @@ def _gather_seen(
     st: Structure,
     outputs: list[Any],
     flat: list[Any],
-    n: int,
     target: torch.device,
     layout: Any,
     dim: int,
@@ -339,7 +342,8 @@ def _gather_seen(
 ) -> Any:
     """Every replica has exactly ``st``'s structure; ``flat`` holds their leaves, n per replica."""
     k = len(outputs)
-    plan, all_batched = st.plan(layout, "gather", dim, _g.ROOT, flat[:n])
+    n = st.spec.num_leaves
+    plan, all_batched = st.plan(layout, "gather", dim, _g.ROOT, flat, n)
     if plan.up_spec is not st.spec:  # whole-value groups: the reference steps take them
         return _g.gather_from(outputs, flat[:n], plan, target, dim, sizes)
     if (
