@@ -21,6 +21,8 @@ example for ``MAIN_EXAMPLES = 520`` examples (1,040 trees, checked by the test i
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -29,12 +31,14 @@ import corpus
 import optree
 import pytest
 import torch
+import torch.utils._pytree as torch_pytree
 from corpus import Batch, FrozenSample, MarkedStatic, Point, Sample, Tagged, assert_tree_equal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treegather as tg
 from treegather import _compiled
+from treegather._rules import Pad
 
 MAIN_EXAMPLES = 520
 THREAD_EXAMPLES = 60
@@ -91,7 +95,30 @@ def assert_same(actual: Outcome, expected: Outcome, context: str) -> None:
 
 DTYPES = (torch.float32, torch.int64, torch.bool)
 STATICS = ("train", 1, True, 1.0, 0, False)
-PAIRS = {"point": Point, "batch": Batch, "sample": Sample, "frozen": FrozenSample}
+
+
+@dataclasses.dataclass
+class TorchPair:
+    """A class registered only with torch's pytree (as transformers registers ``ModelOutput``)."""
+
+    first: Any
+    second: Any
+
+
+torch_pytree.register_pytree_node(
+    TorchPair,
+    lambda p: ([p.first, p.second], ["first", "second"]),
+    lambda children, names: TorchPair(*children),
+)
+
+PAIRS = {
+    "point": Point,
+    "batch": Batch,
+    "sample": Sample,
+    "frozen": FrozenSample,
+    "torch": TorchPair,
+}
+FIELDS = {"point": Point._fields, "batch": Batch._fields, "torch": ("first", "second")}
 
 
 def custom_rule(values: list[Any], device: torch.device) -> Any:
@@ -147,7 +174,7 @@ def paths(bp: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     elif kind in ("list", "tuple"):
         named = [(str(i), c) for i, c in enumerate(bp[1])]
     elif kind in PAIRS:
-        fields = {"point": Point._fields, "batch": Batch._fields}.get(kind, ("image", "label"))
+        fields = FIELDS.get(kind, ("image", "label"))
         named = list(zip(fields, bp[1]))
     elif kind in ("tagged", "marked"):
         named = [("data", bp[1])]
@@ -158,19 +185,54 @@ def paths(bp: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     return out
 
 
-def reverse_statics(bp: Any, swap: list[tuple[Any, Any]]) -> Any:
-    """``bp`` with every static field value replaced through ``swap``, ``(old, new)`` pairs
-    matched type-aware (a dict would merge ``1``, ``True`` and ``1.0`` into one key)."""
+class Key(str, enum.Enum):
+    """A str-enum dict key: equal to (and hashed as) the plain string ``"a"``."""
+
+    A = "a"
+
+
+# Values Python's == merges, each replaced by another of its class (old, new): matched by type
+# and value (a dict of them would merge its own keys).
+EQUAL_VALUES: list[tuple[Any, Any]] = [
+    (1, True),
+    (True, 1.0),
+    (1.0, 1),
+    (0, False),
+    (False, 0),
+    ("a", Key.A),
+    (Key.A, "a"),
+]
+
+
+def swap_equal(value: Any) -> Any:
+    """``value`` replaced by an equal value of another type (``1`` -> ``True``), if it has one."""
+    return next(
+        (new for old, new in EQUAL_VALUES if type(old) is type(value) and old == value), value
+    )
+
+
+def swap_equal_bp(bp: Any) -> Any:
+    """``bp`` with static fields and dict keys swapped through :data:`EQUAL_VALUES`."""
     kind = bp[0]
     if kind == "dict":
-        return ("dict", tuple((k, reverse_statics(c, swap)) for k, c in bp[1]))
+        return ("dict", tuple((swap_equal(k), swap_equal_bp(c)) for k, c in bp[1]))
     if kind in ("list", "tuple") or kind in PAIRS:
-        return (kind, tuple(reverse_statics(c, swap) for c in bp[1]))
+        return (kind, tuple(swap_equal_bp(c) for c in bp[1]))
     if kind in ("tagged", "marked"):
-        value = bp[2]
-        new = next((v for k, v in swap if type(k) is type(value) and k == value), value)
-        return (kind, reverse_statics(bp[1], swap), new)
+        return (kind, swap_equal_bp(bp[1]), swap_equal(bp[2]))
     return bp
+
+
+def swap_equal_layout(layout: Any) -> Any:
+    """``layout`` with ints, bools, floats and ``pad``'s fill swapped through :data:`EQUAL_VALUES`."""
+    if isinstance(layout, tg.ByPath):
+        patterns = {p: swap_equal_layout(r) for p, _, r in layout.patterns}
+        return tg.by_path(patterns, swap_equal_layout(layout.default))
+    if isinstance(layout, Pad):
+        return dataclasses.replace(layout, fill=swap_equal(layout.fill))
+    if type(layout) in (dict, list, tuple):
+        return optree.tree_map(swap_equal_layout, layout, none_is_leaf=True)
+    return swap_equal(layout) if type(layout) in (int, bool, float) else layout
 
 
 def _leaf() -> st.SearchStrategy[Any]:
@@ -194,7 +256,7 @@ def _leaf() -> st.SearchStrategy[Any]:
 
 
 KINDS = ("dict", "dict", "list", "tuple", *sorted(PAIRS), "tagged", "marked")
-KEYS = st.one_of(st.sampled_from(["a", "b", "c", "loss", "x"]), st.integers(0, 3))
+KEYS = st.one_of(st.sampled_from(["a", "b", "c", "loss", "x", Key.A]), st.integers(0, 3))
 
 
 def _node(kind: str, kids: list[Any], keys: list[Any], static: Any) -> Any:
@@ -245,6 +307,7 @@ GATHER_RULES: list[Any] = [
     tg.sum(),
     tg.pad(),
     tg.pad(fill=-1, lengths=True),
+    tg.pad(fill=1),
     tg.as_list(),
     tg.first(),
     tg.first(check=True),
@@ -314,43 +377,73 @@ class Case(NamedTuple):
         return tg.gather(self.outputs, "cpu", self.gather_layout, dim=self.dim, sizes=self.sizes)
 
 
+class Params(NamedTuple):
+    """What :func:`params` draws besides the blueprint (reused for a variant of the same tree)."""
+
+    batch: int
+    replica_batches: list[int]
+    reverse_one: bool
+    mismatch: str | None
+    scatter_layout: Any
+    gather_layout: Any
+    dim: int
+    pass_sizes: bool
+
+
 @st.composite
-def cases(draw: st.DrawFn, bp: Any, name: str) -> Case:
-    batch = draw(st.integers(1, 5))
+def params(draw: st.DrawFn, bp: Any) -> Params:
     k = draw(st.integers(1, 3))
-    replica_batches = draw(st.lists(st.integers(1, 3), min_size=k, max_size=k))
-    reverse_one = draw(st.integers(0, 4)) == 0  # replica 1's dicts in another key order
-    outputs = [
-        build(bp, b, r, reverse=reverse_one and r == 1) for r, b in enumerate(replica_batches)
-    ]
-    if draw(st.integers(0, 5)) == 0:  # the last replica differs: a mismatch to report
-        how = draw(st.sampled_from(["atom", "list", "none"]))
-        outputs[-1] = build(perturb(bp, how), replica_batches[-1], k - 1)
-    return Case(
-        name=name,
-        tree=build(bp, batch),
-        devices=["cpu"] * k,
+    return Params(
+        batch=draw(st.integers(1, 5)),
+        replica_batches=draw(st.lists(st.integers(1, 3), min_size=k, max_size=k)),
+        reverse_one=draw(st.integers(0, 4)) == 0,  # replica 1's dicts in another key order
+        # The last replica differs (a mismatch to report) one time in six.
+        mismatch=draw(st.sampled_from([None] * 15 + ["atom", "list", "none"])),
         scatter_layout=draw(layouts(bp, SCATTER_RULES)),
-        outputs=outputs,
         gather_layout=draw(layouts(bp, GATHER_RULES)),
         dim=draw(st.sampled_from([0, 0, 0, 0, 1, -1])),
-        sizes=tuple(replica_batches) if draw(st.booleans()) else None,
+        pass_sizes=draw(st.booleans()),
+    )
+
+
+def make_case(bp: Any, name: str, p: Params) -> Case:
+    k = len(p.replica_batches)
+    outputs = [
+        build(bp, b, r, reverse=p.reverse_one and r == 1) for r, b in enumerate(p.replica_batches)
+    ]
+    if p.mismatch is not None:
+        outputs[-1] = build(perturb(bp, p.mismatch), p.replica_batches[-1], k - 1)
+    return Case(
+        name=name,
+        tree=build(bp, p.batch),
+        devices=["cpu"] * k,
+        scatter_layout=p.scatter_layout,
+        outputs=outputs,
+        gather_layout=p.gather_layout,
+        dim=p.dim,
+        sizes=tuple(p.replica_batches) if p.pass_sizes else None,
     )
 
 
 @st.composite
 def case_pairs(draw: st.DrawFn) -> tuple[Case, Case]:
     """Two cases to alternate: B is unrelated to A, A with its dicts' keys reversed, or A with
-    its static fields swapped between values Python's ``==`` merges."""
+    its static fields, dict keys and layout values swapped for values Python's ``==`` merges
+    with them (``1`` and ``True``, ``"a"`` and a str enum), under the same layouts."""
     bp_a = draw(BLUEPRINTS)
-    how = draw(st.sampled_from(["other", "reversed", "statics"]))
+    p_a = draw(params(bp_a))
+    how = draw(st.sampled_from(["other", "reversed", "equal"]))
     if how == "other":
         bp_b = draw(BLUEPRINTS)
-    elif how == "reversed":
+        return make_case(bp_a, "A", p_a), make_case(bp_b, "B(other)", draw(params(bp_b)))
+    if how == "reversed":
         bp_b = _reversed(bp_a)
-    else:
-        bp_b = reverse_statics(bp_a, [(1, True), (True, 1.0), (1.0, 1), (0, False), (False, 0)])
-    return draw(cases(bp_a, "A")), draw(cases(bp_b, f"B({how})"))
+        return make_case(bp_a, "A", p_a), make_case(bp_b, "B(reversed)", draw(params(bp_b)))
+    p_b = p_a._replace(
+        scatter_layout=swap_equal_layout(p_a.scatter_layout),
+        gather_layout=swap_equal_layout(p_a.gather_layout),
+    )
+    return make_case(bp_a, "A", p_a), make_case(swap_equal_bp(bp_a), "B(equal)", p_b)
 
 
 def perturb(bp: Any, how: str) -> Any:
@@ -477,6 +570,40 @@ def test_differential_threads(pair: tuple[Case, Case]) -> None:
     assert len(seen) == THREADS * WARM_CALLS * 2 * len(OPS)
     for name, op, outcome in seen:
         assert_same(outcome, expected[name][op], f"{op} {name} in a thread")
+
+
+# ------------------------------------------------------------------------------ recognition
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [c.tree for c in corpus.CASES] + [TorchPair(torch.zeros(4, 2), {"x": torch.zeros(4)})],
+    ids=[*corpus.CASE_IDS, "torch_pytree_node"],
+)
+def test_a_structure_is_recognised_from_its_second_call(tree: Any) -> None:
+    """A structure seen before is recognised: one :class:`~treegather._compiled.Structure`,
+    found again on every later call. Otherwise the structure never takes the compiled path, and
+    each call learns it anew (evicting other structures with its root type)."""
+    found = [_compiled.recognise(tree)[1] for _ in range(WARM_CALLS)]
+    assert found[0] is None  # a first sighting is only counted
+    assert found[1] is not None
+    assert [s is found[1] for s in found[1:]] == [True] * (WARM_CALLS - 1)
+    assert found[1].hits == WARM_CALLS - 2
+
+
+# ------------------------------------------------ minimal cases the differential property found
+
+
+def test_warm_gather_explains_a_dim_out_of_range_as_a_cold_call_does() -> None:
+    """``gather(..., dim=1)`` of 1-dim tensors is a :class:`ShapeMismatchError` naming the leaf,
+    on every call: not torch's bare ``IndexError`` once the structure is known."""
+    outs = [torch.zeros(3), torch.zeros(2)]
+    messages = []
+    for _ in range(WARM_CALLS):
+        with pytest.raises(tg.ShapeMismatchError) as info:
+            tg.gather(outs, "cpu", dim=1)
+        messages.append(str(info.value))
+    assert messages == [messages[0]] * WARM_CALLS
 
 
 # --------------------------------------------------------------------------------- corpus

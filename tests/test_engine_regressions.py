@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import gc
 import weakref
 from typing import Any
@@ -116,6 +117,39 @@ def test_static_field_keeps_its_type_after_an_equal_value_was_cached(value: Any)
     assert [s.name for s in shards] == [value] * 2
     out = tg.gather([Tagged(data, name=value)] * 2, "cpu")
     assert type(out.name) is type(value) and out.name == value
+
+
+class StrKey(str, enum.Enum):
+    A = "a"
+
+
+@pytest.mark.parametrize(
+    ("cached", "key"), [(1, True), (1, 1.0), (0, False), ("a", StrKey.A)], ids=repr
+)
+def test_dict_key_keeps_its_type_after_an_equal_key_was_cached(cached: Any, key: Any) -> None:
+    """``{True: x}`` after ``{1: x}`` was cached comes back with the key ``True``, as cold.
+
+    (The same stale answer as a static field's: dict keys compared with ``==``.)
+    """
+    data = torch.arange(4.0)
+    for _ in range(WARM):
+        tg.scatter({cached: data}, CPU2)
+        tg.gather([{cached: data}] * 2, "cpu")
+    shards = tg.scatter({key: data}, CPU2)
+    assert [type(k) for s in shards for k in s] == [type(key)] * 2
+    out = tg.gather([{key: data}] * 2, "cpu")
+    assert [type(k) for k in out] == [type(key)]
+
+
+def test_rule_layout_keeps_its_fields_after_an_equal_rule_was_cached() -> None:
+    """A plan cached for ``pad(fill=1)`` does not answer for ``pad(fill=True)``: the error names
+    the rule the call gave, as a cold call does."""
+    outs = [{"a": "x"}, {"a": "y"}]
+    for _ in range(WARM):
+        with pytest.raises(tg.TreegatherError, match=r"pad\(fill=1\)"):
+            tg.gather(outs, "cpu", tg.pad(fill=1))
+    with pytest.raises(tg.TreegatherError, match=r"pad\(fill=True\)"):
+        tg.gather(outs, "cpu", tg.pad(fill=True))
 
 
 @pytest.mark.parametrize("phase", ["scatter", "gather"])
