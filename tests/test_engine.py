@@ -425,25 +425,56 @@ def make_case(bp: Any, name: str, p: Params) -> Case:
     )
 
 
+def batched_only(bp: Any) -> Any:
+    """``bp`` with every leaf a batched tensor (``None`` nodes kept): the per-step case, which
+    the compiled layer runs without the reference steps once the structure is known."""
+    kind = bp[0]
+    if kind == "tensor":
+        return ("tensor", bp[1], True, bp[3], bp[4])
+    if kind == "atom":
+        return ("tensor", torch.float32, True, (), 7)
+    if kind == "dict":
+        return ("dict", tuple((k, batched_only(c)) for k, c in bp[1]))
+    if kind in ("list", "tuple") or kind in PAIRS:
+        return (kind, tuple(batched_only(c) for c in bp[1]))
+    if kind in ("tagged", "marked"):
+        return (kind, batched_only(bp[1]), bp[2])
+    return bp
+
+
+@st.composite
+def blueprint_and_params(draw: st.DrawFn, plain: bool) -> tuple[Any, Params]:
+    bp = draw(BLUEPRINTS)
+    if not plain:
+        return bp, draw(params(bp))
+    bp = batched_only(bp)
+    p = draw(params(bp))
+    return bp, p._replace(scatter_layout=None, gather_layout=None, dim=0, mismatch=None)
+
+
 @st.composite
 def case_pairs(draw: st.DrawFn) -> tuple[Case, Case]:
     """Two cases to alternate: B is unrelated to A, A with its dicts' keys reversed, or A with
     its static fields, dict keys and layout values swapped for values Python's ``==`` merges
-    with them (``1`` and ``True``, ``"a"`` and a str enum), under the same layouts."""
-    bp_a = draw(BLUEPRINTS)
-    p_a = draw(params(bp_a))
+    with them (``1`` and ``True``, ``"a"`` and a str enum), under the same layouts.
+
+    One pair in three is "plain" (batched tensors only, default layouts, ``dim=0``): the per-step
+    case the compiled layer runs on its own, without the reference steps.
+    """
+    plain = draw(st.integers(0, 2)) == 0
+    bp_a, p_a = draw(blueprint_and_params(plain))
+    a = make_case(bp_a, "A", p_a)
     how = draw(st.sampled_from(["other", "reversed", "equal"]))
     if how == "other":
-        bp_b = draw(BLUEPRINTS)
-        return make_case(bp_a, "A", p_a), make_case(bp_b, "B(other)", draw(params(bp_b)))
+        bp_b, p_b = draw(blueprint_and_params(plain))
+        return a, make_case(bp_b, "B(other)", p_b)
     if how == "reversed":
-        bp_b = _reversed(bp_a)
-        return make_case(bp_a, "A", p_a), make_case(bp_b, "B(reversed)", draw(params(bp_b)))
+        return a, make_case(_reversed(bp_a), "B(reversed)", p_a)
     p_b = p_a._replace(
         scatter_layout=swap_equal_layout(p_a.scatter_layout),
         gather_layout=swap_equal_layout(p_a.gather_layout),
     )
-    return make_case(bp_a, "A", p_a), make_case(swap_equal_bp(bp_a), "B(equal)", p_b)
+    return a, make_case(swap_equal_bp(bp_a), "B(equal)", p_b)
 
 
 def perturb(bp: Any, how: str) -> Any:
