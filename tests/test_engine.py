@@ -9,8 +9,16 @@ sizes) or the same error type with the same message:
 - warm (the same structure ``COMPILE_AFTER + 2`` times, so guards and builders are compiled),
 - after other structures with the same root type (each leaf in turn replaced by a list),
 - with two structures alternating (an unrelated tree, the same tree with every dict's keys in
-  reverse order, or with static fields swapped among ``True``, ``1``, ``1.0``, ...),
+  reverse order, or with static fields, dict keys and layout values swapped for values ``==``
+  merges with them: ``1``/``True``/``1.0``, ``"a"``/a str enum, ``pad(fill=1)``/``fill=True``),
 - from four threads at once.
+
+Trees mix dicts (str, str-enum and int keys in random insertion order), lists, tuples,
+namedtuples, registered dataclasses (one frozen, two with a static field), a class registered
+only with torch's pytree, ``None``, strings and Python numbers, and float32/int64/bool tensors
+sharing a batch dim (some 0-dim); a third of the pairs are the per-step case (batched tensors
+only, default layouts). Layouts: ``None``, one rule, :func:`treegather.by_path` patterns (exact,
+``*``, ``**``) and prefix trees, drawn from every scatter and gather rule and some invalid ones.
 
 Trees per run (``ci`` profile, derandomized): :func:`test_differential` draws 2 trees per
 example for ``MAIN_EXAMPLES = 520`` examples (1,040 trees, checked by the test itself), and
@@ -78,9 +86,30 @@ def assert_same(actual: Outcome, expected: Outcome, context: str) -> None:
         assert actual.message == expected.message, f"{context}: messages differ"
         return
     assert_tree_equal(actual.value, expected.value, context)
+    # assert_tree_equal compares dict keys with ==, which takes {True: x} for {1: x}.
+    assert typed_keys(actual.value) == typed_keys(expected.value), f"{context}: dict key types"
     if isinstance(expected.value, tg.Shards):
         assert actual.value.sizes == expected.value.sizes, f"{context}: sizes"
         assert actual.value.devices == expected.value.devices, f"{context}: devices"
+
+
+def typed_keys(tree: Any) -> list[tuple[type, Any]]:
+    """Every dict key in ``tree`` with its type, in order (containers walked as
+    :func:`corpus.assert_tree_equal` walks them, not through treegather)."""
+    out: list[tuple[type, Any]] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            continue
+        if isinstance(node, dict):
+            out.extend((type(k), k) for k in node)
+            stack.extend(reversed(list(node.values())))
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            stack.extend(reversed([getattr(node, f.name) for f in dataclasses.fields(node)]))
+        elif isinstance(node, (list, tuple)):
+            stack.extend(reversed(node))
+    return out
 
 
 # ------------------------------------------------------------------------------ blueprints
@@ -373,6 +402,16 @@ class Case(NamedTuple):
     def scatter(self) -> Any:
         return tg.scatter(self.tree, self.devices, self.scatter_layout, dim=self.dim)
 
+    def scatter_kwargs(self) -> Any:
+        """The tree as one positional and one keyword argument (paths start at ``0`` or
+        ``kw``: a by_path or prefix-tree layout written for the tree alone is used as ``None``)."""
+        layout = self.scatter_layout
+        if isinstance(layout, (tg.ByPath, dict, list, tuple)) or dataclasses.is_dataclass(layout):
+            layout = None
+        return tg.scatter_kwargs(
+            (self.tree,), {"kw": self.tree}, self.devices, layout, dim=self.dim
+        )
+
     def gather(self) -> Any:
         return tg.gather(self.outputs, "cpu", self.gather_layout, dim=self.dim, sizes=self.sizes)
 
@@ -511,7 +550,7 @@ def _reversed(bp: Any) -> Any:
 
 # ------------------------------------------------------------------------------ scenarios
 
-OPS = ("scatter", "gather")
+OPS = ("scatter", "scatter_kwargs", "gather")
 
 
 def expected_of(case: Case) -> dict[str, Outcome]:
