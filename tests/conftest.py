@@ -1,4 +1,5 @@
-"""Shared fixtures: one ``devices`` fixture, CPU always, CUDA when present."""
+"""Shared fixtures: one ``devices`` fixture (CPU always, CUDA when present); caches cleared
+before every test."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+import treegather
 
 settings.register_profile(
     "ci",
@@ -33,6 +36,13 @@ def _device_sets() -> list[pytest.param]:
             pytest.param([f"cuda:{i}" for i in range(n)], id=f"cuda_all{n}", marks=pytest.mark.cuda)
         )
     return params
+
+
+@pytest.fixture(autouse=True)
+def _cold_caches() -> None:
+    """Every test starts cold, as in a fresh process: no structure, plan or compiled code
+    cached by an earlier test can decide (or hide) what this one sees."""
+    treegather.clear_caches()
 
 
 @pytest.fixture(params=_device_sets())

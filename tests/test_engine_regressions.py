@@ -1,0 +1,373 @@
+"""Regression tests for issue 10's list of what broke when speed was spread through the package.
+
+One test (or a small group) per bullet of the issue's first list; each failed on the code before
+the engine rework (commit 86d809b) and passes on the one engine. The thread-pool bullet and
+``treegather.distributed`` are tested with the pool and the collectives.
+
+No timing asserts: a cost cliff shows up as work that should not happen at all (a tensor's
+``repr``, a layout resolved again), counted directly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from corpus import Tagged
+from torch import nn
+
+import treegather as tg
+from treegather import _layout
+
+try:
+    from treegather._compiled import COMPILE_AFTER
+except ImportError:  # the code before the engine rework, where these tests must fail
+    COMPILE_AFTER = 3
+
+WARM = COMPILE_AFTER + 2  # calls after which a structure's guards and builders are compiled
+CPU2 = ["cpu", "cpu"]
+
+
+def _wide(prefix: str, n: int = 100) -> dict[str, torch.Tensor]:
+    return {f"{prefix}{i}": torch.full((4, 2), float(i)) for i in range(n)}
+
+
+# -------------------------------------------------------------------------- the cost cliff
+
+
+def test_alternating_structures_never_format_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two 100-leaf dicts in turn (train/eval, a GAN step): a miss never ``repr``s a tensor.
+
+    Before: every miss asked ``flatten_up_to`` first and optree formatted the whole tree into the
+    error it raised (900x the cost of a hit).
+    """
+    calls = [0]
+    original = torch.Tensor.__repr__
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    train, evaluation = _wide("train"), _wide("eval")
+    monkeypatch.setattr(torch.Tensor, "__repr__", counting)
+    for step in range(2 * WARM):
+        tree = train if step % 2 else evaluation
+        shards = tg.scatter(tree, CPU2)
+        out = tg.gather(list(shards), "cpu")
+        assert list(out) == list(tree)
+    assert calls[0] == 0, f"Tensor.__repr__ called {calls[0]} times"
+
+
+class ReprRaises:
+    """A leaf whose repr fails (a lazy proxy, a handle to a closed resource)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr not available")
+
+
+class ReprRaisesTensor(torch.Tensor):
+    """A tensor subclass whose repr fails."""
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("repr not available")
+
+
+@pytest.mark.parametrize("kind", ["object", "tensor_subclass"])
+def test_leaf_whose_repr_raises_after_same_root_type_cached(kind: str) -> None:
+    """A valid call must not depend on which structures with its root type were seen before."""
+    for _ in range(WARM):  # another dict structure is cached and compiled
+        tg.gather(list(tg.scatter({"x": torch.zeros(4), "y": torch.ones(4)}, CPU2)), "cpu")
+    if kind == "object":
+        odd: Any = ReprRaises()
+    else:
+        odd = torch.arange(4.0).as_subclass(ReprRaisesTensor)
+    tree = {"x": torch.arange(4.0), "odd": odd}
+    for _ in range(WARM):
+        shards = tg.scatter(tree, CPU2)
+        assert [s["x"].tolist() for s in shards] == [[0.0, 1.0], [2.0, 3.0]]
+        out = tg.gather(list(shards), "cpu")
+        assert out["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        if kind == "object":
+            assert [s["odd"] is odd for s in shards] == [True, True]
+            assert out["odd"] == [odd, odd]
+        else:
+            assert type(out["odd"]) is ReprRaisesTensor
+            assert out["odd"].as_subclass(torch.Tensor).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# -------------------------------------------------------------------------- stale answers
+
+
+@pytest.mark.parametrize("value", [True, 1.0, False, 0.0])
+def test_static_field_keeps_its_type_after_an_equal_value_was_cached(value: Any) -> None:
+    """A static field passed ``True`` after ``1`` was cached comes back ``True`` (not ``1``)."""
+    cached = 0 if value in (False, 0.0) else 1
+    data = torch.arange(4.0)
+    for _ in range(WARM):
+        assert tg.scatter(Tagged(data, name=cached), CPU2)[0].name == cached
+        tg.gather([Tagged(data, name=cached)] * 2, "cpu")
+    shards = tg.scatter(Tagged(data, name=value), CPU2)
+    assert [type(s.name) for s in shards] == [type(value)] * 2
+    assert [s.name for s in shards] == [value] * 2
+    out = tg.gather([Tagged(data, name=value)] * 2, "cpu")
+    assert type(out.name) is type(value) and out.name == value
+
+
+class StrKey(str, enum.Enum):
+    A = "a"
+
+
+@pytest.mark.parametrize(
+    ("cached", "key"), [(1, True), (1, 1.0), (0, False), ("a", StrKey.A)], ids=repr
+)
+def test_dict_key_keeps_its_type_after_an_equal_key_was_cached(cached: Any, key: Any) -> None:
+    """``{True: x}`` after ``{1: x}`` was cached comes back with the key ``True``, as cold.
+
+    (The same stale answer as a static field's: dict keys compared with ``==``.)
+    """
+    data = torch.arange(4.0)
+    for _ in range(WARM):
+        tg.scatter({cached: data}, CPU2)
+        tg.gather([{cached: data}] * 2, "cpu")
+    shards = tg.scatter({key: data}, CPU2)
+    assert [type(k) for s in shards for k in s] == [type(key)] * 2
+    out = tg.gather([{key: data}] * 2, "cpu")
+    assert [type(k) for k in out] == [type(key)]
+
+
+def test_rule_layout_keeps_its_fields_after_an_equal_rule_was_cached() -> None:
+    """A plan cached for ``pad(fill=1)`` does not answer for ``pad(fill=True)``: the error names
+    the rule the call gave, as a cold call does."""
+    outs = [{"a": "x"}, {"a": "y"}]
+    for _ in range(WARM):
+        with pytest.raises(tg.TreegatherError, match=r"pad\(fill=1\)"):
+            tg.gather(outs, "cpu", tg.pad(fill=1))
+    with pytest.raises(tg.TreegatherError, match=r"pad\(fill=True\)"):
+        tg.gather(outs, "cpu", tg.pad(fill=True))
+
+
+@pytest.mark.parametrize("phase", ["scatter", "gather"])
+def test_layout_true_after_layout_one_is_an_error_as_in_a_fresh_process(phase: str) -> None:
+    """``{"a": True}`` is not a rule; a cached plan for the equal ``{"a": 1}`` must not say so."""
+    data = {"a": torch.zeros(2, 4)}
+
+    def call(layout: Any) -> Any:
+        if phase == "scatter":
+            return tg.scatter(data, CPU2, layout)
+        return tg.gather([data, data], "cpu", layout)
+
+    for _ in range(WARM):
+        call({"a": 1})
+    with pytest.raises(tg.LayoutError) as warm:
+        call({"a": True})
+    tg.clear_caches()
+    with pytest.raises(tg.LayoutError) as cold:
+        call({"a": True})
+    assert str(warm.value) == str(cold.value)
+    assert "True is not a rule" in str(cold.value)
+
+
+# -------------------------------------------------------------------- caches that let go
+
+
+def test_classes_created_per_call_are_freed() -> None:
+    """A namedtuple (and a leaf class) made inside ``forward`` each step is not kept forever.
+
+    Before: 4,000 of 4,000 such classes stayed alive after 2,000 calls.
+    """
+    namedtuples: list[weakref.ref[type]] = []
+    leaf_classes: list[weakref.ref[type]] = []
+    for i in range(2000):
+        out_type = collections.namedtuple("Out", ["logits", "extra"])
+        leaf_type = type("Handle", (), {})
+        namedtuples.append(weakref.ref(out_type))
+        leaf_classes.append(weakref.ref(leaf_type))
+        shards = tg.scatter(out_type(torch.zeros(4, 2), {"h": leaf_type()}), CPU2)
+        tg.gather(list(shards), "cpu")
+        tg.gather([{"h": leaf_type(), "x": torch.zeros(1)}] * 2, "cpu")
+        del out_type, leaf_type, shards
+        if i == 999:
+            gc.collect()
+            halfway = sum(r() is not None for r in namedtuples + leaf_classes)
+    gc.collect()
+    alive_namedtuples = sum(r() is not None for r in namedtuples)
+    alive_leaves = sum(r() is not None for r in leaf_classes)
+    bound = _caches_bound()
+    assert alive_namedtuples <= bound, f"{alive_namedtuples} of 2000 namedtuple classes alive"
+    assert alive_leaves <= bound, f"{alive_leaves} of 2000 leaf classes alive"
+    assert alive_namedtuples + alive_leaves <= halfway, "still growing after 1,000 calls"
+
+
+def _caches_bound() -> int:
+    """How many entries treegather's caches hold at most (each keeps at most one class)."""
+    from treegather._caches import caches  # (absent before the rework: the test fails above)
+
+    return sum(c.maxsize for c in caches())
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor, extra: Any = None) -> Any:
+        return {"y": self.linear(x), "extra": extra}
+
+
+def _cyclic_garbage(call: Any) -> tuple[int, list[str]]:
+    """Run ``call`` with the collector off; how many objects it left in reference cycles."""
+    gc.collect()
+    was_enabled, flags = gc.isenabled(), gc.get_debug()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        call()
+        found = gc.collect()
+        kinds = sorted({type(o).__qualname__ for o in gc.garbage})
+        return found, kinds
+    finally:
+        gc.set_debug(flags)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+
+
+def test_data_parallel_model_no_refcycles() -> None:
+    """torch's ``test_data_parallel_model_no_refcycles``, on ``treegather.DataParallel``.
+
+    Before: each new structure left a reference cycle (the key-order checker's recursive
+    closure), 20-25 objects per call.
+    """
+    model = tg.DataParallel(_Net(), device_ids=["cpu"] * 2)
+    x = torch.randn(4, 1)
+    for _ in range(WARM):
+        model(x)
+    found, kinds = _cyclic_garbage(lambda: model(x))
+    assert found == 0, f"a warm call left {found} objects in cycles: {kinds}"
+    extra = {"a": torch.zeros(4, 2), "b": [torch.zeros(4), ("tag", None)]}
+    found, kinds = _cyclic_garbage(lambda: model(x, extra))
+    assert found == 0, f"a new structure left {found} objects in cycles: {kinds}"
+
+
+# ------------------------------------------------------------------------- inline layouts
+
+
+def _count_resolutions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count plans built: ``_layout._build`` is the work ``resolve`` does for a layout (it is
+    what every path, cached or not, calls for a plan it does not have)."""
+    count = [0]
+    build = _layout._build
+
+    def counting(*args: Any) -> Any:
+        count[0] += 1
+        return build(*args)
+
+    monkeypatch.setattr(_layout, "_build", counting)
+    return count
+
+
+INLINE_LAYOUTS = {
+    "by_path": lambda name: tg.by_path({"loss": "mean"}),
+    "by_path with rules": lambda name: tg.by_path({"loss": tg.mean(), "*": tg.cat()}),
+    "prefix dict": lambda name: {"loss": "mean", name: 0},
+}
+
+
+def test_inline_layouts_are_resolved_like_hoisted_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gather(outs, "cpu", tg.by_path({...}))`` in a loop (as every example writes it), or an
+    equal prefix-tree dict each call, resolves no more than a hoisted layout: once the
+    structure is known (its second sighting), never again.
+
+    Before: ``by_path`` had no value equality, so an inline one was resolved every call.
+    """
+    count = _count_resolutions(monkeypatch)
+
+    def outputs(name: str) -> list[Any]:
+        return [{"loss": torch.tensor(float(r)), name: torch.zeros(2, 3)} for r in range(2)]
+
+    for what, make in INLINE_LAYOUTS.items():
+        per_call: dict[str, list[int]] = {"hoisted": [], "inline": []}
+        layout = make(f"hoisted_{what}")
+        hoisted, inline = outputs(f"hoisted_{what}"), outputs(f"inline_{what}")
+        for _ in range(2 * WARM):  # (two structures, each cold at its first call)
+            before = count[0]
+            tg.gather(hoisted, "cpu", layout)
+            per_call["hoisted"].append(count[0] - before)
+            before = count[0]
+            out = tg.gather(inline, "cpu", make(f"inline_{what}"))
+            per_call["inline"].append(count[0] - before)
+            assert out["loss"].item() == 0.5
+        assert per_call["inline"] == per_call["hoisted"], (what, per_call)
+        assert sum(per_call["inline"][2:]) == 0, (what, per_call)
+
+
+# ---------------------------------------------------------------------------------- depth
+
+
+def _deep(levels: int, leaf: Any) -> Any:
+    tree = leaf
+    for i in range(levels):
+        tree = {"c": tree} if i % 2 else [tree]
+    return tree
+
+
+def _bottom(tree: Any, levels: int) -> Any:
+    for i in reversed(range(levels)):
+        tree = tree["c"] if i % 2 else tree[0]
+    return tree
+
+
+def test_thousand_level_tree_scatters_and_gathers() -> None:
+    """A 1000-level tree (dict/list alternating) that optree flattens: cold and warm, no
+    ``RecursionError`` anywhere (guards, plans, paths, builders)."""
+    levels = 1000
+    tree = _deep(levels, torch.arange(6.0))
+    for call in range(WARM):
+        shards = tg.scatter(tree, CPU2)
+        assert [_bottom(s, levels).tolist() for s in shards] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        out = tg.gather(list(shards), "cpu")
+        assert _bottom(out, levels).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], call
+        assert type(out) is dict and type(out["c"]) is list
+
+
+# ----------------------------------------------------------------------------- clearing
+
+
+def _fill_caches() -> None:
+    for name in ("a", "b", "c"):
+        tree = {name: torch.zeros(4), "tag": name}
+        for _ in range(WARM):
+            tg.gather(list(tg.scatter(tree, CPU2)), "cpu")
+
+
+def test_clear_caches_empties_every_cache() -> None:
+    from treegather._caches import caches
+
+    _fill_caches()
+    assert any(len(c) for c in caches()), "nothing was cached: the test tests nothing"
+    tg.clear_caches()
+    assert {c.name: len(c) for c in caches()} == {c.name: 0 for c in caches()}
+
+
+def test_registering_a_node_clears_caches_and_is_seen_at_once() -> None:
+    from treegather._caches import caches
+
+    @dataclasses.dataclass
+    class Fresh:
+        data: Any
+
+    outs = [{"f": Fresh(torch.ones(2)), "x": torch.zeros(2)} for _ in range(2)]
+    for _ in range(WARM):  # unregistered: a leaf, gathered as a list
+        assert type(tg.gather(outs, "cpu")["f"]) is list
+    _fill_caches()
+    assert any(len(c) for c in caches()), "nothing was cached: the test tests nothing"
+    tg.register_dataclass(Fresh)
+    assert {c.name: len(c) for c in caches()} == {c.name: 0 for c in caches()}
+    out = tg.gather(outs, "cpu")
+    assert type(out["f"]) is Fresh and out["f"].data.tolist() == [1.0, 1.0, 1.0, 1.0]
