@@ -124,6 +124,8 @@ def assert_tree_equal(actual: Any, expected: Any, path: str = "x") -> None:
         assert list(actual.keys()) == list(expected.keys()), (
             f"{path}: keys {list(actual.keys())} != {list(expected.keys())}"
         )
+        # Keys that compare equal may still differ (True and 1, an enum and its value).
+        assert list(map(type, actual)) == list(map(type, expected)), f"{path}: key types differ"
         if isinstance(expected, defaultdict):
             assert actual.default_factory is expected.default_factory, f"{path}: default_factory"
         for key in expected:
@@ -138,6 +140,7 @@ def assert_tree_equal(actual: Any, expected: Any, path: str = "x") -> None:
         assert actual != actual, f"{path}: {actual!r} != nan"
         return
     assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+    assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
 
 
 # -------------------------------------------------------------------------------- the corpus

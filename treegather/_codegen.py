@@ -89,9 +89,12 @@ def _step(node: Any) -> tuple[int, Any, list[tuple[Any, Any]]] | None:
     if node is None:
         return _NONE, None, []
     if cls is dict or cls is OrderedDict:
-        return _EXACT_KEYS, tuple(node), [(key, node[key]) for key in node]
+        keys = tuple(node)
+        return _EXACT_KEYS, (keys, tuple(map(type, keys))), [(key, node[key]) for key in node]
     if cls is defaultdict:
-        return _DEFAULTDICT, (node.default_factory, tuple(node)), [(k, node[k]) for k in node]
+        keys = tuple(node)
+        factory_keys = (node.default_factory, keys, tuple(map(type, keys)))
+        return _DEFAULTDICT, factory_keys, [(k, node[k]) for k in node]
     if cls is list or cls is tuple:
         return _EXACT_LEN, len(node), list(enumerate(node))
     if cls is deque:
@@ -125,13 +128,20 @@ def _check(value: Any, kind: int, cls: type, expected: Any) -> Any:
         return _FAIL
     value = _as_any(value)  # (the type check above narrows it to ``object`` for mypy)
     if kind == _EXACT_KEYS:
-        return value if tuple(value) == expected else _FAIL
+        keys = tuple(value)
+        ok = keys == expected[0] and tuple(map(type, keys)) == expected[1]
+        return value if ok else _FAIL
     if kind == _EXACT_LEN:
         return value if len(value) == expected else _FAIL
     if kind == _EXACT_TYPE:
         return value
     if kind == _DEFAULTDICT:
-        ok = value.default_factory is expected[0] and tuple(value) == expected[1]
+        keys = tuple(value)
+        ok = (
+            value.default_factory is expected[0]
+            and keys == expected[1]
+            and tuple(map(type, keys)) == expected[2]
+        )
         return value if ok else _FAIL
     if kind == _DEQUE:
         return value if (len(value), value.maxlen) == expected else _FAIL
@@ -172,8 +182,11 @@ def interpreted_guard(steps: list[Step]) -> Guard:
     return guard
 
 
-def compiled_guard(steps: list[Step]) -> Guard:
+def compiled_guard(steps: list[Step], typed_keys: bool = True) -> Guard:
     """The same guard written out as straight-line Python (a few times faster to run).
+
+    With ``typed_keys=False`` dict keys are compared with ``==`` only (``True`` matches ``1``),
+    as optree compares two trees' structures: gather's check of replicas 1.. against replica 0.
 
     >>> spec = optree.tree_structure({"a": [1, 2], "b": None})
     >>> guard = compiled_guard(guard_steps(spec))
@@ -197,12 +210,20 @@ def compiled_guard(steps: list[Step]) -> Guard:
             continue
         lines.append(f"    if type({var}) is not {const(cls)}: return False")
         if kind == _EXACT_KEYS:
-            lines.append(f"    if tuple({var}) != {const(expected)}: return False")
+            lines.append(f"    if tuple({var}) != {const(expected[0])}: return False")
+            if typed_keys:
+                lines.append(
+                    f"    if tuple(map(type, {var})) != {const(expected[1])}: return False"
+                )
         elif kind == _EXACT_LEN:
             lines.append(f"    if len({var}) != {expected}: return False")
         elif kind == _DEFAULTDICT:
             lines.append(f"    if {var}.default_factory is not {const(expected[0])}: return False")
             lines.append(f"    if tuple({var}) != {const(expected[1])}: return False")
+            if typed_keys:
+                lines.append(
+                    f"    if tuple(map(type, {var})) != {const(expected[2])}: return False"
+                )
         elif kind == _DEQUE:
             lines.append(f"    if (len({var}), {var}.maxlen) != {const(expected)}: return False")
         elif kind == _CUSTOM:

@@ -96,6 +96,7 @@ class Structure:
     __slots__ = (
         "builders",
         "guard",
+        "guard_equal",
         "hits",
         "last",
         "leaf_types",
@@ -109,7 +110,11 @@ class Structure:
     def __init__(self, spec: PyTreeSpec, steps: list[Any], leaves: list[Any], version: int) -> None:
         self.spec = spec
         self.steps = steps
+        # guard: this exact structure, dict keys compared with their types (what a result is
+        # rebuilt from). guard_equal: keys compared with == only, as the reference compares
+        # replicas 1.. with replica 0.
         self.guard: Guard = interpreted_guard(steps)
+        self.guard_equal: Guard = self.guard
         self.leaf_types = frozenset(map(type, leaves))
         self.version = version
         self.hits = 0
@@ -124,6 +129,7 @@ class Structure:
         self.hits += 1
         if self.hits == COMPILE_AFTER:
             self.guard = compiled_guard(self.steps)
+            self.guard_equal = compiled_guard(self.steps, typed_keys=False)
 
     def leaves_ok(self, leaves: list[Any]) -> bool:
         """Every value is a leaf (``flatten_up_to`` lets a subtree or None stand in for one)."""
@@ -313,8 +319,12 @@ def gather(
     if bucket:
         version = _tree.registry_version()
         for st in bucket:
-            # Every replica has exactly this structure (replica 0 first: a miss stops at once).
-            if st.version == version and all(map(st.guard, outputs)):
+            # Replica 0 has exactly this structure, the others the same one up to == of keys.
+            if (
+                st.version == version
+                and st.guard(outputs[0])
+                and all(map(st.guard_equal, outputs[1:]))
+            ):
                 spec_k = st.list_specs.get(k) or st.list_spec(k)
                 flat: list[Any] = spec_k.flatten_up_to(outputs)  # (cannot fail after the guards)
                 if st.leaves_ok(flat):
@@ -357,7 +367,7 @@ def _gather_seen(
         # refuses anything but tensors (the leaf check) and mismatched shapes; then the
         # reference steps below explain the problem.
         rows = [flat[i : i + n] for i in range(0, k * n, n)]
-        with contextlib.suppress(TypeError, RuntimeError, AttributeError):
+        with contextlib.suppress(TypeError, RuntimeError, AttributeError, IndexError):
             # One dtype per leaf across replicas (torch.cat would promote silently), read in C.
             dtypes = list(map(_DTYPE, flat))
             if flat[0].is_cpu and dtypes[:n] * k == dtypes:
