@@ -50,6 +50,9 @@ def _error(message: str) -> LayoutError:
 
 _SPECIALS = "*?["
 
+Patterns = Mapping[str, Any] | Mapping[tuple[Any, ...], Any] | Mapping[str | tuple[Any, ...], Any]
+"""What :func:`by_path` takes: dotted patterns and/or exact tuple paths, mapped to rules."""
+
 
 class ByPath:
     """A layout written as path patterns and exact paths; build it with :func:`by_path`.
@@ -61,7 +64,7 @@ class ByPath:
 
     __slots__ = ("_key", "default", "patterns")
 
-    def __init__(self, patterns: Mapping[str | tuple[Any, ...], Any], default: Any = None) -> None:
+    def __init__(self, patterns: Patterns, default: Any = None) -> None:
         if not isinstance(patterns, Mapping):
             raise TypeError(f"by_path expects a mapping of patterns to rules, got {patterns!r}")
         items = []
@@ -108,7 +111,7 @@ class ByPath:
         return f"by_path({{{inner}}}, default={self.default!r})"
 
 
-def by_path(patterns: Mapping[str | tuple[Any, ...], Any], default: Any = None) -> ByPath:
+def by_path(patterns: Patterns, default: Any = None) -> ByPath:
     """A layout given as dotted path patterns (or exact tuple paths) mapped to rules.
 
     A **string** is a dotted pattern: each segment is a dict key, an attribute/field name or an
