@@ -75,6 +75,13 @@ def test_scatter_without_devices_says_what_is_done() -> None:
     assert "per-device sizes not shown" in str(ex)
 
 
+def test_fewer_rows_than_devices_says_how_many_devices_are_used() -> None:
+    ex = tg.explain({"x": torch.zeros(2, 2), "b": 1}, None, CPU3)
+    assert ex.sizes == (1, 1) == tg.scatter({"x": torch.zeros(2, 2)}, CPU3).sizes
+    assert str(ex).splitlines()[0].endswith("shard sizes (1, 1) (2 of 3 devices used)")
+    assert ex["inputs['b']"].per_device == ("whole", "whole")
+
+
 EXAMPLES: list[tuple[Any, Any, int]] = [
     ({"x": torch.zeros(7, 3), "m": {"w": torch.ones(2), "lr": 0.5}}, {"x": 0, "m": None}, 0),
     ({"x": torch.zeros(2, 9), "y": torch.zeros(4, 9)}, tg.split(1), 0),
@@ -132,6 +139,9 @@ def test_scatter_problems_are_shown_not_raised_and_match_scatter_error() -> None
     )
     assert ex["inputs['y']"].problem == "batch size 3, where the other split leaves have 4"
     assert ex["inputs['x']"].problem is None
+    assert (
+        ex["inputs['s']"].result == "fails (see problems)" and ex["inputs['s']"].per_device is None
+    )
     text = str(ex)
     assert "problems:" in text and "scatter would raise LeafTypeError" in text
 

@@ -107,6 +107,8 @@ class Explanation:
                 head = f"scatter over {_devices_text(self.devices)}"
                 if self.sizes is not None:
                     head += f": shard sizes {self.sizes}"
+                    if len(self.sizes) < len(self.devices):
+                        head += f" ({len(self.sizes)} of {len(self.devices)} devices used)"
         else:
             k = "k" if self.devices is None else str(len(self.devices))
             head = f"gather of {k} replica(s) shaped like this one"
@@ -279,6 +281,7 @@ def _explain_scatter(
                     )
     split_dim = dict(cuts.splits)
     items = set(cuts.items)
+    # Shards made: one per size, or one per device when nothing is split.
     k = None if devs is None else (len(devs) if sizes is None else len(sizes))
     rows = []
     for pos, x in enumerate(up):
@@ -299,9 +302,11 @@ def _explain_scatter(
                 for shape, s in zip(shapes, sizes):
                     shape[d] = s
                 per_device = tuple(_shape_text(s) for s in shapes)
+        elif problems[pos] is not None:
+            result = "fails (see problems)"
         else:
             result = "whole, to every device"
-            if k is not None and problems[pos] is None:
+            if k is not None and error is None:
                 per_device = ("whole",) * k
         rows.append(
             ExplainedLeaf(

@@ -1,11 +1,14 @@
 """Layouts: how a whole tree is divided or combined, resolved once per structure into a plan.
 
 A layout is a single rule, a prefix tree of rules in the vmap/pmap convention, or
-:func:`by_path` patterns. :func:`resolve` turns (structure, layout) into an immutable
-:class:`Plan`: which rule each leaf gets, and which subtrees a whole-value rule takes as one.
-This module is the plain definition and caches nothing; the compiled layer
-(:mod:`treegather._compiled`) keeps plans per structure, keyed by :func:`layout_key`, so that
-equal layouts (an inline ``by_path({...})`` each step) share one plan.
+:func:`by_path` patterns (dotted fnmatch strings, and tuples for exact paths).
+:func:`resolve` turns (structure, layout) into an immutable :class:`Plan`: which rule each leaf
+gets, and which subtrees a whole-value rule takes as one; :func:`resolve_sources` also says where
+each rule came from (for :func:`treegather.explain`). Errors about fitting a layout to data end
+with :data:`EXPLAIN_POINTER`. This module is the plain definition and caches nothing; the
+compiled layer (:mod:`treegather._compiled`) keeps plans per structure, keyed by
+:func:`layout_key`, so that equal layouts (an inline ``by_path({...})`` each step) share one
+plan.
 """
 
 from __future__ import annotations
