@@ -720,3 +720,15 @@ def test_every_public_name_is_documented_with_an_example(name: str) -> None:
         assert "Args:" in own, f"{name}'s docstring has no Args section"
     tests = doctest.DocTestFinder(recurse=False).find(obj, name)
     assert any(t.examples for t in tests), f"{name} has no >>> example"
+
+
+def test_v2_equal_but_differently_typed_fills_never_share_a_translation() -> None:
+    # The old module-level cache keyed specs by ==, so pad(fill=True) reused pad(fill=1)'s rule.
+    good = [{"s": torch.tensor([1, 2])}, {"s": torch.tensor([3])}]
+    out = dict_gather_v2(good, -1, layout={"s": pad(fill=1)})
+    assert_tree_equal(out["s"], torch.tensor([1, 2, 3, 1]))
+    bad = [{"s": "a"}, {"s": "b"}]
+    with pytest.raises(tg.LeafTypeError, match=r"DataLayoutSpec\('pad', fill=True\)"):
+        dict_gather_v2(bad, -1, layout={"s": pad(fill=True)})
+    with pytest.raises(tg.LeafTypeError, match=r"DataLayoutSpec\('pad', fill=1\.0\)"):
+        dict_gather_v2(bad, -1, layout={"s": pad(fill=1.0)})
