@@ -443,10 +443,57 @@ def test_v2_keys_with_dots_and_pattern_characters() -> None:
     )
 
 
-def test_v2_dotted_key_ambiguity_is_an_error() -> None:
-    outputs = [{"a.b": 1, "a_b": 2}, {"a.b": 3, "a_b": 4}]
-    with pytest.raises(tg.LayoutError, match=r"'a\.b' contains a '\.'.*'a_b'"):
-        dict_gather_v2(outputs, -1, layout={})
+def test_v2_keys_with_dots_are_exact_paths_not_look_alikes() -> None:
+    # Exact (tuple) by_path paths: 'a.b' no longer matches 'a_b' as well (the old glob escaping
+    # matched a '.' as '?', and had to refuse this output), and both keys are gathered.
+    outputs = [{"a.b": 1, "a_b": 2, "c": torch.ones(1)}, {"a.b": 3, "a_b": 4, "c": torch.ones(2)}]
+    out = dict_gather_v2(outputs, -1, layout={"a.b": "skip", "c": "concat"})
+    assert out["a.b"] == [1, 3]
+    assert_tree_equal(out["a_b"], torch.tensor([2, 4]))
+    assert_tree_equal(out["c_length"], torch.tensor([1, 2]))
+
+
+def test_v2_dotted_seed_key_names_a_dotted_key_and_a_nested_one_alike() -> None:
+    # The seed joins keys with dots: 'a.b' names outputs['a.b'] and outputs['a']['b'], both.
+    outputs = [{"a.b": torch.ones(1), "a": {"b": torch.ones(2)}}] * 2
+    out = dict_gather_v2(outputs, -1, layout={"a.b": "concat"})
+    assert_tree_equal(out["a.b_length"], torch.tensor([1, 1]))
+    assert_tree_equal(out["a"]["b_length"], torch.tensor([2, 2]))
+
+
+def test_v2_translation_is_exact_paths_with_no_glob_escaping_and_no_cache() -> None:
+    from treegather.compat import _jactorch_layout as impl
+
+    for gone in ("translate", "_escape", "_check_dotted_keys", "_CACHE"):
+        assert not hasattr(impl, gone), gone
+    layout = impl.to_gather_layout({"x*": "pad", "m": "skip"}, {"x*": torch.ones(1), "m": {}})
+    assert isinstance(layout, tg.ByPath)
+    assert [p for p, _, _ in layout.patterns] == [("m",), ("x*",)]
+    # Equal seed layouts give equal by_path values: the core's compiled layer shares the plan.
+    again = impl.to_gather_layout({"x*": "pad", "m": "skip"}, {"x*": torch.ones(3), "m": {}})
+    assert again == layout and hash(again) == hash(layout)
+    other = impl.to_gather_layout({"x*": pad(fill=1), "m": "skip"}, {"x*": torch.ones(1), "m": {}})
+    assert other != layout
+    assert impl.to_gather_layout({"x*": pad(fill=True)}, {"x*": torch.ones(1)}) != (
+        impl.to_gather_layout({"x*": pad(fill=1)}, {"x*": torch.ones(1)})
+    )
+
+
+def test_v2_padding_is_the_core_pad(monkeypatch: pytest.MonkeyPatch) -> None:
+    from treegather.compat import _jactorch_layout as impl
+
+    calls: list[Any] = []
+    real = impl._pad
+
+    def spy(rule: Any, col: Any, target: Any) -> Any:
+        calls.append(rule)
+        return real(rule, col, target)
+
+    monkeypatch.setattr(impl, "_pad", spy)
+    outputs = [{"s": torch.tensor([1, 2])}, {"s": torch.tensor([3])}]
+    for spec in ("concat", "pad"):
+        dict_gather_v2(outputs, -1, layout={"s": spec})
+    assert [type(r).__name__ for r in calls] == ["Pad", "Pad"]
 
 
 def test_v2_top_level_numbers() -> None:
@@ -673,3 +720,15 @@ def test_every_public_name_is_documented_with_an_example(name: str) -> None:
         assert "Args:" in own, f"{name}'s docstring has no Args section"
     tests = doctest.DocTestFinder(recurse=False).find(obj, name)
     assert any(t.examples for t in tests), f"{name} has no >>> example"
+
+
+def test_v2_equal_but_differently_typed_fills_never_share_a_translation() -> None:
+    # The old module-level cache keyed specs by ==, so pad(fill=True) reused pad(fill=1)'s rule.
+    good = [{"s": torch.tensor([1, 2])}, {"s": torch.tensor([3])}]
+    out = dict_gather_v2(good, -1, layout={"s": pad(fill=1)})
+    assert_tree_equal(out["s"], torch.tensor([1, 2, 3, 1]))
+    bad = [{"s": "a"}, {"s": "b"}]
+    with pytest.raises(tg.LeafTypeError, match=r"DataLayoutSpec\('pad', fill=True\)"):
+        dict_gather_v2(bad, -1, layout={"s": pad(fill=True)})
+    with pytest.raises(tg.LeafTypeError, match=r"DataLayoutSpec\('pad', fill=1\.0\)"):
+        dict_gather_v2(bad, -1, layout={"s": pad(fill=1.0)})

@@ -294,3 +294,155 @@ def test_same_layout_object_reused_for_different_structures() -> None:
     layout = tg.by_path({"x": "sum"})
     assert tg.gather([{"x": 1}, {"x": 2}], "cpu", layout) == {"x": 3}
     assert tg.gather([{"x": 1, "y": 2}, {"x": 2, "y": 3}], "cpu", layout) == {"x": 3, "y": [2, 3]}
+
+
+# ------------------------------------------------ exact paths: every key addressable (issue 11.9)
+
+
+def named_parameter_grads() -> list[dict[str, Any]]:
+    """Per-replica outputs keyed like ``named_parameters()``: every key holds dots."""
+    return [
+        {
+            "encoder.layer.0.weight": torch.full((2, 2), float(r)),
+            "encoder.layer.0.bias": torch.full((2,), float(r)),
+            "step": r,
+        }
+        for r in range(2)
+    ]
+
+
+def test_by_path_tuple_path_addresses_a_key_with_dots() -> None:
+    layout = tg.by_path(
+        {("encoder.layer.0.weight",): "sum", ("encoder.layer.0.bias",): "mean", ("step",): "first"}
+    )
+    out = tg.gather(named_parameter_grads(), "cpu", layout)
+    assert out["encoder.layer.0.weight"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert out["encoder.layer.0.bias"].tolist() == [0.5, 0.5]
+    assert out["step"] == 0
+
+
+def test_by_path_tuple_path_in_scatter_kwargs_starts_at_the_keyword() -> None:
+    params = {"encoder.weight": torch.ones(3, 3), "encoder.bias": torch.ones(3)}
+    a, kw = tg.scatter_kwargs(
+        (torch.zeros(4, 3),),
+        {"params": params},
+        CPU2,
+        tg.by_path({("params", "encoder.weight"): "broadcast", ("params", "encoder.bias"): None}),
+    )
+    assert [x[0].shape[0] for x in a] == [2, 2]
+    assert all(k["params"]["encoder.weight"].shape == (3, 3) for k in kw)
+
+
+def test_by_path_tuple_path_compares_each_segment_literally() -> None:
+    outs = [{"meta": {"[x]": r, "x": r, "a*": r, "ab": r}} for r in range(2)]
+    out = tg.gather(outs, "cpu", tg.by_path({("meta", "[x]"): "sum", ("meta", "a*"): "first"}))
+    assert out == {"meta": {"[x]": 1, "x": [0, 1], "a*": 0, "ab": [0, 1]}}
+
+
+def test_by_path_string_segment_spelling_a_key_exactly_means_that_key() -> None:
+    # fnmatch alone reads "[x]" as the class {x} and "loss[0]" as "loss0": the key spelled
+    # exactly wins, the look-alike sibling is left alone.
+    outs = [{"[x]": r, "x": r, "loss[0]": r, "loss0": r} for r in range(2)]
+    out = tg.gather(outs, "cpu", tg.by_path({"[x]": "sum", "loss[0]": "first"}))
+    assert out == {"[x]": 1, "x": [0, 1], "loss[0]": 0, "loss0": [0, 1]}
+
+
+def test_by_path_glob_classes_still_match_when_no_key_spells_them() -> None:
+    outs = [{"x": r, "y": r, "z": r} for r in range(2)]
+    out = tg.gather(outs, "cpu", tg.by_path({"[xy]": "sum"}))
+    assert out == {"x": 1, "y": 1, "z": [0, 1]}
+
+
+def test_by_path_close_paths_are_written_as_by_path_takes_them() -> None:
+    with pytest.raises(tg.LayoutError) as info:
+        tg.gather(named_parameter_grads(), "cpu", tg.by_path({"encoder.layer.0.weight": "sum"}))
+    msg = str(info.value)
+    assert "by_path pattern 'encoder.layer.0.weight' matches nothing; close paths: " in msg
+    assert "('encoder.layer.0.weight',)" in msg
+    assert "a tuple is an exact path" in msg
+    with pytest.raises(tg.LayoutError) as info:
+        tg.gather(named_parameter_grads(), "cpu", tg.by_path({("encoder.layer.0.wieght",): 1}))
+    assert (
+        "by_path path ('encoder.layer.0.wieght',) matches nothing; close paths: "
+        "('encoder.layer.0.weight',)" in str(info.value)
+    )
+
+
+def test_by_path_exact_path_types_count() -> None:
+    outs = [{"h": [torch.ones(1), torch.ones(1)], 1: torch.ones(1), "1": torch.ones(1)}] * 2
+    out = tg.gather(outs, "cpu", tg.by_path({("h", 0): "stack", (1,): "sum"}))
+    assert out["h"][0].shape == (2, 1) and out["h"][1].shape == (2,)
+    assert out[1].tolist() == [2.0] and out["1"].tolist() == [1.0, 1.0]
+    out = tg.gather(outs, "cpu", tg.by_path({("h", "1"): "stack"}))  # an index as its digits
+    assert out["h"][1].shape == (2, 1)
+    with pytest.raises(tg.LayoutError, match=r"by_path path \(True,\) matches nothing"):
+        tg.gather(outs, "cpu", tg.by_path({(True,): "sum"}))
+
+
+def test_by_path_exact_path_counts_every_segment_as_literal() -> None:
+    outs = [{"meta": {"id": r, "name": "n"}} for r in range(2)]
+    out = tg.gather(outs, "cpu", tg.by_path({"*.*": "first", ("meta", "id"): "as_list"}))
+    assert out == {"meta": {"id": [0, 1], "name": "n"}}
+    with pytest.raises(tg.LayoutError, match=r"equally well by 'meta\.id' and \('meta', 'id'\)"):
+        tg.gather(outs, "cpu", tg.by_path({"meta.id": "sum", ("meta", "id"): "as_list"}))
+
+
+def test_by_path_with_tuple_paths_is_an_immutable_value() -> None:
+    a = tg.by_path({("a.b",): 1, "c": "first"})
+    assert a == tg.by_path({("a.b",): 1, "c": "first"})
+    assert hash(a) == hash(tg.by_path({("a.b",): 1, "c": "first"}))
+    assert a != tg.by_path({("a.b",): True, "c": "first"})  # True is not 1
+    assert tg.by_path({("a",): 1}) != tg.by_path({"a": 1})  # the form is part of the value
+    assert repr(a) == "by_path({('a.b',): 1, 'c': 'first'}, default=None)"
+    with pytest.raises(AttributeError, match="immutable"):
+        a.default = 0
+
+
+def test_equal_inline_tuple_path_layouts_share_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    from treegather import _compiled
+
+    calls: list[Any] = []
+    real = _compiled.resolve
+
+    def counting(*args: Any) -> Any:
+        calls.append(args[1])
+        return real(*args)
+
+    monkeypatch.setattr(_compiled, "resolve", counting)
+    tg.clear_caches()
+    for _ in range(6):
+        out = tg.gather(named_parameter_grads(), "cpu", tg.by_path({("step",): "first"}))
+        assert out["step"] == 0
+    # The first sighting resolves cold; from the second on, one plan for every equal layout.
+    assert len(calls) == 2
+
+
+def test_exact_paths_resolve_alike_in_the_reference_and_compiled_paths() -> None:
+    from treegather._compiled import reference_only
+
+    outs = [{"[x]": r, "x": r, "a.b": torch.ones(1)} for r in range(2)]
+    layouts = [
+        tg.by_path({"[x]": "sum", ("a.b",): "stack"}),
+        tg.by_path({"a.b": "stack"}),  # matches nothing: the same error both ways
+    ]
+    for layout in layouts:
+        results = []
+        for mode in ("compiled", "compiled", "compiled", "reference"):
+            try:
+                if mode == "reference":
+                    with reference_only():
+                        results.append(repr(tg.gather(outs, "cpu", layout)))
+                else:
+                    results.append(repr(tg.gather(outs, "cpu", layout)))
+            except tg.LayoutError as exc:
+                results.append(f"LayoutError: {exc}")
+        assert len(set(results)) == 1, results
+
+
+def test_by_path_rejects_an_empty_or_untyped_path() -> None:
+    with pytest.raises(tg.LayoutError, match=r"by_path path \(\) is empty"):
+        tg.by_path({(): "first"})
+    with pytest.raises(tg.LayoutError, match=r"not a string .* or a tuple .*\(1,\)"):
+        tg.by_path({1: "first"})  # type: ignore[dict-item]
+    with pytest.raises(tg.LayoutError, match=r"empty segment .*\('a\.\.b',\)"):
+        tg.by_path({"a..b": "first"})

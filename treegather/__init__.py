@@ -26,6 +26,7 @@ from ._errors import (
     StructureMismatchError,
     TreegatherError,
 )
+from ._explain import ExplainedLeaf, Explanation, explain
 from ._gather import gather
 from ._layout import ByPath, by_path
 from ._replicate import replicate
@@ -73,6 +74,10 @@ __all__ = [
     "by_path",
     "ByPath",
     "Rule",
+    # seeing what a layout does
+    "explain",
+    "Explanation",
+    "ExplainedLeaf",
     # pytree registration
     "register_dataclass",
     "register_node",

@@ -7,7 +7,10 @@ loss, then checks the result against running the model on the whole batch.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -33,7 +36,24 @@ def model(batch: dict) -> Output:
     return Output(loss, logits, (x, x.tanh()), [f"{n}!" for n in batch["names"]])
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog="python -m treegather",
+        description=(
+            "Run treegather's demo on three CPU 'devices': scatter a nested batch, run a tiny "
+            "model on each shard, gather its dataclass output, check it against the unsplit "
+            "model, and show the error a structure mismatch raises. Needs no GPU."
+        ),
+        epilog=(
+            "To see what a layout does to your own tree before running a model: "
+            "print(treegather.explain(tree, layout, devices))"
+        ),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse ``argv`` (``--help`` prints usage and exits), then run the demo."""
+    _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     torch.manual_seed(0)
     batch = {
         "features": {"x": torch.randn(10, 4)},
@@ -64,7 +84,8 @@ def main() -> None:
         tg.gather([outputs[0], dataclasses.replace(outputs[1], aux=torch.zeros(1))], "cpu")
     except tg.StructureMismatchError as err:
         print("and a mismatch is an error, never a silent drop:")
-        print("  " + str(err).replace("\n", "\n  "))
+        text = f"{type(err).__module__}.{type(err).__qualname__}: {err}"
+        print("  " + text.replace("\n", "\n  "))
 
 
 if __name__ == "__main__":

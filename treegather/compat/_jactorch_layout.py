@@ -1,25 +1,29 @@
 """The seed's ``DataLayout`` (jactorch.data.layout), translated into treegather gather rules.
 
-A seed layout maps dotted keys (``'a.b'``, ``'a.0'``) to specs. :func:`to_gather_layout` turns
-it into a :func:`treegather.by_path` layout of custom rules ``f(values, device)`` that
-:func:`treegather.gather` applies; the specs that add a ``<key>_length`` sibling return a
-private :class:`_WithLength` marker, which :func:`insert_lengths` replaces afterwards, in the
-parent mapping. Nothing here walks the per-replica outputs: treegather does.
+A seed layout maps dotted keys (``'a.b'``, ``'a.0'``) to specs. :func:`to_gather_layout` looks
+them up against one replica's output and writes a :func:`treegather.by_path` layout of exact
+(tuple) paths to custom rules ``f(values, device)``, which treegather's resolver and
+:func:`treegather.gather` apply (no glob escaping: a key with a ``.`` or ``*`` is just a key).
+The padding specs use treegather's own padding step. The specs that add a ``<key>_length``
+sibling return a private :class:`_WithLength` marker, which :func:`insert_lengths` replaces
+afterwards, in the parent mapping. Nothing here walks the per-replica outputs: treegather does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
 
+from .._caches import typed_key
 from .._errors import LayoutError, LeafTypeError, ShapeMismatchError
-from .._layout import by_path
-from .._tree import NAMESPACE, flatten
+from .._gather import _pad
+from .._layout import by_path, display_path
+from .._rules import Pad
+from .._tree import NAMESPACE, flatten, nodes
 
 __all__ = [
     "DataLayout",
@@ -32,8 +36,8 @@ __all__ = [
     "padimage",
     "skip",
     "stack",
+    "gather_layout",
     "to_gather_layout",
-    "translate",
 ]
 
 _TYPES = ("skip", "stack", "concat", "pad", "pad2d", "padimage")
@@ -228,6 +232,16 @@ class _SkipRule:
     def __repr__(self) -> str:
         return "<jactorch skip rule>"
 
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _SkipRule
+
+    def __hash__(self) -> int:
+        return hash(_SkipRule)
+
+    def _typed_fields(self) -> tuple[Any, ...]:
+        """Compared by value (:func:`treegather._caches.typed_key`): equal layouts share a plan."""
+        return ()
+
 
 class _NumbersRule:
     """No spec, under a layout: Python ints/bools -> an int64 tensor, floats -> float64."""
@@ -250,15 +264,43 @@ class _NumbersRule:
     def __repr__(self) -> str:
         return "<jactorch numbers rule: ints -> int64, floats -> float64>"
 
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _NumbersRule and other.where == self.where
+
+    def __hash__(self) -> int:
+        return hash(self.where)
+
+    def _typed_fields(self) -> tuple[Any, ...]:
+        """Compared by value (:func:`treegather._caches.typed_key`): equal layouts share a plan."""
+        return (self.where,)
+
 
 class _LengthRule:
-    """``concat`` / ``pad`` / ``pad2d`` / ``padimage``: pad, concatenate along dim 0, record sizes."""
+    """``concat`` / ``pad`` / ``pad2d`` / ``padimage``: pad, concatenate along dim 0, record sizes.
+
+    The padding is treegather's own :func:`treegather.pad` step: each replica's tensor gets a
+    leading dim of 1, the core pads every dim but that one to the largest replica and
+    concatenates along it, and the two leading dims are merged again: the seed's "pad the first
+    dims to the longest, then concatenate along dim 0".
+    """
 
     def __init__(self, spec: DataLayoutSpec, where: str) -> None:
         self.spec, self.where = spec, where
 
     def __repr__(self) -> str:
         return f"<jactorch {self.spec!r} rule>"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _LengthRule and typed_key(self._typed_fields()) == typed_key(
+            other._typed_fields()
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.spec.type, self.where))
+
+    def _typed_fields(self) -> tuple[Any, ...]:
+        """Compared by value (:func:`treegather._caches.typed_key`): equal layouts share a plan."""
+        return (self.spec.type, self.spec.fill, self.where)
 
     def _check(self, values: Sequence[Any]) -> None:
         kind = self.spec.type
@@ -291,26 +333,14 @@ class _LengthRule:
     def __call__(self, values: Sequence[Any], device: torch.device) -> _WithLength:
         self._check(values)
         kind = self.spec.type
-        tensors = [v.to(device) for v in values]
-        if kind == "concat":
-            lengths = [[t.shape[0]] for t in tensors]
-            padded = tensors
+        rule = Pad(0, self.spec.fill)
+        if kind == "concat":  # equal sizes after dim 0: the core's pad is a plain concatenation
+            data = _pad(rule, tuple(values), device)
+            lengths = [[v.shape[0]] for v in values]
         else:
+            data = _pad(rule, tuple(v.unsqueeze(0) for v in values), device).flatten(0, 1)
             axes = {"pad": (0,), "pad2d": (0, 1), "padimage": (1, 2)}[kind]
-            lengths = [[t.shape[a] for a in axes] for t in tensors]
-            target = [max(n[j] for n in lengths) for j in range(len(axes))]
-            padded = []
-            for t in tensors:
-                shape = list(t.shape)
-                for a, n in zip(axes, target):
-                    shape[a] = n
-                if shape == list(t.shape):
-                    padded.append(t)
-                    continue
-                out = t.new_full(shape, self.spec.fill)
-                out[tuple(slice(0, n) for n in t.shape)] = t
-                padded.append(out)
-        data = torch.cat(padded, dim=0)
+            lengths = [[v.shape[a] for a in axes] for v in values]
         # On the CPU, as the seed's torch.LongTensor (pack_padded_sequence wants CPU lengths).
         length = torch.tensor(lengths, dtype=torch.int64)
         return _WithLength(
@@ -328,130 +358,85 @@ def _as_layout(layout: LayoutLike) -> DataLayout:
     )
 
 
-def _where(entries: Sequence[optree.PyTreeEntry]) -> str:
-    return optree.PyTreeAccessor(tuple(entries)).codify("outputs")
-
-
-def _is_sequence(entry: optree.PyTreeEntry) -> bool:
-    return issubclass(entry.type, Sequence) and not issubclass(entry.type, str)
-
-
-def _seed_keys(entries: Sequence[optree.PyTreeEntry]) -> list[str | None]:
-    """The seed's dotted key of each node on a path; a top-level sequence adds no prefix."""
-    keys: list[str | None] = []
-    key: str | None = None
-    for entry in entries:
-        if key is None and _is_sequence(entry):
-            keys.append(None)
-            continue
-        part = str(entry.entry)
-        key = part if key is None else f"{key}.{part}"
-        keys.append(key)
-    return keys
-
-
-def _escape(segment: str) -> str:
-    """One exact by_path segment: fnmatch specials escaped; a '.' in a key matches as '?'."""
-    out = "".join(f"[{c}]" if c in "*?[" else c for c in segment)
-    return out.replace(".", "?")
-
-
-_CACHE: dict[Any, Any] = {}
+def _is_sequence(container: type) -> bool:
+    return issubclass(container, Sequence) and not issubclass(container, str)
 
 
 def to_gather_layout(layout: LayoutLike, example: Any) -> Any:
     """Translate a seed layout into a :func:`treegather.by_path` layout for ``example``'s structure.
 
-    ``example`` is one replica's output: the seed's keys drop the indices of a top-level
-    sequence, so they are resolved against the actual paths here, into exact by_path patterns
-    of custom rules. A spec covers its subtree unless a deeper key overrides it; ``skip``
-    applies to the whole node it names. Keys that match nothing are ignored, as in the seed.
+    ``example`` is one replica's output. The seed's dotted keys (``'a.b'``) join the keys of a
+    path with dots and drop the indices of a top-level sequence, so they are looked up against
+    ``example``'s actual paths here and written as exact (tuple) paths, which treegather's own
+    resolver applies: a key with a ``.``, ``*`` or ``[`` in it is just a key. A spec covers its
+    subtree unless a deeper key overrides it; ``skip`` takes the whole node it names. Keys
+    that match nothing are ignored, as in the seed.
 
     Args:
         layout: the seed layout (a :class:`DataLayout` or a dict).
         example: one replica's output tree.
 
     Returns:
-        A :func:`treegather.by_path` layout, or ``None`` when every leaf keeps the default.
+        A :func:`treegather.by_path` layout, a single rule when ``example`` is one leaf, or
+        ``None`` when every leaf keeps the default.
 
     >>> to_gather_layout({"z": "concat"}, (torch.zeros(()), {"z": torch.zeros(2)}))
-    by_path({'1.z': <jactorch DataLayoutSpec('concat') rule>}, default=None)
+    by_path({(1, 'z'): <jactorch DataLayoutSpec('concat') rule>}, default=None)
     """
-    return translate(layout, example)[0]
+    return gather_layout(layout, example)[0]
 
 
-def translate(layout: LayoutLike, example: Any) -> tuple[Any, bool]:
-    """:func:`to_gather_layout`, and whether any rule adds a ``<key>_length`` (cached).
+def gather_layout(layout: LayoutLike, example: Any) -> tuple[Any, bool]:
+    """:func:`to_gather_layout`, and whether any rule adds a ``<key>_length`` sibling.
 
-    >>> translate({"z": "skip"}, {"z": 1})
-    (by_path({'z': <jactorch skip rule>}, default=None), False)
+    Not cached: the rules compare by value, so treegather's compiled layer finds the plan it
+    resolved for an equal layout on an earlier call.
+
+    >>> gather_layout({"z": "skip"}, {"a.b": 1, "z": [2]})
+    (by_path({('a.b',): <jactorch numbers rule: ints -> int64, floats -> float64>, ('z',): <jactorch skip rule>}, default=None), False)
     """
     seed = _as_layout(layout)
     leaves, treespec = flatten(example)
-    try:
-        key: Any = (
-            treespec,
-            tuple((k, s.type, s.fill) for k, s in seed.layout.items()),
-            tuple(isinstance(leaf, (bool, int, float)) for leaf in leaves),
-        )
-        hash(key)
-    except TypeError:  # an unhashable fill value: no caching
-        key = None
-    if key is not None and key in _CACHE:
-        cached: tuple[Any, bool] = _CACHE[key]
-        return cached
-    rules: dict[tuple[str, ...], Any] = {}
-    for leaf, accessor in zip(leaves, treespec.accessors()):
-        entries = tuple(accessor)
-        spec: DataLayoutSpec | None = None
-        for depth, seed_key in enumerate(_seed_keys(entries)):
-            if seed_key is not None and seed_key in seed:
-                spec = seed[seed_key]
-            if spec is not None and spec.type == "skip":
-                rules[tuple(str(e.entry) for e in entries[: depth + 1])] = _SkipRule()
-                break
+    keys: dict[tuple[Any, ...], str | None] = {}
+    specs: dict[tuple[Any, ...], DataLayoutSpec | None] = {}
+    rules: dict[tuple[Any, ...], Any] = {}
+    skipped: set[tuple[Any, ...]] = set()
+    containers: dict[tuple[Any, ...], type] = {}
+    for node in nodes(treespec):
+        raw = node.raw
+        if not node.spec.is_leaf():
+            containers[raw] = cast(type, node.spec.type)
+        if raw:
+            parent = raw[:-1]
+            if parent in skipped:
+                skipped.add(raw)
+                continue
+            above = keys[parent]
+            if above is None and _is_sequence(containers[parent]):
+                key = None  # a top-level sequence adds no prefix
+            else:
+                key = str(raw[-1]) if above is None else f"{above}.{raw[-1]}"
+            keys[raw] = key
+            declared = seed[key] if key is not None and key in seed else None
+            spec = declared if declared is not None else specs[parent]
         else:
-            path = tuple(str(e.entry) for e in entries)
+            keys[raw], spec = None, None
+        specs[raw] = spec
+        if spec is not None and spec.type == "skip":
+            rules[raw] = _SkipRule()
+            skipped.add(raw)
+        elif node.spec.is_leaf():
+            where = display_path(node, "outputs")
             if spec is not None and spec.type in _WITH_LENGTH:
-                rules[path] = _LengthRule(spec, _where(entries))
-            elif isinstance(leaf, (bool, int, float)):
-                rules[path] = _NumbersRule(_where(entries))
+                rules[raw] = _LengthRule(spec, where)
+            elif isinstance(leaves[node.start], (bool, int, float)):
+                rules[raw] = _NumbersRule(where)
     if () in rules:  # the outputs are a single leaf: its rule is the whole layout
         return rules[()], False
-    _check_dotted_keys(rules, treespec)
-    result: tuple[Any, bool] = (None, False)
-    if rules:
-        adds = any(isinstance(r, _LengthRule) for r in rules.values())
-        result = (by_path({".".join(map(_escape, p)): r for p, r in rules.items()}), adds)
-    if key is not None:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        _CACHE[key] = result
-    return result
-
-
-def _check_dotted_keys(rules: Mapping[tuple[str, ...], Any], treespec: Any) -> None:
-    """A key with a '.' is matched as '?': make sure no sibling key then matches too."""
-    dotted = [p for p in rules if any("." in seg for seg in p)]
-    if not dotted:
-        return
-    paths = {
-        tuple(str(e.entry) for e in accessor[:n])
-        for accessor in treespec.accessors()
-        for n in range(1, len(accessor) + 1)
-    }
-    for path in dotted:
-        pattern = tuple(map(_escape, path))
-        hits = [
-            p for p in paths if len(p) == len(path) and all(map(fnmatch.fnmatchcase, p, pattern))
-        ]
-        if len(hits) > 1:
-            others = sorted(".".join(h) for h in hits if h != path)
-            raise LayoutError(
-                f"the key path {'.'.join(path)!r} contains a '.', which treegather's dotted "
-                f"paths cannot tell apart from {', '.join(map(repr, others))}\nHint: rename "
-                "one of the keys"
-            )
+    if not rules:
+        return None, False
+    adds = any(isinstance(r, _LengthRule) for r in rules.values())
+    return by_path(rules), adds
 
 
 def insert_lengths(tree: Any) -> Any:

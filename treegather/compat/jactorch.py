@@ -26,13 +26,13 @@ from ._jactorch_layout import (
     DataLayoutSpec,
     LayoutLike,
     concat,
+    gather_layout,
     insert_lengths,
     pad,
     pad2d,
     padimage,
     skip,
     stack,
-    translate,
 )
 
 __all__ = [
@@ -129,7 +129,7 @@ def dict_gather_v2(
     if layout is None:
         return dict_gather_v1(outputs, target_device, dim=dim)
     replicas = _replicas(outputs)
-    rules, adds_lengths = translate(layout, replicas[0])
+    rules, adds_lengths = gather_layout(layout, replicas[0])
     out = gather(replicas, as_device(target_device), rules, dim=dim)
     return insert_lengths(out) if adds_lengths else out
 
