@@ -21,7 +21,7 @@ from ._errors import BatchSizeError, LayoutError, LeafTypeError
 from ._layout import EXPLAIN_POINTER, Plan, RuleSource, describe_source, display_path
 from ._layout import resolve_sources as _resolve_sources
 from ._rules import AsList, Cat, CatItems, Custom, First, Mean, Pad, Rule, Stack, Sum
-from ._scatter import _classify, _Cuts, _shard_sizes, _validate
+from ._scatter import _ARRAY, _classify, _Cuts, _shard_sizes, _validate
 from ._tree import NAMESPACE, flatten
 
 __all__ = ["explain", "Explanation", "ExplainedLeaf"]
@@ -252,17 +252,29 @@ def _explain_scatter(
 ) -> Explanation:
     cuts = _Cuts([], [], {}, {})
     problems: list[str | None] = []
+    targets = devs if devs is not None else (torch.device("cpu"),)
+    meta_ok = all(d.type == "meta" for d in targets)
+    arrays: list[int] = []
     for pos, x in enumerate(up):
-        found = _classify(pos, x, plan, dim, root, cuts)
-        if found is not None:
+        found = _classify(pos, x, plan, dim, root, cuts, meta_ok)
+        if found is _ARRAY:
+            arrays.append(pos)
+            problems.append(None)
+        elif found is not None:
             # scatter's messages start with the path, which the row already shows
             path = display_path(plan.node_of(pos), root)
             problems.append(found[0].removeprefix(f"{path}: "))
         else:
             problems.append(None)
+    if cuts.lengths:
+        for pos in arrays:
+            problems[pos] = (
+                "would be sent whole to every device while the batch is split; convert it with "
+                "torch.as_tensor or mark it broadcast()"
+            )
     error = None
     try:
-        _validate(up, plan, dim, root)
+        _validate(up, plan, dim, root, targets)
     except (BatchSizeError, LeafTypeError) as exc:
         error = f"{type(exc).__name__}: {_strip(str(exc))}"
     sizes = None

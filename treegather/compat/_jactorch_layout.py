@@ -19,8 +19,8 @@ import optree
 import torch
 
 from .._caches import typed_key
+from .._combine import _pad
 from .._errors import LayoutError, LeafTypeError, ShapeMismatchError
-from .._gather import _pad
 from .._layout import by_path, display_path
 from .._rules import Pad
 from .._tree import NAMESPACE, flatten, nodes
