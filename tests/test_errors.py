@@ -53,7 +53,8 @@ def test_gather_shape_error_names_full_paths_shapes_the_rule_and_a_hint() -> Non
         "  - outputs.hidden[2]: cat(dim=0) needs equal sizes in every dim but 0, got replica 0: "
         "[1, 2], replica 1: [1, 5]\n"
         "Hint: pad() concatenates tensors whose other dims differ; as_list() keeps per-replica "
-        "values"
+        "values\n"
+        "(treegather.explain(tree, layout) shows the rule of every leaf)"
     )
 
 
@@ -139,7 +140,8 @@ def test_scatter_errors_name_path_shape_dtype_device_and_rule() -> None:
         tg.scatter({"images": torch.ones(2, 3)}, CPU2, tg.by_path({"images": tg.split(2)}))
     assert str(info.value) == (
         "inputs['images']: cannot split along dim 2: "
-        "Tensor(shape=(2, 3), dtype=torch.float32, device=cpu)"
+        "Tensor(shape=(2, 3), dtype=torch.float32, device=cpu)\n"
+        "(treegather.explain(tree, layout) shows the rule of every leaf)"
     )
 
 
@@ -153,7 +155,8 @@ def test_scatter_lists_every_problem() -> None:
         "per-sample items)\n"
         "  - inputs['b']: split() needs a tensor, got int 3\n"
         "  - inputs['c']: cannot split along dim 0: Tensor(shape=(), dtype=torch.float32, "
-        "device=cpu)"
+        "device=cpu)\n"
+        "(treegather.explain(tree, layout) shows the rule of every leaf)"
     )
 
 
@@ -162,7 +165,8 @@ def test_batch_size_error_message_is_pinned() -> None:
         tg.scatter({"images": torch.zeros(4, 3), "labels": torch.zeros(3)}, CPU2)
     assert str(info.value) == (
         "split leaves disagree on the batch size: 4 at inputs['images']; 3 at inputs['labels']\n"
-        "Hint: use broadcast() for leaves every device needs whole"
+        "Hint: use broadcast() for leaves every device needs whole\n"
+        "(treegather.explain(tree, layout) shows the rule of every leaf)"
     )
 
 

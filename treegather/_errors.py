@@ -9,6 +9,8 @@ from __future__ import annotations
 import operator
 
 __all__ = [
+    "EXPLAIN_POINTER",
+    "layout_error",
     "TreegatherError",
     "LayoutError",
     "StructureMismatchError",
@@ -111,3 +113,12 @@ def check_dim(dim: object, where: str) -> int:
         f"{where}: dim must be an int (a tensor dim, negative from the end), "
         f"got {type(dim).__name__} {dim!r}; {fix}"
     )
+
+
+EXPLAIN_POINTER = "(treegather.explain(tree, layout) shows the rule of every leaf)"
+"""The line every layout error ends with: where to see what a layout does to each leaf."""
+
+
+def layout_error(message: str) -> LayoutError:
+    """A :class:`LayoutError` about fitting a layout to data, ending with the explain pointer."""
+    return LayoutError(f"{message}\n{EXPLAIN_POINTER}")

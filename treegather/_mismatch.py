@@ -13,7 +13,13 @@ from typing import Any
 import optree
 import torch
 
-from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, bullet_list
+from ._errors import (
+    EXPLAIN_POINTER,
+    LeafTypeError,
+    ShapeMismatchError,
+    StructureMismatchError,
+    bullet_list,
+)
 from ._layout import Plan, display_path
 from ._rules import Cat, Mean, Pad, Stack, Sum, fill_fits
 from ._tree import NAMESPACE, describe, format_path, is_leaf
@@ -261,7 +267,7 @@ def diagnose(
         return None
     hint = "; ".join(_HINTS[h] for h in hints) or None
     cls = LeafTypeError if type_problem else ShapeMismatchError
-    return cls(bullet_list(problems, hint))
+    return cls(f"{bullet_list(problems, hint)}\n{EXPLAIN_POINTER}")
 
 
 def _by_replica(shapes: Sequence[tuple[int, ...]]) -> str:

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import difflib
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
+
+from ._errors import layout_error
 
 __all__ = [
     "Rule",
@@ -48,6 +51,7 @@ __all__ = [
     "first",
     "cat_items",
     "fill_fits",
+    "to_rule",
 ]
 
 
@@ -358,3 +362,34 @@ SHORTHANDS: dict[str, Callable[[int], Rule]] = {
     "first": lambda d: First(),
     "cat_items": lambda d: CatItems(),
 }
+
+
+def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
+    """Normalise one layout entry to a rule (``None`` result: the default for the leaf's type)."""
+    if isinstance(value, Rule):
+        if value.phase != phase:
+            raise layout_error(
+                f"{where}: {value.describe()} is a {value.phase} rule and cannot be used in {phase}"
+            )
+        return value
+    if value is None:
+        return Broadcast() if phase == "scatter" else First()
+    if isinstance(value, bool):
+        raise layout_error(f"{where}: {value!r} is not a rule")
+    if isinstance(value, int):
+        return Split(value) if phase == "scatter" else Cat(value)
+    if isinstance(value, str):
+        make = SHORTHANDS.get(value)
+        if make is None:
+            close = difflib.get_close_matches(value, SHORTHANDS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise layout_error(f"{where}: unknown rule {value!r}{hint}")
+        rule = make(dim)
+        if rule.phase != phase:
+            raise layout_error(f"{where}: {value!r} is a {rule.phase} rule, not a {phase} rule")
+        return rule
+    if callable(value):
+        if phase != "gather":
+            raise layout_error(f"{where}: custom callables are gather rules, not scatter rules")
+        return Custom(value)
+    raise layout_error(f"{where}: {value!r} is not a rule (expected a rule, int, None or string)")

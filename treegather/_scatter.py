@@ -15,7 +15,7 @@ import torch
 
 from . import _compiled
 from ._devices import DeviceLike, as_devices
-from ._errors import BatchSizeError, LeafTypeError, bullet_list, check_dim
+from ._errors import EXPLAIN_POINTER, BatchSizeError, LeafTypeError, bullet_list, check_dim
 from ._layout import Plan, display_path, resolve
 from ._rules import Broadcast, Split
 from ._tree import describe, flatten, move_tree
@@ -217,7 +217,9 @@ def _validate(
         )
     if problems:
         hint = "use broadcast() for leaves every device needs whole" if cuts.lengths else None
-        raise (LeafTypeError if type_problem else BatchSizeError)(bullet_list(problems, hint))
+        raise (LeafTypeError if type_problem else BatchSizeError)(
+            f"{bullet_list(problems, hint)}\n{EXPLAIN_POINTER}"
+        )
     return cuts
 
 
@@ -326,7 +328,7 @@ def _shard_sizes(cuts: _Cuts, k: int) -> tuple[int, ...] | None:
         if sum(sizes) != n or len(sizes) > k:
             raise BatchSizeError(
                 f"split sizes {list(sizes)} must add up to the batch size {n} and name at "
-                f"most {k} shards (one per device)"
+                f"most {k} shards (one per device)\n{EXPLAIN_POINTER}"
             )
         return sizes
     if n == 0:

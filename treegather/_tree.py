@@ -34,6 +34,7 @@ __all__ = [
     "leaf_nodes",
     "child_styles",
     "format_path",
+    "display_path",
     "describe",
     "move_tree",
 ]
@@ -374,6 +375,16 @@ def move_tree(tree: Any, target: torch.device) -> Any:
         tree,
         namespace=NAMESPACE,
     )
+
+
+def display_path(node: Node, root: str | None) -> str:
+    """A node's path for messages; ``root=None`` means an ``(args, kwargs)`` pair."""
+    if root is not None:
+        return format_path(root, node.path)
+    if not node.path:
+        return "(args, kwargs)"
+    head = "args" if node.raw[0] == 0 else "kwargs"
+    return format_path(head, node.path[1:])
 
 
 def format_path(root: str, path: Sequence[tuple[Any, str]]) -> str:
