@@ -182,11 +182,13 @@ def interpreted_guard(steps: list[Step]) -> Guard:
     return guard
 
 
-def compiled_guard(steps: list[Step], typed_keys: bool = True) -> Guard:
+def compiled_guard(steps: list[Step], keys: str = "typed") -> Guard:
     """The same guard written out as straight-line Python (a few times faster to run).
 
-    With ``typed_keys=False`` dict keys are compared with ``==`` only (``True`` matches ``1``),
-    as optree compares two trees' structures: gather's check of replicas 1.. against replica 0.
+    ``keys`` says how dict keys are checked: ``"typed"`` (in order, and by type: ``True`` is not
+    ``1``), or ``"any"``: not at all, for gather's check of replicas 1.. against replica 0,
+    where optree's ``flatten_up_to`` then compares key sets (any order, with ``==``, as the
+    reference compares replicas) and raises on a difference.
 
     >>> spec = optree.tree_structure({"a": [1, 2], "b": None})
     >>> guard = compiled_guard(guard_steps(spec))
@@ -194,46 +196,49 @@ def compiled_guard(steps: list[Step], typed_keys: bool = True) -> Guard:
     (True, False)
     """
     consts: dict[str, Any] = {"_custom": _custom_children}
-    lines = ["def guard(s0):", "  try:", "    pass"]
+    names: dict[int, str] = {}
+    lines = ["  def guard(s0):", "    try:", "      pass"]
 
     def const(value: Any) -> str:
-        name = f"_c{len(consts)}"
-        consts[name] = value
+        # One name per distinct object (every dict node shares ``dict``); closure cells are
+        # read with LOAD_DEREF, cheaper than a global lookup.
+        name = names.get(id(value))
+        if name is None:
+            name = names[id(value)] = f"_c{len(consts)}"
+            consts[name] = value
         return name
 
     for i, (parent, reach, kind, cls, expected) in enumerate(steps, start=1):
         var = f"s{i}"
         src = f"s{parent}" if reach is _ROOT else f"s{parent}[{const(reach)}]"
-        lines.append(f"    {var} = {src}")
+        lines.append(f"      {var} = {src}")
         if kind == _NONE:
-            lines.append(f"    if {var} is not None: return False")
+            lines.append(f"      if {var} is not None: return False")
             continue
-        lines.append(f"    if type({var}) is not {const(cls)}: return False")
-        if kind == _EXACT_KEYS:
-            lines.append(f"    if tuple({var}) != {const(expected[0])}: return False")
-            if typed_keys:
-                lines.append(
-                    f"    if tuple(map(type, {var})) != {const(expected[1])}: return False"
-                )
+        checks = [f"type({var}) is not {const(cls)}"]
+        if kind == _EXACT_KEYS and keys == "typed":
+            checks.append(f"tuple({var}) != {const(expected[0])}")
+            checks.append(f"tuple(map(type, {var})) != {const(expected[1])}")
         elif kind == _EXACT_LEN:
-            lines.append(f"    if len({var}) != {expected}: return False")
+            checks.append(f"len({var}) != {expected}")
         elif kind == _DEFAULTDICT:
-            lines.append(f"    if {var}.default_factory is not {const(expected[0])}: return False")
-            lines.append(f"    if tuple({var}) != {const(expected[1])}: return False")
-            if typed_keys:
-                lines.append(
-                    f"    if tuple(map(type, {var})) != {const(expected[2])}: return False"
-                )
+            checks.append(f"{var}.default_factory is not {const(expected[0])}")
+            if keys == "typed":
+                checks.append(f"tuple({var}) != {const(expected[1])}")
+                checks.append(f"tuple(map(type, {var})) != {const(expected[2])}")
         elif kind == _DEQUE:
-            lines.append(f"    if (len({var}), {var}.maxlen) != {const(expected)}: return False")
-        elif kind == _CUSTOM:
-            lines.append(f"    {var} = _custom({var}, {const(expected)})")
-            lines.append(f"    if {var} is None: return False")
+            checks.append(f"(len({var}), {var}.maxlen) != {const(expected)}")
+        lines.append(f"      if {' or '.join(checks)}: return False")
+        if kind == _CUSTOM:
+            lines.append(f"      {var} = _custom({var}, {const(expected)})")
+            lines.append(f"      if {var} is None: return False")
     # A user container misbehaving under indexing is not this structure.
-    lines += ["  except Exception:", "    return False", "  return True"]
-    namespace = dict(consts)
-    exec(compile("\n".join(lines), f"<treegather guard: {len(steps)} nodes>", "exec"), namespace)
-    guard: Guard = namespace["guard"]
+    lines += ["    except Exception:", "      return False", "    return True", "  return guard"]
+    params = ", ".join([*consts, "type=type", "tuple=tuple", "map=map", "len=len"])
+    source = f"def make({params}):\n" + "\n".join(lines)
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<treegather guard: {len(steps)} nodes>", "exec"), namespace)
+    guard: Guard = namespace["make"](**consts)
     return guard
 
 

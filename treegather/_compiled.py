@@ -110,9 +110,9 @@ class Structure:
     def __init__(self, spec: PyTreeSpec, steps: list[Any], leaves: list[Any], version: int) -> None:
         self.spec = spec
         self.steps = steps
-        # guard: this exact structure, dict keys compared with their types (what a result is
-        # rebuilt from). guard_equal: keys compared with == only, as the reference compares
-        # replicas 1.. with replica 0.
+        # guard: this exact structure, dict keys compared in order and by type (a result is
+        # rebuilt from it). guard_equal, for gather's replicas 1..: the same containers, dict
+        # keys left to flatten_up_to (any order, compared with ==, as the reference does).
         self.guard: Guard = interpreted_guard(steps)
         self.guard_equal: Guard = self.guard
         self.leaf_types = frozenset(map(type, leaves))
@@ -129,7 +129,7 @@ class Structure:
         self.hits += 1
         if self.hits == COMPILE_AFTER:
             self.guard = compiled_guard(self.steps)
-            self.guard_equal = compiled_guard(self.steps, typed_keys=False)
+            self.guard_equal = compiled_guard(self.steps, keys="any")
 
     def leaves_ok(self, leaves: list[Any]) -> bool:
         """Every value is a leaf (``flatten_up_to`` lets a subtree or None stand in for one)."""
@@ -164,8 +164,12 @@ class Structure:
 
     def plan(
         self, layout: Any, phase: str, dim: int, root: str | None, leaves: list[Any], n: int
-    ) -> tuple[Plan, bool]:
-        """The plan (resolved once per equal layout) and whether every leaf is a >= 1-dim tensor."""
+    ) -> tuple[Plan, bool] | None:
+        """The plan (resolved once per equal layout) and whether every leaf is a >= 1-dim tensor.
+
+        ``None`` when the plan is not cached yet and ``leaves`` are not all leaves (a subtree or
+        ``None`` where this structure has a leaf): the caller runs the reference steps.
+        """
         last = self.last
         if last[0] is layout and last[1] is phase and last[2] is root and last[3] is dim:
             return last[4]
@@ -174,6 +178,8 @@ class Structure:
         key = (phase, root, type(dim), dim, type(layout), layout if plain else layout_key(layout))
         found = self.plans.get(key)
         if found is None:
+            if not self.leaves_ok(leaves):  # a subtree where a leaf is: not this structure's plan
+                return None
             found = (resolve(self.spec, layout, phase, dim, root), _all_batched(leaves[:n]))
             if len(self.plans) >= _PLANS_PER_STRUCTURE:
                 self.plans.clear()
@@ -253,7 +259,7 @@ def scatter(
     if st is None:
         plan = resolve(spec, layout, "scatter", dim, root)
     else:
-        plan, _ = st.plan(layout, "scatter", dim, root, leaves, len(leaves))
+        plan = st.plan(layout, "scatter", dim, root, leaves, len(leaves))[0]  # type: ignore[index]
         if plan.default_only and [d.type for d in devs].count("cpu") == len(devs):
             fast = _scatter_cpu_tensors(leaves, st, devs, dim)
             if fast is not None:
@@ -326,16 +332,17 @@ def gather(
                 and all(map(st.guard_equal, outputs[1:]))
             ):
                 spec_k = st.list_specs.get(k) or st.list_spec(k)
-                flat: list[Any] = spec_k.flatten_up_to(outputs)  # (cannot fail after the guards)
-                if st.leaves_ok(flat):
-                    st.seen()
-                    return _gather_seen(st, outputs, flat, target, layout, dim, sizes)
-                break
+                try:
+                    flat: list[Any] = spec_k.flatten_up_to(outputs)
+                except (ValueError, TypeError):  # replicas' key sets differ: a mismatch
+                    break
+                st.seen()
+                return _gather_seen(st, outputs, flat, target, layout, dim, sizes)
     leaves0, st, spec0 = recognise(outputs[0])
     if st is None:
         plan = resolve(spec0, layout, "gather", dim, _g.ROOT)
     else:
-        plan, _ = st.plan(layout, "gather", dim, _g.ROOT, leaves0, len(leaves0))
+        plan = st.plan(layout, "gather", dim, _g.ROOT, leaves0, len(leaves0))[0]  # type: ignore[index]
     # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
     # mismatch), or a structure not seen before: the reference steps.
     return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
@@ -353,8 +360,13 @@ def _gather_seen(
     """Every replica has exactly ``st``'s structure; ``flat`` holds their leaves, n per replica."""
     k = len(outputs)
     n = st.spec.num_leaves
-    plan, all_batched = st.plan(layout, "gather", dim, _g.ROOT, flat, n)
+    found = st.plan(layout, "gather", dim, _g.ROOT, flat, n)
+    if found is None:
+        return _g.gather_reference(outputs, target, layout, dim, sizes)
+    plan, all_batched = found
     if plan.up_spec is not st.spec:  # whole-value groups: the reference steps take them
+        if not st.leaves_ok(flat[:n]):
+            return _g.gather_reference(outputs, target, layout, dim, sizes)
         return _g.gather_from(outputs, flat[:n], plan, target, dim, sizes)
     if (
         all_batched
@@ -368,11 +380,14 @@ def _gather_seen(
         # reference steps below explain the problem.
         rows = [flat[i : i + n] for i in range(0, k * n, n)]
         with contextlib.suppress(TypeError, RuntimeError, AttributeError, IndexError):
-            # One dtype per leaf across replicas (torch.cat would promote silently), read in C.
+            # One dtype per leaf across replicas (torch.cat would promote silently), read in C;
+            # a value without a dtype (a subtree or None where a leaf should be) stops here.
             dtypes = list(map(_DTYPE, flat))
             if flat[0].is_cpu and dtypes[:n] * k == dtypes:
                 if dim:
                     return st.spec.unflatten([torch.cat(c, dim) for c in zip(*rows)])
                 return st.spec.unflatten(list(map(torch.cat, zip(*rows))))
+    if not st.leaves_ok(flat):  # a subtree or None where the structure has a leaf
+        return _g.gather_reference(outputs, target, layout, dim, sizes)
     per_replica = [flat[i : i + n] for i in range(0, k * n, n)] if n else [[] for _ in range(k)]
     return _g.combine(outputs, per_replica, plan, target, dim, sizes)
