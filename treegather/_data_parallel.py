@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ._apply import Backend, parallel_apply
+from ._caches import LRU
 from ._devices import DeviceLike, as_device, as_devices
 from ._gather import gather
 from ._replicate import replicate
@@ -78,9 +79,26 @@ def data_parallel(
     Returns:
         The gathered output tree.
 
+    Under ``torch.compile``: a compiled model (``torch.compile(m)`` or ``m.compile()``) is
+    replicated with its compiled code, which every replica shares. A compiled function that
+    calls ``data_parallel`` works too, but ``data_parallel`` itself always runs eagerly there
+    (a graph break, so ``fullgraph=True`` raises); compile the model for speed.
+
     Raises:
         RuntimeError: a module's parameters or buffers are not on ``devices[0]``.
     """
+    if _compiler_active():
+        return _outside_compiler(data_parallel)(
+            fn,
+            inputs,
+            devices,
+            output_device=output_device,
+            module_kwargs=module_kwargs,
+            in_layout=in_layout,
+            out_layout=out_layout,
+            dim=dim,
+            backend=backend,
+        )
     devs = _default_devices(devices)
     args = _as_args(inputs)
     args_shards, kwargs_shards = scatter_kwargs(args, module_kwargs, devs, in_layout, dim=dim)
@@ -315,3 +333,45 @@ def _check_module_device(module: nn.Module, device: torch.device) -> None:
                     f"(devices[0]) but {kind} {name!r} is on {t.device}; move the module with "
                     f"module.to({str(device)!r}) or list {t.device} first"
                 )
+
+
+def _compiler_active() -> bool:
+    """``torch.compile`` is tracing or running the calling frame (treegather must not be traced)."""
+    if torch.compiler.is_compiling():
+        return True
+    get_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+    return get_callback is not None and get_callback() is not None
+
+
+_OUTSIDE_COMPILER: LRU[Callable[..., Any], Callable[..., Any]] = LRU(
+    "data_parallel.outside_compiler", maxsize=8
+)
+
+
+def _outside_compiler(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped in ``torch.compiler.disable``: run eagerly, nothing inside it traced.
+
+    Made on first use only: importing ``torch._dynamo`` costs about a second, and a process
+    that reaches this point has imported it already.
+    """
+    wrapped = _OUTSIDE_COMPILER.get(fn)
+    if wrapped is None:
+        reason = (
+            f"treegather.{fn.__name__} runs eagerly; to compile the model, "
+            f"pass torch.compile(model) to {fn.__name__} instead"
+        )
+        try:
+            wrapped = torch.compiler.disable(fn, reason=reason)
+        except TypeError:  # torch < 2.8 takes no reason
+            wrapped = torch.compiler.disable(fn)
+        _OUTSIDE_COMPILER.put(fn, wrapped)
+    return wrapped
+
+
+# torch.compile never traces into data_parallel (a graph break at the call, whose message says
+# what to do under fullgraph=True); the call then runs eagerly through _outside_compiler.
+data_parallel._torchdynamo_disable = True  # type: ignore[attr-defined]
+data_parallel._torchdynamo_disable_msg = (  # type: ignore[attr-defined]
+    "treegather.data_parallel runs eagerly; to compile the model, "
+    "pass torch.compile(model) to data_parallel instead"
+)
