@@ -18,6 +18,7 @@ from ._apply import Backend, parallel_apply
 from ._caches import LRU
 from ._devices import DeviceLike, as_device, as_devices
 from ._gather import gather
+from ._kept import Kept, give_back, reusable, take
 from ._replicate import replicate
 from ._scatter import Shards, scatter_kwargs
 
@@ -63,6 +64,12 @@ def data_parallel(
     ``mean()``, ``sum()`` or ``first()``). When nothing is split (no tensor input with a batch
     dim), ``fn`` runs once, on the first device.
 
+    A module's replicas are kept from step to step (as with :func:`replicate`'s
+    ``reuse=True``; a deleted module frees them): each step only re-binds buffers (and
+    parameters on other devices), and any change to the module (a replaced layer, a new hook
+    or attribute, ``.eval()``, ``.half()``, compiling it) rebuilds them. Results equal fresh
+    replicas' exactly; concurrent steps on one module each get their own replicas.
+
     Args:
         fn: an ``nn.Module`` (parameters and buffers on ``devices[0]``) or any callable.
         inputs: a tuple (not a namedtuple) is the positional arguments (``()`` = none);
@@ -104,14 +111,17 @@ def data_parallel(
     args_shards, kwargs_shards = scatter_kwargs(args, module_kwargs, devs, in_layout, dim=dim)
     args_shards, kwargs_shards = _trim_unsplit(args_shards, kwargs_shards)
     used = args_shards.devices or devs[: len(args_shards)]
-    if isinstance(fn, nn.Module):
+    kept: Kept | None = None
+    if not isinstance(fn, nn.Module):
+        fns: Any = fn
+    elif len(used) == 1:
         _check_module_device(fn, devs[0])
-        fns: Any = (
-            [fn] if len(used) == 1 else replicate(fn, used, detach=not torch.is_grad_enabled())
-        )
+        fns = [fn]
     else:
-        fns = fn
+        fns, kept = _replicas_for_step(fn, used, devs[0])
     outputs = parallel_apply(fns, list(args_shards), list(kwargs_shards), used, backend=backend)
+    if kept is not None:
+        give_back(kept)  # not after a failed step: the next one builds new replicas
     target = devs[0] if output_device is None else as_device(output_device)
     return gather(outputs, target, out_layout, dim=dim, sizes=args_shards.sizes)
 
@@ -132,7 +142,8 @@ class DataParallel(nn.DataParallel):
     device (the output is still gathered, so shapes match N devices). ``device_ids=None``
     behaves like torch: every visible CUDA device, or on a machine without CUDA a plain call
     of the module. ``isinstance(dp, torch.nn.DataParallel)`` holds and ``state_dict()`` keys
-    carry the usual ``module.`` prefix.
+    carry the usual ``module.`` prefix. Replicas are kept from call to call while the module
+    is unchanged, as in :func:`data_parallel` (unless a subclass overrides ``replicate``).
 
     Args:
         module: the module to parallelise (parameters and buffers on ``device_ids[0]``).
@@ -178,16 +189,25 @@ class DataParallel(nn.DataParallel):
         with torch.autograd.profiler.record_function("DataParallel.forward"):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)
-            _check_module_device(self.module, self.src_device_obj)
+            keep = type(self).replicate is DataParallel.replicate  # kept replicas (issue 14)
+            if not keep:
+                _check_module_device(self.module, self.src_device_obj)
             args_shards, kwargs_shards = _as_shards(
                 *self.scatter(inputs, kwargs, self.device_ids), self.device_ids
             )
             devices = _shard_devices(args_shards, self.device_ids)
+            kept: Kept | None = None
             if len(devices) == 1:
+                if keep:
+                    _check_module_device(self.module, self.src_device_obj)
                 replicas: Any = [self.module]
+            elif keep:
+                replicas, kept = _replicas_for_step(self.module, devices, self.src_device_obj)
             else:
                 replicas = self.replicate(self.module, devices)
             outputs = self.parallel_apply(replicas, args_shards, kwargs_shards)
+            if kept is not None:
+                give_back(kept)
             return self.gather(outputs, self.output_device)
 
     def replicate(self, module: T, device_ids: Sequence[DeviceLike]) -> list[T]:
@@ -319,9 +339,30 @@ def _torch_id(device: torch.device) -> Any:
     return device.index if device.type == "cuda" and device.index is not None else device
 
 
-def _check_module_device(module: nn.Module, device: torch.device) -> None:
+def _replicas_for_step(
+    module: nn.Module, devices: Sequence[torch.device], source: torch.device
+) -> tuple[list[nn.Module], Kept | None]:
+    """This step's replicas: the kept shells re-bound when the module is unchanged (issue 14)."""
+    detach = not torch.is_grad_enabled()
+    if not reusable(module, devices):
+        _check_module_device(module, source)
+        return replicate(module, devices, detach=detach), None
+    replicas, kept, fresh = take(
+        module, devices, detach, before_build=lambda: _check_module_device(module, source)
+    )
+    if not fresh and not kept.on(_concrete(source)):
+        _check_module_device(module, source)  # raises, naming the tensor
+    return replicas, kept
+
+
+def _concrete(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_module_device(module: nn.Module, device: torch.device) -> None:
+    device = _concrete(device)
     for kind, named in (
         ("parameter", module.named_parameters()),
         ("buffer", module.named_buffers()),

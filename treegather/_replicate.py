@@ -10,7 +10,7 @@ fails.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -26,16 +26,20 @@ M = TypeVar("M", bound=nn.Module)
 
 @overload
 def replicate(
-    module_or_tree: M, devices: Sequence[DeviceLike], *, detach: bool = ...
+    module_or_tree: M, devices: Sequence[DeviceLike], *, detach: bool = ..., reuse: bool = ...
 ) -> list[M]: ...
 @overload
 def replicate(
-    module_or_tree: Any, devices: Sequence[DeviceLike], *, detach: bool = ...
+    module_or_tree: Any, devices: Sequence[DeviceLike], *, detach: bool = ..., reuse: bool = ...
 ) -> list[Any]: ...
 
 
 def replicate(
-    module_or_tree: Any, devices: Sequence[DeviceLike], *, detach: bool = False
+    module_or_tree: Any,
+    devices: Sequence[DeviceLike],
+    *,
+    detach: bool = False,
+    reuse: bool = False,
 ) -> list[Any]:
     """Make one replica of a module, or of a tree of tensors, per device.
 
@@ -48,6 +52,10 @@ def replicate(
     >>> trees = tg.replicate({"w": lin.weight}, ["cpu", "cpu"], detach=True)
     >>> [t["w"].requires_grad for t in trees]
     [False, False]
+    >>> a = tg.replicate(lin, ["cpu"] * 2, reuse=True)
+    >>> b = tg.replicate(lin, ["cpu"] * 2, reuse=True)
+    >>> a[1] is b[1], a[1] is r[1]
+    (True, False)
 
     A module gives one module per device, built like ``torch.nn.DataParallel``'s replicas
     (TorchScript modules too). Parameters are differentiable copies (on the source's own
@@ -73,6 +81,13 @@ def replicate(
         devices: one device per replica; repeats are allowed.
         detach: detach the copies from autograd (torch's DataParallel passes
             ``not torch.is_grad_enabled()``).
+        reuse: for a module, hand back the replicas of the previous ``reuse=True`` call for
+            the same devices (and ``detach``) while the module is unchanged, with this call's
+            buffers and parameters bound into them (what :func:`data_parallel` and
+            :class:`DataParallel` do every step). They are the same objects each call: use one
+            call's replicas before the next, from one thread. Anything that changed the module
+            (a replaced layer, a new attribute, ``.eval()``, a compiled forward) rebuilds them;
+            a deleted module frees them. TorchScript modules are replicated anew every call.
 
     Returns:
         A list with one replica per entry of ``devices``.
@@ -85,6 +100,13 @@ def replicate(
     if not devs:
         raise ValueError("replicate needs at least one device, got an empty device list")
     if isinstance(module_or_tree, nn.Module):
+        if reuse:
+            from ._kept import give_back, reusable, take
+
+            if reusable(module_or_tree, devs):
+                replicas, kept, _ = take(module_or_tree, devs, detach)
+                give_back(kept)
+                return replicas
         return _replicate_module(module_or_tree, devs, detach)
     leaves, spec = flatten(module_or_tree)
     per_leaf = [
@@ -160,7 +182,15 @@ def _replicate_module(module: nn.Module, devs: Sequence[torch.device], detach: b
 def _replicate_module_generic(
     module: nn.Module, devs: Sequence[torch.device], detach: bool
 ) -> list[nn.Module]:
-    """Build every replica from fresh shells; nothing is ever written to ``module``'s tree.
+    """Build every replica from fresh shells; nothing is ever written to ``module``'s tree."""
+    _, rows = _build_rows(module, devs, detach)
+    return [row[0] for row in rows]
+
+
+def _build_rows(
+    module: nn.Module, devs: Sequence[torch.device], detach: bool
+) -> tuple[list[nn.Module], list[list[nn.Module]]]:
+    """The original modules and, per device, one linked shell per original (same order).
 
     A shell is a new object of the module's class whose ``__dict__`` is a shallow copy of the
     original's, with its own ``_parameters`` (empty), ``_buffers`` and ``_modules`` tables. The
@@ -174,28 +204,20 @@ def _replicate_module_generic(
     originals = list(module.modules())
     position = {id(m): i for i, m in enumerate(originals)}
     kinds = [_compiled_kind(m) for m in originals]
-    shells = [[_shell(m) for m in originals] for _ in range(n)]
-
-    tensor_copies: dict[int, list[torch.Tensor]] = {}
-    for p in module.parameters():
-        tensor_copies[id(p)] = _param_copies(p, devs, detach)
-    for b in module.buffers():
-        if b.requires_grad and not detach:
-            tensor_copies[id(b)] = _param_copies(b, devs, detach)
-        else:
-            tensor_copies[id(b)] = _buffer_copies(b, devs)
+    rows = [[_shell(m) for m in originals] for _ in range(n)]
+    tensor_copies = _tensor_copies(module.parameters(), module.buffers(), devs, detach)
 
     for i, orig in enumerate(originals):
         scripted = isinstance(orig, torch.jit.ScriptModule)
         for j in range(n):
-            shell = shells[j][i]
+            shell = rows[j][i]
             if scripted:
-                _link_script_shell(shell, orig, shells[j], position, tensor_copies, j)
+                _link_script_shell(shell, orig, rows[j], position, tensor_copies, j)
                 continue
             table = shell.__dict__
             modules, buffers = table["_modules"], table["_buffers"]
             for key, child in orig._modules.items():
-                modules[key] = None if child is None else shells[j][position[id(child)]]
+                modules[key] = None if child is None else rows[j][position[id(child)]]
             for key, param in orig._parameters.items():
                 if param is None:
                     table["_parameters"][key] = None
@@ -207,8 +229,26 @@ def _replicate_module_generic(
     for i, kind in enumerate(kinds):
         if kind:
             for j in range(n):
-                _rebind_compiled(shells[j][i], originals[i], kind)
-    return [shells[j][0] for j in range(n)]
+                _rebind_compiled(rows[j][i], originals[i], kind)
+    return originals, rows
+
+
+def _tensor_copies(
+    params: Iterable[torch.Tensor],
+    buffers: Iterable[torch.Tensor],
+    devs: Sequence[torch.device],
+    detach: bool,
+) -> dict[int, list[torch.Tensor]]:
+    """Per source tensor (by id), its copy for each device."""
+    copies: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        copies[id(p)] = _param_copies(p, devs, detach)
+    for b in buffers:
+        if b.requires_grad and not detach:
+            copies[id(b)] = _param_copies(b, devs, detach)
+        else:
+            copies[id(b)] = _buffer_copies(b, devs)
+    return copies
 
 
 def _shell(m: nn.Module) -> nn.Module:
