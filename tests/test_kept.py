@@ -199,14 +199,46 @@ def test_no_replica_state_leaks_into_the_next_step() -> None:
     assert not hasattr(model, "calls")
 
 
-def test_a_deleted_model_frees_its_replicas() -> None:
-    model = _net()
-    _dp(model, torch.randn(6, 4))
+def _compiled_in_place() -> nn.Module:
+    model = Counting()
+    model.compile(backend="eager")
+    return model
+
+
+def _bert() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37
+    )
+    return transformers.BertModel(config)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _net,
+        _bert,
+        lambda: torch.compile(_net(), backend="eager"),
+        _compiled_in_place,  # its compiled forward is bound to the module
+    ],
+    ids=["plain", "hf_bert", "torch_compile", "compile_in_place"],
+)
+def test_a_deleted_model_frees_its_replicas(make: Callable[[], nn.Module]) -> None:
+    model = make()
+    if isinstance(model, Counting):
+        _dp(model, torch.randn(6, 2))
+    elif hasattr(model, "config"):
+        tg.data_parallel(
+            model, (), ["cpu"] * 2, module_kwargs={"input_ids": torch.ones(4, 3).long()}
+        )
+    else:
+        _dp(model, torch.randn(6, 4))
     assert kept_count(model) == 1
     ref = weakref.ref(model)
     del model
     gc.collect()
     assert ref() is None
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("backend", ["threads", "fork"])

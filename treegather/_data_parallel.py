@@ -380,7 +380,8 @@ def _compiler_active() -> bool:
     """``torch.compile`` is tracing or running the calling frame (treegather must not be traced)."""
     if torch.compiler.is_compiling():
         return True
-    get_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    get_callback = getattr(eval_frame, "get_eval_frame_callback", None)
     return get_callback is not None and get_callback() is not None
 
 

@@ -22,6 +22,7 @@ need no rebuild: same-device shells hold the parameter itself, other devices cop
 from __future__ import annotations
 
 import threading
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from operator import is_
@@ -65,6 +66,7 @@ class Kept:
         "shell_values",
         "source_values",
         "submodules",
+        "weak_values",
     )
 
     def __init__(self, module: nn.Module, devs: tuple[torch.device, ...], detach: bool) -> None:
@@ -90,6 +92,15 @@ class Kept:
         ]
         self.copy_params = detach or any(d != p.device for p in self.params for d in devs)
         self.source_values = _source_values(originals)
+        # A compiled forward (m.compile()) is bound to its module: held strongly here, it would
+        # keep the root alive in a cache keyed weakly by it. Those are compared through weakrefs.
+        self.weak_values = {
+            at: weakref.ref(v)
+            for at, v in enumerate(self.source_values)
+            if isinstance(v, types.FunctionType) and hasattr(v, "_torchdynamo_orig_callable")
+        }
+        for at in self.weak_values:
+            self.source_values[at] = None
         self.shell_values = _shell_values(rows)
         self.shell_sizes = _shell_sizes(rows)
 
@@ -98,7 +109,13 @@ class Kept:
         if self.root() is not module:
             return False
         now = _source_values([module, *self.submodules])
-        if len(now) != len(self.source_values) or not all(map(is_, now, self.source_values)):
+        if len(now) != len(self.source_values):
+            return False
+        for at, ref in self.weak_values.items():
+            if now[at] is not ref():
+                return False
+            now[at] = None
+        if not all(map(is_, now, self.source_values)):
             return False
         if _shell_sizes(self.rows) != self.shell_sizes:
             return False
