@@ -25,6 +25,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Sequence
+from itertools import chain
 from operator import is_
 from typing import Any
 
@@ -58,15 +59,21 @@ class Kept:
         "copy_params",
         "detach",
         "devs",
+        "n_table_values",
         "param_slots",
         "params",
         "root",
+        "root_keys",
+        "root_values",
         "rows",
+        "shell_dicts",
         "shell_sizes",
+        "shell_tables",
         "shell_values",
-        "source_values",
+        "sub_dicts",
         "submodules",
-        "weak_values",
+        "table_values",
+        "tables",
     )
 
     def __init__(self, module: nn.Module, devs: tuple[torch.device, ...], detach: bool) -> None:
@@ -91,36 +98,47 @@ class Kept:
             if b is not None
         ]
         self.copy_params = detach or any(d != p.device for p in self.params for d in devs)
-        self.source_values = _source_values(originals)
-        # A compiled forward (m.compile()) is bound to its module: held strongly here, it would
-        # keep the root alive in a cache keyed weakly by it. Those are compared through weakrefs.
-        self.weak_values = {
-            at: weakref.ref(v)
-            for at, v in enumerate(self.source_values)
-            if isinstance(v, types.FunctionType) and hasattr(v, "_torchdynamo_orig_callable")
-        }
-        for at in self.weak_values:
-            self.source_values[at] = None
-        self.shell_values = _shell_values(rows)
-        self.shell_sizes = _shell_sizes(rows)
+        # The guards: what every table held at build time, compared by identity in C
+        # (chain/map/is_) with what it holds now. The root's own __dict__ is compared in
+        # Python: a compiled forward in it (m.compile()) is bound to the root, so it is held
+        # through a weakref (held strongly, it would keep the root alive in this weak cache).
+        self.root_keys = tuple(module.__dict__)
+        self.root_values = [_weak_if_bound(v) for v in module.__dict__.values()]
+        self.sub_dicts = list(map(vars, self.submodules))
+        self.tables: list[dict[str, Any]] = [module._modules, module._parameters, module._buffers]
+        self.tables += [
+            t for m in self.submodules for t in (vars(m), m._modules, m._parameters, m._buffers)
+        ]
+        self.table_values: list[Any] = list(chain.from_iterable(map(dict.values, self.tables)))
+        self.n_table_values = len(self.table_values)
+        shells = [s for row in rows for s in row]
+        self.shell_dicts: list[dict[str, Any]] = list(map(vars, shells))
+        self.shell_tables: list[dict[str, Any]] = [
+            t for s in shells for t in (s._modules, s._buffers, s._parameters)
+        ]
+        self.shell_sizes = list(map(len, self.shell_tables))
+        self.shell_values = list(chain.from_iterable(map(dict.values, self.shell_dicts)))
 
     def valid(self, module: nn.Module) -> bool:
         """The module and every shell are exactly as they were when the shells were built."""
         if self.root() is not module:
             return False
-        now = _source_values([module, *self.submodules])
-        if len(now) != len(self.source_values):
+        own = module.__dict__
+        if tuple(own) != self.root_keys:
             return False
-        for at, ref in self.weak_values.items():
-            if now[at] is not ref():
+        for now, then in zip(own.values(), self.root_values):
+            if now is not then and not (type(then) is weakref.ref and then() is now):
                 return False
-            now[at] = None
-        if not all(map(is_, now, self.source_values)):
-            return False
-        if _shell_sizes(self.rows) != self.shell_sizes:
-            return False
-        now = _shell_values(self.rows)
-        return len(now) == len(self.shell_values) and all(map(is_, now, self.shell_values))
+        return (
+            all(map(is_, map(vars, self.submodules), self.sub_dicts))
+            and sum(map(len, self.tables)) == self.n_table_values
+            and all(map(is_, chain.from_iterable(map(dict.values, self.tables)), self.table_values))
+            and list(map(len, self.shell_tables)) == self.shell_sizes
+            and sum(map(len, self.shell_dicts)) == len(self.shell_values)
+            and all(
+                map(is_, chain.from_iterable(map(dict.values, self.shell_dicts)), self.shell_values)
+            )
+        )
 
     def on(self, device: torch.device) -> bool:
         """Every parameter and buffer of the module is on ``device``."""
@@ -142,25 +160,15 @@ class Kept:
                 for j, row in enumerate(rows):
                     row[i]._buffers[key] = copies[id(b)][j]
         if self.copy_params:
-            self.shell_values = _shell_values(rows)
+            self.shell_values = list(chain.from_iterable(map(dict.values, self.shell_dicts)))
         return [row[0] for row in rows]
 
 
-def _source_values(modules: Sequence[nn.Module]) -> list[Any]:
-    return [
-        v
-        for m in modules
-        for table in (m.__dict__, m._modules, m._parameters, m._buffers)
-        for v in table.values()
-    ]
-
-
-def _shell_values(rows: Sequence[Sequence[nn.Module]]) -> list[Any]:
-    return [v for row in rows for s in row for v in s.__dict__.values()]
-
-
-def _shell_sizes(rows: Sequence[Sequence[nn.Module]]) -> list[tuple[int, int, int]]:
-    return [(len(s._modules), len(s._buffers), len(s._parameters)) for row in rows for s in row]
+def _weak_if_bound(value: Any) -> Any:
+    """A weakref to a compiled forward (``m.compile()``), else the value itself."""
+    if isinstance(value, types.FunctionType) and hasattr(value, "_torchdynamo_orig_callable"):
+        return weakref.ref(value)
+    return value
 
 
 def reusable(module: nn.Module, devs: Sequence[torch.device]) -> bool:
