@@ -70,6 +70,11 @@ def data_parallel(
     or attribute, ``.eval()``, ``.half()``, compiling it) rebuilds them. Results equal fresh
     replicas' exactly; concurrent steps on one module each get their own replicas.
 
+    Under ``torch.compile``: a compiled model (``torch.compile(m)`` or ``m.compile()``) is
+    replicated with its compiled code, which every replica shares. A compiled function that
+    calls ``data_parallel`` works too, but ``data_parallel`` itself always runs eagerly there
+    (a graph break, so ``fullgraph=True`` raises); compile the model for speed.
+
     Args:
         fn: an ``nn.Module`` (parameters and buffers on ``devices[0]``) or any callable.
         inputs: a tuple (not a namedtuple) is the positional arguments (``()`` = none);
@@ -85,11 +90,6 @@ def data_parallel(
 
     Returns:
         The gathered output tree.
-
-    Under ``torch.compile``: a compiled model (``torch.compile(m)`` or ``m.compile()``) is
-    replicated with its compiled code, which every replica shares. A compiled function that
-    calls ``data_parallel`` works too, but ``data_parallel`` itself always runs eagerly there
-    (a graph break, so ``fullgraph=True`` raises); compile the model for speed.
 
     Raises:
         RuntimeError: a module's parameters or buffers are not on ``devices[0]``.
