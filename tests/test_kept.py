@@ -123,7 +123,7 @@ def _attribute(m: Net) -> None:
 
 
 def _half(m: Net) -> None:
-    m.double()
+    m.half()
 
 
 def _freeze(m: Net) -> None:
@@ -136,7 +136,7 @@ CHANGES: dict[str, tuple[Callable[[Net], None], bool]] = {
     "replace_a_layer": (_replace_layer, False),
     "add_a_hook": (_add_hook, False),
     "plain_attribute": (_attribute, False),
-    "half_or_double": (_half, False),
+    "half": (_half, False),  # buffers are replaced (parameters change dtype in place)
     "freeze_a_parameter": (_freeze, True),
 }
 
@@ -149,10 +149,12 @@ def test_guards(change: str, builds: list[bool]) -> None:
     apply, stays_valid = CHANGES[change]
     apply(model)
     model.zero_grad()
-    if change == "half_or_double":
-        x = x.double()
+    tol: dict[str, Any] = {}
+    if change == "half":
+        x = x.half()
+        tol = {"atol": 1e-2, "rtol": 1e-2}  # float16: shards may round differently
     out = _dp(model, x, 3)
-    torch.testing.assert_close(out, model(x))
+    torch.testing.assert_close(out, model(x), **tol)
     out.sum().backward()
     ref = copy.deepcopy(model)
     ref.zero_grad()
@@ -160,9 +162,9 @@ def test_guards(change: str, builds: list[bool]) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
+            torch.testing.assert_close(p.grad, q.grad, msg=name, **tol)
     assert builds[0] is True
-    if change not in ("add_a_hook", "half_or_double"):  # both valid either way
+    if change != "add_a_hook":  # hook tables are shared with the replicas: valid either way
         assert builds[1] is (not stays_valid)
 
 
