@@ -14,12 +14,14 @@ into K shards on ``["cpu"] * K`` (serial backend, one intra-op thread):
 Models: a 12-layer tiny BERT (``BertConfig(hidden_size=32, num_hidden_layers=12,
 num_attention_heads=2, intermediate_size=37)``, needs ``transformers``) and a 50-layer MLP.
 Each ratio is the median over rounds of (time / floor time in the same round), as in
-:mod:`treegather.bench`; times are CPU time of this thread with the garbage collector off.
+:mod:`treegather.bench`; times are CPU time of this thread with the garbage collector off
+(one collection before each round).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -34,11 +36,23 @@ from torch import nn
 
 import treegather as tg
 from treegather._kept import _KEPT
-from treegather.bench import _time, prepare_allocator
+from treegather.bench import prepare_allocator
 
 __all__ = ["run_steps", "main"]
 
 Step = Callable[[], Any]
+
+
+def _time(fn: Step, reps: int) -> float:
+    """CPU seconds of this thread per call, garbage collector off (collect once per round)."""
+    gc.disable()
+    try:
+        t0 = time.thread_time()
+        for _ in range(reps):
+            fn()
+        return (time.thread_time() - t0) / reps
+    finally:
+        gc.enable()
 
 
 def _mlp(layers: int, width: int) -> nn.Module:
@@ -124,11 +138,33 @@ def run_steps(
     >>> sorted(r["impl"] for r in rows), rows[0]["model"]
     (['data_parallel', 'floor', 'fresh'], 'mlp50')
 
-    ``bert12`` is skipped (no rows) when ``transformers`` is not installed. Smaller
+    Runs with one intra-op thread (restored on return). ``bert12`` is skipped (no rows)
+    when ``transformers`` is not installed. Smaller
     ``bert_layers``, ``bert_vocab`` (BERT's default: 30522) and ``mlp_layers`` make a quick
     smoke run.
     """
     prepare_allocator()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the benchmark's setting; restored on return
+    try:
+        return _run_steps(
+            models, ks, batch, rounds, target_s, bert_layers, bert_vocab, mlp_layers, mlp_width
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_steps(
+    models: Sequence[str],
+    ks: Sequence[int],
+    batch: int,
+    rounds: int,
+    target_s: float,
+    bert_layers: int,
+    bert_vocab: int,
+    mlp_layers: int,
+    mlp_width: int,
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in models:
         torch.manual_seed(0)
@@ -145,12 +181,13 @@ def run_steps(
             for fn in fns.values():  # warm up: kept replicas, scatter/gather caches
                 for _ in range(3):
                     fn()
-            reps = max(1, int(target_s / max(_time(fns["floor"], 2)[0], 1e-7)))
+            reps = max(1, int(target_s / max(_time(fns["floor"], 2), 1e-7)))
             samples: dict[str, list[float]] = {impl: [] for impl in fns}
             names = list(fns)
             for r in range(rounds):
+                gc.collect()
                 for impl in names[r % len(names) :] + names[: r % len(names)]:
-                    samples[impl].append(_time(fns[impl], reps, time.thread_time)[0])
+                    samples[impl].append(_time(fns[impl], reps))
             for impl, ts in samples.items():
                 ratios = [t / f for t, f in zip(ts, samples["floor"])]
                 rows.append(
