@@ -16,9 +16,9 @@ attributes), ``_modules``, ``_parameters`` and ``_buffers`` is compared by ident
 values seen at build time, and every shell's ``__dict__`` with what it was (an attribute a
 replica's forward stored on itself is not carried into the next step). Anything else rebuilds.
 Hook tables are shared by the module and its replicas (as in torch), so a hook registered
-between steps runs on the kept replicas at once.
-Changes made in place on a parameter (``.half()``, ``requires_grad_(False)``, ``load_state_dict``)
-need no rebuild: same-device shells hold the parameter itself, other devices copy it anew.
+between steps runs on the kept replicas at once. Changes made in place on a parameter
+(``load_state_dict``, ``requires_grad_(False)``, ``p.data = ...``) need no rebuild:
+same-device shells hold the parameter itself, other devices copy it anew every step.
 """
 
 from __future__ import annotations
