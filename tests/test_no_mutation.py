@@ -183,6 +183,17 @@ def test_replication_failure_leaves_the_module_unchanged(
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_patched_torch_data_parallel_replicates_without_mutation(name: str) -> None:
+    # torch's forward replicates with dp.replicate on CUDA; patch makes it treegather's.
+    torch.manual_seed(0)
+    model, args, kwargs, _, _ = CORPUS[name]()
+    before = snapshot(model)
+    replicas = tg.patch(nn.DataParallel(model)).replicate(model, ["cpu"] * 2)
+    tg.parallel_apply(replicas, [args] * 2, [kwargs] * 2, backend="serial")
+    assert_unchanged(model, before, allow_bn_update=True)
+
+
 @pytest.mark.parametrize("entry", ["data_parallel", "DataParallel", "replicate"])
 def test_the_issue_table(entry: str) -> None:
     m = _mlp()

@@ -254,7 +254,9 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
     is a plain call). The shard sizes of the latest scatter are kept on ``dp`` so that
     ``mean()`` in ``out_layout`` is weighted exactly by torch's forward, which does not pass
     them along; do not run one patched module's forward concurrently from several threads.
-    Replicate and parallel_apply stay torch's.
+    ``dp.replicate`` becomes :func:`treegather.replicate` (torch's own coalesced copies on
+    distinct CUDA devices, as before), so that a compiled model (``torch.compile(m)``) is
+    replicated without being changed; parallel_apply stays torch's.
 
     Args:
         dp: the ``nn.DataParallel`` to patch (modified in place).
@@ -284,8 +286,14 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
             sizes = None
         return gather(list(outputs), output_device, out_layout, dim=dim, sizes=sizes)
 
+    def replicate_(
+        self: nn.DataParallel, module: nn.Module, device_ids: Sequence[DeviceLike]
+    ) -> list[nn.Module]:
+        return replicate(module, device_ids, detach=not torch.is_grad_enabled())
+
     dp.scatter = types.MethodType(scatter, dp)  # type: ignore[method-assign]
     dp.gather = types.MethodType(gather_, dp)  # type: ignore[method-assign]
+    dp.replicate = types.MethodType(replicate_, dp)  # type: ignore[method-assign]
     return dp
 
 
