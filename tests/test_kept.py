@@ -130,6 +130,15 @@ def _freeze(m: Net) -> None:
     m.lin.weight.requires_grad_(False)
 
 
+class Doubled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def _swap_class(m: Net) -> None:
+    m.head.__class__ = Doubled  # what some conversion utilities do
+
+
 CHANGES: dict[str, tuple[Callable[[Net], None], bool]] = {
     # change, and whether the kept replicas stay valid
     "load_state_dict_in_place": (_load_state_dict, True),
@@ -138,6 +147,7 @@ CHANGES: dict[str, tuple[Callable[[Net], None], bool]] = {
     "plain_attribute": (_attribute, False),
     "half": (_half, False),  # buffers are replaced (parameters change dtype in place)
     "freeze_a_parameter": (_freeze, True),
+    "swap_a_class": (_swap_class, False),
 }
 
 

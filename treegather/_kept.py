@@ -13,7 +13,7 @@ step only re-binds what must change:
 Guards: kept shells are used only while the module is what it was when they were built. Every
 value in every submodule's ``__dict__`` (training mode, hook tables, a compiled forward, plain
 attributes), ``_modules``, ``_parameters`` and ``_buffers`` is compared by identity with the
-values seen at build time, and every shell's ``__dict__`` with what it was (an attribute a
+values seen at build time (and every module's class), and every shell's ``__dict__`` with what it was (an attribute a
 replica's forward stored on itself is not carried into the next step). Anything else rebuilds.
 Hook tables are shared by the module and its replicas (as in torch), so a hook registered
 between steps runs on the kept replicas at once. Changes made in place on a parameter
@@ -58,6 +58,7 @@ class Kept:
     __slots__ = (
         "buffer_slots",
         "buffers",
+        "classes",
         "copy_params",
         "detach",
         "devs",
@@ -107,6 +108,7 @@ class Kept:
         self.root_keys = tuple(module.__dict__)
         self.root_values = [_weak_if_bound(v) for v in module.__dict__.values()]
         self.sub_dicts = list(map(vars, self.submodules))
+        self.classes = list(map(type, originals))  # a swapped __class__ is in no __dict__
         self.tables: list[dict[str, Any]] = [module._modules, module._parameters, module._buffers]
         self.tables += [
             t for m in self.submodules for t in (vars(m), m._modules, m._parameters, m._buffers)
@@ -132,7 +134,9 @@ class Kept:
             if now is not then and not (type(then) is weakref.ref and then() is now):
                 return False
         return (
-            all(map(is_, map(vars, self.submodules), self.sub_dicts))
+            type(module) is self.classes[0]
+            and all(map(is_, map(type, self.submodules), self.classes[1:]))
+            and all(map(is_, map(vars, self.submodules), self.sub_dicts))
             and sum(map(len, self.tables)) == self.n_table_values
             and all(map(is_, chain.from_iterable(map(dict.values, self.tables)), self.table_values))
             and list(map(len, self.shell_tables)) == self.shell_sizes
