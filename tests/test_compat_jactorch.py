@@ -665,9 +665,38 @@ def test_jac_data_parallel_replication_callback(k: int) -> None:
     assert SyncLike.log == []
 
 
-def test_jac_data_parallel_persistent_is_refused() -> None:
-    with pytest.raises(ValueError, match="persistent=True"):
-        JacDataParallel(Net(), device_ids=["cpu"] * 2, persistent=True)
+@pytest.mark.parametrize("k", [2, 3])
+def test_jac_data_parallel_persistent_keeps_replicas_and_calls_back_once(k: int) -> None:
+    SyncLike.log = []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(SyncLike("a"), SyncLike("b"))
+    dp = JacDataParallel(model, device_ids=["cpu"] * k, persistent=True)
+    x = torch.randn(6, 1)
+    first = dp.replicate(model, ["cpu"] * k)
+    assert dp.replicate(model, ["cpu"] * k)[1] is first[1]  # kept across calls
+    for _ in range(3):
+        out = dp(x)
+        torch.testing.assert_close(out, model(x))
+        out.sum().backward()
+    assert SyncLike.log == [(n, i, f"{n}-master") for i in range(k) for n in ("a", "b")]
+    model.eval()  # a changed module rebuilds the replicas, and the callbacks run again
+    dp(x)
+    assert len(SyncLike.log) == 4 * k
+    assert model[0].lin.weight.grad is not None
+
+
+@pytest.mark.parametrize("copy_buffers", [True, False])
+def test_jac_data_parallel_persistent_copy_buffers(copy_buffers: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).train()
+    x = torch.cat([torch.randn(4, 2), torch.randn(4, 2) + 5])  # the two shards differ
+    dp = JacDataParallel(model, device_ids=["cpu"] * 2, persistent=True, copy_buffers=copy_buffers)
+    dp(x)
+    dp(x)
+    replica = dp.replicate(model, ["cpu"] * 2)[1]
+    assert model[1].num_batches_tracked.item() == 2  # through replica 0 only
+    same = torch.equal(replica[1].running_mean, model[1].running_mean)
+    assert same is copy_buffers  # refreshed from the module, or the replica's own statistics
 
 
 # ------------------------------------------------------ every device set (CPU, CUDA when present)

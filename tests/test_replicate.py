@@ -122,3 +122,36 @@ def test_distinct_cuda_devices_use_torch_broadcast() -> None:
     replicas = tg.replicate(net, [f"cuda:{i}" for i in range(n)])
     assert [r.lin.weight.device.index for r in replicas] == list(range(n))
     assert replicas[0].bn.running_mean.data_ptr() == net.bn.running_mean.data_ptr()
+
+
+def test_sparse_embedding_gradients(devices: list[str]) -> None:
+    # torch's test_data_parallel_sparse, ported: sparse gradients reach the source parameter.
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 5, sparse=True).to(devices[0])
+    i = torch.randint(10, (20, 5), device=devices[0])
+    expected_out = emb(i)
+    expected_out.sum().backward()
+    assert emb.weight.grad is not None and emb.weight.grad.is_sparse
+    expected_grad = emb.weight.grad.to_dense()
+    for run in (
+        lambda: tg.data_parallel(emb, i, devices),
+        lambda: tg.DataParallel(emb, devices)(i),
+    ):
+        emb.zero_grad()
+        out = run()
+        out.sum().backward()
+        assert out.device == torch.device(devices[0])
+        torch.testing.assert_close(out, expected_out)
+        torch.testing.assert_close(emb.weight.grad.to_dense(), expected_grad)
+    emb.zero_grad()
+    replicas = tg.replicate(emb, devices)
+    sum(r(i.to(d)).sum().to(devices[0]) for r, d in zip(replicas, devices)).backward()
+    torch.testing.assert_close(emb.weight.grad.to_dense(), len(devices) * expected_grad)
+
+
+def test_same_device_replicas_use_the_source_parameters() -> None:
+    net = _net("cpu")
+    for r in tg.replicate(net, ["cpu"] * 2):
+        assert r.lin.weight is net.lin.weight
+    for r in tg.replicate(net, ["cpu"] * 2, detach=True):
+        assert r.lin.weight is not net.lin.weight and not r.lin.weight.requires_grad

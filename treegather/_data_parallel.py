@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from ._apply import Backend, parallel_apply
+from ._caches import LRU
 from ._devices import DeviceLike, as_device, as_devices
 from ._gather import gather
+from ._kept import Kept, give_back, reusable, take
 from ._replicate import replicate
 from ._scatter import Shards, scatter_kwargs
 
@@ -64,6 +66,17 @@ def data_parallel(
     ``mean()``, ``sum()`` or ``first()``). When nothing is split (no tensor input with a batch
     dim), ``fn`` runs once, on the first device.
 
+    A module's replicas are kept from step to step (as with :func:`replicate`'s
+    ``reuse=True``; a deleted module frees them): each step only re-binds buffers (and
+    parameters on other devices), and any change to the module (a replaced layer, a new hook
+    or attribute, ``.eval()``, ``.half()``, compiling it) rebuilds them. Results equal fresh
+    replicas' exactly; concurrent steps on one module each get their own replicas.
+
+    Under ``torch.compile``: a compiled model (``torch.compile(m)`` or ``m.compile()``) is
+    replicated with its compiled code, which every replica shares. A compiled function that
+    calls ``data_parallel`` works too, but ``data_parallel`` itself always runs eagerly there
+    (a graph break, so ``fullgraph=True`` raises); compile the model for speed.
+
     Args:
         fn: an ``nn.Module`` (parameters and buffers on ``devices[0]``) or any callable.
         inputs: a tuple (not a namedtuple) is the positional arguments (``()`` = none);
@@ -84,20 +97,35 @@ def data_parallel(
     Raises:
         RuntimeError: a module's parameters or buffers are not on ``devices[0]``.
     """
+    if _compiler_active():
+        return _outside_compiler(data_parallel)(
+            fn,
+            inputs,
+            devices,
+            output_device=output_device,
+            module_kwargs=module_kwargs,
+            in_layout=in_layout,
+            out_layout=out_layout,
+            dim=dim,
+            backend=backend,
+        )
     devs = _default_devices(devices)
     args = _as_args(inputs)
     args_shards, kwargs_shards = scatter_kwargs(args, module_kwargs, devs, in_layout, dim=dim)
     args_shards, kwargs_shards = _trim_unsplit(args_shards, kwargs_shards)
     used = args_shards.devices or devs[: len(args_shards)]
-    if isinstance(fn, nn.Module):
+    kept: Kept | None = None
+    if not isinstance(fn, nn.Module):
+        fns: Any = fn
+    elif len(used) == 1:
         _check_module_device(fn, devs[0])
-        fns: Any = (
-            [fn] if len(used) == 1 else replicate(fn, used, detach=not torch.is_grad_enabled())
-        )
+        fns = [fn]
     else:
-        fns = fn
+        fns, kept = _replicas_for_step(fn, used, devs[0])
     with _module_kwargs_hint(fn, inputs, module_kwargs):
         outputs = parallel_apply(fns, list(args_shards), list(kwargs_shards), used, backend=backend)
+    if kept is not None:
+        give_back(kept)  # not after a failed step: the next one builds new replicas
     target = devs[0] if output_device is None else as_device(output_device)
     return gather(outputs, target, out_layout, dim=dim, sizes=args_shards.sizes)
 
@@ -118,7 +146,8 @@ class DataParallel(nn.DataParallel):
     device (the output is still gathered, so shapes match N devices). ``device_ids=None``
     behaves like torch: every visible CUDA device, or on a machine without CUDA a plain call
     of the module. ``isinstance(dp, torch.nn.DataParallel)`` holds and ``state_dict()`` keys
-    carry the usual ``module.`` prefix.
+    carry the usual ``module.`` prefix. Replicas are kept from call to call while the module
+    is unchanged, as in :func:`data_parallel` (unless a subclass overrides ``replicate``).
 
     Args:
         module: the module to parallelise (parameters and buffers on ``device_ids[0]``).
@@ -164,16 +193,25 @@ class DataParallel(nn.DataParallel):
         with torch.autograd.profiler.record_function("DataParallel.forward"):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)
-            _check_module_device(self.module, self.src_device_obj)
+            keep = type(self).replicate is DataParallel.replicate  # kept replicas (issue 14)
+            if not keep:
+                _check_module_device(self.module, self.src_device_obj)
             args_shards, kwargs_shards = _as_shards(
                 *self.scatter(inputs, kwargs, self.device_ids), self.device_ids
             )
             devices = _shard_devices(args_shards, self.device_ids)
+            kept: Kept | None = None
             if len(devices) == 1:
+                if keep:
+                    _check_module_device(self.module, self.src_device_obj)
                 replicas: Any = [self.module]
+            elif keep:
+                replicas, kept = _replicas_for_step(self.module, devices, self.src_device_obj)
             else:
                 replicas = self.replicate(self.module, devices)
             outputs = self.parallel_apply(replicas, args_shards, kwargs_shards)
+            if kept is not None:
+                give_back(kept)
             return self.gather(outputs, self.output_device)
 
     def replicate(self, module: T, device_ids: Sequence[DeviceLike]) -> list[T]:
@@ -220,7 +258,9 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
     is a plain call). The shard sizes of the latest scatter are kept on ``dp`` so that
     ``mean()`` in ``out_layout`` is weighted exactly by torch's forward, which does not pass
     them along; do not run one patched module's forward concurrently from several threads.
-    Replicate and parallel_apply stay torch's.
+    ``dp.replicate`` becomes :func:`treegather.replicate` (torch's own coalesced copies on
+    distinct CUDA devices, as before), so that a compiled model (``torch.compile(m)``) is
+    replicated without being changed; parallel_apply stays torch's.
 
     Args:
         dp: the ``nn.DataParallel`` to patch (modified in place).
@@ -250,8 +290,14 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
             sizes = None
         return gather(list(outputs), output_device, out_layout, dim=dim, sizes=sizes)
 
+    def replicate_(
+        self: nn.DataParallel, module: nn.Module, device_ids: Sequence[DeviceLike]
+    ) -> list[nn.Module]:
+        return replicate(module, device_ids, detach=not torch.is_grad_enabled())
+
     dp.scatter = types.MethodType(scatter, dp)  # type: ignore[method-assign]
     dp.gather = types.MethodType(gather_, dp)  # type: ignore[method-assign]
+    dp.replicate = types.MethodType(replicate_, dp)  # type: ignore[method-assign]
     return dp
 
 
@@ -345,9 +391,30 @@ def _torch_id(device: torch.device) -> Any:
     return device.index if device.type == "cuda" and device.index is not None else device
 
 
-def _check_module_device(module: nn.Module, device: torch.device) -> None:
+def _replicas_for_step(
+    module: nn.Module, devices: Sequence[torch.device], source: torch.device
+) -> tuple[list[nn.Module], Kept | None]:
+    """This step's replicas: the kept shells re-bound when the module is unchanged (issue 14)."""
+    detach = not torch.is_grad_enabled()
+    if not reusable(module, devices):
+        _check_module_device(module, source)
+        return replicate(module, devices, detach=detach), None
+    replicas, kept, fresh = take(
+        module, devices, detach, before_build=lambda: _check_module_device(module, source)
+    )
+    if not fresh and not kept.on(_concrete(source)):
+        _check_module_device(module, source)  # raises, naming the tensor
+    return replicas, kept
+
+
+def _concrete(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_module_device(module: nn.Module, device: torch.device) -> None:
+    device = _concrete(device)
     for kind, named in (
         ("parameter", module.named_parameters()),
         ("buffer", module.named_buffers()),
@@ -359,3 +426,46 @@ def _check_module_device(module: nn.Module, device: torch.device) -> None:
                     f"(devices[0]) but {kind} {name!r} is on {t.device}; move the module with "
                     f"module.to({str(device)!r}) or list {t.device} first"
                 )
+
+
+def _compiler_active() -> bool:
+    """``torch.compile`` is tracing or running the calling frame (treegather must not be traced)."""
+    if torch.compiler.is_compiling():
+        return True
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    get_callback = getattr(eval_frame, "get_eval_frame_callback", None)
+    return get_callback is not None and get_callback() is not None
+
+
+_OUTSIDE_COMPILER: LRU[Callable[..., Any], Callable[..., Any]] = LRU(
+    "data_parallel.outside_compiler", maxsize=8
+)
+
+
+def _outside_compiler(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped in ``torch.compiler.disable``: run eagerly, nothing inside it traced.
+
+    Made on first use only: importing ``torch._dynamo`` costs about a second, and a process
+    that reaches this point has imported it already.
+    """
+    wrapped = _OUTSIDE_COMPILER.get(fn)
+    if wrapped is None:
+        reason = (
+            f"treegather.{fn.__name__} runs eagerly; to compile the model, "
+            f"pass torch.compile(model) to {fn.__name__} instead"
+        )
+        try:
+            wrapped = torch.compiler.disable(fn, reason=reason)
+        except TypeError:  # torch < 2.8 takes no reason
+            wrapped = torch.compiler.disable(fn)
+        _OUTSIDE_COMPILER.put(fn, wrapped)
+    return wrapped
+
+
+# torch.compile never traces into data_parallel (a graph break at the call, whose message says
+# what to do under fullgraph=True); the call then runs eagerly through _outside_compiler.
+data_parallel._torchdynamo_disable = True  # type: ignore[attr-defined]
+data_parallel._torchdynamo_disable_msg = (  # type: ignore[attr-defined]
+    "treegather.data_parallel runs eagerly; to compile the model, "
+    "pass torch.compile(model) to data_parallel instead"
+)

@@ -2,12 +2,15 @@
 
 Copies are differentiable: gradients flowing into any replica reduce back onto the source
 parameters (or source tensors). Repeated devices (``["cpu"] * 3``) are first-class: replicas on
-the source's own device alias its parameters instead of copying them.
+the source's own device use its parameters themselves instead of copying them. Nothing of the
+source module is ever written to (compiled modules included), whether replication succeeds or
+fails.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -23,16 +26,20 @@ M = TypeVar("M", bound=nn.Module)
 
 @overload
 def replicate(
-    module_or_tree: M, devices: Sequence[DeviceLike], *, detach: bool = ...
+    module_or_tree: M, devices: Sequence[DeviceLike], *, detach: bool = ..., reuse: bool = ...
 ) -> list[M]: ...
 @overload
 def replicate(
-    module_or_tree: Any, devices: Sequence[DeviceLike], *, detach: bool = ...
+    module_or_tree: Any, devices: Sequence[DeviceLike], *, detach: bool = ..., reuse: bool = ...
 ) -> list[Any]: ...
 
 
 def replicate(
-    module_or_tree: Any, devices: Sequence[DeviceLike], *, detach: bool = False
+    module_or_tree: Any,
+    devices: Sequence[DeviceLike],
+    *,
+    detach: bool = False,
+    reuse: bool = False,
 ) -> list[Any]:
     """Make one replica of a module, or of a tree of tensors, per device.
 
@@ -45,10 +52,15 @@ def replicate(
     >>> trees = tg.replicate({"w": lin.weight}, ["cpu", "cpu"], detach=True)
     >>> [t["w"].requires_grad for t in trees]
     [False, False]
+    >>> a = tg.replicate(lin, ["cpu"] * 2, reuse=True)
+    >>> b = tg.replicate(lin, ["cpu"] * 2, reuse=True)
+    >>> a[1] is b[1], a[1] is r[1]
+    (True, False)
 
     A module gives one module per device, built like ``torch.nn.DataParallel``'s replicas
-    (TorchScript modules too). Parameters are differentiable copies (aliases on the source's
-    own device), so gradients accumulate on the original parameters. Buffers are shared with
+    (TorchScript modules too). Parameters are differentiable copies (on the source's own
+    device, the source parameters themselves), so gradients accumulate on the original
+    parameters, sparse gradients (``nn.Embedding(sparse=True)``) included. Buffers are shared with
     the source by the first replica that sits on the source's device (replica 0 in the usual
     ``devices[0] == module device`` case), so BatchNorm running statistics are updated through
     that replica only, exactly as in ``nn.DataParallel``; every other replica gets a private
@@ -56,15 +68,26 @@ def replicate(
     CUDA devices and the module lives on ``devices[0]``, torch's coalesced broadcast
     (``torch.nn.parallel.replicate``) does the copying.
 
+    A compiled module (``torch.compile(m)`` or ``m.compile()``, also below the top level) gives
+    compiled replicas that share its compiled code: dynamo treats the replicas' parameters as
+    graph inputs, so a new replica does not recompile. The source is never modified.
+
     Any other value is a pytree (registered in treegather's namespace, e.g. the parameter
-    dict for ``torch.func.functional_call``): each tensor leaf is copied (aliased on its own
-    device), other leaves are shared, and the structure is rebuilt per device.
+    dict for ``torch.func.functional_call``): each tensor leaf is copied (kept as it is on its
+    own device), other leaves are shared, and the structure is rebuilt per device.
 
     Args:
         module_or_tree: an ``nn.Module`` (TorchScript included) or a pytree of tensors.
         devices: one device per replica; repeats are allowed.
         detach: detach the copies from autograd (torch's DataParallel passes
             ``not torch.is_grad_enabled()``).
+        reuse: for a module, hand back the replicas of the previous ``reuse=True`` call for
+            the same devices (and ``detach``) while the module is unchanged, with this call's
+            buffers and parameters bound into them (what :func:`data_parallel` and
+            :class:`DataParallel` do every step). They are the same objects each call: use one
+            call's replicas before the next, from one thread. Anything that changed the module
+            (a replaced layer, a new attribute, ``.eval()``, a compiled forward) rebuilds them;
+            a deleted module frees them. TorchScript modules are replicated anew every call.
 
     Returns:
         A list with one replica per entry of ``devices``.
@@ -77,6 +100,13 @@ def replicate(
     if not devs:
         raise ValueError("replicate needs at least one device, got an empty device list")
     if isinstance(module_or_tree, nn.Module):
+        if reuse:
+            from ._kept import give_back, reusable, take
+
+            if reusable(module_or_tree, devs):
+                replicas, kept, _ = take(module_or_tree, devs, detach)
+                give_back(kept)
+                return replicas
         return _replicate_module(module_or_tree, devs, detach)
     leaves, spec = flatten(module_or_tree)
     per_leaf = [
@@ -89,9 +119,14 @@ def replicate(
 def _param_copies(
     t: torch.Tensor, devs: Sequence[torch.device], detach: bool
 ) -> list[torch.Tensor]:
-    """Differentiable copies of a parameter-like tensor: an alias on its own device."""
+    """Differentiable copies of a parameter-like tensor: the tensor itself on its own device.
+
+    Replicas on the source's device use the source parameter itself (no view): gradients
+    accumulate on it directly, sparse ones included (a ``view_as`` alias would reshape them,
+    which sparse tensors do not support), and ``torch.compile`` sees leaf tensors.
+    """
     src = t.detach() if detach else t
-    return [src.view_as(src) if d == t.device else src.to(d) for d in devs]
+    return [src if d == t.device else src.to(d) for d in devs]
 
 
 def _buffer_copies(t: torch.Tensor, devs: Sequence[torch.device]) -> list[torch.Tensor]:
@@ -111,6 +146,8 @@ def _buffer_copies(t: torch.Tensor, devs: Sequence[torch.device]) -> list[torch.
 def _use_torch_broadcast(module: nn.Module, devs: Sequence[torch.device]) -> bool:
     if not all(d.type == "cuda" for d in devs) or len(set(devs)) != len(devs):
         return False
+    if any(_compiled_kind(m) for m in module.modules()):
+        return False  # torch's replicate would write through a compiled wrapper into the source
     src = torch.device("cuda", torch.cuda.current_device()) if devs[0].index is None else devs[0]
     tensors = [*module.parameters(), *module.buffers()]
     return all(t.device == src for t in tensors)
@@ -145,42 +182,156 @@ def _replicate_module(module: nn.Module, devs: Sequence[torch.device], detach: b
 def _replicate_module_generic(
     module: nn.Module, devs: Sequence[torch.device], detach: bool
 ) -> list[nn.Module]:
+    """Build every replica from fresh shells; nothing is ever written to ``module``'s tree."""
+    _, rows = _build_rows(module, devs, detach)
+    return [row[0] for row in rows]
+
+
+def _build_rows(
+    module: nn.Module, devs: Sequence[torch.device], detach: bool
+) -> tuple[list[nn.Module], list[list[nn.Module]]]:
+    """The original modules and, per device, one linked shell per original (same order).
+
+    A shell is a new object of the module's class whose ``__dict__`` is a shallow copy of the
+    original's, with its own ``_parameters`` (empty), ``_buffers`` and ``_modules`` tables. The
+    shells are linked by writing into those tables and into the shell's own ``__dict__``
+    (replica parameters are plain attributes, as in torch), never through ``setattr``: a
+    module class may route attribute writes elsewhere (``torch.compile``'s wrapper forwards
+    them to the module it wraps, which would be the caller's). TorchScript modules are copied
+    by TorchScript itself and linked with ``setattr`` on the copy.
+    """
     n = len(devs)
     originals = list(module.modules())
-    position = {m: i for i, m in enumerate(originals)}
-    shells = [[m._replicate_for_data_parallel() for m in originals] for _ in range(n)]
-
-    tensor_copies: dict[torch.Tensor, list[torch.Tensor]] = {}
-    for p in module.parameters():
-        tensor_copies[p] = _param_copies(p, devs, detach)
-    for b in module.buffers():
-        if b.requires_grad and not detach:
-            tensor_copies[b] = _param_copies(b, devs, detach)
-        else:
-            tensor_copies[b] = _buffer_copies(b, devs)
+    position = {id(m): i for i, m in enumerate(originals)}
+    kinds = [_compiled_kind(m) for m in originals]
+    rows = [[_shell(m) for m in originals] for _ in range(n)]
+    tensor_copies = _tensor_copies(module.parameters(), module.buffers(), devs, detach)
 
     for i, orig in enumerate(originals):
-        slots = [
-            *((k, c, position) for k, c in orig._modules.items()),
-            *((k, t, None) for k, t in orig._parameters.items()),
-            *((k, t, None) for k, t in orig._buffers.items()),
-        ]
+        scripted = isinstance(orig, torch.jit.ScriptModule)
         for j in range(n):
-            shell = shells[j][i]
-            for key, value, where in slots:
-                if value is None:
-                    _clear_slot(shell, orig, key)
-                elif where is not None:
-                    setattr(shell, key, shells[j][position[value]])  # type: ignore[index]
+            shell = rows[j][i]
+            if scripted:
+                _link_script_shell(shell, orig, rows[j], position, tensor_copies, j)
+                continue
+            table = shell.__dict__
+            modules, buffers = table["_modules"], table["_buffers"]
+            for key, child in orig._modules.items():
+                modules[key] = None if child is None else rows[j][position[id(child)]]
+            for key, param in orig._parameters.items():
+                if param is None:
+                    table["_parameters"][key] = None
                 else:
-                    setattr(shell, key, tensor_copies[value][j])  # type: ignore[index]
-    return [shells[j][0] for j in range(n)]
+                    table[key] = tensor_copies[id(param)][j]
+            for key, buf in orig._buffers.items():
+                if buf is not None:
+                    buffers[key] = tensor_copies[id(buf)][j]
+    for i, kind in enumerate(kinds):
+        if kind:
+            for j in range(n):
+                _rebind_compiled(rows[j][i], originals[i], kind)
+    return originals, rows
 
 
-def _clear_slot(shell: nn.Module, orig: nn.Module, key: str) -> None:
+def _tensor_copies(
+    params: Iterable[torch.Tensor],
+    buffers: Iterable[torch.Tensor],
+    devs: Sequence[torch.device],
+    detach: bool,
+) -> dict[int, list[torch.Tensor]]:
+    """Per source tensor (by id), its copy for each device."""
+    copies: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        copies[id(p)] = _param_copies(p, devs, detach)
+    for b in buffers:
+        if b.requires_grad and not detach:
+            copies[id(b)] = _param_copies(b, devs, detach)
+        else:
+            copies[id(b)] = _buffer_copies(b, devs)
+    return copies
+
+
+def _shell(m: nn.Module) -> nn.Module:
+    """A new module of ``m``'s class sharing its plain attributes, with tables of its own."""
+    if isinstance(m, torch.jit.ScriptModule):
+        return m._replicate_for_data_parallel()
+    shell = m.__new__(type(m))
+    table = m.__dict__.copy()
+    table["_parameters"] = {}
+    table["_buffers"] = m._buffers.copy()
+    table["_modules"] = m._modules.copy()
+    table["_is_replica"] = True
+    object.__setattr__(shell, "__dict__", table)
+    return shell
+
+
+def _link_script_shell(
+    shell: Any,
+    orig: nn.Module,
+    row: list[nn.Module],
+    position: dict[int, int],
+    tensor_copies: dict[int, list[torch.Tensor]],
+    j: int,
+) -> None:
+    """Link a TorchScript copy (its attributes live in C++, so ``setattr`` is the only way)."""
     for table in ("_modules", "_parameters", "_buffers"):
-        if key in getattr(orig, table):
-            getattr(shell, table)[key] = None
+        for key, value in getattr(orig, table).items():
+            if value is None:
+                getattr(shell, table)[key] = None
+            elif table == "_modules":
+                setattr(shell, key, row[position[id(value)]])
+            else:
+                setattr(shell, key, tensor_copies[id(value)][j])
+
+
+# ------------------------------------------------------------------------- compiled modules
+#
+# ``torch.compile(m)`` returns an ``OptimizedModule`` wrapping ``m`` (``_orig_mod``) whose
+# ``forward`` is bound to ``m``; ``m.compile()`` stores ``_compiled_call_impl``, a compiled
+# ``m._call_impl`` bound to ``m``. A replica must run its own module through the same
+# compiled code: its forward is rebound with the same dynamo context. Dynamo caches compiled
+# code on the code object and treats module tensors as graph inputs, so every replica reuses
+# the code compiled for the first one (the tests count compilations).
+
+
+def _compiled_kind(m: nn.Module) -> str:
+    """``"wrapper"`` for a ``torch.compile(m)`` result, ``"in_place"`` after ``m.compile()``."""
+    if m.__dict__.get("_compiled_call_impl") is not None:
+        return "in_place"
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(m, eval_frame.OptimizedModule):
+        return "wrapper"
+    return ""
+
+
+def _rebind_compiled(shell: nn.Module, orig: nn.Module, kind: str) -> None:
+    table = shell.__dict__
+    if kind == "wrapper":
+        table["_torchdynamo_orig_callable"] = table["_modules"]["_orig_mod"].forward
+        table["_torchdynamo_wrapper_id"] = id(shell)
+        shell._initialize()  # type: ignore[operator]  # rebinds forward to the shell's module
+        return
+    compiled = orig.__dict__["_compiled_call_impl"]
+    ctx = _dynamo_context(compiled)
+    if ctx is None:
+        raise RuntimeError(
+            f"cannot replicate the compiled {type(orig).__name__} (m.compile()): this torch "
+            "version hides its compile options; use torch.compile(m) instead of m.compile()"
+        )
+    table["_compiled_call_impl"] = ctx(shell._call_impl)
+
+
+def _dynamo_context(compiled: Any) -> Any:
+    """The dynamo context (backend, mode, options) a ``torch.compile``'d function runs with."""
+    eval_frame = sys.modules["torch._dynamo.eval_frame"]
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, eval_frame._TorchDynamoContext):
+            return value
+    return None
 
 
 def _ensure_concrete_type(replica: nn.Module) -> None:

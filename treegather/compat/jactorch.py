@@ -18,6 +18,7 @@ import torch
 from .._data_parallel import DataParallel
 from .._devices import DeviceLike, as_device, as_devices
 from .._gather import gather
+from .._kept import give_back, reusable, take
 from .._rules import broadcast
 from .._scatter import Shards, scatter
 from .._tree import NAMESPACE
@@ -306,12 +307,19 @@ class JacDataParallel(DataParallel):
             the scatter step.
         use_dict_gather: gather with :func:`dict_gather_v2` (else treegather's gather).
         dict_gather_layout: the seed layout for :func:`dict_gather_v2`.
-        persistent: not supported (``True`` raises): treegather replicates on every call.
-        copy_parameters: only meaningful with ``persistent``.
-        copy_buffers: only meaningful with ``persistent``.
-
-    Raises:
-        ValueError: ``persistent=True``.
+        persistent: keep the replicas across calls (treegather's kept replicas, as
+            :func:`treegather.replicate` with ``reuse=True``): they are rebuilt only when the
+            module changed (a replaced layer, ``.eval()``, a new attribute), and the
+            replication callbacks run only on rebuilt replicas. Do not call one persistent
+            instance from several threads at once.
+        copy_parameters: kept for the seed's signature; replicas always compute with the
+            module's current parameters (the parameters themselves on the module's device,
+            a fresh differentiable copy elsewhere), so gradients reach the module exactly,
+            whatever this is.
+        copy_buffers: with ``persistent``, refresh the replicas' buffers from the module on
+            every call (replica 0 shares the module's buffers; BatchNorm statistics move
+            through it only, as in torch). ``False`` lets replicas other than 0 keep their
+            own buffers from call to call, as the seed did.
 
     >>> dp = JacDataParallel(torch.nn.Identity(), device_ids=["cpu", "cpu"],
     ...                      dict_gather_layout={"z": "concat"})
@@ -336,11 +344,6 @@ class JacDataParallel(DataParallel):
         copy_parameters: bool = False,
         copy_buffers: bool = True,
     ) -> None:
-        if persistent:
-            raise ValueError(
-                "JacDataParallel(persistent=True) is not supported: treegather replicates the "
-                "module on every call (replicas share the parameters, so gradients are exact)"
-            )
         super().__init__(module, device_ids, output_device, dim)
         self.allow_replication_callback = allow_replication_callback
         self.user_scattered = user_scattered
@@ -367,9 +370,17 @@ class JacDataParallel(DataParallel):
         return super().scatter(inputs, kwargs, device_ids)
 
     def replicate(self, module: torch.nn.Module, device_ids: Sequence[DeviceLike]) -> Any:
-        """Replicate with treegather, then run the replication callbacks."""
-        modules = super().replicate(module, device_ids)
-        if self.allow_replication_callback:
+        """Replicate with treegather (kept across calls if ``persistent``), then run the
+        replication callbacks on new replicas."""
+        devs = as_devices(device_ids)
+        if self.persistent and reusable(module, devs):
+            modules, kept, fresh = take(
+                module, devs, not torch.is_grad_enabled(), copy_buffers=self.copy_buffers
+            )
+            give_back(kept)
+        else:
+            modules, fresh = super().replicate(module, device_ids), True
+        if self.allow_replication_callback and fresh:
             _exec_replication_callback(modules)
         return modules
 

@@ -1,0 +1,293 @@
+"""Replicas kept across steps (issue 14): reused while valid, rebuilt on any change, never stale.
+
+The reference is the non-reused path: the same calls with every cache cleared before each one
+(``treegather.clear_caches()`` empties the kept replicas too).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from module_state import assert_unchanged, snapshot
+from torch import nn
+
+import treegather as tg
+import treegather._data_parallel as data_parallel_module
+from treegather._kept import kept_count
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(6, 3)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.relu(self.bn(self.lin(x))))) * self.scale
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per multi-device step: True when its replicas were built anew."""
+    log: list[bool] = []
+    real = data_parallel_module.take
+
+    def take(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        log.append(result[2])
+        return result
+
+    monkeypatch.setattr(data_parallel_module, "take", take)
+    return log
+
+
+def _dp(model: nn.Module, x: torch.Tensor, k: int = 2, **kw: Any) -> torch.Tensor:
+    return tg.data_parallel(model, x, ["cpu"] * k, backend="serial", **kw)  # type: ignore[no-any-return]
+
+
+def test_replicas_are_kept_and_reused(builds: list[bool]) -> None:
+    model = _net().eval()
+    x = torch.randn(8, 4)
+    seen: list[int] = []
+    model.lin.register_forward_hook(lambda m, a, o: seen.append(id(m)))
+    for _ in range(3):
+        torch.testing.assert_close(_dp(model, x, 4), model(x))
+    assert builds == [True, False, False]
+    assert seen[:4] == seen[5:9] == seen[10:14]  # the same four replica shells, every step
+    assert kept_count(model) == 1
+    tg.clear_caches()
+    _dp(model, x, 4)
+    assert builds[-1] is True
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_five_training_steps_equal_the_non_reused_path(k: int) -> None:
+    """BatchNorm (train mode), dropout with a fixed seed, SGD with momentum: bit for bit."""
+    x = torch.randn(4 * k + 1, 4, generator=torch.Generator().manual_seed(1))
+    target = torch.randn(4 * k + 1, 3, generator=torch.Generator().manual_seed(2))
+    results = []
+    for reuse in (True, False):
+        model = _net().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        trace = []
+        for step in range(5):
+            if not reuse:
+                tg.clear_caches()
+            torch.manual_seed(100 + step)
+            out = _dp(model, x, k)
+            loss = (out - target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+            opt.step()
+            trace.append((out.detach(), loss.detach(), grads))
+        results.append((trace, {k: v.clone() for k, v in model.state_dict().items()}))
+    (kept, kept_state), (fresh, fresh_state) = results
+    for (o1, l1, g1), (o2, l2, g2) in zip(kept, fresh):
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert all(torch.equal(kept_state[name], fresh_state[name]) for name in kept_state)
+
+
+def _load_state_dict(m: Net) -> None:
+    other = Net()
+    other.bn.running_mean.fill_(0.5)  # replicas other than 0 must see the new statistics
+    m.load_state_dict(other.state_dict())
+
+
+def _replace_layer(m: Net) -> None:
+    m.head = nn.Linear(6, 3)
+
+
+def _add_hook(m: Net) -> None:
+    m.head.register_forward_hook(lambda mod, args, out: out * 10)
+
+
+def _attribute(m: Net) -> None:
+    m.scale = 3.0
+
+
+def _half(m: Net) -> None:
+    m.half()
+
+
+def _freeze(m: Net) -> None:
+    m.lin.weight.requires_grad_(False)
+
+
+class Doubled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def _swap_class(m: Net) -> None:
+    m.head.__class__ = Doubled  # what some conversion utilities do
+
+
+CHANGES: dict[str, tuple[Callable[[Net], None], bool]] = {
+    # change, and whether the kept replicas stay valid
+    "load_state_dict_in_place": (_load_state_dict, True),
+    "replace_a_layer": (_replace_layer, False),
+    "add_a_hook": (_add_hook, False),
+    "plain_attribute": (_attribute, False),
+    "half": (_half, False),  # buffers are replaced (parameters change dtype in place)
+    "freeze_a_parameter": (_freeze, True),
+    "swap_a_class": (_swap_class, False),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_guards(change: str, builds: list[bool]) -> None:
+    model = _net().eval()
+    x = torch.randn(6, 4)
+    _dp(model, x, 3).sum().backward()
+    apply, stays_valid = CHANGES[change]
+    apply(model)
+    model.zero_grad()
+    tol: dict[str, Any] = {}
+    if change == "half":
+        x = x.half()
+        tol = {"atol": 1e-2, "rtol": 1e-2}  # float16: shards may round differently
+    out = _dp(model, x, 3)
+    torch.testing.assert_close(out, model(x), **tol)
+    out.sum().backward()
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    ref(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name, **tol)
+    assert builds[0] is True
+    if change != "add_a_hook":  # hook tables are shared with the replicas: valid either way
+        assert builds[1] is (not stays_valid)
+
+
+def test_eval_mode_and_torch_compile_rebuild(builds: list[bool]) -> None:
+    model = _net().train()
+    x = torch.randn(6, 4)
+    _dp(model, x)
+    model.eval()
+    torch.testing.assert_close(_dp(model, x), model(x))  # no dropout, running statistics
+    compiled = torch.compile(model, backend="eager")
+    torch.testing.assert_close(_dp(compiled, x), model(x))
+    assert builds == [True, True, True]
+    torch._dynamo.reset()
+
+
+class Counting(nn.Module):
+    """Stores an attribute on itself in forward: a replica's state must not reach the next step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        return self.lin(x) * self.calls
+
+
+def test_no_replica_state_leaks_into_the_next_step() -> None:
+    model = Counting()
+    x = torch.randn(4, 2)
+    expected = model.lin(x)
+    for _ in range(3):
+        torch.testing.assert_close(_dp(model, x), expected)
+    assert not hasattr(model, "calls")
+
+
+def _compiled_in_place() -> nn.Module:
+    model = Counting()
+    model.compile(backend="eager")
+    return model
+
+
+def _bert() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37
+    )
+    return transformers.BertModel(config)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _net,
+        _bert,
+        lambda: torch.compile(_net(), backend="eager"),
+        _compiled_in_place,  # its compiled forward is bound to the module
+    ],
+    ids=["plain", "hf_bert", "torch_compile", "compile_in_place"],
+)
+def test_a_deleted_model_frees_its_replicas(make: Callable[[], nn.Module]) -> None:
+    model = make()
+    if isinstance(model, Counting):
+        _dp(model, torch.randn(6, 2))
+    elif hasattr(model, "config"):
+        tg.data_parallel(
+            model, (), ["cpu"] * 2, module_kwargs={"input_ids": torch.ones(4, 3).long()}
+        )
+    else:
+        _dp(model, torch.randn(6, 4))
+    assert kept_count(model) == 1
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["threads", "fork"])
+def test_backends_with_kept_replicas(backend: str) -> None:
+    model = _net().eval()
+    x = torch.randn(9, 4)
+    for _ in range(3):
+        out = tg.data_parallel(model, x, ["cpu"] * 3, backend=backend)  # type: ignore[arg-type]
+        torch.testing.assert_close(out, model(x))
+
+
+def test_concurrent_steps_on_one_model() -> None:
+    model = _net().eval()
+    xs = [torch.randn(8, 4) for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def work(x: torch.Tensor) -> None:
+        try:
+            for _ in range(10):
+                torch.testing.assert_close(_dp(model, x, 4), model(x))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_data_parallel_module_keeps_replicas_and_never_mutates(builds: list[bool]) -> None:
+    model = _net().eval()
+    before = snapshot(model)
+    dp = tg.DataParallel(model, ["cpu"] * 3)
+    x = torch.randn(7, 4)
+    for _ in range(3):
+        torch.testing.assert_close(dp(x), model(x))
+    assert builds == [True, False, False]
+    assert_unchanged(model, before)
