@@ -51,14 +51,14 @@ Security:
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from optree import PyTreeSpec
 
-from treegather import _tree, _wire
+from treegather import _tree, _wire, _wireplan
 from treegather._errors import (
     BatchSizeError,
     LayoutError,
@@ -152,13 +152,13 @@ def _group_accelerator(handle: Any, device: torch.device) -> torch.device | None
     return None
 
 
-def _placement(g: _Group, local: _wire.Packed) -> int:
+def _placement(g: _Group, devices: frozenset[torch.device]) -> int:
     """What this rank's tensors want: 0 the exchange device, 1 the accelerator, 2 either."""
     if g.accelerator is None or g.device == g.accelerator:
         return 0
-    if not local.devices:
+    if not devices:
         return 2
-    return 1 if all(d.type == g.accelerator.type for d in local.devices) else 0
+    return 1 if all(d.type == g.accelerator.type for d in devices) else 0
 
 
 def _data_device(g: _Group, rows: Sequence[Sequence[int]]) -> torch.device:
@@ -198,9 +198,20 @@ def _describe_call(g: _Group, row: Sequence[int]) -> str:
     return text
 
 
-def _preamble(g: _Group, call: int, root: int, local: _wire.Packed) -> list[list[int]]:
-    """Exchange each rank's call, root, byte lengths and placement; check the calls agree."""
-    row = [_MAGIC, call, root, len(local.header), local.nbytes, _placement(g, local)]
+def _preamble(
+    g: _Group,
+    call: int,
+    root: int,
+    lengths: tuple[int, int],
+    devices: frozenset[torch.device],
+    digest: tuple[int, int] = (0, 0),
+) -> list[list[int]]:
+    """Exchange each rank's call, root, byte lengths, placement and wire-plan digest.
+
+    Checks that the ranks made the same call; ``digest`` is :mod:`treegather._wireplan`'s
+    (``(0, 0)`` on the full exchange, or when this rank has no plan).
+    """
+    row = [_MAGIC, call, root, *lengths, _placement(g, devices), *digest]
     mine = torch.tensor(row, dtype=torch.int64)
     out = torch.empty(len(g.ranks) * len(row), dtype=torch.int64, device=g.device)
     _all_gather_into(out, mine.to(g.device), g.handle)
@@ -239,6 +250,16 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _wire.Packed) -> Non
             "\n".join(
                 f"on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
                 for msg, rs in by_message.items()
+            )
+        )
+    layouts = [h["layout"] for h in headers]
+    if len({key for key, _ in layouts}) > 1:
+        raise LayoutError(
+            _wire.format_problems(
+                "the ranks passed different layouts or dims (each rank would combine the trees "
+                "with other rules)",
+                [f"{shown} on {_ranks_text(g, rs)}" for shown, rs in _group_by(layouts)],
+                "pass the same layout= and dim= on every rank",
             )
         )
     if len({h["fingerprint"] for h in headers}) > 1:
@@ -281,6 +302,19 @@ def _check(g: _Group, headers: list[dict[str, Any]], local: _wire.Packed) -> Non
             + _by_rank(g, ["None" if s is None else str(s) for s in sizes])
             + "\nHint: pass sizes= (this rank's batch size) on every rank, or on none"
         )
+
+
+def _group_by(values: Sequence[tuple[str, str]]) -> list[tuple[str, list[int]]]:
+    """``(key, shown)`` per rank -> ``(shown, group ranks)`` per distinct key, in rank order."""
+    seen: dict[str, tuple[str, list[int]]] = {}
+    for i, (key, shown) in enumerate(values):
+        seen.setdefault(key, (shown, []))[1].append(i)
+    return list(seen.values())
+
+
+def _ranks_text(g: _Group, ranks: Sequence[int]) -> str:
+    """``'rank 1'``, ``'ranks 0, 2'`` (global ranks)."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(g.ranks[i]) for i in ranks)}"
 
 
 def _by_rank(g: _Group, values: Sequence[str]) -> str:
@@ -352,11 +386,11 @@ def _all_gather_bytes(g: _Group, payload: bytes) -> list[Any]:
     ]
 
 
-def _target_device(local: _wire.Packed, carrier: torch.device) -> torch.device:
+def _target_device(devices: frozenset[torch.device], carrier: torch.device) -> torch.device:
     """Results go where this rank's tensors are; if they are spread out, where the bytes came."""
-    if len(local.devices) == 1:
-        return next(iter(local.devices))
-    return carrier if local.devices else torch.device("cpu")
+    if len(devices) == 1:
+        return next(iter(devices))
+    return carrier if devices else torch.device("cpu")
 
 
 def _combine(
@@ -433,8 +467,24 @@ def all_gather(
         >>> dist.destroy_process_group()
     """
     g = _group(group)
-    local = _wire.encode(tree, sizes, layout, dim)
-    rows = _preamble(g, _ALL_GATHER, -1, local)
+    if _FAST_PATH:
+        fast, send = _prepare_fast(g, tree, layout, dim, sizes)
+        rows = _fast_preamble(g, _ALL_GATHER, -1, fast)
+        if fast is not None and send is not None and _digests_agree(rows):
+            device = _data_device(g, rows)
+            stride = _wireplan.padded(max(r[4] for r in rows))
+            out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
+            _all_gather_into(out, _fit(send, stride, device), g.handle)
+            del send
+            buffers = list(out.view(len(g.ranks), stride))
+            return _fast_combine(g, fast, buffers, [r[4] for r in rows], device, layout, dim)
+    return _full_all_gather(g, tree, layout, dim, sizes)
+
+
+def _full_all_gather(g: _Group, tree: Any, layout: Any, dim: int, sizes: int | None) -> Any:
+    """The full exchange: one header and bytes per rank, every check; the definition."""
+    local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
+    rows = _preamble(g, _ALL_GATHER, -1, (len(local.header), local.nbytes), local.devices)
     device = _data_device(g, rows)
     stride = max(_wire.padded(r[3]) + _wire.padded(r[4]) for r in rows)
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
@@ -445,12 +495,80 @@ def all_gather(
         _check(g, headers, local)
     except _StructuresDiffer:
         _raise_structure_mismatch(g, local)
+    up_spec = _wire.agreed_up_spec(headers, local)
     trees = [
-        _wire.rank_tree(local, h, _wire.decode(h, buf[_wire.padded(r[3]) :]))
+        _wire.rank_tree(up_spec, h, _wire.decode(h, buf[_wire.padded(r[3]) :]))
         for h, buf, r in zip(headers, buffers, rows)
     ]
-    target = _target_device(local, device)
+    target = _target_device(local.devices, device)
     return _combine(g, trees, target, layout, dim, [h["sizes"] for h in headers])
+
+
+# ------------------------------------------------------------------------------- fast path
+
+_FAST_PATH = True  # tests turn it off to run every case through the full exchange
+
+
+def _prepare_fast(
+    g: _Group, tree: Any, layout: Any, dim: int, sizes: int | None
+) -> tuple[_wireplan.Local | None, torch.Tensor | None]:
+    """This rank's wire plan and packed payload, or ``(None, None)`` (the full exchange then).
+
+    Packing happens before the preamble, so that a failure here only sends a zero digest and
+    every rank takes the full exchange, which reports it.
+    """
+    fast = _wireplan.prepare(tree, layout, dim, sizes)
+    if fast is None:
+        return None, None
+    device = next(iter(fast.devices)) if fast.devices else g.device
+    try:
+        send = torch.empty(_wireplan.padded(fast.nbytes), dtype=torch.uint8, device=device)
+        _wireplan.payload(fast, send)
+    except Exception:
+        return None, None
+    return fast, send
+
+
+def _fast_preamble(
+    g: _Group, call: int, root: int, fast: _wireplan.Local | None
+) -> list[list[int]]:
+    if fast is None:
+        return _preamble(g, call, root, (0, 0), frozenset())
+    return _preamble(g, call, root, (0, fast.nbytes), fast.devices, fast.plan.digest)
+
+
+def _digests_agree(rows: Sequence[Sequence[int]]) -> bool:
+    """Every rank has a wire plan, and the same one (same structure, dtypes, layout, ...)."""
+    return rows[0][6:8] != [0, 0] and all(r[6:8] == rows[0][6:8] for r in rows)
+
+
+def _fit(send: torch.Tensor, stride: int, device: torch.device) -> torch.Tensor:
+    """``send`` padded with zeros to ``stride`` bytes on ``device`` (itself when it fits)."""
+    if send.numel() == stride and send.device == device:
+        return send
+    buf = torch.zeros(stride, dtype=torch.uint8, device=device)
+    buf[: send.numel()].copy_(send)  # one copy, across devices included
+    return buf
+
+
+def _fast_combine(
+    g: _Group,
+    fast: _wireplan.Local,
+    buffers: Sequence[torch.Tensor],
+    nbytes: list[int],
+    carrier: torch.device,
+    layout: Any,
+    dim: int,
+) -> Any:
+    """Combine the ranks' payloads: vectorised for the default rules, else the rules as usual."""
+    plan = fast.plan
+    target = _target_device(fast.devices, carrier)
+    received = _wireplan.parse(plan, buffers, nbytes, target)
+    if plan.vectorised:
+        return _wireplan.unpack(plan, received)
+    trees = [plan.spec.unflatten(leaves) for leaves in _wireplan.rank_leaves(plan, received)]
+    sizes: list[Any] = received.sizes if received.sizes is not None else [None]
+    return _combine(g, trees, target, layout, dim, sizes)
 
 
 def gather(
@@ -500,8 +618,33 @@ def gather(
     """
     g = _group(group)
     root = _root_rank(g, dst, "dst")
-    local = _wire.encode(tree, sizes, layout, dim)
-    rows = _preamble(g, _GATHER, root, local)
+    if _FAST_PATH:
+        fast, send = _prepare_fast(g, tree, layout, dim, sizes)
+        rows = _fast_preamble(g, _GATHER, root, fast)
+        if fast is not None and send is not None and _digests_agree(rows):
+            device = _data_device(g, rows)
+            stride = _wireplan.padded(max(r[4] for r in rows))
+            received: list[torch.Tensor] | None = None
+            if g.rank == root:
+                received = list(torch.empty(len(g.ranks), stride, dtype=torch.uint8, device=device))
+            dist.gather(_fit(send, stride, device), received, dst=dst, group=g.handle)
+            del send
+            return _finish_gather(
+                g,
+                dst,
+                root,
+                lambda: _fast_combine(
+                    g, fast, received or [], [r[4] for r in rows], device, layout, dim
+                ),
+            )
+    return _full_gather(g, dst, root, tree, layout, dim, sizes)
+
+
+def _full_gather(
+    g: _Group, dst: int, root: int, tree: Any, layout: Any, dim: int, sizes: int | None
+) -> Any:
+    local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
+    rows = _preamble(g, _GATHER, root, (len(local.header), local.nbytes), local.devices)
     device = _data_device(g, rows)
     stride = max(_wire.padded(r[3]) + _wire.padded(r[4]) for r in rows)
     send = _wire.message_buffer(local, stride, device)
@@ -509,25 +652,41 @@ def gather(
     if g.rank == root:
         received = list(torch.empty(len(g.ranks), stride, dtype=torch.uint8, device=device))
     dist.gather(send, received, dst=dst, group=g.handle)
+
+    def combine() -> Any:
+        assert received is not None
+        headers = _wire.read_headers(received, [r[3] for r in rows])
+        _check(g, headers, local)
+        up_spec = _wire.agreed_up_spec(headers, local)
+        trees = [
+            _wire.rank_tree(up_spec, h, _wire.decode(h, buf[_wire.padded(r[3]) :]))
+            for h, buf, r in zip(headers, received, rows)
+        ]
+        target = _target_device(local.devices, device)
+        return _combine(g, trees, target, layout, dim, [h["sizes"] for h in headers])
+
+    return _finish_gather(g, dst, root, combine, local)
+
+
+def _finish_gather(
+    g: _Group,
+    dst: int,
+    root: int,
+    combine: Callable[[], Any],
+    local: _wire.Packed | None = None,
+) -> Any:
+    """``dst`` combines and broadcasts the outcome; the other ranks raise what ``dst`` raised."""
     if g.rank != root:
         code, payload = _status(g, dst)
         if code == _OK:
             return None
-        if code == _DIFFERENT_STRUCTURES:
+        if code == _DIFFERENT_STRUCTURES and local is not None:
             _raise_structure_mismatch(g, local)
         raise _rebuild_error(payload, dst)
-    assert received is not None
     try:
-        headers = _wire.read_headers(received, [r[3] for r in rows])
-        _check(g, headers, local)
-        trees = [
-            _wire.rank_tree(local, h, _wire.decode(h, buf[_wire.padded(r[3]) :]))
-            for h, buf, r in zip(headers, received, rows)
-        ]
-        result = _combine(
-            g, trees, _target_device(local, device), layout, dim, [h["sizes"] for h in headers]
-        )
+        result = combine()
     except _StructuresDiffer:
+        assert local is not None
         _status(g, dst, _DIFFERENT_STRUCTURES)
         _raise_structure_mismatch(g, local)
     except Exception as exc:
@@ -595,7 +754,7 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
     g = _group(group)
     root = _root_rank(g, src, "src")
     local = _wire.encode(tree, None, with_spec=True) if g.rank == root else _wire.Packed(None, b"")
-    rows = _preamble(g, _BROADCAST, root, local)
+    rows = _preamble(g, _BROADCAST, root, (len(local.header), local.nbytes), local.devices)
     device = _data_device(g, rows)
     head_len, data_len = rows[root][3], rows[root][4]
     stride = _wire.padded(head_len) + data_len
