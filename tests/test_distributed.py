@@ -131,6 +131,22 @@ def _lengths(values: list[Any], device: torch.device) -> Any:
     return torch.tensor([v.shape[0] for v in values], device=device)
 
 
+def _conj_views(r: int) -> Any:
+    """Conjugate and negative views (lazy bits a byte view cannot carry): their values travel."""
+    z = torch.arange(2 * (r + 1), dtype=torch.float32).view(r + 1, 2) + 1j * (r + 1)
+    w = z.clone()  # the negative view must not share storage with a complex leaf (torch.save)
+    return {"conj": z.conj(), "neg": w.conj().imag, "plain": z}
+
+
+def _key_order(r: int) -> Any:
+    """Dict keys inserted in another order on odd ranks: every rank gets rank 0's order."""
+    items = [("b", torch.full((r + 1,), float(r))), ("a", f"r{r}"), ("c", {"y": 1, "x": 2})]
+    if r % 2:
+        items.reverse()
+        items[0] = ("c", {"x": 2, "y": 1})
+    return dict(items)
+
+
 # name -> (tree maker, layout maker, sizes per rank or None)
 CASES: dict[str, tuple[Callable[[int], Any], Callable[[], Any], Callable[[int], int] | None]] = {
     "ragged": (_ragged, lambda: None, None),
@@ -161,6 +177,8 @@ CASES: dict[str, tuple[Callable[[int], Any], Callable[[], Any], Callable[[int], 
         lambda: tg.by_path({"logits": tg.as_list(), "ids": _lengths}),
         None,
     ),
+    "conj_views": (_conj_views, lambda: None, None),
+    "key_order": (_key_order, lambda: None, None),
 }
 OPS = ("all_gather", "gather", "broadcast")
 
@@ -339,6 +357,42 @@ def layout_error(rank: int, world: int) -> Any:
     return tgd.all_gather({"x": torch.ones(1)}, tg.by_path({"nope": tg.cat()}))
 
 
+@_error
+def different_layouts(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    layout = {"h": tg.stack()} if rank == 1 else {"h": tg.cat()}
+    return tgd.all_gather({"h": torch.ones(2, 3)}, layout)
+
+
+@_error
+def mean_vs_first(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    layout = {"loss": tg.first()} if rank == 1 else {"loss": tg.mean()}
+    return tgd.gather({"loss": torch.tensor(1.0)}, 0, layout, sizes=2)
+
+
+@_error
+def different_dims(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.all_gather({"h": torch.ones(2, 2)}, dim=1 if rank == 1 else 0)
+
+
+@_error
+def changed_structure_after_fast_calls(rank: int, world: int) -> Any:
+    """Two calls with one structure (the cached plan), then rank 1 adds a key."""
+    import treegather.distributed as tgd
+
+    for step in range(2):
+        tgd.all_gather({"a": torch.ones(rank + step + 1, 2)})
+    tree = {"a": torch.ones(rank + 1, 2)}
+    if rank == 1:
+        tree["extra"] = torch.zeros(1)
+    return tgd.all_gather(tree)
+
+
 # ------------------------------------------------------------------------ collective counting
 
 _COLLECTIVES = (
@@ -440,6 +494,80 @@ def _count_calls(rank: int, world: int) -> dict[str, Any]:
     return counts
 
 
+class Unprintable:
+    """A picklable leaf whose ``repr`` raises: nothing may format it (optree's errors do)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr not available")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Unprintable) and other.value == self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+def _rows_tree(rank: int, step: int) -> Any:
+    """_big_tree's structure (1000 leaves, two dtypes) with rows that change every call."""
+    return {
+        f"layer{j}": {
+            f"t{i}": torch.full((rank + step + i % 3, 4), float(i + rank))
+            if i % 2
+            else torch.arange(rank + 1 + (i + step) % 3)
+            for i in range(10 * j, 10 * j + 10)
+        }
+        for j in range(100)
+    }
+
+
+def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
+    """Count collectives and full exchanges on repeated, changed and alternating structures."""
+    import treegather.distributed as tgd
+
+    full: list[str] = []
+    real = tgd._full_all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        full.append("full")
+        return real(*args, **kwargs)
+
+    tgd._full_all_gather = counted
+    report: dict[str, Any] = {}
+    try:
+        for step in range(3):  # a repeated structure whose rows vary per call
+            with _counting() as calls:
+                got = tgd.all_gather(_rows_tree(rank, step))
+            expected = tg.gather([_rows_tree(r, step) for r in range(world)], "cpu")
+            assert_tree_equal(got, expected)
+            report[("repeated", step)] = (list(calls), len(full))
+        # One rank passes its keys in another order: every rank falls back, same result.
+        with _counting() as calls:
+            got = tgd.all_gather(_key_order(rank))
+        report["fallback"] = (list(calls), len(full), list(got), list(got["c"]))
+        assert_tree_equal(got, tg.gather([_key_order(r) for r in range(world)], "cpu"))
+        # Alternating structures holding leaves whose repr raises; strings and None.
+        for step in range(4):
+            a = {"x": torch.ones(rank + 1), "u": Unprintable(rank), "s": "str", "n": None}
+            b = {"y": [torch.zeros(2, 2), Unprintable(rank + step)], "z": (torch.tensor(1.5),)}
+            make = (lambda r: a) if step % 2 else (lambda r: b)  # noqa: B023
+            got = tgd.all_gather(make(rank))
+            if step % 2:
+                assert got["u"] == [Unprintable(r) for r in range(world)]
+                assert torch.equal(got["x"], torch.ones(sum(r + 1 for r in range(world))))
+                assert got["s"] == ["str"] * world and got["n"] is None
+            else:
+                assert got["y"][1] == [Unprintable(r + step) for r in range(world)]
+                assert got["y"][0].shape == (2 * world, 2)
+                assert torch.equal(got["z"][0], torch.full((world,), 1.5))
+        report["alternating_full"] = len(full)
+    finally:
+        tgd._full_all_gather = real
+    return report
+
+
 def _dim1(rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
@@ -467,6 +595,29 @@ def _capture(fn: Callable[[], Any]) -> tuple[Any, ...]:
         return ("raised", type(exc).__name__, str(exc), traceback.format_exc())
 
 
+def _checks(rank: int, world: int, fast: bool) -> dict[Any, Any]:
+    """Every check of one group, with the cached wire plan (``fast``) or the full exchange only."""
+    import treegather.distributed as tgd
+
+    tgd._FAST_PATH = fast
+    results: dict[Any, Any] = {}
+    for name in CASES:
+        for op in OPS:
+            results[(name, op)] = _capture(lambda: _run_op(op, name, rank, world))  # noqa: B023
+    for name, fn in ERRORS.items():
+        results[("error", name)] = _capture(lambda: fn(rank, world))  # noqa: B023
+        # The group must still be in step after an error: one ordinary call.
+        results[("after", name)] = _capture(lambda: _run_op("all_gather", "ragged", rank, world))
+    results["count"] = _capture(lambda: _count_calls(rank, world))
+    if fast:
+        results["fast"] = _capture(lambda: _fast_path_checks(rank, world))
+    results["dim1"] = _capture(lambda: _dim1(rank, world))
+    sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
+    if rank in (0, world - 1):
+        results["subgroup"] = _capture(lambda: _subgroup(sub, rank, world))
+    return results
+
+
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     # A fresh process that imported treegather (with this module) but not the collectives yet.
@@ -479,20 +630,9 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             world_size=world,
             timeout=timedelta(seconds=30),
         )
-        for name in CASES:
-            for op in OPS:
-                results[(name, op)] = _capture(lambda: _run_op(op, name, rank, world))  # noqa: B023
-        for name, fn in ERRORS.items():
-            results[("error", name)] = _capture(lambda: fn(rank, world))  # noqa: B023
-            # The group must still be in step after an error: one ordinary call.
-            results[("after", name)] = _capture(
-                lambda: _run_op("all_gather", "ragged", rank, world)
-            )
-        results["count"] = _capture(lambda: _count_calls(rank, world))
-        results["dim1"] = _capture(lambda: _dim1(rank, world))
-        sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
-        if rank in (0, world - 1):
-            results["subgroup"] = _capture(lambda: _subgroup(sub, rank, world))
+        # The same processes run everything twice (spawning a group costs more than its checks).
+        results["fast"] = _checks(rank, world, fast=True)
+        results["full"] = _checks(rank, world, fast=False)
     except Exception:
         results["fatal"] = traceback.format_exc()
     finally:
@@ -541,12 +681,23 @@ def run_group(
     return results
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+_GROUPS: dict[int, list[dict[Any, Any]]] = {}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(w, path) for w in WORLD_SIZES for path in ("fast", "full")],
+    ids=lambda p: f"world{p[0]}-{p[1]}",
+)
 def group_results(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[int, list[dict[Any, Any]]]:
-    world = request.param
-    return world, run_group(world, tmp_path_factory.mktemp(f"dist{world}"))
+    """Each world size's results with the cached wire plan, and with the full exchange only."""
+    world, path = request.param
+    if world not in _GROUPS:
+        _GROUPS.clear()  # one group's results in memory at a time
+        _GROUPS[world] = run_group(world, tmp_path_factory.mktemp(f"dist{world}"))
+    return world, [{"lazy": res["lazy"], **res[path]} for res in _GROUPS[world]]
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -598,6 +749,19 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "layout_error": (tg.LayoutError, ["on ranks 0, 1", "nope"]),
     "broadcast_unpicklable": (tg.LeafTypeError, ["on rank 1", "outputs['f']", "picklable"]),
     "src_disagrees": (tg.StructureMismatchError, ["broadcast(..., src=0)", "src=1"]),
+    "different_layouts": (
+        tg.LayoutError,
+        ["different layouts", "layout {'h': stack()}, dim=0 on rank 1", "{'h': cat()}", "Hint"],
+    ),
+    "mean_vs_first": (
+        tg.LayoutError,
+        ["layout {'loss': first()}, dim=0 on rank 1", "{'loss': mean()}, dim=0 on rank"],
+    ),
+    "different_dims": (tg.LayoutError, ["dim=1 on rank 1", "layout None, dim=0 on rank"]),
+    "changed_structure_after_fast_calls": (
+        tg.StructureMismatchError,
+        ["outputs['extra']", "missing on rank"],
+    ),
 }
 
 
@@ -632,6 +796,41 @@ def test_collectives_do_not_grow_with_leaves(group_results: Any) -> None:
         assert counts["all_gather"] == [ag, ag]
         assert counts["gather"] == [ag, "gather", "broadcast"]
         assert counts["broadcast"] == [ag, "broadcast"]
+
+
+def test_repeated_structure_takes_the_fingerprint_path(group_results: Any) -> None:
+    """Two collectives, no full exchange (no pickled header), whatever the rows of each call."""
+    _, results = group_results
+    ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    for res in results:
+        if "fast" not in res:  # the group that runs everything on the full path
+            continue
+        report = _ok(res["fast"])
+        for step in range(3):
+            calls, full = report[("repeated", step)]
+            assert calls == [ag, ag] and full == 0, (step, calls, full)
+
+
+def test_changed_structure_falls_back_on_every_rank(group_results: Any) -> None:
+    """Keys in another order on odd ranks: every rank takes the full exchange, rank 0's order."""
+    _, results = group_results
+    ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    for res in results:
+        if "fast" not in res:
+            continue
+        calls, full, keys, inner = _ok(res["fast"])["fallback"]
+        assert calls == [ag, ag, ag] and full == 1, (calls, full)  # digests, then the full path
+        assert keys == ["b", "a", "c"] and inner == ["y", "x"], (keys, inner)
+        assert _ok(res["fast"])["alternating_full"] == 1  # alternating: no full exchange
+
+
+def test_all_gather_returns_rank_0_key_order(group_results: Any) -> None:
+    _, results = group_results
+    for res in results:
+        for op in ("all_gather", "gather"):
+            out = _ok(res[("key_order", op)])
+            if out is not None:
+                assert list(out) == ["b", "a", "c"] and list(out["c"]) == ["y", "x"], out
 
 
 def test_ddp_eval_example_runs_under_torchrun() -> None:
