@@ -523,6 +523,25 @@ def _rows_tree(rank: int, step: int) -> Any:
     }
 
 
+def _alternating(rank: int, world: int) -> bool:
+    """Alternating structures holding leaves whose repr raises, strings and None."""
+    import treegather.distributed as tgd
+
+    for step in range(4):
+        a = {"x": torch.ones(rank + 1), "u": Unprintable(rank), "s": "str", "n": None}
+        b = {"y": [torch.zeros(2, 2), Unprintable(rank + step)], "z": (torch.tensor(1.5),)}
+        got = tgd.all_gather(a if step % 2 else b)
+        if step % 2:
+            assert got["u"] == [Unprintable(r) for r in range(world)]
+            assert torch.equal(got["x"], torch.ones(sum(r + 1 for r in range(world))))
+            assert got["s"] == ["str"] * world and got["n"] is None
+        else:
+            assert got["y"][1] == [Unprintable(r + step) for r in range(world)]
+            assert got["y"][0].shape == (2 * world, 2)
+            assert torch.equal(got["z"][0], torch.full((world,), 1.5))
+    return True
+
+
 def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
     """Count collectives and full exchanges on repeated, changed and alternating structures."""
     import treegather.distributed as tgd
@@ -548,20 +567,7 @@ def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
             got = tgd.all_gather(_key_order(rank))
         report["fallback"] = (list(calls), len(full), list(got), list(got["c"]))
         assert_tree_equal(got, tg.gather([_key_order(r) for r in range(world)], "cpu"))
-        # Alternating structures holding leaves whose repr raises; strings and None.
-        for step in range(4):
-            a = {"x": torch.ones(rank + 1), "u": Unprintable(rank), "s": "str", "n": None}
-            b = {"y": [torch.zeros(2, 2), Unprintable(rank + step)], "z": (torch.tensor(1.5),)}
-            make = (lambda r: a) if step % 2 else (lambda r: b)  # noqa: B023
-            got = tgd.all_gather(make(rank))
-            if step % 2:
-                assert got["u"] == [Unprintable(r) for r in range(world)]
-                assert torch.equal(got["x"], torch.ones(sum(r + 1 for r in range(world))))
-                assert got["s"] == ["str"] * world and got["n"] is None
-            else:
-                assert got["y"][1] == [Unprintable(r + step) for r in range(world)]
-                assert got["y"][0].shape == (2 * world, 2)
-                assert torch.equal(got["z"][0], torch.full((world,), 1.5))
+        _alternating(rank, world)
         report["alternating_full"] = len(full)
     finally:
         tgd._full_all_gather = real
@@ -612,6 +618,7 @@ def _checks(rank: int, world: int, fast: bool) -> dict[Any, Any]:
     if fast:
         results["fast"] = _capture(lambda: _fast_path_checks(rank, world))
     results["dim1"] = _capture(lambda: _dim1(rank, world))
+    results["alternating"] = _capture(lambda: _alternating(rank, world))
     sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
     if rank in (0, world - 1):
         results["subgroup"] = _capture(lambda: _subgroup(sub, rank, world))
@@ -824,6 +831,13 @@ def test_changed_structure_falls_back_on_every_rank(group_results: Any) -> None:
         assert _ok(res["fast"])["alternating_full"] == 1  # alternating: no full exchange
 
 
+def test_alternating_structures_never_format_leaves(group_results: Any) -> None:
+    """Leaves whose repr raises, structures alternating: valid calls succeed on both paths."""
+    _, results = group_results
+    for res in results:
+        assert _ok(res["alternating"]) is True
+
+
 def test_all_gather_returns_rank_0_key_order(group_results: Any) -> None:
     _, results = group_results
     for res in results:
@@ -911,6 +925,36 @@ def test_results_are_detached_copies(world_of_one: None) -> None:
     assert not out["x"][0].requires_grad
     out["x"][0].add_(1)
     assert torch.equal(x.detach(), torch.ones(2))
+    out = tgd.all_gather({"x": x})  # the wire plan's vectorised combine
+    assert not out["x"].requires_grad
+    out["x"].add_(1)
+    assert torch.equal(x.detach(), torch.ones(2))
+
+
+@tg.register_dataclass(static=["flag"])
+@dataclasses.dataclass
+class Flagged:
+    """A dataclass with a static field: node metadata that must stay type-exact."""
+
+    x: torch.Tensor
+    flag: Any
+
+
+def test_wire_plans_are_type_aware_and_cleared(world_of_one: None) -> None:
+    """True, 1 and 1.0 as static metadata, and key orders, each get their own plan."""
+    import treegather.distributed as tgd
+    from treegather import _wireplan
+
+    tg.clear_caches()
+    assert _wireplan.plan_count() == 0
+    for flag in (1, True, 1.0, True):
+        out = tgd.all_gather({"m": Flagged(torch.ones(2), flag)})
+        assert type(out["m"].flag) is type(flag)
+    for keys in (("a", "b"), ("b", "a")):
+        assert tuple(tgd.all_gather({k: torch.ones(1) for k in keys})) == keys
+    assert _wireplan.plan_count() == 5
+    tg.clear_caches()
+    assert _wireplan.plan_count() == 0
 
 
 def test_import_treegather_does_not_import_distributed(group_results: Any) -> None:

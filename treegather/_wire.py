@@ -149,9 +149,9 @@ def _encode(tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool, order
     if sizes is not None and (isinstance(sizes, bool) or not isinstance(sizes, int) or sizes < 0):
         message = f"sizes must be this rank's non-negative int (e.g. its batch size), got {sizes!r}"
         return Packed(None, error_header(BatchSizeError, message))
-    # The full flatten, never a cached structure's flatten_up_to: on a mismatch, optree formats
-    # the whole tree (every tensor's repr) into the error it raises.
-    leaves, spec = _tree.flatten_full(tree)
+    # The plain full flatten, never a cached structure's flatten_up_to on a tree that may not
+    # match it: on a mismatch, optree formats the whole tree (every repr) into its error.
+    leaves, spec = _tree.flatten(tree)
     up_spec, groups = spec, None
     if layout is not None:
         try:
@@ -164,7 +164,7 @@ def _encode(tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool, order
             up_spec = plan.up_spec
             subtrees = up_spec.flatten_up_to(tree)
             groups = {
-                pos: _tree.flatten_full(subtrees[pos])[1]
+                pos: _tree.flatten(subtrees[pos])[1]
                 for pos, group in enumerate(plan.groups)
                 if group is not None
             }

@@ -1,18 +1,28 @@
-"""Benchmark :func:`treegather.distributed.all_gather` against gathering leaf by leaf.
+"""Benchmark :func:`treegather.distributed.all_gather` against the floor and what users write.
 
-Run ``python -m treegather.bench_distributed`` (options: ``--leaves 100 1000``, ``--world 2``,
-``--repeats 15``, ``--json PATH``). It spawns ``world`` gloo ranks on localhost; each holds a tree
-of ragged tensors (leaf ``i`` on rank ``r`` has shape ``[r + 1 + i % 3, 4]``) and the ranks time,
-after a barrier, the median of ``repeats`` calls of:
+Run ``python -m treegather.bench_distributed`` (options: ``--leaves 10 100 1000``, ``--large 10``,
+``--world 2``, ``--repeats 15``, ``--json PATH``). It spawns ``world`` gloo ranks on localhost.
+Small trees hold ``n`` float32 leaves with ragged rows (leaf ``i`` on rank ``r`` is
+``[8 - (r + i) % 2, 4]``); the large tree holds ``--large`` leaves of ``[4096 - r, 256]`` float32
+(4 MiB each). For each tree the ranks time, after a barrier, the median of ``repeats`` calls
+(fewer for slow columns) of:
 
-- ``per-leaf``: the approach of accelerate's ``pad_across_processes`` + ``gather`` (and of most
-  hand-written evaluation loops): for every leaf, all-gather its size, pad it to the largest
-  rank's, all-gather it, trim the padding and concatenate: two collectives per leaf;
-- ``accelerate``: ``accelerate.utils.pad_across_processes`` then ``accelerate.utils.gather`` on
-  the whole tree, when accelerate is installed (it pads but does not trim);
-- ``treegather``: ``treegather.distributed.all_gather(tree)``: two collectives for the tree.
+- ``floor``: one ``all_gather_into_tensor`` of a flat buffer that already holds the payload (the
+  largest rank's byte count, so no size exchange): what the transport costs, no pytree work;
+- ``treegather``: ``treegather.distributed.all_gather(tree)`` (a repeated structure: the cached
+  wire plan, two collectives);
+- ``all_gather_object``: ``torch.distributed.all_gather_object`` of the tree, then a merge that
+  concatenates every leaf (pickles every tensor);
+- ``per-leaf``: for every leaf, all-gather its size, pad it to the largest rank's, all-gather it,
+  trim and concatenate (accelerate's ``pad_across_processes`` + ``gather`` approach and most
+  hand-written evaluation loops): two collectives per leaf;
+- ``accelerate``: ``accelerate.utils.pad_across_processes`` then ``gather``, when installed.
 
-Both results are checked equal before timing. The table is printed by rank 0.
+Every column's result is checked equal to treegather's before timing. Each row reports the
+slowest rank's median, ``treegather`` as a multiple of the floor, the others as multiples of
+``treegather``, and the peak memory of one call on rank 0, measured in a separate untimed call
+as the rise of the process's resident-set high-water mark (Linux; buffers of a few hundred KiB
+and more are mapped fresh by each call and counted in full, smaller ones reuse freed memory).
 """
 
 from __future__ import annotations
@@ -35,10 +45,18 @@ import torch.distributed as dist
 
 __all__ = ["run", "format_table", "main"]
 
+_LARGE_ROWS, _LARGE_COLS = 4096, 256
 
-def _tree(rank: int, leaves: int) -> dict[str, torch.Tensor]:
+
+def _small_tree(rank: int, leaves: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
-    return {f"leaf{i}": torch.randn(rank + 1 + i % 3, 4, generator=g) for i in range(leaves)}
+    return {f"leaf{i}": torch.randn(8 - (rank + i) % 2, 4, generator=g) for i in range(leaves)}
+
+
+def _large_tree(rank: int, leaves: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    shape = (_LARGE_ROWS - rank, _LARGE_COLS)
+    return {f"leaf{i}": torch.randn(*shape, generator=g) for i in range(leaves)}
 
 
 def _per_leaf_all_gather(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -56,6 +74,33 @@ def _per_leaf_all_gather(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         dist.all_gather(parts, padded)
         out[key] = torch.cat([p[:n] for p, n in zip(parts, rows)])
     return out
+
+
+def _object_all_gather(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``all_gather_object`` (pickles every tensor) and a merge that concatenates each leaf."""
+    trees: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(trees, tree)
+    return {key: torch.cat([t[key] for t in trees]) for key in tree}
+
+
+def _floor(tree: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """One all-gather of a flat buffer already holding this rank's payload (padded to the max)."""
+    world = dist.get_world_size()
+    mine = torch.tensor([sum(t.numel() * t.element_size() for t in tree.values())])
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine)
+    nbytes = max(int(s) for s in sizes)
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    flat = torch.cat([t.reshape(-1) for t in tree.values()]).view(torch.uint8)
+    buf[: flat.numel()] = flat
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def call() -> torch.Tensor:
+        out = torch.empty(nbytes * world, dtype=torch.uint8)
+        collective(out, buf)
+        return out
+
+    return call
 
 
 def _accelerate_gather() -> Callable[[Any], Any] | None:
@@ -89,11 +134,76 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
     return max(float(t) for t in all_ms)
 
 
-def _worker(
-    rank: int, world: int, port: int, leaves: Sequence[int], repeats: int, out: str
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _peak_mib(fn: Callable[[], Any]) -> float | None:
+    """How far one call raises this process's resident memory (Linux; ``None`` elsewhere).
+
+    Resets the RSS high-water mark (``/proc/self/clear_refs``), calls ``fn`` and reads how far
+    the mark rose above the RSS at the start. Large buffers are mapped fresh on every call and
+    counted in full; small ones reuse memory freed by earlier calls and barely show.
+    """
+    dist.barrier()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        start = _status_kib("VmRSS")
+    except OSError:
+        return None
+    result = fn()
+    del result
+    return max(0, _status_kib("VmHWM") - start) / 1024
+
+
+def _check_equal(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], name: str
 ) -> None:
+    if list(got) != list(expected) or not all(torch.equal(got[k], expected[k]) for k in got):
+        raise AssertionError(f"{name} and treegather.distributed.all_gather results differ")
+
+
+def _row(
+    tree: dict[str, torch.Tensor], label: str, repeats: int, slow_repeats: int
+) -> dict[str, Any]:
     import treegather.distributed as tgd
 
+    accelerate = _accelerate_gather()
+    expected = tgd.all_gather(tree)
+    _check_equal(_per_leaf_all_gather(tree), expected, "per-leaf")
+    _check_equal(_object_all_gather(tree), expected, "all_gather_object")
+    floor = _floor(tree)
+    columns: dict[str, tuple[Callable[[], Any], int]] = {
+        "floor": (floor, repeats),
+        "treegather": (lambda: tgd.all_gather(tree), repeats),
+        "object": (lambda: _object_all_gather(tree), slow_repeats),
+        "per_leaf": (lambda: _per_leaf_all_gather(tree), slow_repeats),
+    }
+    if accelerate is not None:
+        columns["accelerate"] = (lambda: accelerate(tree), slow_repeats)
+    row: dict[str, Any] = {"tree": label, "leaves": len(tree), "world": dist.get_world_size()}
+    row["payload_mib"] = sum(t.numel() * t.element_size() for t in tree.values()) / 2**20
+    for name, (fn, n) in columns.items():
+        for _ in range(2):
+            fn()  # warm-up: the wire plan, allocator state
+        row[f"{name}_ms"] = _median_ms(fn, n)
+        row[f"{name}_peak_mib"] = _peak_mib(fn)
+    row.setdefault("accelerate_ms", None)
+    row["treegather_vs_floor"] = row["treegather_ms"] / row["floor_ms"]
+    row["object_vs_treegather"] = row["object_ms"] / row["treegather_ms"]
+    row["per_leaf_vs_treegather"] = row["per_leaf_ms"] / row["treegather_ms"]
+    row["collectives"] = {"floor": 1, "treegather": 2, "object": 2, "per_leaf": 2 * len(tree)}
+    return row
+
+
+def _worker(
+    rank: int, world: int, port: int, leaves: Sequence[int], large: int, repeats: int, out: str
+) -> None:
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank),
@@ -108,33 +218,17 @@ def _worker(
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=120),
+        timeout=timedelta(seconds=300),
     )
     try:
-        accelerate = _accelerate_gather()
         rows = []
         for n in leaves:
-            tree = _tree(rank, n)
-            expected = _per_leaf_all_gather(tree)
-            got = tgd.all_gather(tree)
-            assert all(torch.equal(got[k], expected[k]) for k in tree), "results differ"
-            tgd.all_gather(tree)  # warm-up
-            per_leaf_repeats = max(3, repeats // 3) if n >= 1000 else repeats
-            row: dict[str, Any] = {
-                "leaves": n,
-                "world": world,
-                "per_leaf_ms": _median_ms(lambda: _per_leaf_all_gather(tree), per_leaf_repeats),  # noqa: B023
-                "treegather_ms": _median_ms(lambda: tgd.all_gather(tree), repeats),  # noqa: B023
-                "accelerate_ms": (
-                    _median_ms(lambda: accelerate(tree), per_leaf_repeats)  # noqa: B023
-                    if accelerate is not None
-                    else None
-                ),
-                "per_leaf_collectives": 2 * n,
-                "treegather_collectives": 2,
-            }
-            row["speedup"] = row["per_leaf_ms"] / row["treegather_ms"]
-            rows.append(row)
+            slow = max(3, repeats // 3) if n >= 1000 else repeats
+            rows.append(_row(_small_tree(rank, n), f"{n} x [8, 4]", repeats, slow))
+        if large:
+            label = f"{large} x [{_LARGE_ROWS}, {_LARGE_COLS}]"
+            few = max(3, repeats // 3)
+            rows.append(_row(_large_tree(rank, large), label, few, few))
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
@@ -148,29 +242,33 @@ def _free_port() -> int:
 
 
 def run(
-    leaves: Sequence[int] = (100, 1000),
+    leaves: Sequence[int] = (10, 100, 1000),
     *,
+    large: int = 10,
     world: int = 2,
     repeats: int = 15,
-    timeout_s: float = 600.0,
+    timeout_s: float = 900.0,
 ) -> list[dict[str, Any]]:
-    """Spawn ``world`` gloo ranks on localhost and time both approaches for each tree size.
+    """Spawn ``world`` gloo ranks on localhost and time every column for each tree.
 
     Args:
-        leaves: The tree sizes (number of ragged ``[r + 1 + i % 3, 4]`` leaves) to time.
+        leaves: The small trees' sizes (number of ragged ``[8 - (r + i) % 2, 4]`` leaves).
+        large: How many ``[4096 - r, 256]`` float32 leaves the large tree holds (0: none).
         world: How many ranks to spawn.
         repeats: Timed calls per measurement (a third of that, at least 3, for the slow
-            per-leaf approach at 1000 leaves and more).
+            columns at 1000 leaves and for the large tree).
         timeout_s: Kill the ranks if they have not finished by then.
 
     Returns:
-        One dict per tree size: ``leaves``, ``world``, ``per_leaf_ms``, ``treegather_ms``,
-        ``accelerate_ms`` (``None`` without accelerate), ``speedup`` and the collective counts.
+        One dict per tree: ``tree``, ``leaves``, ``world``, ``payload_mib``, ``<column>_ms`` and
+        ``<column>_peak_mib`` for ``floor``, ``treegather``, ``object``, ``per_leaf`` (and
+        ``accelerate_ms``, ``None`` without accelerate), the ratios ``treegather_vs_floor``,
+        ``object_vs_treegather``, ``per_leaf_vs_treegather``, and ``collectives`` per call.
 
     Example:
-        >>> rows = run(leaves=(10,), repeats=2)
-        >>> rows[0]["leaves"], rows[0]["per_leaf_collectives"], rows[0]["treegather_collectives"]
-        (10, 20, 2)
+        >>> rows = run(leaves=(10,), large=0, repeats=2)
+        >>> rows[0]["tree"], rows[0]["collectives"]["treegather"], rows[0]["collectives"]["per_leaf"]
+        ('10 x [8, 4]', 2, 20)
     """
     import tempfile
 
@@ -178,12 +276,8 @@ def run(
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        procs = [
-            ctx.Process(
-                target=_worker, args=(r, world, port, tuple(leaves), repeats, out), daemon=True
-            )
-            for r in range(world)
-        ]
+        args = (world, port, tuple(leaves), large, repeats, out)
+        procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -204,27 +298,39 @@ def run(
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Render :func:`run`'s rows as a Markdown table.
+    """Render :func:`run`'s rows as a Markdown table (time, then peak memory per call).
 
     Example:
-        >>> print(format_table([{"leaves": 100, "world": 2, "per_leaf_ms": 120.0,
-        ...     "treegather_ms": 4.0, "accelerate_ms": None, "speedup": 30.0,
-        ...     "per_leaf_collectives": 200, "treegather_collectives": 2}]))
-        | leaves | ranks | per-leaf all_gather | accelerate | treegather.all_gather | speedup | collectives (per-leaf / treegather) |
-        |---:|---:|---:|---:|---:|---:|---:|
-        | 100 | 2 | 120.00 ms | n/a | 4.00 ms | 30.0x | 200 / 2 |
+        >>> row = {"tree": "10 x [8, 4]", "world": 2, "payload_mib": 0.001, "floor_ms": 0.5,
+        ...     "treegather_ms": 1.0, "object_ms": 3.0, "per_leaf_ms": 10.0,
+        ...     "accelerate_ms": None, "floor_peak_mib": 1.0, "treegather_peak_mib": 1.5,
+        ...     "object_peak_mib": 4.0, "per_leaf_peak_mib": 2.0, "treegather_vs_floor": 2.0,
+        ...     "object_vs_treegather": 3.0, "per_leaf_vs_treegather": 10.0}
+        >>> print(format_table([row]))  # doctest: +NORMALIZE_WHITESPACE
+        | tree (ranks) | floor | treegather | x floor | all_gather_object + merge | per-leaf | peak MiB (floor / treegather / object / per-leaf) |
+        |---|---:|---:|---:|---:|---:|---:|
+        | 10 x [8, 4] (2) | 0.50 ms | 1.00 ms | 2.0x | 3.00 ms (3.0x) | 10.00 ms (10.0x) | 1.0 / 1.5 / 4.0 / 2.0 |
     """
-    lines = [
-        "| leaves | ranks | per-leaf all_gather | accelerate | treegather.all_gather | speedup "
-        "| collectives (per-leaf / treegather) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    with_acc = any(r.get("accelerate_ms") is not None for r in rows)
+    head = (
+        "| tree (ranks) | floor | treegather | x floor | all_gather_object + merge | per-leaf "
+        + ("| accelerate " if with_acc else "")
+        + "| peak MiB (floor / treegather / object / per-leaf) |"
+    )
+    lines = [head, "|---|" + "---:|" * (6 + with_acc)]
     for r in rows:
-        acc = "n/a" if r["accelerate_ms"] is None else f"{r['accelerate_ms']:.2f} ms"
+        acc = ""
+        if with_acc:
+            acc = "| n/a " if r.get("accelerate_ms") is None else f"| {r['accelerate_ms']:.2f} ms "
+        peaks = " / ".join(
+            "n/a" if r[f"{c}_peak_mib"] is None else f"{r[f'{c}_peak_mib']:.1f}"
+            for c in ("floor", "treegather", "object", "per_leaf")
+        )
         lines.append(
-            f"| {r['leaves']} | {r['world']} | {r['per_leaf_ms']:.2f} ms | {acc} "
-            f"| {r['treegather_ms']:.2f} ms | {r['speedup']:.1f}x "
-            f"| {r['per_leaf_collectives']} / {r['treegather_collectives']} |"
+            f"| {r['tree']} ({r['world']}) | {r['floor_ms']:.2f} ms | {r['treegather_ms']:.2f} ms "
+            f"| {r['treegather_vs_floor']:.1f}x | {r['object_ms']:.2f} ms "
+            f"({r['object_vs_treegather']:.1f}x) | {r['per_leaf_ms']:.2f} ms "
+            f"({r['per_leaf_vs_treegather']:.1f}x) {acc}| {peaks} |"
         )
     return "\n".join(lines)
 
@@ -233,20 +339,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: run the benchmark and print the table.
 
     Example:
-        >>> main(["--leaves", "10", "--repeats", "2"])  # doctest: +ELLIPSIS
-        | leaves | ranks | per-leaf all_gather | ...
+        >>> main(["--leaves", "10", "--large", "0", "--repeats", "2"])  # doctest: +ELLIPSIS
+        | tree (ranks) | floor | treegather | x floor | ...
         ...
         0
     """
     parser = argparse.ArgumentParser(
         prog="python -m treegather.bench_distributed", description=__doc__
     )
-    parser.add_argument("--leaves", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000])
+    parser.add_argument("--large", type=int, default=10, help="large leaves (0: no large tree)")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
-    rows = run(args.leaves, world=args.world, repeats=args.repeats)
+    rows = run(args.leaves, large=args.large, world=args.world, repeats=args.repeats)
     print(format_table(rows))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -468,13 +468,14 @@ def all_gather(
     """
     g = _group(group)
     if _FAST_PATH:
-        fast, send = _prepare_fast(g, tree, layout, dim, sizes)
+        fast = _wireplan.prepare(tree, layout, dim, sizes)
         rows = _fast_preamble(g, _ALL_GATHER, -1, fast)
-        if fast is not None and send is not None and _digests_agree(rows):
+        if fast is not None and _digests_agree(rows):
             device = _data_device(g, rows)
             stride = _wireplan.padded(max(r[4] for r in rows))
+            send = _fast_send(fast, stride, device)
             out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
-            _all_gather_into(out, _fit(send, stride, device), g.handle)
+            _all_gather_into(out, send, g.handle)
             del send
             buffers = list(out.view(len(g.ranks), stride))
             return _fast_combine(g, fast, buffers, [r[4] for r in rows], device, layout, dim)
@@ -509,24 +510,17 @@ def _full_all_gather(g: _Group, tree: Any, layout: Any, dim: int, sizes: int | N
 _FAST_PATH = True  # tests turn it off to run every case through the full exchange
 
 
-def _prepare_fast(
-    g: _Group, tree: Any, layout: Any, dim: int, sizes: int | None
-) -> tuple[_wireplan.Local | None, torch.Tensor | None]:
-    """This rank's wire plan and packed payload, or ``(None, None)`` (the full exchange then).
+def _fast_send(fast: _wireplan.Local, stride: int, device: torch.device) -> torch.Tensor:
+    """This rank's payload as ``stride`` bytes on ``device``.
 
-    Packing happens before the preamble, so that a failure here only sends a zero digest and
-    every rank takes the full exchange, which reports it.
+    Packed where the tensors live (each region one ``cat`` straight into the buffer), then moved
+    in one copy when the bytes travel elsewhere (GPU tensors on gloo: one device-to-host copy
+    for the whole tree instead of one per leaf).
     """
-    fast = _wireplan.prepare(tree, layout, dim, sizes)
-    if fast is None:
-        return None, None
-    device = next(iter(fast.devices)) if fast.devices else g.device
-    try:
-        send = torch.empty(_wireplan.padded(fast.nbytes), dtype=torch.uint8, device=device)
-        _wireplan.payload(fast, send)
-    except Exception:
-        return None, None
-    return fast, send
+    home = next(iter(fast.devices)) if fast.devices else device
+    buf = torch.empty(stride, dtype=torch.uint8, device=home)
+    _wireplan.payload(fast, buf)
+    return buf if home == device else buf.to(device)
 
 
 def _fast_preamble(
@@ -540,15 +534,6 @@ def _fast_preamble(
 def _digests_agree(rows: Sequence[Sequence[int]]) -> bool:
     """Every rank has a wire plan, and the same one (same structure, dtypes, layout, ...)."""
     return rows[0][6:8] != [0, 0] and all(r[6:8] == rows[0][6:8] for r in rows)
-
-
-def _fit(send: torch.Tensor, stride: int, device: torch.device) -> torch.Tensor:
-    """``send`` padded with zeros to ``stride`` bytes on ``device`` (itself when it fits)."""
-    if send.numel() == stride and send.device == device:
-        return send
-    buf = torch.zeros(stride, dtype=torch.uint8, device=device)
-    buf[: send.numel()].copy_(send)  # one copy, across devices included
-    return buf
 
 
 def _fast_combine(
@@ -619,15 +604,16 @@ def gather(
     g = _group(group)
     root = _root_rank(g, dst, "dst")
     if _FAST_PATH:
-        fast, send = _prepare_fast(g, tree, layout, dim, sizes)
+        fast = _wireplan.prepare(tree, layout, dim, sizes)
         rows = _fast_preamble(g, _GATHER, root, fast)
-        if fast is not None and send is not None and _digests_agree(rows):
+        if fast is not None and _digests_agree(rows):
             device = _data_device(g, rows)
             stride = _wireplan.padded(max(r[4] for r in rows))
+            send = _fast_send(fast, stride, device)
             received: list[torch.Tensor] | None = None
             if g.rank == root:
                 received = list(torch.empty(len(g.ranks), stride, dtype=torch.uint8, device=device))
-            dist.gather(_fit(send, stride, device), received, dst=dst, group=g.handle)
+            dist.gather(send, received, dst=dst, group=g.handle)
             del send
             return _finish_gather(
                 g,
