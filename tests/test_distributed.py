@@ -178,6 +178,11 @@ CASES: dict[str, tuple[Callable[[int], Any], Callable[[], Any], Callable[[int], 
         None,
     ),
     "conj_views": (_conj_views, lambda: None, None),
+    "large_leaves": (  # a few hundred KiB per leaf: each result leaf gets its own storage
+        lambda r: {"w": torch.full((r + 300, 256), float(r)), "b": torch.arange(r + 300)},
+        lambda: None,
+        None,
+    ),
     "key_order": (_key_order, lambda: None, None),
 }
 OPS = ("all_gather", "gather", "broadcast")

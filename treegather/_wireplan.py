@@ -70,6 +70,7 @@ _DEVICE = operator.attrgetter("device")
 _LAYOUT = operator.attrgetter("layout")
 _TAIL = operator.itemgetter(slice(1, None))
 _INDEXED_MIN = 32  # leaves per region from which the combine gathers rows with one index
+_OWN_STORAGE = 1 << 18  # bytes per result leaf from which each leaf gets its own tensor
 
 
 def padded(n: int) -> int:
@@ -466,6 +467,13 @@ def unpack(plan: WirePlan, received: Received) -> Any:
                     flat.view(sum(rs), *region.trailing).split_with_sizes(rs)
                     for flat, rs in zip(per_rank, rows)
                 ]
+                if sum(totals) * region.row_bytes >= _OWN_STORAGE * len(totals):
+                    # Large leaves: one tensor each (one copy), not views of one large block;
+                    # a block of tens of MiB is mapped fresh, and page-faulted, on every call.
+                    results = list(map(torch.cat, zip(*pieces)))
+                    for pos, value in zip(region.positions, results):
+                        leaves[pos] = value
+                    continue
                 columns = pieces[0] if world == 1 else [p for col in zip(*pieces) for p in col]
                 merged = torch.cat(columns)
             results = merged.split_with_sizes(totals)

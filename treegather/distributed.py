@@ -473,10 +473,12 @@ def all_gather(
         if fast is not None and _digests_agree(rows):
             device = _data_device(g, rows)
             stride = _wireplan.padded(max(r[4] for r in rows))
-            send = _fast_send(fast, stride, device)
             out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
-            _all_gather_into(out, send, g.handle)
-            del send
+            # In place: this rank's payload is packed straight into its own slot of the output
+            # (no send buffer; NCCL and gloo both accept an input that is the rank's chunk).
+            mine = out[g.rank * stride : (g.rank + 1) * stride]
+            _fast_send(fast, stride, device, mine)
+            _all_gather_into(out, mine, g.handle)
             buffers = list(out.view(len(g.ranks), stride))
             return _fast_combine(g, fast, buffers, [r[4] for r in rows], device, layout, dim)
     return _full_all_gather(g, tree, layout, dim, sizes)
@@ -510,17 +512,23 @@ def _full_all_gather(g: _Group, tree: Any, layout: Any, dim: int, sizes: int | N
 _FAST_PATH = True  # tests turn it off to run every case through the full exchange
 
 
-def _fast_send(fast: _wireplan.Local, stride: int, device: torch.device) -> torch.Tensor:
-    """This rank's payload as ``stride`` bytes on ``device``.
+def _fast_send(
+    fast: _wireplan.Local, stride: int, device: torch.device, buf: torch.Tensor
+) -> torch.Tensor:
+    """Pack this rank's payload into ``buf`` (``stride`` bytes on ``device``) and return it.
 
-    Packed where the tensors live (each region one ``cat`` straight into the buffer), then moved
-    in one copy when the bytes travel elsewhere (GPU tensors on gloo: one device-to-host copy
-    for the whole tree instead of one per leaf).
+    Each region is one ``cat`` straight into the buffer. When the tensors live on another
+    device than the bytes travel on (GPU tensors on gloo), they are packed there and moved in
+    one copy for the whole tree instead of one per leaf.
     """
     home = next(iter(fast.devices)) if fast.devices else device
-    buf = torch.empty(stride, dtype=torch.uint8, device=home)
-    _wireplan.payload(fast, buf)
-    return buf if home == device else buf.to(device)
+    if home == device:
+        _wireplan.payload(fast, buf)
+    else:
+        staged = torch.empty(stride, dtype=torch.uint8, device=home)
+        _wireplan.payload(fast, staged)
+        buf.copy_(staged)
+    return buf
 
 
 def _fast_preamble(
@@ -609,7 +617,9 @@ def gather(
         if fast is not None and _digests_agree(rows):
             device = _data_device(g, rows)
             stride = _wireplan.padded(max(r[4] for r in rows))
-            send = _fast_send(fast, stride, device)
+            send = _fast_send(
+                fast, stride, device, torch.empty(stride, dtype=torch.uint8, device=device)
+            )
             received: list[torch.Tensor] | None = None
             if g.rank == root:
                 received = list(torch.empty(len(g.ranks), stride, dtype=torch.uint8, device=device))
