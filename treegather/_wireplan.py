@@ -48,6 +48,8 @@ ALIGN = 16
 _INT64 = 8
 _MISSING: Any = object()
 _PLANS: LRU[Any, WirePlan | None] = LRU("distributed.wire_plans", maxsize=64)
+# The same plans by exact shapes (rows included): a repeated call skips the trailing shapes.
+_BY_SHAPES: LRU[Any, WirePlan | None] = LRU("distributed.wire_plans_by_shapes", maxsize=64)
 # dtypes torch.cat and torch.stack write into a view of the send buffer on every device.
 _PACKABLE = frozenset(
     {
@@ -201,24 +203,14 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         return None
     if devices and next(iter(devices)).type == "meta":
         return None
-    # Each leaf's number of dims (-1: not a tensor) and its shape after the first dim.
-    ndims = (
-        tuple(-1 if s is None else len(s) for s in shapes) if objects else tuple(map(len, shapes))
-    )
-    trailing = tuple(map(_TAIL, shapes)) if not objects else tuple(s and s[1:] for s in shapes)
-    key = (
-        spec_bytes,
-        tuple(dtypes),
-        ndims,
-        trailing,
-        layout_text(layout, dim)[0],
-        sizes is not None,
-    )
-    plan = _PLANS.get(key, _MISSING)
+    text = layout_text(layout, dim)[0]
+    dtype_key = tuple(dtypes)
+    # The shapes seen last with this structure (rows included): the usual repeated call.
+    exact = (spec_bytes, dtype_key, tuple(shapes), text, sizes is not None)
+    plan = _BY_SHAPES.get(exact, _MISSING)
     if plan is _MISSING:
-        tails = [t if n > 0 else None for n, t in zip(ndims, trailing)]
-        plan = _build(spec, spec_bytes, dtypes, tails, layout, dim, sizes is not None)
-        _PLANS.put(key, plan)
+        plan = _plan_for(spec, spec_bytes, dtypes, shapes, objects, text, layout, dim, sizes)
+        _BY_SHAPES.put(exact, plan)
     if plan is None:
         return None
     blob = b""
@@ -235,6 +227,32 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         count = sum(rows[region.rows]) if region.trailing is not None else len(region.positions)
         nbytes += padded(count * region.row_bytes)
     return Local(plan, leaves, rows, sizes, blob, nbytes, devices)
+
+
+def _plan_for(
+    spec: PyTreeSpec,
+    spec_bytes: bytes,
+    dtypes: list[Any],
+    shapes: list[Any],
+    objects: bool,
+    text: str,
+    layout: Any,
+    dim: Any,
+    sizes: Any,
+) -> WirePlan | None:
+    """The plan for these shapes whatever their rows: keyed by dims and trailing shapes."""
+    # Each leaf's number of dims (-1: not a tensor) and its shape after the first dim.
+    ndims = (
+        tuple(-1 if s is None else len(s) for s in shapes) if objects else tuple(map(len, shapes))
+    )
+    trailing = tuple(map(_TAIL, shapes)) if not objects else tuple(s and s[1:] for s in shapes)
+    key = (spec_bytes, tuple(dtypes), ndims, trailing, text, sizes is not None)
+    plan = _PLANS.get(key, _MISSING)
+    if plan is _MISSING:
+        tails = [t if n > 0 else None for n, t in zip(ndims, trailing)]
+        plan = _build(spec, spec_bytes, dtypes, tails, layout, dim, sizes is not None)
+        _PLANS.put(key, plan)
+    return plan
 
 
 def _signature(leaves: list[Any]) -> tuple[list[Any], list[Any], bool]:
@@ -503,6 +521,7 @@ def _gather_rows(
 def clear_plans() -> None:
     """Forget every wire plan (also done by :func:`treegather.clear_caches`)."""
     _PLANS.clear()
+    _BY_SHAPES.clear()
 
 
 def plan_count() -> int:
