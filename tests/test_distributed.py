@@ -936,6 +936,32 @@ def test_results_are_detached_copies(world_of_one: None) -> None:
     assert torch.equal(x.detach(), torch.ones(2))
 
 
+def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:
+    """The host<->device path (tensors on another device than the bytes travel on), on CPU.
+
+    ``cpu:0`` and ``cpu`` are different ``torch.device`` values on the same memory, so the
+    branch that packs where the tensors live, moves the whole payload in one copy and moves the
+    received bytes to the target in one copy per rank runs here; on a GPU it is the same code.
+    """
+    import treegather.distributed as tgd
+    from treegather import _wireplan
+
+    tree = {"x": torch.arange(12.0).view(6, 2), "n": torch.tensor(3), "s": "a", "b": [True]}
+    local = _wireplan.prepare(tree, None, 0, None)
+    assert local is not None
+    stride = _wireplan.padded(local.nbytes)
+    direct = tgd._fast_send(
+        local, stride, torch.device("cpu"), torch.empty(stride, dtype=torch.uint8)
+    )
+    elsewhere = local._replace(devices=frozenset({torch.device("cpu", 0)}))
+    staged = tgd._fast_send(
+        elsewhere, stride, torch.device("cpu"), torch.empty(stride, dtype=torch.uint8)
+    )
+    assert torch.equal(direct, staged)
+    received = _wireplan.parse(local.plan, [staged], [local.nbytes], torch.device("cpu", 0))
+    assert_tree_equal(_wireplan.unpack(local.plan, received), tg.gather([tree], "cpu"))
+
+
 @tg.register_dataclass(static=["flag"])
 @dataclasses.dataclass
 class Flagged:

@@ -7,25 +7,40 @@ with uneven sizes, ``stack``, ``mean`` weighted by ``sizes``, ``pad``, ``as_list
 custom callables; non-tensor leaves default to ``as_list()``.
 
 The number of collectives does not grow with the number of leaves. Each call flattens the tree
-once and then issues:
+once and computes a digest of what the ranks must agree on (structure, dict key order and node
+metadata, each leaf's dtype and trailing shape, ``layout`` and ``dim``, whether ``sizes`` was
+passed), cached in a bounded, type-aware wire plan (see :mod:`treegather._wireplan`). Then:
 
-1. one all-gather of a few integers per rank (the byte lengths below, the call, ``dst``/``src``);
-2. one all-gather (``gather``: a gather to ``dst``; ``broadcast``: a broadcast) of a single
-   ``uint8`` buffer per rank holding a pickled header (structure fingerprint, per-leaf dtype and
-   shape, the non-tensor leaves, ``sizes``) followed by the bytes of every tensor leaf, whatever
-   its dtype, padded to the longest rank;
+1. one all-gather of a few integers per rank: the call, ``dst``/``src``, the payload length and
+   that digest;
+2. when every rank sent the same digest (the usual case: a repeated structure, only the batch
+   rows varying): one all-gather (``gather``: a gather to ``dst``) of each rank's payload, its
+   row counts followed by one region per dtype and trailing shape written by a single
+   ``torch.cat`` straight into the output, and the pickled non-tensor leaves if there are any.
+   No header, and no pickle at all for an all-tensor tree; for the default rules the result
+   comes out of one ``cat`` per region. Otherwise, every rank alike takes the full exchange:
+   one more length exchange and one all-gather of a ``uint8`` buffer per rank holding a pickled
+   header (structure fingerprint, layout and dim, per-leaf dtype and shape, the non-tensor
+   leaves, ``sizes``) followed by the bytes of every tensor leaf, padded to the longest rank.
+   The full exchange is the definition of results and errors; the digest path is a cheaper
+   way to the same result;
 3. ``gather`` only: one small broadcast of the outcome from ``dst`` (a second one carries the
    error message when there is one).
 
-Packing bytes rather than one buffer per dtype keeps the count at two or three collectives for any
-mix of dtypes, and carries ``bool``, ``bfloat16``, complex and float8 leaves on backends that do
-not reduce them (only all-gather, gather and broadcast are used, which never look at the values).
-See :mod:`treegather._wire` for the format.
+So a repeated structure costs two collectives (``gather``: three), one whose digests differ
+three (four), and a structure mismatch two more, to name every difference. :func:`broadcast`
+always sends the header (the receivers have no structure of their own to compare): one length
+exchange and one broadcast.
+Packing bytes rather than one buffer per dtype keeps the count fixed for any mix of dtypes, and
+carries ``bool``, ``bfloat16``, complex and float8 leaves on backends that do not reduce them
+(only all-gather, gather and broadcast are used, which never look at the values). Conjugate and
+negative views travel as their values. See :mod:`treegather._wire` for the full format.
 
 Every rank checks every other rank's header the same way (``gather``: ``dst`` checks and
 broadcasts the outcome), so when the trees differ (a missing
 key, a list against a tuple, a tensor against a string, mismatched dtypes or non-cat dims,
-``sizes=`` on some ranks only, another ``dst``) every rank raises the same error, naming the
+``sizes=`` on some ranks only, another ``dst``, another ``layout`` or ``dim``) every rank raises
+the same error, naming the
 leaf path and the ranks, instead of hanging in a mismatched collective or returning garbage.
 Problems found before the exchange (an unpicklable leaf, a layout that does not fit) travel in
 the header too, so that the other ranks raise them as well rather than wait. Nodes that the
@@ -34,7 +49,8 @@ may differ between ranks, like per-sample lists of uneven length; their structur
 the header.
 
 Results are new tensors, detached from autograd, built from the exchanged bytes on every rank
-(the calling rank's contribution included), so all ranks compute bitwise-identical results; they
+(the calling rank's contribution included), so all ranks compute bitwise-identical results, with
+rank 0's dict key order when ranks inserted keys in different orders; they
 land on the device of this rank's tensor leaves (the communication device when those are spread
 over several devices). Bytes travel on the device torch uses for object collectives (CPU for
 gloo, the current GPU for NCCL), or on the GPU when a group with several backends (torch's
@@ -428,7 +444,8 @@ def all_gather(
     per rank, and ``layout`` picks other rules (``stack``, ``mean``, ``pad``, ``first``, a custom
     callable, ...) for the whole tree, a prefix of it, or :func:`~treegather.by_path` patterns.
 
-    Whatever the tree, this costs two collectives (see the module docstring). Every rank must
+    A repeated structure (only the batch rows changing) costs two collectives and no pickling
+    for an all-tensor tree; see the module docstring for the rest. Every rank must
     call it with a tree of the same structure (nodes the layout takes whole, such as per-sample
     lists under ``cat_items()``, may differ) and the same ``layout``/``dim``; otherwise every
     rank raises the same error.
