@@ -4,8 +4,9 @@ Run ``python -m treegather.bench_distributed`` (options: ``--leaves 10 100 1000`
 ``--world 2``, ``--repeats 15``, ``--json PATH``). It spawns ``world`` gloo ranks on localhost.
 Small trees hold ``n`` float32 leaves with ragged rows (leaf ``i`` on rank ``r`` is
 ``[8 - (r + i) % 2, 4]``); the large tree holds ``--large`` leaves of ``[4096 - r, 256]`` float32
-(4 MiB each). For each tree the ranks time, after a barrier, the median of ``repeats`` calls
-(fewer for slow columns) of:
+(4 MiB each). For each tree the ranks time, each call after a barrier, the median of
+``repeats`` calls (fewer for slow columns) of the following, in interleaved rounds of one call
+per column so that drifting load on a shared machine hits every column alike:
 
 - ``floor``: one ``all_gather_into_tensor`` of a flat buffer that already holds the payload (the
   largest rank's byte count, so no size exchange): what the transport costs, no pytree work;
@@ -120,18 +121,27 @@ def _accelerate_gather() -> Callable[[Any], Any] | None:
     return run
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    # Every rank waits for the slowest: report the slowest rank's median.
-    mine = torch.tensor([statistics.median(times) * 1e3])
-    all_ms = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(all_ms, mine)
-    return max(float(t) for t in all_ms)
+def _interleaved_ms(columns: dict[str, tuple[Callable[[], Any], int]]) -> dict[str, float]:
+    """Median milliseconds per column, timed in rounds of one call per column.
+
+    Interleaving keeps the columns' ratios meaningful on a machine whose load drifts: every
+    column sees the same conditions. A column with fewer repeats sits out the later rounds.
+    Every rank waits for the slowest, so each column reports the slowest rank's median.
+    """
+    times: dict[str, list[float]] = {name: [] for name in columns}
+    for i in range(max(n for _, n in columns.values())):
+        for name, (fn, n) in columns.items():
+            if i >= n:
+                continue
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    mine = torch.tensor([statistics.median(times[name]) * 1e3 for name in columns])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    slowest = torch.stack(every).amax(0).tolist()
+    return dict(zip(columns, slowest))
 
 
 def _status_kib(field: str) -> int:
@@ -188,10 +198,12 @@ def _row(
         columns["accelerate"] = (lambda: accelerate(tree), slow_repeats)
     row: dict[str, Any] = {"tree": label, "leaves": len(tree), "world": dist.get_world_size()}
     row["payload_mib"] = sum(t.numel() * t.element_size() for t in tree.values()) / 2**20
-    for name, (fn, n) in columns.items():
+    for fn, _ in columns.values():
         for _ in range(2):
             fn()  # warm-up: the wire plan, allocator state
-        row[f"{name}_ms"] = _median_ms(fn, n)
+    for name, ms in _interleaved_ms(columns).items():
+        row[f"{name}_ms"] = ms
+    for name, (fn, _) in columns.items():
         row[f"{name}_peak_mib"] = _peak_mib(fn)
     row.setdefault("accelerate_ms", None)
     row["treegather_vs_floor"] = row["treegather_ms"] / row["floor_ms"]
