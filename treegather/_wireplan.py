@@ -10,12 +10,15 @@ only that digest (in the preamble every call makes) and then one payload per ran
     [status, rows of each tensor leaf, sizes (int64) | pad | a region per (dtype, trailing shape) | objects]
 
 Each region is written with one ``torch.cat`` (``torch.stack`` for 0-dim leaves) straight into
-the send buffer; on the way out, each region is split per rank with one ``split_with_sizes`` and,
-for the default rules (``cat`` along dim 0, ``as_list`` for other leaves), every result leaf of a
-region comes out of one ``torch.cat`` (one copy of the payload) and one more ``split_with_sizes``.
-Non-tensor leaves travel as one pickled list at the end of the payload. There is no header: when
-any rank's digest differs (or a rank cannot use the plan), every rank takes the full exchange of
-:mod:`treegather._wire`, whose checks and errors are the definition.
+the buffer the collective sends. For the default rules (``cat`` along dim 0, ``as_list`` for
+other leaves) the results come out vectorised: a region of many small leaves is reordered from
+rank-major to leaf-major rows with one ``index_select`` and split once into the result leaves;
+large leaves are one ``torch.cat`` each (one copy per result leaf, each with its own storage).
+Other layouts rebuild each rank's tree from views of the received bytes and apply the rules of
+:func:`treegather.gather`. Non-tensor leaves travel as one pickled list at the end of the
+payload. There is no header: when any rank's digest differs (or a rank cannot use the plan),
+every rank takes the full exchange of :mod:`treegather._wire`, whose checks and errors are the
+definition.
 
 Nothing here formats or ``repr``\\ s user data: the structure is keyed by its pickled bytes (type
 aware: ``True``, ``1`` and ``1.0`` differ, and so does key order), and the digest hashes those
@@ -128,7 +131,8 @@ def layout_text(layout: Any, dim: Any) -> tuple[str, str]:
     >>> layout_text(None, 0)[0] == layout_text(None, False)[0]
     False
     """
-    dim_key = f"{type(dim).__name__}:{dim!r}" if type(dim) in (bool, int) else "?"
+    atoms = (bool, int, float, str, type(None))
+    dim_key = f"{type(dim).__name__}:{dim!r}" if type(dim) in atoms else f"?{type(dim)}"
     if layout is None:
         return f"None;{dim_key}", f"layout None, dim={dim!r}"
     leaves, spec = optree.tree_flatten(layout, none_is_leaf=True, namespace=_tree.NAMESPACE)
