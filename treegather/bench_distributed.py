@@ -54,6 +54,9 @@ def _small_tree(rank: int, leaves: int) -> dict[str, torch.Tensor]:
     return {f"leaf{i}": torch.randn(8 - (rank + i) % 2, 4, generator=g) for i in range(leaves)}
 
 
+_tree = _small_tree  # the name notebooks/benchmark.ipynb imports
+
+
 def _large_tree(rank: int, leaves: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
     shape = (_LARGE_ROWS - rank, _LARGE_COLS)
