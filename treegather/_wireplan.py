@@ -111,7 +111,9 @@ def _describe_rule(value: Any) -> tuple[str, str]:
     if isinstance(value, ByPath):
         parts = [(p, *_describe_rule(r)) for p, _, r in value.patterns]
         default = _describe_rule(value.default)
-        key = "by_path:" + "|".join(f"{p!r}={k}" for p, k, _ in sorted(parts)) + f"|={default[0]}"
+        # Patterns are dotted strings or exact tuple paths: typed, in an order of their own.
+        keys = sorted(f"{type(p).__name__}:{p!r}={k}" for p, k, _ in parts)
+        key = "by_path:" + "|".join(keys) + f"|={default[0]}"
         inner = ", ".join(f"{p!r}: {s}" for p, _, s in parts)
         return key, f"by_path({{{inner}}}, default={default[1]})"
     if value is None or type(value) in (bool, int, float, str):
