@@ -42,7 +42,7 @@ _EXACT_KEYS, _EXACT_LEN, _EXACT_TYPE, _NONE, _CUSTOM, _DEFAULTDICT, _DEQUE = ran
 Step = tuple[int, Any, int, type, Any]
 _ROOT: Any = object()
 
-MAX_CELLS = 2_000  # leaves x replicas a builder is compiled for (about 8 ms per 1000 cells)
+MAX_CELLS = 4_000  # leaves x replicas a builder is compiled for (about 8 ms per 1000 cells, once)
 MAX_DEPTH = 50  # builder displays nest; well inside the parser's limit on nested brackets
 
 
@@ -208,6 +208,13 @@ def compiled_guard(steps: list[Step], keys: str = "typed") -> Guard:
             consts[name] = value
         return name
 
+    # Each node's class is checked before anything indexes it; dict keys (in order, and by
+    # type) and sequence lengths are then compared for all nodes at once, in C.
+    key_nodes: list[str] = []
+    key_values: list[Any] = []
+    key_types: list[type] = []
+    sized: list[str] = []
+    sizes: list[Any] = []
     for i, (parent, reach, kind, cls, expected) in enumerate(steps, start=1):
         var = f"s{i}"
         src = f"s{parent}" if reach is _ROOT else f"s{parent}[{const(reach)}]"
@@ -215,23 +222,32 @@ def compiled_guard(steps: list[Step], keys: str = "typed") -> Guard:
         if kind == _NONE:
             lines.append(f"      if {var} is not None: return False")
             continue
-        checks = [f"type({var}) is not {const(cls)}"]
-        if kind == _EXACT_KEYS and keys == "typed":
-            checks.append(f"tuple({var}) != {const(expected[0])}")
-            checks.append(f"tuple(map(type, {var})) != {const(expected[1])}")
-        elif kind == _EXACT_LEN:
-            checks.append(f"len({var}) != {expected}")
-        elif kind == _DEFAULTDICT:
-            checks.append(f"{var}.default_factory is not {const(expected[0])}")
+        lines.append(f"      if type({var}) is not {const(cls)}: return False")
+        if kind == _EXACT_KEYS or kind == _DEFAULTDICT:
+            if kind == _DEFAULTDICT:
+                lines.append(
+                    f"      if {var}.default_factory is not {const(expected[0])}: return False"
+                )
+                expected = expected[1:]
             if keys == "typed":
-                checks.append(f"tuple({var}) != {const(expected[1])}")
-                checks.append(f"tuple(map(type, {var})) != {const(expected[2])}")
+                key_nodes.append(var)
+                key_values.extend(expected[0])
+                key_types.extend(expected[1])
+        elif kind == _EXACT_LEN:
+            sized.append(f"len({var})")
+            sizes.append(expected)
         elif kind == _DEQUE:
-            checks.append(f"(len({var}), {var}.maxlen) != {const(expected)}")
-        lines.append(f"      if {' or '.join(checks)}: return False")
-        if kind == _CUSTOM:
+            lines.append(f"      if (len({var}), {var}.maxlen) != {const(expected)}: return False")
+        elif kind == _CUSTOM:
             lines.append(f"      {var} = _custom({var}, {const(expected)})")
             lines.append(f"      if {var} is None: return False")
+    if sized:
+        lines.append(f"      if ({', '.join(sized)},) != {const(tuple(sizes))}: return False")
+    if key_nodes:
+        unpacked = ", ".join(f"*{v}" for v in key_nodes)
+        lines.append(f"      k = ({unpacked},)")
+        lines.append(f"      if k != {const(tuple(key_values))}: return False")
+        lines.append(f"      if tuple(map(type, k)) != {const(tuple(key_types))}: return False")
     # A user container misbehaving under indexing is not this structure.
     lines += ["    except Exception:", "      return False", "    return True", "  return guard"]
     params = ", ".join([*consts, "type=type", "tuple=tuple", "map=map", "len=len"])

@@ -379,7 +379,7 @@ def _gather_seen(
         # refuses anything but tensors (the leaf check) and mismatched shapes; then the
         # reference steps below explain the problem.
         rows = [flat[i : i + n] for i in range(0, k * n, n)]
-        with contextlib.suppress(TypeError, RuntimeError, AttributeError, IndexError):
+        try:
             # One dtype per leaf across replicas (torch.cat would promote silently), read in C;
             # a value without a dtype (a subtree or None where a leaf should be) stops here.
             dtypes = list(map(_DTYPE, flat))
@@ -387,6 +387,8 @@ def _gather_seen(
                 if dim:
                     return st.spec.unflatten([torch.cat(c, dim) for c in zip(*rows)])
                 return st.spec.unflatten(list(map(torch.cat, zip(*rows))))
+        except (TypeError, RuntimeError, AttributeError, IndexError):
+            pass  # the reference steps below explain it
     if not st.leaves_ok(flat):  # a subtree or None where the structure has a leaf
         return _g.gather_reference(outputs, target, layout, dim, sizes)
     per_replica = [flat[i : i + n] for i in range(0, k * n, n)] if n else [[] for _ in range(k)]
