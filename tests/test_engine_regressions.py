@@ -370,6 +370,8 @@ def test_registering_a_node_clears_caches_and_is_seen_at_once() -> None:
     _fill_caches()
     assert any(len(c) for c in caches()), "nothing was cached: the test tests nothing"
     tg.register_dataclass(Fresh)
-    assert {c.name: len(c) for c in caches()} == {c.name: 0 for c in caches()}
+    # Every cache of tree structures is empty (kept replicas, devices and generated
+    # TorchScript classes do not depend on which classes are nodes).
+    assert {c.name: len(c) for c in caches() if c.trees} == {c.name: 0 for c in caches() if c.trees}
     out = tg.gather(outs, "cpu")
     assert type(out["f"]) is Fresh and out["f"].data.tolist() == [1.0, 1.0, 1.0, 1.0]

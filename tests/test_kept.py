@@ -291,3 +291,22 @@ def test_data_parallel_module_keeps_replicas_and_never_mutates(builds: list[bool
         torch.testing.assert_close(dp(x), model(x))
     assert builds == [True, False, False]
     assert_unchanged(model, before)
+
+
+def test_a_pytree_registration_between_steps_keeps_the_replicas(builds: list[bool]) -> None:
+    # Registering any class with torch's pytree (transformers does, lazily, for every
+    # ModelOutput) empties the caches of tree structures, not the kept replicas.
+    import torch.utils._pytree as torch_pytree
+
+    class Registered:
+        def __init__(self, x: Any) -> None:
+            self.x = x
+
+    model = _net().eval()
+    x = torch.randn(8, 4)
+    _dp(model, x)
+    torch_pytree.register_pytree_node(
+        Registered, lambda r: ([r.x], None), lambda c, _: Registered(c[0])
+    )
+    _dp(model, x)
+    assert builds == [True, False]

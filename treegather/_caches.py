@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["LRU", "WeakCache", "clear_caches", "typed_key", "caches"]
+__all__ = ["LRU", "WeakCache", "caches", "clear_caches", "clear_tree_caches", "typed_key"]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -37,23 +37,43 @@ _REGISTRY: weakref.WeakSet[Any] = weakref.WeakSet()
 _REGISTRY_LOCK = threading.Lock()
 
 
-class LRU(Generic[K, V]):
-    """A bounded least-recently-used map, registered for :func:`clear_caches`.
+class _Registered:
+    """What every cache shares: a name, a bound, a lock, registration for :func:`clear_caches`."""
 
-    Thread-safe: one lock around each operation (a lookup is a few hundred nanoseconds).
-    """
+    __slots__ = ("__weakref__", "_data", "_lock", "maxsize", "name", "trees")
 
-    __slots__ = ("__weakref__", "_data", "_lock", "maxsize", "name")
-
-    def __init__(self, name: str, maxsize: int) -> None:
+    def __init__(self, name: str, maxsize: int, *, trees: bool = True) -> None:
         if maxsize < 1:
-            raise ValueError("an LRU cache needs maxsize >= 1")
+            raise ValueError(f"cache {name!r} needs maxsize >= 1")
         self.name = name
         self.maxsize = maxsize
-        self._data: OrderedDict[K, V] = OrderedDict()
+        # Whether what is cached depends on which classes are tree nodes (a registration
+        # empties such caches; replicas or devices do not depend on it).
+        self.trees = trees
+        self._data: OrderedDict[Any, Any] = OrderedDict()
         self._lock = threading.Lock()
         with _REGISTRY_LOCK:
             _REGISTRY.add(self)
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {len(self._data)}/{self.maxsize})"
+
+
+class LRU(_Registered, Generic[K, V]):
+    """A bounded least-recently-used map, registered for :func:`clear_caches`.
+
+    Thread-safe: a lock around each change; lookups rely on the GIL (see :meth:`get`).
+    """
+
+    __slots__ = ()
 
     def get(self, key: K, default: Any = None) -> Any:
         """The value for ``key`` (marked as just used), else ``default``."""
@@ -85,34 +105,16 @@ class LRU(Generic[K, V]):
         with self._lock:
             return list(self._data.values())
 
-    def clear(self) -> None:
-        """Drop every entry."""
-        with self._lock:
-            self._data.clear()
 
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return f"LRU({self.name!r}, {len(self._data)}/{self.maxsize})"
-
-
-class WeakCache(Generic[K, V]):
+class WeakCache(_Registered, Generic[K, V]):
     """A map keyed weakly by objects (compared by identity), registered for :func:`clear_caches`.
 
     An entry lives only as long as its key object: a deleted model frees what was cached for it.
     ``maxsize`` bounds the number of live entries as well (least recently stored goes first).
+    Entries are ``id(obj) -> (weakref to obj, value)``.
     """
 
-    __slots__ = ("__weakref__", "_data", "_lock", "maxsize", "name")
-
-    def __init__(self, name: str, maxsize: int) -> None:
-        self.name = name
-        self.maxsize = maxsize
-        self._data: OrderedDict[int, tuple[weakref.ref[Any], V]] = OrderedDict()
-        self._lock = threading.Lock()
-        with _REGISTRY_LOCK:
-            _REGISTRY.add(self)
+    __slots__ = ()
 
     def get(self, obj: Any, default: Any = None) -> Any:
         """The value stored for ``obj`` itself (identity), else ``default``."""
@@ -151,19 +153,8 @@ class WeakCache(Generic[K, V]):
             del self._data[id(obj)]
             return entry[1]
 
-    def clear(self) -> None:
-        """Drop every entry."""
-        with self._lock:
-            self._data.clear()
 
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return f"WeakCache({self.name!r}, {len(self._data)}/{self.maxsize})"
-
-
-def caches() -> list[LRU[Any, Any] | WeakCache[Any, Any]]:
+def caches() -> list[_Registered]:
     """Every live cache in the registry, by name (for tests and debugging).
 
     >>> all(len(c) <= c.maxsize for c in caches())
@@ -182,12 +173,20 @@ def on_clear(hook: Callable[[], None]) -> Callable[[], None]:
     return hook
 
 
+def clear_tree_caches() -> None:
+    """Empty the caches that depend on which classes are tree nodes (after a registration)."""
+    with _REGISTRY_LOCK:
+        registered = [c for c in _REGISTRY if c.trees]
+    for cache in registered:
+        cache.clear()
+
+
 def clear_caches() -> None:
     """Empty every cache treegather keeps (structures, plans, compiled code, devices, ...).
 
     The next call of each function then runs cold, exactly as in a fresh process. Registering a
     tree node (:func:`treegather.register_dataclass`, :func:`treegather.register_node`, or a
-    class registered with torch's pytree) clears them too.
+    class registered with torch's pytree) clears every cache that depends on tree structure.
 
     >>> import treegather as tg
     >>> tg.clear_caches()

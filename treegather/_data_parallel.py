@@ -438,7 +438,7 @@ def _compiler_active() -> bool:
 
 
 _OUTSIDE_COMPILER: LRU[Callable[..., Any], Callable[..., Any]] = LRU(
-    "data_parallel.outside_compiler", maxsize=8
+    "data_parallel.outside_compiler", maxsize=8, trees=False
 )
 
 

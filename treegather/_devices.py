@@ -15,7 +15,7 @@ __all__ = ["DeviceLike", "as_device", "as_devices", "accelerator_tensors_possibl
 DeviceLike = Union[int, str, torch.device]  # noqa: UP007 - a runtime alias
 
 # Keyed by (exact type, value): True == 1 and 1.0 == 1 hash alike and must not find cuda:1.
-_CACHE: LRU[tuple[type, object], torch.device] = LRU("devices", maxsize=256)
+_CACHE: LRU[tuple[type, object], torch.device] = LRU("devices", maxsize=256, trees=False)
 _KEY_TYPES = (int, str, torch.device)
 
 

@@ -32,7 +32,9 @@ def is_script_module(fn: Any) -> bool:
 
 # Generated fan-out classes by signature (every annotation a str from torch's schema; the key is
 # typed all the same). Each class's source lives in linecache for as long as the class does.
-_FANOUT_CLASSES: LRU[Hashable, type[torch.nn.Module]] = LRU("apply.fanout_classes", maxsize=64)
+_FANOUT_CLASSES: LRU[Hashable, type[torch.nn.Module]] = LRU(
+    "apply.fanout_classes", maxsize=64, trees=False
+)
 _FANOUT_COUNT = itertools.count()
 _ANNOTATION_NAMES = "from typing import Any, Dict, List, Optional, Tuple, Union\n"
 

@@ -47,7 +47,7 @@ __all__ = ["Kept", "give_back", "kept_count", "reusable", "take"]
 Key = tuple[tuple[torch.device, ...], bool]
 
 # module -> {(devices, detach): Kept}; a few device lists per module (train/eval alternate).
-_KEPT: WeakCache[nn.Module, dict[Key, Kept]] = WeakCache("replicate.kept", maxsize=64)
+_KEPT: WeakCache[nn.Module, dict[Key, Kept]] = WeakCache("replicate.kept", maxsize=64, trees=False)
 _PER_MODULE = 4
 _LOCK = threading.Lock()
 

@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as _torch_pytree
 from optree import PyTreeKind, PyTreeSpec
 
-from ._caches import clear_caches
+from ._caches import clear_tree_caches
 
 __all__ = [
     "NAMESPACE",
@@ -59,7 +59,7 @@ def _invalidate() -> None:
     """Every cached structure may depend on which classes are nodes: start cold."""
     global _version
     _version += 1
-    clear_caches()
+    clear_tree_caches()
 
 
 @overload

@@ -381,6 +381,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         action="store_true",
         help="skip freeing one large tensor first (page faults may then land on any implementation)",
     )
+    parser.add_argument(
+        "--steps",
+        action="store_true",
+        help="also time whole data-parallel training steps (python -m treegather.bench_steps)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
@@ -435,6 +440,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 f"{row['median_us']:>9.1f} {row['ratio']:>6.2f}x",
                 flush=True,
             )
+    if args.steps:
+        from . import bench_steps
+
+        print()
+        rows.extend(bench_steps.main(["--quick"] if args.quick else []))
     faulty = sorted(
         {
             f"{r['impl']} ({r['op']}, {r['leaves']} leaves)"
