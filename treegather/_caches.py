@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any, Generic, TypeVar
 
 __all__ = ["LRU", "WeakCache", "caches", "clear_caches", "clear_tree_caches", "typed_key"]
@@ -100,11 +100,6 @@ class LRU(_Registered, Generic[K, V]):
         with self._lock:
             return self._data.pop(key, default)
 
-    def values(self) -> list[V]:
-        """A snapshot of the values, least recently used first."""
-        with self._lock:
-            return list(self._data.values())
-
 
 class WeakCache(_Registered, Generic[K, V]):
     """A map keyed weakly by objects (compared by identity), registered for :func:`clear_caches`.
@@ -164,15 +159,6 @@ def caches() -> list[_Registered]:
         return sorted(_REGISTRY, key=lambda c: c.name)
 
 
-_CLEAR_HOOKS: list[Callable[[], None]] = []
-
-
-def on_clear(hook: Callable[[], None]) -> Callable[[], None]:
-    """Run ``hook`` on every :func:`clear_caches` too (for state that is not an LRU)."""
-    _CLEAR_HOOKS.append(hook)
-    return hook
-
-
 def clear_tree_caches() -> None:
     """Empty the caches that depend on which classes are tree nodes (after a registration)."""
     with _REGISTRY_LOCK:
@@ -195,8 +181,6 @@ def clear_caches() -> None:
         registered = list(_REGISTRY)
     for cache in registered:
         cache.clear()
-    for hook in _CLEAR_HOOKS:
-        hook()
 
 
 # ------------------------------------------------------------------------------- typed keys
@@ -208,9 +192,9 @@ def typed_key(value: Any) -> Hashable:
     """A hashable key for ``value`` in which the type of every part counts.
 
     ``True``, ``1`` and ``1.0`` compare equal in Python and would share a dict slot; here they
-    do not. Tuples, lists and dicts are keyed by their items (dicts in insertion order), frozen
-    dataclass-like objects with ``__eq__`` by their type and ``__dict__``/fields, anything else
-    by identity (callables compare by identity). Iterative: no recursion on nesting depth.
+    do not. Tuples, lists and dicts are keyed by their items (dicts in insertion order), objects
+    with a ``_typed_fields()`` method (layout rules) by their type and those fields, anything
+    else by identity (callables compare by identity). Iterative: no recursion on nesting depth.
 
     >>> typed_key(True) == typed_key(1), typed_key((1, "a")) == typed_key((1, "a"))
     (False, True)

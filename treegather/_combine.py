@@ -122,10 +122,7 @@ def combine_default(
             else:
                 append(_as_list(col))
             continue
-        first = col[0].dtype
-        for v in col:
-            if v.dtype != first:
-                raise ValueError("per-replica tensors have different dtypes")
+        _one_dtype(col)  # torch.cat promoted mixed dtypes: refuse them
         if check and ((not r.is_cpu) if cpu else (r.get_device() != index)):
             r = r.to(target)
         append(r)

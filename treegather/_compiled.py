@@ -320,24 +320,19 @@ def gather(
     """:func:`treegather.gather` for a structure seen before; the reference steps otherwise."""
     if getattr(_LOCAL, "off", False):
         return _g.gather_reference(outputs, target, layout, dim, sizes)
-    k = len(outputs)
-    bucket = _STRUCTURES.get(type(outputs[0]))
-    if bucket:
-        version = _tree.registry_version()
-        for st in bucket:
-            # Replica 0 has exactly this structure, the others the same one up to == of keys.
-            if (
-                st.version == version
-                and st.guard(outputs[0])
-                and all(map(st.guard_equal, outputs[1:]))
-            ):
-                spec_k = st.list_specs.get(k) or st.list_spec(k)
-                try:
-                    flat: list[Any] = spec_k.flatten_up_to(outputs)
-                except (ValueError, TypeError):  # replicas' key sets differ: a mismatch
-                    break
-                st.seen()
-                return _gather_seen(st, outputs, flat, target, layout, dim, sizes)
+    st = find(outputs[0])
+    # Replica 0 has exactly this structure, the others the same containers (their keys are
+    # compared by flatten_up_to, in any order, with ==, as the reference compares replicas).
+    if st is not None and all(map(st.guard_equal, outputs[1:])):
+        k = len(outputs)
+        spec_k = st.list_specs.get(k) or st.list_spec(k)
+        try:
+            flat: list[Any] = spec_k.flatten_up_to(outputs)  # type: ignore[arg-type]
+        except (ValueError, TypeError):  # replicas' key sets differ: a mismatch
+            pass
+        else:
+            st.seen()
+            return _gather_seen(st, outputs, flat, target, layout, dim, sizes)
     leaves0, st, spec0 = recognise(outputs[0])
     if st is None:
         plan = resolve(spec0, layout, "gather", dim, _g.ROOT)

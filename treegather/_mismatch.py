@@ -7,6 +7,7 @@ devices), so clarity wins over speed; nothing recurses on tree depth.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,8 +33,6 @@ ROOT = "outputs"
 
 def is_number(x: Any) -> bool:
     """A Python/numpy number that is not a bool."""
-    import numbers
-
     return isinstance(x, numbers.Number) and not isinstance(x, bool)
 
 
