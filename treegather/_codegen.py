@@ -28,10 +28,21 @@ from optree import PyTreeSpec
 from ._caches import typed_key
 from ._tree import NAMESPACE
 
-__all__ = ["Step", "guard_steps", "interpreted_guard", "compiled_guard", "compiled_builder"]
+__all__ = [
+    "Step",
+    "compiled_builder",
+    "compiled_columns",
+    "compiled_guard",
+    "compiled_reader",
+    "compiled_unflatten",
+    "guard_steps",
+    "interpreted_guard",
+    "structure_steps",
+]
 
 Guard = Callable[[Any], bool]
 Builder = Callable[..., list[Any]]
+Unflatten = Callable[[list[Any]], Any]
 
 # Step kinds.
 _EXACT_KEYS, _EXACT_LEN, _EXACT_TYPE, _NONE, _CUSTOM, _DEFAULTDICT, _DEQUE = range(7)
@@ -40,9 +51,13 @@ _EXACT_KEYS, _EXACT_LEN, _EXACT_TYPE, _NONE, _CUSTOM, _DEFAULTDICT, _DEQUE = ran
 # ``reach`` is an entry to index the parent with, or _ROOT for the tree itself. A custom node's
 # children are reached through the slot holding its flattened children list.
 Step = tuple[int, Any, int, type, Any]
+# Where a leaf is: (slot of its parent, the entry to index the parent with).
+Reach = tuple[int, Any]
+Reader = Callable[[Any], "list[Any] | None"]
 _ROOT: Any = object()
 
 MAX_CELLS = 4_000  # leaves x replicas a builder is compiled for (about 8 ms per 1000 cells, once)
+MAX_UNFLATTEN = 256  # leaves; above, optree's unflatten (C) is as fast as a generated display
 MAX_DEPTH = 50  # builder displays nest; well inside the parser's limit on nested brackets
 
 
@@ -50,19 +65,32 @@ def guard_steps(spec: PyTreeSpec) -> list[Step] | None:
     """The checks a tree must pass to have exactly ``spec``'s structure, in pre-order.
 
     Step ``i`` puts the node it checks in slot ``i + 1`` (slot 0 is the tree). ``None`` when the
-    structure has a node the guard cannot check (the caller then does not cache it). Made from
-    the spec rebuilt around placeholder leaves: one ``unflatten``, then a walk of the
+    structure has a node the guard cannot check (the caller then does not cache it).
+    """
+    found = structure_steps(spec)
+    return None if found is None else found[0]
+
+
+def structure_steps(spec: PyTreeSpec) -> tuple[list[Step], list[Reach]] | None:
+    """:func:`guard_steps`, and where each leaf is: ``(slot of its parent, entry)`` in spec order.
+
+    Made from the spec rebuilt around placeholder leaves: one ``unflatten``, then a walk of the
     containers (no recursion, no copies of sub-specs).
     """
+    n = spec.num_leaves
     try:
-        template = spec.unflatten([_LEAF] * spec.num_leaves)
+        template = spec.unflatten([_Leaf(i) for i in range(n)])
     except Exception:  # a registered class refusing placeholder children: not cached
         return None
     steps: list[Step] = []
+    leaves: list[Reach | None] = [None] * n
     stack: list[tuple[Any, int, Any]] = [(template, 0, _ROOT)]
     while stack:
         node, parent, reach = stack.pop()
-        if node is _LEAF:
+        if type(node) is _Leaf:
+            if leaves[node.index] is not None:  # a custom node repeating a child
+                return None
+            leaves[node.index] = (parent, reach)
             continue
         slot = len(steps) + 1
         found = _step(node)
@@ -77,10 +105,18 @@ def guard_steps(spec: PyTreeSpec) -> list[Step] | None:
             return None
     except Exception:
         return None
-    return steps
+    if None in leaves:
+        return None
+    return steps, leaves  # type: ignore[return-value]
 
 
-_LEAF: Any = object()  # the placeholder leaf of a template
+class _Leaf:
+    """The placeholder for leaf ``index`` in a template (an unregistered class: a leaf)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 def _step(node: Any) -> tuple[int, Any, list[tuple[Any, Any]]] | None:
@@ -186,18 +222,64 @@ def compiled_guard(steps: list[Step], keys: str = "typed") -> Guard:
     """The same guard written out as straight-line Python (a few times faster to run).
 
     ``keys`` says how dict keys are checked: ``"typed"`` (in order, and by type: ``True`` is not
-    ``1``), or ``"any"``: not at all, for gather's check of replicas 1.. against replica 0,
-    where optree's ``flatten_up_to`` then compares key sets (any order, with ``==``, as the
-    reference compares replicas) and raises on a difference.
+    ``1``), or ``"any"``: the same key set in any order, compared with ``==`` (as optree's
+    ``flatten_up_to`` compares replicas of gather).
 
     >>> spec = optree.tree_structure({"a": [1, 2], "b": None})
     >>> guard = compiled_guard(guard_steps(spec))
     >>> guard({"a": [3, 4], "b": None}), guard({"a": (3, 4), "b": None})
     (True, False)
     """
+    guard: Guard = _generate(steps, None, [keys])
+    return guard
+
+
+def compiled_reader(steps: list[Step], leaves: list[Reach], keys: str = "typed") -> Reader:
+    """The guard and ``flatten_up_to`` in one: ``read(tree)`` is the list of the tree's leaves
+    in spec order when the tree passes the guard (keys checked as in :func:`compiled_guard`),
+    ``None`` when it does not. Each leaf is read with one index of its parent.
+
+    >>> spec = optree.tree_structure({"b": [1, 2], "a": None, "c": 3})
+    >>> read = compiled_reader(*structure_steps(spec))
+    >>> read({"b": [10, 20], "a": None, "c": 30}), read({"b": [10, 20], "a": 0, "c": 30})
+    ([10, 20, 30], None)
+    >>> compiled_reader(*structure_steps(spec), keys="any")({"c": 30, "a": None, "b": [10, 20]})
+    [10, 20, 30]
+    """
+    read: Reader = _generate(steps, leaves, [keys])
+    return read
+
+
+def compiled_columns(steps: list[Step], leaves: list[Reach], k: int) -> Reader | None:
+    """For gather: ``read(trees)`` of a list of k trees is the list of columns (leaf i of each
+    tree, a tuple), when tree 0 passes the typed guard and the others the ``"any"`` one; else
+    ``None``. ``None`` instead of a reader above :data:`MAX_CELLS` leaves x trees.
+
+    >>> spec = optree.tree_structure({"a": 1, "b": [2]})
+    >>> read = compiled_columns(*structure_steps(spec), 2)
+    >>> read([{"a": 1, "b": [2]}, {"b": [20], "a": 10}])
+    [(1, 10), (2, 20)]
+    >>> read([{"b": [2], "a": 1}, {"a": 10, "b": [20]}]) is None  # tree 0's keys in another order
+    True
+    """
+    if k < 1 or len(leaves) * k > MAX_CELLS:
+        return None
+    modes = ["typed"] + ["any"] * (k - 1)
+    read: Reader = _generate(steps, leaves, modes, columns=True)
+    return read
+
+
+def _generate(
+    steps: list[Step],
+    leaves: list[Reach] | None,
+    modes: list[str],
+    columns: bool = False,
+) -> Any:
+    """Compile a guard (``leaves`` is ``None``: it returns a bool), a reader of one tree (one
+    mode), or with ``columns`` a reader of a list of trees (one mode each)."""
     consts: dict[str, Any] = {"_custom": _custom_children}
     names: dict[int, str] = {}
-    lines = ["  def guard(s0):", "    try:", "      pass"]
+    fail = "return False" if leaves is None else "return None"
 
     def const(value: Any) -> str:
         # One name per distinct object (every dict node shares ``dict``); closure cells are
@@ -208,54 +290,106 @@ def compiled_guard(steps: list[Step], keys: str = "typed") -> Guard:
             consts[name] = value
         return name
 
-    # Each node's class is checked before anything indexes it; dict keys (in order, and by
-    # type) and sequence lengths are then compared for all nodes at once, in C.
-    key_nodes: list[str] = []
-    key_values: list[Any] = []
-    key_types: list[type] = []
-    sized: list[str] = []
-    sizes: list[Any] = []
-    for i, (parent, reach, kind, cls, expected) in enumerate(steps, start=1):
-        var = f"s{i}"
-        src = f"s{parent}" if reach is _ROOT else f"s{parent}[{const(reach)}]"
-        lines.append(f"      {var} = {src}")
-        if kind == _NONE:
-            lines.append(f"      if {var} is not None: return False")
-            continue
-        lines.append(f"      if type({var}) is not {const(cls)}: return False")
-        if kind == _EXACT_KEYS or kind == _DEFAULTDICT:
-            if kind == _DEFAULTDICT:
-                lines.append(
-                    f"      if {var}.default_factory is not {const(expected[0])}: return False"
-                )
-                expected = expected[1:]
-            if keys == "typed":
-                key_nodes.append(var)
-                key_values.extend(expected[0])
-                key_types.extend(expected[1])
-        elif kind == _EXACT_LEN:
-            sized.append(f"len({var})")
-            sizes.append(expected)
-        elif kind == _DEQUE:
-            lines.append(f"      if (len({var}), {var}.maxlen) != {const(expected)}: return False")
-        elif kind == _CUSTOM:
-            lines.append(f"      {var} = _custom({var}, {const(expected)})")
-            lines.append(f"      if {var} is None: return False")
-    if sized:
-        lines.append(f"      if ({', '.join(sized)},) != {const(tuple(sizes))}: return False")
-    if key_nodes:
-        unpacked = ", ".join(f"*{v}" for v in key_nodes)
-        lines.append(f"      k = ({unpacked},)")
-        lines.append(f"      if k != {const(tuple(key_values))}: return False")
-        lines.append(f"      if tuple(map(type, k)) != {const(tuple(key_types))}: return False")
+    if not columns:
+        lines = ["  def guard(s0):", "    try:", "      pass"]
+        prefixes = ["s"]
+    else:
+        prefixes = [f"t{r}_" for r in range(len(modes))]
+        roots = ", ".join(f"{p}0" for p in prefixes)
+        lines = ["  def guard(trees):", "    try:", f"      {roots}, = trees"]
+    checks = _Checks()
+    for prefix, keys in zip(prefixes, modes):
+        lines += checks.walk(steps, prefix, keys, const, fail)
+    lines += checks.batched(const, fail)
+    if leaves is None:
+        lines.append("      return True")
+    else:
+        cells = [
+            [f"{p}{parent}" if entry is _ROOT else f"{p}{parent}[{const(entry)}]" for p in prefixes]
+            for parent, entry in leaves
+        ]
+        if not columns:
+            lines.append(f"      return [{', '.join(c[0] for c in cells)}]")
+        else:
+            displays = ", ".join("(" + ", ".join(c) + ",)" for c in cells)
+            lines.append(f"      return [{displays}]")
     # A user container misbehaving under indexing is not this structure.
-    lines += ["    except Exception:", "      return False", "    return True", "  return guard"]
+    lines += ["    except Exception:", f"      {fail}", "  return guard"]
     params = ", ".join([*consts, "type=type", "tuple=tuple", "map=map", "len=len"])
     source = f"def make({params}):\n" + "\n".join(lines)
     namespace: dict[str, Any] = {}
-    exec(compile(source, f"<treegather guard: {len(steps)} nodes>", "exec"), namespace)
-    guard: Guard = namespace["make"](**consts)
-    return guard
+    what = "guard" if leaves is None else "reader"
+    exec(compile(source, f"<treegather {what}: {len(steps)} nodes>", "exec"), namespace)
+    return namespace["make"](**consts)
+
+
+class _Checks:
+    """The checks of a generated guard: each node's class is checked before anything indexes
+    it; dict keys (in order, and by type) and sequence lengths are then compared for all nodes
+    at once, in C. A defaultdict's keys are checked before it is indexed (indexing a missing
+    key would insert it)."""
+
+    def __init__(self) -> None:
+        self.key_nodes: list[str] = []
+        self.key_values: list[Any] = []
+        self.key_types: list[type] = []
+        self.sized: list[str] = []
+        self.sizes: list[Any] = []
+
+    def walk(
+        self, steps: list[Step], p: str, keys: str, const: Callable[[Any], str], fail: str
+    ) -> list[str]:
+        """Lines binding ``{p}{i}`` to node i of one tree and checking it (or queueing checks)."""
+        lines = []
+        for i, (parent, reach, kind, cls, expected) in enumerate(steps, start=1):
+            var = f"{p}{i}"
+            src = f"{p}{parent}" if reach is _ROOT else f"{p}{parent}[{const(reach)}]"
+            lines.append(f"      {var} = {src}")
+            if kind == _NONE:
+                lines.append(f"      if {var} is not None: {fail}")
+                continue
+            lines.append(f"      if type({var}) is not {const(cls)}: {fail}")
+            if kind == _DEFAULTDICT:
+                factory, expected_keys, expected_types = expected
+                lines.append(f"      if {var}.default_factory is not {const(factory)}: {fail}")
+                if keys == "typed":
+                    lines.append(f"      k = tuple({var})")
+                    lines.append(f"      if k != {const(expected_keys)}: {fail}")
+                    lines.append(f"      if tuple(map(type, k)) != {const(expected_types)}: {fail}")
+                else:
+                    lines.append(
+                        f"      if {var}.keys() != {const(frozenset(expected_keys))}: {fail}"
+                    )
+            elif kind == _EXACT_KEYS:
+                if keys == "typed":
+                    self.key_nodes.append(var)
+                    self.key_values.extend(expected[0])
+                    self.key_types.extend(expected[1])
+                else:  # every expected key is read (or fails): the same count, the same set
+                    self.sized.append(f"len({var})")
+                    self.sizes.append(len(expected[0]))
+            elif kind == _EXACT_LEN:
+                self.sized.append(f"len({var})")
+                self.sizes.append(expected)
+            elif kind == _DEQUE:
+                lines.append(f"      if (len({var}), {var}.maxlen) != {const(expected)}: {fail}")
+            elif kind == _CUSTOM:
+                lines.append(f"      {var} = _custom({var}, {const(expected)})")
+                lines.append(f"      if {var} is None: {fail}")
+        return lines
+
+    def batched(self, const: Callable[[Any], str], fail: str) -> list[str]:
+        """Lines comparing every queued length and key at once."""
+        lines = []
+        if self.sized:
+            sized = ", ".join(self.sized)
+            lines.append(f"      if ({sized},) != {const(tuple(self.sizes))}: {fail}")
+        if self.key_nodes:
+            unpacked = ", ".join(f"*{v}" for v in self.key_nodes)
+            lines.append(f"      k = ({unpacked},)")
+            lines.append(f"      if k != {const(tuple(self.key_values))}: {fail}")
+            lines.append(f"      if tuple(map(type, k)) != {const(tuple(self.key_types))}: {fail}")
+        return lines
 
 
 # -------------------------------------------------------------------------------- builders
@@ -292,8 +426,32 @@ def compiled_builder(spec: PyTreeSpec, k: int) -> Builder | None:
     return build
 
 
-def _display(template: Any, r: int) -> str:
-    """Python source building ``template`` for replica ``r`` (leaf ``i`` is ``c{i}[r]``)."""
+def compiled_unflatten(spec: PyTreeSpec) -> Unflatten | None:
+    """``spec.unflatten`` for plain structures: ``build(leaves)`` is the tree, or ``None``
+    for structures :func:`compiled_builder` cannot write out.
+
+    >>> build = compiled_unflatten(optree.tree_structure({"x": 0, "y": [0, None]}))
+    >>> build(["a", "b"])
+    {'x': 'a', 'y': ['b', None]}
+    """
+    n = spec.num_leaves
+    if n == 0 or n > MAX_UNFLATTEN:
+        return None
+    try:
+        tree = _display(spec.unflatten(list(range(n))), None)
+    except Exception:
+        return None
+    names = ", ".join(f"c{i}" for i in range(n))
+    namespace: dict[str, Any] = {}
+    source = f"def build(leaves):\n    {names}, = leaves\n    return {tree}\n"
+    exec(compile(source, f"<treegather unflatten: {n} leaves>", "exec"), namespace)
+    build: Unflatten = namespace["build"]
+    return build
+
+
+def _display(template: Any, r: int | None) -> str:
+    """Python source building ``template`` for replica ``r`` (leaf ``i`` is ``c{i}[r]``, or
+    ``c{i}`` when ``r`` is ``None``)."""
     # Iterative (an explicit stack of pending parts), bounded by MAX_DEPTH for the parser.
     parts: list[str] = []
     stack: list[tuple[Any, int]] = [(template, 0)]
@@ -304,7 +462,7 @@ def _display(template: Any, r: int) -> str:
             continue
         kind = type(node)
         if kind is int:
-            parts.append(f"c{node}[{r}]")
+            parts.append(f"c{node}" if r is None else f"c{node}[{r}]")
             continue
         if node is None:
             parts.append("None")

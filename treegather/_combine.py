@@ -40,17 +40,14 @@ __all__ = ["combine_default", "combine_planned", "needs_move"]
 Tensor = torch.Tensor
 
 
-def needs_move(per_replica: list[list[Any]], target: torch.device) -> bool:
-    """Whether any replica's tensors live off ``target`` (sampled: first tensor of each).
+def needs_move(columns: list[tuple[Any, ...]], target: torch.device) -> bool:
+    """Whether any replica's tensors live off ``target`` (sampled: the first tensor position).
 
     Only a hint for the fast path: a leaf elsewhere is still moved, just less cheaply.
     """
-    for leaves in per_replica:
-        for value in leaves:
-            if type(value) is Tensor or isinstance(value, Tensor):
-                if value.device != target:
-                    return True
-                break
+    for column in columns:
+        if any(type(v) is Tensor or isinstance(v, Tensor) for v in column):
+            return any(isinstance(v, Tensor) and v.device != target for v in column)
     return False
 
 

@@ -30,11 +30,10 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
-from collections.abc import Iterator
-from itertools import repeat
+from collections.abc import Callable, Iterator
+from itertools import chain, repeat
 from typing import Any
 
-import optree
 import torch
 from optree import PyTreeSpec
 
@@ -44,11 +43,15 @@ from . import _tree
 from ._caches import LRU
 from ._codegen import (
     Builder,
-    Guard,
+    Reach,
+    Reader,
+    Step,
     compiled_builder,
-    compiled_guard,
-    guard_steps,
+    compiled_columns,
+    compiled_reader,
+    compiled_unflatten,
     interpreted_guard,
+    structure_steps,
 )
 from ._devices import accelerator_tensors_possible
 from ._layout import ByPath, Plan, layout_key, resolve
@@ -67,13 +70,19 @@ _STRUCTURES: LRU[type, list[Structure]] = LRU("structures", 64)
 # only a hint (== merges True and 1 in metadata); the guard is made from the current spec.
 _SIGHTINGS: LRU[PyTreeSpec, bool] = LRU("structure sightings", 256)
 
-_LOCAL = threading.local()
+
+class _Local(threading.local):
+    off = False  # reference_only() in this thread
+
+
+_LOCAL = _Local()
 # len() of a tensor without the Python-level Tensor.__len__ wrapper (same result, torch function
 # modes still honoured; 0 for a 0-dim tensor): about 40% cheaper than reading .shape.
 _TENSOR_LEN = getattr(getattr(torch._C, "TensorBase", None), "__len__", None)
 _IS_CPU = operator.attrgetter("is_cpu")
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
+_FIRST = operator.itemgetter(0)
 
 
 @contextlib.contextmanager
@@ -82,7 +91,7 @@ def reference_only() -> Iterator[None]:
 
     For differential tests: the same call with and without the compiled layer.
     """
-    before = getattr(_LOCAL, "off", False)
+    before = _LOCAL.off
     _LOCAL.off = True
     try:
         yield
@@ -95,26 +104,40 @@ class Structure:
 
     __slots__ = (
         "builders",
+        "columns",
         "guard",
-        "guard_equal",
         "hits",
         "last",
         "leaf_types",
-        "list_specs",
         "plans",
+        "reach",
+        "read",
+        "read_any",
+        "rebuild",
         "spec",
         "steps",
         "version",
     )
 
-    def __init__(self, spec: PyTreeSpec, steps: list[Any], leaves: list[Any], version: int) -> None:
+    def __init__(
+        self,
+        spec: PyTreeSpec,
+        steps: list[Step],
+        reach: list[Reach],
+        leaves: list[Any],
+        version: int,
+    ) -> None:
         self.spec = spec
         self.steps = steps
-        # guard: this exact structure, dict keys compared in order and by type (a result is
-        # rebuilt from it). guard_equal, for gather's replicas 1..: the same containers, dict
-        # keys left to flatten_up_to (any order, compared with ==, as the reference does).
-        self.guard: Guard = interpreted_guard(steps)
-        self.guard_equal: Guard = self.guard
+        self.reach = reach
+        self.guard = interpreted_guard(steps)
+        # read(tree): the tree's leaves when it has exactly this structure (dict keys in order
+        # and by type: a result is rebuilt from it), else None. read_any, for gather's replicas
+        # 1..: the same containers, dict keys in any order compared with == (as the reference
+        # compares replicas). Both start as the interpreted guard and one flatten_up_to, and
+        # become one generated function each once the structure is a regular.
+        self.read: Reader = self._read_checked
+        self.read_any: Reader = self._read_checked
         self.leaf_types = frozenset(map(type, leaves))
         self.version = version
         self.hits = 0
@@ -122,14 +145,43 @@ class Structure:
         # The last immutable layout asked for, by identity: (layout, phase, root, dim, found).
         self.last: tuple[Any, ...] = (_NO_LAYOUT,)
         self.builders: dict[int, Builder | None] = {}
-        self.list_specs: dict[int, PyTreeSpec] = {}
+        self.columns: dict[int, Reader] = {}
+        self.rebuild: Callable[[list[Any]], Any] = spec.unflatten
+
+    def _read_checked(self, tree: Any) -> list[Any] | None:
+        # The guard first: then flatten_up_to cannot fail (nor format the tree into an error).
+        if self.guard(tree):
+            leaves: list[Any] = self.spec.flatten_up_to(tree)
+            return leaves
+        return None
+
+    def _columns_checked(self, trees: list[Any]) -> list[Any] | None:
+        rows = [self.read(trees[0]), *map(self.read_any, trees[1:])]
+        return None if None in rows else list(zip(*rows))
+
+    def columns_reader(self, k: int) -> Reader:
+        """For gather: ``read(trees)`` of k replicas is their columns (leaf i of each replica,
+        a tuple) when replica 0 has exactly this structure and the others the same containers
+        (keys in any order, compared with ==, as the reference compares replicas), else None.
+        """
+        read = self.columns.get(k)
+        if read is not None:
+            return read
+        if self.hits < COMPILE_AFTER:
+            return self._columns_checked
+        read = compiled_columns(self.steps, self.reach, k) or self._columns_checked
+        if len(self.columns) >= 4:
+            self.columns.clear()
+        self.columns[k] = read
+        return read
 
     def seen(self) -> None:
-        """Count a hit; compile the guard once the structure is clearly a regular."""
+        """Count a hit; compile the readers once the structure is clearly a regular."""
         self.hits += 1
         if self.hits == COMPILE_AFTER:
-            self.guard = compiled_guard(self.steps)
-            self.guard_equal = compiled_guard(self.steps, keys="any")
+            self.read = compiled_reader(self.steps, self.reach)
+            self.read_any = compiled_reader(self.steps, self.reach, keys="any")
+            self.rebuild = compiled_unflatten(self.spec) or self.spec.unflatten
 
     def leaves_ok(self, leaves: list[Any]) -> bool:
         """Every value is a leaf (``flatten_up_to`` lets a subtree or None stand in for one)."""
@@ -152,41 +204,45 @@ class Structure:
         build = self.builders[k] = compiled_builder(self.spec, k)
         return build
 
-    def list_spec(self, k: int) -> PyTreeSpec:
-        """The structure of a list of k such trees (gather flattens all replicas in one call)."""
-        spec = self.list_specs.get(k)
-        if spec is None:
-            if len(self.list_specs) >= 4:
-                self.list_specs.clear()
-            spec = optree.treespec_list([self.spec] * k, namespace=_tree.NAMESPACE)
-            self.list_specs[k] = spec
-        return spec
-
-    def plan(
-        self, layout: Any, phase: str, dim: int, root: str | None, leaves: list[Any], n: int
-    ) -> tuple[Plan, bool] | None:
-        """The plan (resolved once per equal layout) and whether every leaf is a >= 1-dim tensor.
-
-        ``None`` when the plan is not cached yet and ``leaves`` are not all leaves (a subtree or
-        ``None`` where this structure has a leaf): the caller runs the reference steps.
-        """
+    def cached_plan(self, layout: Any, phase: str, dim: int, root: str | None) -> Any:
+        """The ``(plan, all batched)`` kept for an equal layout, or ``None``."""
         last = self.last
         if last[0] is layout and last[1] is phase and last[2] is root and last[3] is dim:
             return last[4]
-        immutable = _immutable(layout)
-        plain = type(layout) in (type(None), str, int, ByPath)  # their hash is a typed value
-        key = (phase, root, type(dim), dim, type(layout), layout if plain else layout_key(layout))
-        found = self.plans.get(key)
-        if found is None:
-            if not self.leaves_ok(leaves):  # a subtree where a leaf is: not this structure's plan
-                return None
-            found = (resolve(self.spec, layout, phase, dim, root), _all_batched(leaves[:n]))
-            if len(self.plans) >= _PLANS_PER_STRUCTURE:
-                self.plans.clear()
-            self.plans[key] = found
-        if immutable:  # (a mutable layout may change between calls: keyed by value each time)
+        found = self.plans.get(_plan_key(layout, phase, dim, root))
+        if found is not None and _immutable(layout):
+            # (a mutable layout may change between calls: keyed by value each time)
             self.last = (layout, phase, root, dim, found)
         return found
+
+    def plan(
+        self, layout: Any, phase: str, dim: int, root: str | None, leaves: list[Any]
+    ) -> tuple[Plan, bool] | None:
+        """The plan (resolved once per equal layout) and whether it is the per-step case: the
+        default rules, and every leaf a >= 1-dim tensor (at least one).
+
+        ``leaves`` are one tree's values at this structure's leaves. ``None`` when the plan is
+        not cached yet and ``leaves`` are not all leaves (a subtree or ``None`` where this
+        structure has a leaf): the caller runs the reference steps.
+        """
+        found: tuple[Plan, bool] | None = self.cached_plan(layout, phase, dim, root)
+        if found is not None:
+            return found
+        if not self.leaves_ok(leaves):  # a subtree where a leaf is: not this structure's plan
+            return None
+        plan = resolve(self.spec, layout, phase, dim, root)
+        found = (plan, plan.default_only and bool(leaves) and _all_batched(leaves))
+        if len(self.plans) >= _PLANS_PER_STRUCTURE:
+            self.plans.clear()
+        self.plans[_plan_key(layout, phase, dim, root)] = found
+        if _immutable(layout):
+            self.last = (layout, phase, root, dim, found)
+        return found
+
+
+def _plan_key(layout: Any, phase: str, dim: int, root: str | None) -> Any:
+    plain = type(layout) in (type(None), str, int, ByPath)  # their hash is a typed value
+    return (phase, root, type(dim), dim, type(layout), layout if plain else layout_key(layout))
 
 
 _NO_LAYOUT: Any = object()
@@ -201,31 +257,34 @@ def _all_batched(leaves: list[Any]) -> bool:
     return all(type(x) is Tensor and x.dim() > 0 for x in leaves)
 
 
-def find(tree: Any) -> Structure | None:
-    """The :class:`Structure` whose guard accepts ``tree`` (containers only), if any."""
+def find(tree: Any) -> tuple[Structure, list[Any]] | None:
+    """The :class:`Structure` that accepts ``tree`` (containers only) and the tree's leaves."""
     bucket = _STRUCTURES.get(type(tree))
     if bucket:
         version = _tree.registry_version()
         for st in bucket:
-            if st.version == version and st.guard(tree):
-                return st
+            if st.version == version:
+                leaves = st.read(tree)
+                if leaves is not None:
+                    return st, leaves
     return None
 
 
 def recognise(tree: Any) -> tuple[list[Any], Structure | None, PyTreeSpec]:
     """The leaves of ``tree``, its :class:`Structure` when seen before, and its spec.
 
-    A hit costs the guard and one ``flatten_up_to``; a miss costs one full flatten.
+    A hit costs the structure's reader; a miss costs one full flatten.
     """
-    st = find(tree)
-    if st is not None:
-        leaves: list[Any] = st.spec.flatten_up_to(tree)
+    found = find(tree)
+    if found is not None:
+        st, leaves = found
         if st.leaves_ok(leaves):
             st.seen()
             return leaves, st, st.spec
-    leaves, spec = _tree.flatten(tree)
-    if st is not None:  # the containers match but a leaf is a subtree: never learned
+        # The containers match but a leaf is a subtree: never learned.
+        leaves, spec = _tree.flatten(tree)
         return leaves, None, spec
+    leaves, spec = _tree.flatten(tree)
     return leaves, _learn(tree, spec, leaves, _tree.registry_version()), spec
 
 
@@ -237,10 +296,10 @@ def _learn(tree: Any, spec: PyTreeSpec, leaves: list[Any], version: int) -> Stru
             return None
     except TypeError:  # unhashable metadata: never cached
         return None
-    steps = guard_steps(spec)
-    if steps is None:
+    found = structure_steps(spec)
+    if found is None:
         return None
-    st = Structure(spec, steps, leaves, version)
+    st = Structure(spec, *found, leaves, version)
     bucket = [st, *(_STRUCTURES.get(type(tree)) or ())][:_BUCKET]
     _STRUCTURES.put(type(tree), bucket)
     return st
@@ -253,13 +312,13 @@ def scatter(
     inputs: Any, devs: tuple[torch.device, ...], layout: Any, dim: int, root: str | None
 ) -> Any:
     """:func:`treegather.scatter` for a structure seen before; the reference steps otherwise."""
-    if getattr(_LOCAL, "off", False):
+    if _LOCAL.off:
         return _s.scatter_reference(inputs, devs, layout, dim, root)
     leaves, st, spec = recognise(inputs)
     if st is None:
         plan = resolve(spec, layout, "scatter", dim, root)
     else:
-        plan = st.plan(layout, "scatter", dim, root, leaves, len(leaves))[0]  # type: ignore[index]
+        plan = st.plan(layout, "scatter", dim, root, leaves)[0]  # type: ignore[index]
         if plan.default_only and [d.type for d in devs].count("cpu") == len(devs):
             fast = _scatter_cpu_tensors(leaves, st, devs, dim)
             if fast is not None:
@@ -318,73 +377,69 @@ def gather(
     sizes: tuple[int, ...] | None,
 ) -> Any:
     """:func:`treegather.gather` for a structure seen before; the reference steps otherwise."""
-    if getattr(_LOCAL, "off", False):
+    if _LOCAL.off:
         return _g.gather_reference(outputs, target, layout, dim, sizes)
-    st = find(outputs[0])
-    # Replica 0 has exactly this structure, the others the same containers (their keys are
-    # compared by flatten_up_to, in any order, with ==, as the reference compares replicas).
-    if st is not None and all(map(st.guard_equal, outputs[1:])):
+    bucket = _STRUCTURES.get(type(outputs[0]))
+    if bucket:
+        version = _tree.registry_version()
         k = len(outputs)
-        spec_k = st.list_specs.get(k) or st.list_spec(k)
-        try:
-            flat: list[Any] = spec_k.flatten_up_to(outputs)  # type: ignore[arg-type]
-        except (ValueError, TypeError):  # replicas' key sets differ: a mismatch
-            pass
-        else:
-            st.seen()
-            return _gather_seen(st, outputs, flat, target, layout, dim, sizes)
+        for st in bucket:
+            if st.version == version:
+                columns = (st.columns.get(k) or st.columns_reader(k))(outputs)
+                if columns is not None:
+                    st.seen()
+                    return _gather_seen(st, outputs, columns, target, layout, dim, sizes)
+    # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
+    # mismatch), or a structure not seen before: the reference steps.
     leaves0, st, spec0 = recognise(outputs[0])
     if st is None:
         plan = resolve(spec0, layout, "gather", dim, _g.ROOT)
     else:
-        plan = st.plan(layout, "gather", dim, _g.ROOT, leaves0, len(leaves0))[0]  # type: ignore[index]
-    # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
-    # mismatch), or a structure not seen before: the reference steps.
+        plan = st.plan(layout, "gather", dim, _g.ROOT, leaves0)[0]  # type: ignore[index]
     return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
 
 
 def _gather_seen(
     st: Structure,
     outputs: list[Any],
-    flat: list[Any],
+    columns: list[tuple[Any, ...]],
     target: torch.device,
     layout: Any,
     dim: int,
     sizes: tuple[int, ...] | None,
 ) -> Any:
-    """Every replica has exactly ``st``'s structure; ``flat`` holds their leaves, n per replica."""
-    k = len(outputs)
-    n = st.spec.num_leaves
-    found = st.plan(layout, "gather", dim, _g.ROOT, flat, n)
+    """Every replica has ``st``'s structure; ``columns[i]`` holds leaf i of each replica."""
+    found = st.cached_plan(layout, "gather", dim, _g.ROOT)
     if found is None:
-        return _g.gather_reference(outputs, target, layout, dim, sizes)
-    plan, all_batched = found
-    if plan.up_spec is not st.spec:  # whole-value groups: the reference steps take them
-        if not st.leaves_ok(flat[:n]):
+        found = st.plan(layout, "gather", dim, _g.ROOT, list(map(_FIRST, columns)))
+        if found is None:
             return _g.gather_reference(outputs, target, layout, dim, sizes)
-        return _g.gather_from(outputs, flat[:n], plan, target, dim, sizes)
-    if (
-        all_batched
-        and plan.default_only
-        and n
-        and target.type == "cpu"
-        and not accelerator_tensors_possible()
-    ):
-        # The per-step case: all tensors, all on the CPU (no accelerator initialised). torch.cat
-        # refuses anything but tensors (the leaf check) and mismatched shapes; then the
+    plan, per_step = found
+    if plan.up_spec is not st.spec:  # whole-value groups: the reference steps take them
+        row0 = list(map(_FIRST, columns))
+        if not st.leaves_ok(row0):
+            return _g.gather_reference(outputs, target, layout, dim, sizes)
+        return _g.gather_from(outputs, row0, plan, target, dim, sizes)
+    if per_step and target.type == "cpu" and not accelerator_tensors_possible():
+        # The per-step case: default rules, all tensors, all on the CPU (no accelerator
+        # initialised). torch.cat refuses anything but tensors and mismatched shapes; then the
         # reference steps below explain the problem.
-        rows = [flat[i : i + n] for i in range(0, k * n, n)]
         try:
-            # One dtype per leaf across replicas (torch.cat would promote silently), read in C;
-            # a value without a dtype (a subtree or None where a leaf should be) stops here.
-            dtypes = list(map(_DTYPE, flat))
-            if flat[0].is_cpu and dtypes[:n] * k == dtypes:
-                if dim:
-                    return st.spec.unflatten([torch.cat(c, dim) for c in zip(*rows)])
-                return st.spec.unflatten(list(map(torch.cat, zip(*rows))))
+            # One dtype per leaf across replicas (torch.cat would promote silently); a value
+            # without a dtype (a subtree or None where a leaf should be) stops here.
+            k = len(outputs)
+            dtypes = list(map(_DTYPE, chain.from_iterable(columns)))  # leaf-major
+            first = dtypes[::k]
+            for r in range(1, k):
+                if dtypes[r::k] != first:
+                    break
+            else:
+                if columns[0][0].is_cpu:
+                    if dim:
+                        return st.rebuild([torch.cat(c, dim) for c in columns])
+                    return st.rebuild(list(map(torch.cat, columns)))
         except (TypeError, RuntimeError, AttributeError, IndexError):
             pass  # the reference steps below explain it
-    if not st.leaves_ok(flat):  # a subtree or None where the structure has a leaf
+    if not st.leaves_ok(list(chain.from_iterable(columns))):  # a subtree where a leaf is
         return _g.gather_reference(outputs, target, layout, dim, sizes)
-    per_replica = [flat[i : i + n] for i in range(0, k * n, n)] if n else [[] for _ in range(k)]
-    return _g.combine(outputs, per_replica, plan, target, dim, sizes)
+    return _g.combine(outputs, columns, plan, target, dim, sizes)

@@ -140,7 +140,8 @@ def gather_from(
     sizes: tuple[int, ...] | None,
 ) -> Any:
     """Every replica's leaves for ``plan`` (replica 0's are ``leaves0``), then :func:`combine`."""
-    return combine(outputs, replica_leaves(outputs, leaves0, plan), plan, target, dim, sizes)
+    columns = list(zip(*replica_leaves(outputs, leaves0, plan)))
+    return combine(outputs, columns, plan, target, dim, sizes)
 
 
 def replica_leaves(outputs: list[Any], leaves0: list[Any], plan: Plan) -> list[list[Any]]:
@@ -169,7 +170,7 @@ def replica_leaves(outputs: list[Any], leaves0: list[Any], plan: Plan) -> list[l
 
 def combine(
     outputs: list[Any],
-    per_replica: list[list[Any]],
+    columns: list[tuple[Any, ...]],
     plan: Plan,
     target: torch.device,
     dim: int,
@@ -177,25 +178,27 @@ def combine(
 ) -> Any:
     """Combine each position across replicas by its rule and rebuild the tree on ``target``.
 
+    ``columns[i]`` holds position ``i`` of every replica.
+
     Before moving tensors to another device every position is checked (copies are costly);
     on one device the combine itself finds problems, which are then explained, every problem
     listed, with nothing returned and no custom rule run.
     """
-    moving = needs_move(per_replica, target)
+    moving = needs_move(columns, target)
     cpu_only = target.type == "cpu" and not accelerator_tensors_possible()
     if moving:
-        problem = diagnose(plan, list(zip(*per_replica)), dim, None, sizes)
+        problem = diagnose(plan, columns, dim, None, sizes)
         if problem is not None:
             raise problem
     try:
         if plan.default_only:
-            results = combine_default(zip(*per_replica), target, moving, dim, not cpu_only)
+            results = combine_default(columns, target, moving, dim, not cpu_only)
         else:
-            results = combine_planned(plan, zip(*per_replica), target, moving, sizes, dim)
+            results = combine_planned(plan, columns, target, moving, sizes, dim)
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
         if isinstance(exc, (StructureMismatchError, ShapeMismatchError, LeafTypeError)):
             raise
-        err = diagnose(plan, list(zip(*per_replica)), dim, exc, sizes)
+        err = diagnose(plan, columns, dim, exc, sizes)
         if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
             raise
         raise err from exc
