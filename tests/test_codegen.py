@@ -16,9 +16,13 @@ import treegather as tg
 from treegather._codegen import (
     MAX_DEPTH,
     compiled_builder,
+    compiled_columns,
     compiled_guard,
+    compiled_reader,
+    compiled_unflatten,
     guard_steps,
     interpreted_guard,
+    structure_steps,
 )
 from treegather._compiled import COMPILE_AFTER
 from treegather._tree import NAMESPACE, flatten
@@ -170,6 +174,63 @@ def _same_shape(a: Any, b: Any) -> bool:
     return True
 
 
+@given(tree=TREES, how=MUTATIONS, k=st.integers(1, 3))
+def test_readers_give_what_flatten_up_to_gives(tree: Any, how: str, k: int) -> None:
+    # A reader is its guard and flatten_up_to in one: the leaves of a tree of exactly this
+    # structure, None for anything else. The "any" reader and the columns reader's replicas
+    # 1.. accept dict keys in any order, as flatten_up_to does.
+    spec = _spec(tree)
+    found = structure_steps(spec)
+    assert found is not None
+    other = _mutate(tree, how)
+    read, read_any = compiled_reader(*found), compiled_reader(*found, keys="any")
+    assert read(tree) == spec.flatten_up_to(tree)
+    expected = spec.flatten_up_to(other) if _same_shape(tree, other) else None
+    assert read(other) == expected
+    reordered = how == "reorder" and isinstance(tree, dict) and len(tree) > 1
+    assert read_any(other) == (spec.flatten_up_to(other) if reordered else expected)
+    columns = compiled_columns(*found, k)
+    assert columns is not None
+    assert columns([tree] * k) == list(zip(*[spec.flatten_up_to(tree)] * k))
+    assert columns([other, *[tree] * (k - 1)]) == (
+        None if expected is None else list(zip(expected, *[spec.flatten_up_to(tree)] * (k - 1)))
+    )
+    if k > 1:
+        again = columns([tree, *[other] * (k - 1)])
+        assert (again is None) is (read_any(other) is None)
+
+
+@given(tree=TREES)
+def test_a_generated_unflatten_makes_what_unflatten_makes(tree: Any) -> None:
+    spec = _spec(tree)
+    leaves = [object() for _ in range(spec.num_leaves)]
+    build = compiled_unflatten(spec)
+    if build is not None:
+        assert _same(build(leaves), spec.unflatten(leaves))
+    else:
+        assert spec.num_leaves == 0
+
+
+@pytest.mark.parametrize("keys", ["typed", "any"])
+def test_guards_and_readers_never_insert_into_a_defaultdict(keys: str) -> None:
+    # Indexing a defaultdict with a missing key inserts it: the keys are checked first.
+    from collections import defaultdict
+
+    spec = _spec(defaultdict(list, {"a": {"x": 0}, "b": [0]}))
+    steps, reach = structure_steps(spec)  # type: ignore[misc]
+    for check in (
+        compiled_guard(steps, keys=keys),
+        compiled_reader(steps, reach, keys=keys),
+        interpreted_guard(steps),
+    ):
+        other = defaultdict(list, {"c": {"x": 1}, "b": [2]})
+        assert not check(other)
+        assert list(other) == ["c", "b"], check
+    shuffled = defaultdict(list, {"b": [2], "a": {"x": 1}})
+    assert compiled_reader(steps, reach, keys="any")(shuffled) == [1, 2]
+    assert compiled_reader(steps, reach)(shuffled) is None
+
+
 def test_guards_compare_custom_metadata_by_type() -> None:
     from corpus import Tagged
 
@@ -189,3 +250,5 @@ def test_guards_handle_a_thousand_levels() -> None:
     for guard in (interpreted_guard(steps), compiled_guard(steps)):
         assert guard(tree)
         assert not guard([tree])
+    read = compiled_reader(*structure_steps(_spec(tree)))  # type: ignore[misc]
+    assert read(tree) == [0] and read([tree]) is None

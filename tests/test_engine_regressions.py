@@ -11,6 +11,7 @@ No timing asserts: a cost cliff shows up as work that should not happen at all (
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import gc
@@ -334,6 +335,21 @@ def test_thousand_level_tree_scatters_and_gathers() -> None:
         out = tg.gather(list(shards), "cpu")
         assert _bottom(out, levels).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], call
         assert type(out) is dict and type(out["c"]) is list
+
+
+def test_a_users_defaultdict_is_never_changed_by_a_structure_check() -> None:
+    """Found after the rework: the compiled guard indexed a defaultdict before comparing its
+    keys, and indexing a missing key inserts it. A replica with other keys than the structure
+    seen before got a new key (and an empty list) while gather was only checking it."""
+    seen = collections.defaultdict(list, {"a": {"x": torch.zeros(2)}, "b": [torch.ones(2)]})
+    for _ in range(WARM):
+        tg.gather([seen, seen], "cpu")
+    other = collections.defaultdict(list, {"c": {"x": torch.zeros(2)}, "b": [torch.ones(2)]})
+    for replicas in ([other, other], [seen, other]):
+        mismatch = replicas[0] is seen
+        with pytest.raises(tg.StructureMismatchError) if mismatch else contextlib.nullcontext():
+            tg.gather(replicas, "cpu")
+        assert list(other) == ["c", "b"]
 
 
 # ----------------------------------------------------------------------------- clearing
