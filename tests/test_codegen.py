@@ -200,6 +200,29 @@ def test_readers_give_what_flatten_up_to_gives(tree: Any, how: str, k: int) -> N
         assert (again is None) is (read_any(other) is None)
 
 
+@given(tree=TREES, k=st.integers(1, 3), change=st.sampled_from(["none", "dtype", "no dtype"]))
+def test_a_dtype_checking_columns_reader(tree: Any, k: int, change: str) -> None:
+    # The same columns as the plain reader while every leaf has one dtype across the trees;
+    # None when one replica's leaf has another dtype (or none at all).
+    spec = _spec(tree)
+    n = spec.num_leaves
+    found = structure_steps(spec)
+    assert found is not None
+    fused, plain = compiled_columns(*found, k, same_dtype=True), compiled_columns(*found, k)
+    assert fused is not None and plain is not None
+    trees = [spec.unflatten([torch.zeros(1) for _ in range(n)]) for _ in range(k)]
+    assert fused(trees) == plain(trees)
+    if n and change != "none":
+        odd = torch.zeros(1, dtype=torch.int64) if change == "dtype" else "s"
+        trees[-1] = spec.unflatten([*([torch.zeros(1)] * (n - 1)), odd])
+        assert (
+            fused(trees) is None
+            if (k > 1 or change == "no dtype")
+            else fused(trees) == plain(trees)
+        )
+        assert plain(trees) is not None
+
+
 @given(tree=TREES)
 def test_a_generated_unflatten_makes_what_unflatten_makes(tree: Any) -> None:
     spec = _spec(tree)

@@ -250,10 +250,14 @@ def compiled_reader(steps: list[Step], leaves: list[Reach], keys: str = "typed")
     return read
 
 
-def compiled_columns(steps: list[Step], leaves: list[Reach], k: int) -> Reader | None:
+def compiled_columns(
+    steps: list[Step], leaves: list[Reach], k: int, same_dtype: bool = False
+) -> Reader | None:
     """For gather: ``read(trees)`` of a list of k trees is the list of columns (leaf i of each
     tree, a tuple), when tree 0 passes the typed guard and the others the ``"any"`` one; else
-    ``None``. ``None`` instead of a reader above :data:`MAX_CELLS` leaves x trees.
+    ``None``. With ``same_dtype`` it is also ``None`` unless every leaf has a ``dtype``, one per
+    column (gather's per-step check, cheaper here than in a second pass for small trees).
+    ``None`` instead of a reader above :data:`MAX_CELLS` leaves x trees.
 
     >>> spec = optree.tree_structure({"a": 1, "b": [2]})
     >>> read = compiled_columns(*structure_steps(spec), 2)
@@ -265,7 +269,7 @@ def compiled_columns(steps: list[Step], leaves: list[Reach], k: int) -> Reader |
     if k < 1 or len(leaves) * k > MAX_CELLS:
         return None
     modes = ["typed"] + ["any"] * (k - 1)
-    read: Reader = _generate(steps, leaves, modes, columns=True)
+    read: Reader = _generate(steps, leaves, modes, columns=True, same_dtype=same_dtype)
     return read
 
 
@@ -274,6 +278,7 @@ def _generate(
     leaves: list[Reach] | None,
     modes: list[str],
     columns: bool = False,
+    same_dtype: bool = False,
 ) -> Any:
     """Compile a guard (``leaves`` is ``None``: it returns a bool), a reader of one tree (one
     mode), or with ``columns`` a reader of a list of trees (one mode each)."""
@@ -310,6 +315,8 @@ def _generate(
         ]
         if not columns:
             lines.append(f"      return [{', '.join(c[0] for c in cells)}]")
+        elif same_dtype:
+            lines += _same_dtype_columns(cells, fail)
         else:
             displays = ", ".join("(" + ", ".join(c) + ",)" for c in cells)
             lines.append(f"      return [{displays}]")
@@ -321,6 +328,21 @@ def _generate(
     what = "guard" if leaves is None else "reader"
     exec(compile(source, f"<treegather {what}: {len(steps)} nodes>", "exec"), namespace)
     return namespace["make"](**consts)
+
+
+def _same_dtype_columns(cells: list[list[str]], fail: str) -> list[str]:
+    """Lines binding each column and comparing its dtypes (torch dtypes are singletons)."""
+    lines = []
+    for i, cell in enumerate(cells):
+        xs = [f"x{r}" for r in range(len(cell))]
+        lines.append(f"      {', '.join(xs)}, = {', '.join(cell)},")
+        lines.append("      d = x0.dtype")
+        if len(xs) > 1:
+            differs = " or ".join(f"{x}.dtype is not d" for x in xs[1:])
+            lines.append(f"      if {differs}: {fail}")
+        lines.append(f"      c{i} = ({', '.join(xs)},)")
+    lines.append(f"      return [{', '.join(f'c{i}' for i in range(len(cells)))}]")
+    return lines
 
 
 class _Checks:

@@ -83,6 +83,11 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _FIRST = operator.itemgetter(0)
+_TENSORS = frozenset([Tensor])
+# Up to this many leaves x replicas, gather's reader also compares dtypes (faster for small
+# trees; above, one map over the leaves is cheaper than the generated comparisons).
+_FUSED_DTYPE_CELLS = 1024
+_GATHER = "gather"  # the phase (plans are looked up by identity first)
 
 
 @contextlib.contextmanager
@@ -145,7 +150,9 @@ class Structure:
         # The last immutable layout asked for, by identity: (layout, phase, root, dim, found).
         self.last: tuple[Any, ...] = (_NO_LAYOUT,)
         self.builders: dict[int, Builder | None] = {}
-        self.columns: dict[int, Reader] = {}
+        # k -> (reader, whether it also checks one dtype per leaf across replicas, the plain
+        # reader when it does)
+        self.columns: dict[int, tuple[Reader, bool, Reader]] = {}
         self.rebuild: Callable[[list[Any]], Any] = spec.unflatten
 
     def _read_checked(self, tree: Any) -> list[Any] | None:
@@ -159,21 +166,29 @@ class Structure:
         rows = [self.read(trees[0]), *map(self.read_any, trees[1:])]
         return None if None in rows else list(zip(*rows))
 
-    def columns_reader(self, k: int) -> Reader:
+    def columns_reader(self, k: int) -> tuple[Reader, bool, Reader]:
         """For gather: ``read(trees)`` of k replicas is their columns (leaf i of each replica,
         a tuple) when replica 0 has exactly this structure and the others the same containers
         (keys in any order, compared with ==, as the reference compares replicas), else None.
+
+        For a small structure of tensors the reader also requires one dtype per leaf across
+        replicas (the flag says so), and the third item is the reader without that check.
         """
-        read = self.columns.get(k)
-        if read is not None:
-            return read
+        found = self.columns.get(k)
+        if found is not None:
+            return found
         if self.hits < COMPILE_AFTER:
-            return self._columns_checked
-        read = compiled_columns(self.steps, self.reach, k) or self._columns_checked
+            return self._columns_checked, False, self._columns_checked
+        plain = compiled_columns(self.steps, self.reach, k) or self._columns_checked
+        found = (plain, False, plain)
+        if self.leaf_types == _TENSORS and len(self.reach) * k <= _FUSED_DTYPE_CELLS:
+            fused = compiled_columns(self.steps, self.reach, k, same_dtype=True)
+            if fused is not None:
+                found = (fused, True, plain)
         if len(self.columns) >= 4:
             self.columns.clear()
-        self.columns[k] = read
-        return read
+        self.columns[k] = found
+        return found
 
     def seen(self) -> None:
         """Count a hit; compile the readers once the structure is clearly a regular."""
@@ -385,17 +400,23 @@ def gather(
         k = len(outputs)
         for st in bucket:
             if st.version == version:
-                columns = (st.columns.get(k) or st.columns_reader(k))(outputs)
+                read, same_dtypes, plain = st.columns.get(k) or st.columns_reader(k)
+                columns = read(outputs)
+                if columns is None and same_dtypes:  # a dtype differs, or a value has none
+                    columns, same_dtypes = plain(outputs), False
                 if columns is not None:
-                    st.seen()
-                    return _gather_seen(st, outputs, columns, target, layout, dim, sizes)
+                    if st.hits < COMPILE_AFTER:
+                        st.seen()
+                    return _gather_seen(
+                        st, outputs, columns, same_dtypes, target, layout, dim, sizes
+                    )
     # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
     # mismatch), or a structure not seen before: the reference steps.
     leaves0, st, spec0 = recognise(outputs[0])
     if st is None:
-        plan = resolve(spec0, layout, "gather", dim, _g.ROOT)
+        plan = resolve(spec0, layout, _GATHER, dim, _g.ROOT)
     else:
-        plan = st.plan(layout, "gather", dim, _g.ROOT, leaves0)[0]  # type: ignore[index]
+        plan = st.plan(layout, _GATHER, dim, _g.ROOT, leaves0)[0]  # type: ignore[index]
     return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
 
 
@@ -403,15 +424,21 @@ def _gather_seen(
     st: Structure,
     outputs: list[Any],
     columns: list[tuple[Any, ...]],
+    same_dtypes: bool,
     target: torch.device,
     layout: Any,
     dim: int,
     sizes: tuple[int, ...] | None,
 ) -> Any:
-    """Every replica has ``st``'s structure; ``columns[i]`` holds leaf i of each replica."""
-    found = st.cached_plan(layout, "gather", dim, _g.ROOT)
+    """Every replica has ``st``'s structure; ``columns[i]`` holds leaf i of each replica, and
+    ``same_dtypes`` says each column was found to have one dtype."""
+    last = st.last  # (the same layout object as last call: Structure.cached_plan's first test)
+    if last[0] is layout and last[1] is _GATHER and last[3] is dim and last[2] is _g.ROOT:
+        found = last[4]
+    else:
+        found = st.cached_plan(layout, _GATHER, dim, _g.ROOT)
     if found is None:
-        found = st.plan(layout, "gather", dim, _g.ROOT, list(map(_FIRST, columns)))
+        found = st.plan(layout, _GATHER, dim, _g.ROOT, list(map(_FIRST, columns)))
         if found is None:
             return _g.gather_reference(outputs, target, layout, dim, sizes)
     plan, per_step = found
@@ -427,13 +454,12 @@ def _gather_seen(
         try:
             # One dtype per leaf across replicas (torch.cat would promote silently); a value
             # without a dtype (a subtree or None where a leaf should be) stops here.
-            k = len(outputs)
-            dtypes = list(map(_DTYPE, chain.from_iterable(columns)))  # leaf-major
-            first = dtypes[::k]
-            for r in range(1, k):
-                if dtypes[r::k] != first:
-                    break
-            else:
+            if not same_dtypes:
+                k = len(outputs)
+                dtypes = list(map(_DTYPE, chain.from_iterable(columns)))  # leaf-major
+                first = dtypes[::k]
+                same_dtypes = all(dtypes[r::k] == first for r in range(1, k))
+            if same_dtypes:
                 if columns[0][0].is_cpu:
                     if dim:
                         return st.rebuild([torch.cat(c, dim) for c in columns])
