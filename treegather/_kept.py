@@ -8,7 +8,8 @@ step only re-binds what must change:
 - buffers: replica 0 shares the source's (on the source's device), every other replica gets
   fresh copies, so BatchNorm statistics move through replica 0 only, exactly as in torch;
 - parameters: on the source's device the shells hold the source parameters themselves, so
-  nothing is copied; on other devices (and for detached replicas) they are copied again.
+  nothing is copied; on other devices (and for detached replicas) they are copied again, by
+  torch's coalesced, differentiable broadcast when the devices are distinct CUDA devices.
 
 Guards: kept shells are used only while the module is what it was when they were built. Every
 value in every submodule's ``__dict__`` (training mode, hook tables, a compiled forward, plain
@@ -39,7 +40,7 @@ from ._replicate import (
     _build_rows,
     _check_replicatable,
     _tensor_copies,
-    _use_torch_broadcast,
+    params_copied,
 )
 
 __all__ = ["Kept", "give_back", "kept_count", "reusable", "take"]
@@ -100,7 +101,7 @@ class Kept:
             for key, b in m._buffers.items()
             if b is not None
         ]
-        self.copy_params = detach or any(d != p.device for p in self.params for d in devs)
+        self.copy_params = params_copied(self.params, devs, detach)
         # The guards: what every table held at build time, compared by identity in C
         # (chain/map/is_) with what it holds now. The root's own __dict__ is compared in
         # Python: a compiled forward in it (m.compile()) is bound to the root, so it is held
@@ -178,8 +179,9 @@ def _weak_if_bound(value: Any) -> Any:
 
 
 def reusable(module: nn.Module, devs: Sequence[torch.device]) -> bool:
-    """Kept shells are built for eager and compiled modules, not TorchScript or torch's broadcast."""
-    return not isinstance(module, torch.jit.ScriptModule) and not _use_torch_broadcast(module, devs)
+    """Kept shells are built for eager and compiled modules, not TorchScript (TorchScript
+    copies are made by TorchScript itself, every call)."""
+    return not isinstance(module, torch.jit.ScriptModule)
 
 
 def take(

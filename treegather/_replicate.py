@@ -65,8 +65,9 @@ def replicate(
     ``devices[0] == module device`` case), so BatchNorm running statistics are updated through
     that replica only, exactly as in ``nn.DataParallel``; every other replica gets a private
     copy, so threaded workers never write to the same buffer. When all devices are distinct
-    CUDA devices and the module lives on ``devices[0]``, torch's coalesced broadcast
-    (``torch.nn.parallel.replicate``) does the copying.
+    CUDA devices and the module lives on ``devices[0]``, torch's coalesced broadcast does the
+    copying (``torch.nn.parallel.replicate`` itself builds fresh replicas then; kept ones are
+    re-bound to one coalesced broadcast of the parameters and one of the buffers per call).
 
     A compiled module (``torch.compile(m)`` or ``m.compile()``, also below the top level) gives
     compiled replicas that share its compiled code: dynamo treats the replicas' parameters as
@@ -240,6 +241,9 @@ def _tensor_copies(
     detach: bool,
 ) -> dict[int, list[torch.Tensor]]:
     """Per source tensor (by id), its copy for each device."""
+    params, buffers = list(params), list(buffers)
+    if _coalesced(devs, [*params, *buffers]):
+        return _broadcast_copies(params, buffers, devs, detach)
     copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
         copies[id(p)] = _param_copies(p, devs, detach)
@@ -249,6 +253,53 @@ def _tensor_copies(
         else:
             copies[id(b)] = _buffer_copies(b, devs)
     return copies
+
+
+def params_copied(
+    params: Sequence[torch.Tensor], devs: Sequence[torch.device], detach: bool
+) -> bool:
+    """Whether some replica gets copies of ``params`` (not the parameters themselves)."""
+    return detach or _coalesced(devs, params) or any(d != p.device for p in params for d in devs)
+
+
+def _coalesced(devs: Sequence[torch.device], tensors: Sequence[torch.Tensor]) -> bool:
+    """Distinct CUDA devices, every tensor dense on the first: torch's coalesced broadcast."""
+    if len(devs) < 2 or not all(d.type == "cuda" for d in devs) or len(set(devs)) != len(devs):
+        return False
+    src = torch.device("cuda", torch.cuda.current_device()) if devs[0].index is None else devs[0]
+    return all(t.device == src and t.layout == torch.strided for t in tensors)
+
+
+def _broadcast_copies(
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    devs: Sequence[torch.device],
+    detach: bool,
+) -> dict[int, list[torch.Tensor]]:
+    """Copies by torch's coalesced broadcast (a few bucketed copies, not one per tensor and
+    device): differentiable for parameters and buffers that require grad, detached for other
+    buffers. The replica on the source device keeps the sources themselves, as elsewhere."""
+    differentiable = not detach
+    grads = [*params, *(b for b in buffers if b.requires_grad and differentiable)]
+    plain = [b for b in buffers if not (b.requires_grad and differentiable)]
+    copies: dict[int, list[torch.Tensor]] = {}
+    for group, det in ((grads, detach), (plain, True)):
+        if not group:
+            continue
+        per_device = _broadcast(group, devs, det)
+        for i, t in enumerate(group):
+            copies[id(t)] = [t.detach() if det else t, *(row[i] for row in per_device[1:])]
+    return copies
+
+
+def _broadcast(
+    tensors: list[torch.Tensor], devs: Sequence[torch.device], detach: bool
+) -> list[list[torch.Tensor]]:
+    """``[device][i]``: tensor i on each device, by torch's (private) replicate helper."""
+    from torch.nn.parallel.replicate import _broadcast_coalesced_reshape
+
+    out: list[list[torch.Tensor]] = _broadcast_coalesced_reshape(tensors, list(devs), detach)
+    return out
 
 
 def _shell(m: nn.Module) -> nn.Module:
