@@ -56,6 +56,7 @@ from ._codegen import (
 from ._devices import accelerator_tensors_possible
 from ._layout import ByPath, Plan, layout_key, resolve
 from ._rules import Rule
+from ._transfer import coalesced_to
 
 __all__ = ["COMPILE_AFTER", "Structure", "find", "gather", "recognise", "reference_only", "scatter"]
 
@@ -334,17 +335,25 @@ def scatter(
         plan = resolve(spec, layout, "scatter", dim, root)
     else:
         plan = st.plan(layout, "scatter", dim, root, leaves)[0]  # type: ignore[index]
-        if plan.default_only and [d.type for d in devs].count("cpu") == len(devs):
-            fast = _scatter_cpu_tensors(leaves, st, devs, dim)
+        if plan.default_only:
+            kinds = [d.type for d in devs]
+            if kinds.count("cpu") == len(devs):
+                fast = _scatter_cpu_tensors(leaves, st, devs, dim)
+            elif kinds.count("cuda") == len(devs):  # a CPU batch to the GPUs: coalesced copies
+                fast = _scatter_cpu_tensors(leaves, st, devs, dim, move=True)
+            else:
+                fast = None
             if fast is not None:
                 return fast
     return _s.place(inputs, leaves, plan, devs, dim, root)
 
 
 def _scatter_cpu_tensors(
-    leaves: list[Any], st: Structure, devs: tuple[torch.device, ...], dim: int
+    leaves: list[Any], st: Structure, devs: tuple[torch.device, ...], dim: int, move: bool = False
 ) -> _s.Shards | None:
-    """Default rules, every leaf a CPU tensor of >= 1 dim with one batch size: split in C.
+    """Default rules, every leaf a CPU tensor of >= 1 dim with one batch size: split in C;
+    with ``move``, each device's pieces are then copied there with :func:`coalesced_to` (one
+    copy per dtype for the small ones).
 
     ``None`` (not applicable) for anything else: the reference steps handle and report it.
     """
@@ -372,6 +381,9 @@ def _scatter_cpu_tensors(
             columns = list(map(split, leaves, repeat(k, count)))
     except (RuntimeError, NotImplementedError):  # sparse or nested: the reference explains
         return None
+    if move:
+        rows = [coalesced_to(row, d) for row, d in zip(zip(*columns), devs)]
+        columns = list(zip(*rows))
     build = st.builder(k)
     if build is not None:
         trees = build(*columns)

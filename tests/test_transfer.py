@@ -1,0 +1,112 @@
+"""Coalesced host-device copies (:mod:`treegather._transfer`) and scatter's use of them.
+
+The copies are for CPU batches going to CUDA devices; the packing works between any devices, so
+it is tested here on the CPU (and on a GPU by the CUDA-marked test when one is present).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import treegather as tg
+from treegather import _compiled, _transfer
+from treegather._transfer import SMALL_BYTES, coalesced_to
+
+CPU = torch.device("cpu")
+
+
+def _mixed() -> list[torch.Tensor]:
+    big = torch.randn(SMALL_BYTES // 4 + 1)  # just over the packing threshold
+    return [
+        torch.randn(3, 4),
+        torch.arange(5),
+        torch.tensor(2.5),
+        torch.zeros(0, 3),
+        torch.ones(2, 2, dtype=torch.bool),
+        torch.randn(4, 3).t(),  # not contiguous: moved on its own
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),  # keeps its format
+        torch.randn(6, dtype=torch.float16),
+        big,
+    ]
+
+
+def test_coalesced_copies_equal_to() -> None:
+    xs = _mixed()
+    ys = coalesced_to(xs, CPU)
+    for x, y in zip(xs, ys, strict=True):
+        ref = x.to(CPU, copy=True)
+        assert y.dtype == ref.dtype and y.shape == ref.shape and y.stride() == ref.stride()
+        assert (torch.equal(y, ref) and y.data_ptr() != x.data_ptr()) or x.numel() == 0
+    # the small contiguous float32 ones share one buffer; the rest do not
+    storage = ys[0].untyped_storage().data_ptr()
+    assert ys[2].untyped_storage().data_ptr() == storage
+    assert all(y.untyped_storage().data_ptr() != storage for y in (ys[1], ys[5], ys[6], ys[8]))
+
+
+def test_coalesced_copies_are_differentiable() -> None:
+    a = torch.randn(3, 2, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    ya, yb = coalesced_to([a * 2, b[1:]], CPU)
+    (ya.sum() + (yb * 3).sum()).backward()
+    assert torch.equal(a.grad, torch.full((3, 2), 2.0))  # type: ignore[arg-type]
+    assert torch.equal(b.grad, torch.tensor([0.0, 3.0, 3.0, 3.0]))  # type: ignore[arg-type]
+
+
+def _batch() -> dict[str, Any]:
+    return {
+        "x": torch.randn(10, 3, requires_grad=True),
+        "ids": torch.arange(10),
+        "nested": [torch.ones(10, 2, dtype=torch.float64), {"m": torch.zeros(10, 1, 4)}],
+    }
+
+
+def test_a_scatter_that_moves_pieces_gives_the_reference_shards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled scatter of a CPU batch to CUDA devices, run here with CPU devices standing
+    in: one coalesced copy call per device, the same shards as the reference."""
+    calls: list[int] = []
+    real = _transfer.coalesced_to
+
+    def counted(tensors: Any, device: torch.device) -> Any:
+        calls.append(len(tensors))
+        return real(tensors, device)
+
+    monkeypatch.setattr(_compiled, "coalesced_to", counted)
+    batch = _batch()
+    devs = (CPU,) * 3
+    for _ in range(_compiled.COMPILE_AFTER + 1):
+        leaves, st, _ = _compiled.recognise(batch)
+    assert st is not None
+    shards = _compiled._scatter_cpu_tensors(leaves, st, devs, 0, move=True)
+    assert shards is not None and calls == [4, 4, 4]
+    with _compiled.reference_only():
+        expected = tg.scatter(batch, ["cpu"] * 3)
+    assert shards.sizes == expected.sizes == (4, 3, 3)
+    for got, want in zip(shards, expected, strict=True):
+        for g, w in zip(tg._tree.flatten(got)[0], tg._tree.flatten(want)[0], strict=True):
+            assert torch.equal(g, w) and g.dtype == w.dtype
+    sum(s["x"].sum() for s in shards).backward()
+    assert torch.equal(batch["x"].grad, torch.ones(10, 3))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_scatter_to_cuda_uses_coalesced_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = _transfer.coalesced_to
+    monkeypatch.setattr(
+        _compiled, "coalesced_to", lambda ts, d: calls.append(len(ts)) or real(ts, d)
+    )
+    batch = {f"k{i}": torch.randn(8, 4) for i in range(50)}
+    devices = ["cuda:0"] * 2
+    for _ in range(_compiled.COMPILE_AFTER + 2):
+        shards = tg.scatter(batch, devices)
+    assert calls and all(n == 50 for n in calls)
+    for r, shard in enumerate(shards):
+        for key, x in batch.items():
+            assert shard[key].device.type == "cuda"
+            assert torch.equal(shard[key].cpu(), x.tensor_split(2)[r])
