@@ -95,7 +95,7 @@ def test_a_scatter_that_moves_pieces_gives_the_reference_shards(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_scatter_to_cuda_uses_coalesced_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_scatter_to_cuda_and_gather_back_use_coalesced_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = _transfer.coalesced_to
     monkeypatch.setattr(
@@ -110,3 +110,18 @@ def test_scatter_to_cuda_uses_coalesced_copies(monkeypatch: pytest.MonkeyPatch) 
         for key, x in batch.items():
             assert shard[key].device.type == "cuda"
             assert torch.equal(shard[key].cpu(), x.tensor_split(2)[r])
+    for _ in range(_compiled.COMPILE_AFTER + 2):  # and back to the host, coalesced per replica
+        back = tg.gather(list(shards), "cpu")
+    assert all(torch.equal(back[key], x) for key, x in batch.items())
+
+
+def test_gather_of_gpu_replicas_to_the_host_cats_coalesced_copies() -> None:
+    """What gather does for replicas on GPUs and a CPU target (run here on CPU replicas): each
+    replica's leaves copied in one call, then one cat per leaf, equal to the reference."""
+    outs = [{"a": torch.randn(2, 3), "b": [torch.arange(2), torch.ones(2, 1)]} for _ in range(3)]
+    columns = list(zip(*[tg._tree.flatten(o)[0] for o in outs]))
+    got = _compiled._cat_on_host(columns, CPU, 0)
+    with _compiled.reference_only():
+        want = tg._tree.flatten(tg.gather(outs, "cpu"))[0]
+    assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
+    assert torch.equal(_compiled._cat_on_host(columns[:1], CPU, 1)[0], torch.cat(columns[0], 1))

@@ -459,25 +459,35 @@ def _gather_seen(
         if not st.leaves_ok(row0):
             return _g.gather_reference(outputs, target, layout, dim, sizes)
         return _g.gather_from(outputs, row0, plan, target, dim, sizes)
-    if per_step and target.type == "cpu" and not accelerator_tensors_possible():
-        # The per-step case: default rules, all tensors, all on the CPU (no accelerator
-        # initialised). torch.cat refuses anything but tensors and mismatched shapes; then the
-        # reference steps below explain the problem.
+    if per_step and target.type == "cpu":
+        # The per-step case: default rules, all tensors (replica 0's, when the plan was made).
+        # torch.cat refuses anything but tensors and mismatched shapes; then the reference
+        # steps below explain the problem.
         try:
             # One dtype per leaf across replicas (torch.cat would promote silently); a value
             # without a dtype (a subtree or None where a leaf should be) stops here.
-            if not same_dtypes:
-                k = len(outputs)
-                dtypes = list(map(_DTYPE, chain.from_iterable(columns)))  # leaf-major
-                first = dtypes[::k]
-                same_dtypes = all(dtypes[r::k] == first for r in range(1, k))
-            if same_dtypes:
-                if columns[0][0].is_cpu:
+            if same_dtypes or _one_dtype_per_leaf(columns, len(outputs)):
+                if columns[0][0].is_cpu:  # (torch.cat refuses tensors on other devices)
                     if dim:
                         return st.rebuild([torch.cat(c, dim) for c in columns])
                     return st.rebuild(list(map(torch.cat, columns)))
+                if accelerator_tensors_possible():  # replicas on GPUs
+                    return st.rebuild(_cat_on_host(columns, target, dim))
         except (TypeError, RuntimeError, AttributeError, IndexError):
             pass  # the reference steps below explain it
     if not st.leaves_ok(list(chain.from_iterable(columns))):  # a subtree where a leaf is
         return _g.gather_reference(outputs, target, layout, dim, sizes)
     return _g.combine(outputs, columns, plan, target, dim, sizes)
+
+
+def _one_dtype_per_leaf(columns: list[tuple[Any, ...]], k: int) -> bool:
+    dtypes = list(map(_DTYPE, chain.from_iterable(columns)))  # leaf-major
+    first = dtypes[::k]
+    return all(dtypes[r::k] == first for r in range(1, k))
+
+
+def _cat_on_host(columns: list[tuple[Any, ...]], host: torch.device, dim: int) -> list[Tensor]:
+    """One ``torch.cat`` per leaf on the host, each replica's small leaves copied there in one
+    copy per dtype (:func:`coalesced_to`) instead of one per leaf."""
+    moved = [coalesced_to(row, host) for row in zip(*columns)]
+    return [torch.cat(c, dim) for c in zip(*moved)]
