@@ -26,7 +26,8 @@ from ._errors import (
     StructureMismatchError,
     TreegatherError,
 )
-from ._explain import ExplainedLeaf, Explanation, explain
+from ._explain import explain
+from ._explanation import ExplainedLeaf, Explanation
 from ._gather import gather
 from ._layout import ByPath, by_path
 from ._replicate import replicate
