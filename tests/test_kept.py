@@ -19,7 +19,7 @@ from module_state import assert_unchanged, snapshot
 from torch import nn
 
 import treegather as tg
-import treegather._data_parallel as data_parallel_module
+import treegather._step as step_module
 from treegather._kept import kept_count
 
 
@@ -45,14 +45,14 @@ def _net() -> Net:
 def builds(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """One entry per multi-device step: True when its replicas were built anew."""
     log: list[bool] = []
-    real = data_parallel_module.take
+    real = step_module.take  # looked up there by _replicas_for_step (both entry points)
 
     def take(*args: Any, **kwargs: Any) -> Any:
         result = real(*args, **kwargs)
         log.append(result[2])
         return result
 
-    monkeypatch.setattr(data_parallel_module, "take", take)
+    monkeypatch.setattr(step_module, "take", take)
     return log
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ._apply import parallel_apply, parallel_apply_async
 from ._caches import clear_caches
-from ._data_parallel import DataParallel, data_parallel, patch
+from ._data_parallel import data_parallel
 from ._errors import (
     ArgumentTypeError,
     BatchSizeError,
@@ -26,9 +26,11 @@ from ._errors import (
     StructureMismatchError,
     TreegatherError,
 )
-from ._explain import ExplainedLeaf, Explanation, explain
+from ._explain import explain
+from ._explanation import ExplainedLeaf, Explanation
 from ._gather import gather
 from ._layout import ByPath, by_path
+from ._nn_data_parallel import DataParallel, patch
 from ._replicate import replicate
 from ._rules import (
     Padded,

@@ -3,166 +3,32 @@
 :func:`explain` resolves the layout with the same resolver scatter and gather use
 (:func:`treegather._layout.resolve_sources`, which also says *why* each leaf got its rule),
 classifies each scatter position with scatter's own first pass (nothing is split or moved), and
-works out the per-device sizes and gathered shapes arithmetically.
+works out the per-device sizes and gathered shapes arithmetically. The rows it returns, and
+their rendering, are :mod:`treegather._explanation`'s; the text of each cell comes from
+:mod:`treegather._explain_text`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import html
-from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Sequence
+from typing import Any
 
-import optree
 import torch
 
 from ._devices import DeviceLike, as_devices
 from ._errors import BatchSizeError, LayoutError, LeafTypeError
-from ._layout import EXPLAIN_POINTER, Plan, RuleSource, describe_source, display_path
+from ._explain_text import _dtype, _shape_text, _strip, _times, _value_text, _why
+from ._explanation import ExplainedLeaf, Explanation
+from ._layout import EXPLAIN_POINTER, Plan, RuleSource, display_path
 from ._layout import resolve_sources as _resolve_sources
 from ._rules import AsList, Cat, CatItems, Custom, First, Mean, Pad, Rule, Stack, Sum
 from ._scatter import _ARRAY, _classify, _Cuts, _shard_sizes, _validate
-from ._tree import NAMESPACE, flatten
+from ._tree import flatten
 
-__all__ = ["explain", "Explanation", "ExplainedLeaf"]
+__all__ = ["explain"]
 
 Tensor = torch.Tensor
 _ROOTS = {"scatter": "inputs", "gather": "outputs"}
-
-
-@dataclasses.dataclass(frozen=True)
-class ExplainedLeaf:
-    """One row of an :class:`Explanation`: a leaf (or a subtree a whole-value rule takes).
-
-    >>> import torch, treegather as tg
-    >>> row = tg.explain({"x": torch.zeros(4, 2)}, devices=["cpu"] * 2)[0]
-    >>> row.path, row.rule, row.why, row.per_device
-    ("inputs['x']", 'split()', 'default for a Tensor with dims', ('(2, 2)', '(2, 2)'))
-    """
-
-    path: str
-    """The path as you would type it: ``inputs['x']``, ``outputs.hidden[2]``."""
-    value: str
-    """What is there: ``Tensor(4, 2) float32``, ``str 'train'``, ``list of 3 item(s)``."""
-    rule: str
-    """The rule that applies, defaults spelled out: ``split()``, ``cat()``, ``as_list()``."""
-    why: str
-    """Where the rule comes from: ``default for str``, ``by_path pattern 'meta.*'``, ..."""
-    result: str
-    """Scatter: what is done (``split along dim 0: 4 rows``); gather: what it becomes."""
-    per_device: tuple[str, ...] | None = None
-    """Scatter with ``devices``: what each device gets (a shape, ``3 item(s)``, ``whole``)."""
-    problem: str | None = None
-    """Why this leaf would make the call fail, if it would."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Explanation:
-    """What :func:`explain` returns: one :class:`ExplainedLeaf` per row, printed as a table.
-
-    Iterate over it, index it by position or by path (``explanation["inputs['x']"]``), or print
-    it. In a notebook it renders as an HTML table.
-
-    >>> import torch, treegather as tg
-    >>> ex = tg.explain({"x": torch.zeros(4, 2)}, devices=["cpu"] * 2)
-    >>> len(ex), ex["inputs['x']"].result, ex.sizes
-    (1, 'split along dim 0: 4 rows', (2, 2))
-    """
-
-    way: str
-    """``"scatter"`` or ``"gather"``."""
-    rows: tuple[ExplainedLeaf, ...]
-    """One row per leaf (or whole-value subtree), in leaf order."""
-    devices: tuple[torch.device, ...] | None
-    """Scatter: the devices given; gather: the replicas' devices (their number is what counts)."""
-    sizes: tuple[int, ...] | None = None
-    """Scatter: rows per shard, as ``Shards.sizes`` would be (``None``: nothing is split, no
-    ``devices``, or the call would fail)."""
-    error: str | None = None
-    """Scatter: the error the call would raise (``"BatchSizeError: ..."``), if any."""
-
-    def __iter__(self) -> Iterator[ExplainedLeaf]:
-        return iter(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @overload
-    def __getitem__(self, key: int) -> ExplainedLeaf: ...
-    @overload
-    def __getitem__(self, key: str) -> ExplainedLeaf: ...
-    def __getitem__(self, key: int | str) -> ExplainedLeaf:
-        if isinstance(key, str):
-            for row in self.rows:
-                if row.path == key:
-                    return row
-            raise KeyError(f"no row for {key!r}; the paths are: {[r.path for r in self.rows]}")
-        return self.rows[key]
-
-    def _header(self) -> str:
-        if self.way == "scatter":
-            if self.devices is None:
-                head = "scatter (no devices given: per-device sizes not shown)"
-            else:
-                head = f"scatter over {_devices_text(self.devices)}"
-                if self.sizes is not None:
-                    head += f": shard sizes {self.sizes}"
-                    if len(self.sizes) < len(self.devices):
-                        head += f" ({len(self.sizes)} of {len(self.devices)} devices used)"
-        else:
-            k = "k" if self.devices is None else str(len(self.devices))
-            head = f"gather of {k} replica(s) shaped like this one"
-        return head
-
-    def _columns(self) -> tuple[list[str], list[list[str]]]:
-        last = "per device" if self.way == "scatter" and self.devices is not None else "result"
-        names = ["path", "value", "rule", "why", last]
-        body = []
-        for row in self.rows:
-            if last == "per device" and row.per_device is not None:
-                outcome = _compress(row.per_device)
-            else:
-                outcome = row.result
-            body.append([row.path, row.value, row.rule, row.why, outcome])
-        return names, body
-
-    def _problems(self) -> list[str]:
-        lines = [f"{row.path}: {row.problem}" for row in self.rows if row.problem]
-        if self.error:
-            lines.append(f"scatter would raise {self.error}")
-        return lines
-
-    def __str__(self) -> str:
-        names, body = self._columns()
-        widths = [max(len(c) for c in col) for col in zip(names, *body)]
-        lines = [self._header()]
-        lines.append("  ".join(n.ljust(w) for n, w in zip(names, widths)).rstrip())
-        lines.append("  ".join("-" * w for w in widths))
-        lines.extend(
-            "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in body
-        )
-        if not body:
-            lines.append("(no leaves)")
-        problems = self._problems()
-        if problems:
-            lines.append("problems:")
-            lines.extend("  - " + p.replace("\n", "\n    ") for p in problems)
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        names, body = self._columns()
-        esc = html.escape
-        head = "".join(f"<th>{esc(n)}</th>" for n in names)
-        rows = "".join(
-            "<tr>" + "".join(f"<td><code>{esc(c)}</code></td>" for c in cells) + "</tr>"
-            for cells in body
-        )
-        problems = "".join(f"<li>{esc(p)}</li>" for p in self._problems())
-        return f"<p>{esc(self._header())}</p><table><tr>{head}</tr>{rows}</table>" + (
-            f"<p>problems:</p><ul>{problems}</ul>" if problems else ""
-        )
 
 
 def explain(
@@ -430,63 +296,3 @@ def _becomes(rule: Rule, x: Any, k: int | None) -> tuple[str, str | None]:
             return f"Padded(data={data}, lengths=Tensor({kk}, {nd}) int64){others}", None
         return data + others, None
     return "-", f"{name} is not a gather rule"
-
-
-# ---------------------------------------------------------------------------------- helpers
-
-
-def _strip(text: str) -> str:
-    """A message without the trailing pointer to explain (we are in it)."""
-    return text.removesuffix("\n" + EXPLAIN_POINTER)
-
-
-def _times(n: int, k: int | None) -> int | str:
-    return n * k if k is not None else f"k*{n}"
-
-
-def _shape_text(shape: Sequence[Any]) -> str:
-    if len(shape) == 1:
-        return f"({shape[0]},)"
-    return "(" + ", ".join(str(s) for s in shape) + ")"
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _value_text(x: Any, whole: bool) -> str:
-    if isinstance(x, Tensor):
-        where = "" if x.device.type == "cpu" else f" on {x.device}"
-        return f"Tensor{_shape_text(list(x.shape))} {_dtype(x.dtype)}{where}"
-    if whole and x is not None:
-        try:
-            children = optree.tree_flatten_one_level(x, namespace=NAMESPACE)[0]
-        except ValueError:
-            children = None
-        if children is not None:
-            return f"{type(x).__qualname__} of {len(children)} item(s)"
-    text = repr(x)
-    if len(text) > 30:
-        text = text[:27] + "..."
-    return f"{type(x).__qualname__} {text}"
-
-
-def _why(source: RuleSource, x: Any, root: str) -> str:
-    if source.kind != "default":
-        return describe_source(source, root)
-    if isinstance(x, Tensor):
-        return "default for a 0-dim Tensor" if x.dim() == 0 else "default for a Tensor with dims"
-    return f"default for {type(x).__qualname__}"
-
-
-def _devices_text(devs: tuple[torch.device, ...]) -> str:
-    names = [str(d) for d in devs]
-    if len(set(names)) == 1:
-        return f"{len(names)} devices ({names[0]} x{len(names)})"
-    return f"{len(names)} devices ({', '.join(names)})"
-
-
-def _compress(cells: tuple[str, ...]) -> str:
-    if cells and all(c == cells[0] for c in cells) and cells[0] == "whole":
-        return f"whole x{len(cells)}"
-    return ", ".join(cells)

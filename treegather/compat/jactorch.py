@@ -15,10 +15,10 @@ from typing import Any
 import optree
 import torch
 
-from .._data_parallel import DataParallel
 from .._devices import DeviceLike, as_device, as_devices
 from .._gather import gather
 from .._kept import give_back, reusable, take
+from .._nn_data_parallel import DataParallel
 from .._rules import broadcast
 from .._scatter import Shards, scatter
 from .._tree import NAMESPACE

@@ -1,0 +1,75 @@
+"""Text for explain's tables: shapes, values, dtypes, devices and why a leaf got its rule.
+
+Small formatting helpers shared by :mod:`treegather._explain` (which works out each row) and
+:mod:`treegather._explanation` (which renders the rows as a table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from ._layout import EXPLAIN_POINTER, RuleSource, describe_source
+from ._tree import NAMESPACE
+
+Tensor = torch.Tensor
+
+
+def _strip(text: str) -> str:
+    """A message without the trailing pointer to explain (we are in it)."""
+    return text.removesuffix("\n" + EXPLAIN_POINTER)
+
+
+def _times(n: int, k: int | None) -> int | str:
+    return n * k if k is not None else f"k*{n}"
+
+
+def _shape_text(shape: Sequence[Any]) -> str:
+    if len(shape) == 1:
+        return f"({shape[0]},)"
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _value_text(x: Any, whole: bool) -> str:
+    if isinstance(x, Tensor):
+        where = "" if x.device.type == "cpu" else f" on {x.device}"
+        return f"Tensor{_shape_text(list(x.shape))} {_dtype(x.dtype)}{where}"
+    if whole and x is not None:
+        try:
+            children = optree.tree_flatten_one_level(x, namespace=NAMESPACE)[0]
+        except ValueError:
+            children = None
+        if children is not None:
+            return f"{type(x).__qualname__} of {len(children)} item(s)"
+    text = repr(x)
+    if len(text) > 30:
+        text = text[:27] + "..."
+    return f"{type(x).__qualname__} {text}"
+
+
+def _why(source: RuleSource, x: Any, root: str) -> str:
+    if source.kind != "default":
+        return describe_source(source, root)
+    if isinstance(x, Tensor):
+        return "default for a 0-dim Tensor" if x.dim() == 0 else "default for a Tensor with dims"
+    return f"default for {type(x).__qualname__}"
+
+
+def _devices_text(devs: tuple[torch.device, ...]) -> str:
+    names = [str(d) for d in devs]
+    if len(set(names)) == 1:
+        return f"{len(names)} devices ({names[0]} x{len(names)})"
+    return f"{len(names)} devices ({', '.join(names)})"
+
+
+def _compress(cells: tuple[str, ...]) -> str:
+    if cells and all(c == cells[0] for c in cells) and cells[0] == "whole":
+        return f"whole x{len(cells)}"
+    return ", ".join(cells)
