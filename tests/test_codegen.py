@@ -13,13 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import treegather as tg
+from treegather._builders import MAX_DEPTH, compiled_builder, compiled_unflatten
 from treegather._codegen import (
-    MAX_DEPTH,
-    compiled_builder,
     compiled_columns,
     compiled_guard,
     compiled_reader,
-    compiled_unflatten,
     guard_steps,
     interpreted_guard,
     structure_steps,

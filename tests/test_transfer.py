@@ -95,7 +95,9 @@ def test_a_scatter_that_moves_pieces_gives_the_reference_shards(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_scatter_to_cuda_and_gather_back_use_coalesced_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_scatter_to_cuda_and_gather_back_use_coalesced_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls: list[int] = []
     real = _transfer.coalesced_to
     monkeypatch.setattr(

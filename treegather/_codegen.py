@@ -1,6 +1,6 @@
-"""Code the compiled layer generates for one structure: its guard and its per-device builder.
+"""Code the compiled layer generates to recognise and read one structure: guards and readers.
 
-Both are made from a ``PyTreeSpec`` alone (never from user data) and are pure functions:
+All are made from a ``PyTreeSpec`` alone (never from user data) and are pure functions:
 
 - a **guard** ``guard(tree) -> bool`` says whether ``tree`` has exactly the structure of the
   spec: the same container classes (``dict`` is not ``OrderedDict``), dict keys in the same
@@ -10,10 +10,12 @@ Both are made from a ``PyTreeSpec`` alone (never from user data) and are pure fu
   into an error message). :func:`interpreted_guard` walks a list of steps (cheap to build, used
   first); :func:`compiled_guard` writes the same steps out as straight-line Python (no nesting,
   so any depth compiles) for structures seen often.
-- a **builder** ``build(*columns) -> [tree_0, ..., tree_{k-1}]`` makes the k per-device trees of
-  a scatter from one column (k values) per leaf, written out as dict/list/tuple displays; only
-  for plain ``dict`` (``str`` keys), ``list``, ``tuple`` and ``None`` nodes (anything else keeps
-  ``unflatten``, which rebuilds every registered class exactly).
+- a **reader** ``read(tree) -> leaves | None`` is a compiled guard that also reads every leaf
+  (one index of its parent each): the guard and ``flatten_up_to`` in one call.
+  :func:`compiled_columns` reads gather's k replicas at once, as columns, and can compare each
+  leaf's dtype across replicas on the way.
+
+The per-device builders are in :mod:`treegather._builders`.
 """
 
 from __future__ import annotations
@@ -29,20 +31,17 @@ from ._caches import typed_key
 from ._tree import NAMESPACE
 
 __all__ = [
+    "MAX_CELLS",
     "Step",
-    "compiled_builder",
     "compiled_columns",
     "compiled_guard",
     "compiled_reader",
-    "compiled_unflatten",
     "guard_steps",
     "interpreted_guard",
     "structure_steps",
 ]
 
 Guard = Callable[[Any], bool]
-Builder = Callable[..., list[Any]]
-Unflatten = Callable[[list[Any]], Any]
 
 # Step kinds.
 _EXACT_KEYS, _EXACT_LEN, _EXACT_TYPE, _NONE, _CUSTOM, _DEFAULTDICT, _DEQUE = range(7)
@@ -56,9 +55,7 @@ Reach = tuple[int, Any]
 Reader = Callable[[Any], "list[Any] | None"]
 _ROOT: Any = object()
 
-MAX_CELLS = 4_000  # leaves x replicas a builder is compiled for (about 8 ms per 1000 cells, once)
-MAX_UNFLATTEN = 256  # leaves; above, optree's unflatten (C) is as fast as a generated display
-MAX_DEPTH = 50  # builder displays nest; well inside the parser's limit on nested brackets
+MAX_CELLS = 4_000  # leaves x replicas a builder or columns reader is compiled for
 
 
 def guard_steps(spec: PyTreeSpec) -> list[Step] | None:
@@ -412,98 +409,3 @@ class _Checks:
             lines.append(f"      if k != {const(tuple(self.key_values))}: {fail}")
             lines.append(f"      if tuple(map(type, k)) != {const(tuple(self.key_types))}: {fail}")
         return lines
-
-
-# -------------------------------------------------------------------------------- builders
-
-
-class _Unsupported(Exception):
-    pass
-
-
-def compiled_builder(spec: PyTreeSpec, k: int) -> Builder | None:
-    """A function ``build(*columns) -> [tree_0, ..., tree_{k-1}]`` for ``spec``, or ``None``.
-
-    ``columns[i][r]`` is leaf ``i`` of tree ``r``; ``None`` for structures it cannot write out.
-
-    >>> build = compiled_builder(optree.tree_structure({"x": 0, "y": [0, None]}), 2)
-    >>> build(("a0", "a1"), ("b0", "b1"))
-    [{'x': 'a0', 'y': ['b0', None]}, {'x': 'a1', 'y': ['b1', None]}]
-    """
-    n = spec.num_leaves
-    if n == 0 or k < 1 or n * k > MAX_CELLS:
-        return None
-    # The structure with leaf i replaced by the int i: its containers are the ones unflatten
-    # builds, in the same order, and each int says which column a leaf comes from.
-    try:
-        template = spec.unflatten(list(range(n)))
-        trees = [_display(template, r) for r in range(k)]
-    except Exception:  # _Unsupported, or a registered class refusing ints as its children
-        return None
-    params = ", ".join(f"c{i}" for i in range(n))
-    source = f"def build({params}):\n    return [{', '.join(trees)}]\n"
-    namespace: dict[str, Any] = {}
-    exec(compile(source, f"<treegather builder: {n} leaves x {k}>", "exec"), namespace)
-    build: Builder = namespace["build"]
-    return build
-
-
-def compiled_unflatten(spec: PyTreeSpec) -> Unflatten | None:
-    """``spec.unflatten`` for plain structures: ``build(leaves)`` is the tree, or ``None``
-    for structures :func:`compiled_builder` cannot write out.
-
-    >>> build = compiled_unflatten(optree.tree_structure({"x": 0, "y": [0, None]}))
-    >>> build(["a", "b"])
-    {'x': 'a', 'y': ['b', None]}
-    """
-    n = spec.num_leaves
-    if n == 0 or n > MAX_UNFLATTEN:
-        return None
-    try:
-        tree = _display(spec.unflatten(list(range(n))), None)
-    except Exception:
-        return None
-    names = ", ".join(f"c{i}" for i in range(n))
-    namespace: dict[str, Any] = {}
-    source = f"def build(leaves):\n    {names}, = leaves\n    return {tree}\n"
-    exec(compile(source, f"<treegather unflatten: {n} leaves>", "exec"), namespace)
-    build: Unflatten = namespace["build"]
-    return build
-
-
-def _display(template: Any, r: int | None) -> str:
-    """Python source building ``template`` for replica ``r`` (leaf ``i`` is ``c{i}[r]``, or
-    ``c{i}`` when ``r`` is ``None``)."""
-    # Iterative (an explicit stack of pending parts), bounded by MAX_DEPTH for the parser.
-    parts: list[str] = []
-    stack: list[tuple[Any, int]] = [(template, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if type(node) is str:  # a piece of source text queued between children
-            parts.append(node)
-            continue
-        kind = type(node)
-        if kind is int:
-            parts.append(f"c{node}" if r is None else f"c{node}[{r}]")
-            continue
-        if node is None:
-            parts.append("None")
-            continue
-        if depth >= MAX_DEPTH:
-            raise _Unsupported
-        if kind is dict:
-            if not all(type(key) is str for key in node):
-                raise _Unsupported
-            pending: list[Any] = ["{"]
-            for key, value in node.items():
-                pending += [f"{key!r}: ", (value, depth + 1), ", "]
-            pending.append("}")
-        elif kind is list or kind is tuple:
-            pending = ["[" if kind is list else "("]
-            for value in node:
-                pending += [(value, depth + 1), ", "]
-            pending.append("]" if kind is list else ")")
-        else:
-            raise _Unsupported  # OrderedDict, namedtuple, a registered class: unflatten rebuilds it
-        stack.extend((p, depth) if type(p) is str else p for p in reversed(pending))
-    return "".join(parts)

@@ -40,16 +40,14 @@ from optree import PyTreeSpec
 from . import _gather as _g
 from . import _scatter as _s
 from . import _tree
+from ._builders import Builder, compiled_builder, compiled_unflatten
 from ._caches import LRU
 from ._codegen import (
-    Builder,
     Reach,
     Reader,
     Step,
-    compiled_builder,
     compiled_columns,
     compiled_reader,
-    compiled_unflatten,
     interpreted_guard,
     structure_steps,
 )
