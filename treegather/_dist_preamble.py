@@ -1,0 +1,115 @@
+"""The first collective of every :mod:`treegather.distributed` call: rows and the inline area.
+
+Every call starts with one all-gather of ``ROW_BYTES + capacity`` bytes per rank. The first
+``ROW_BYTES`` are this rank's *row* of ten ``int64``::
+
+    [magic, call, root (dst/src), header bytes, payload bytes, placement, digest (2), inline, 0]
+
+``digest`` is the wire plan's (:mod:`treegather._wireplan`; ``(0, 0)``: no plan on this rank)
+and ``inline`` says whether the rank's wire-plan payload follows the row in the same buffer.
+When every rank sent the same digest and its payload inline, that one collective is the whole
+call: a repeated structure of a few hundred KiB or less costs what the one-collective floor
+does, plus the row. Otherwise the payload (or the full exchange) follows as before.
+
+``capacity`` is part of the process group's state (:class:`treegather._dist_group.GroupState`):
+every rank computes the next one with :func:`next_capacity` from the rows it just received,
+which are the same on every rank, so every rank's first collective keeps the same size. It
+follows the payloads of repeated structures, with headroom for rows that grow, and shrinks
+when they get much smaller; payloads above ``MAX_INLINE`` always take a second collective.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+
+import torch
+
+from treegather._errors import StructureMismatchError
+from treegather._wire import format_problems
+
+__all__ = ["ROW_BYTES", "row", "write_row", "read_rows", "check_calls", "next_capacity"]
+
+MAGIC = 0x7467_6472  # identifies a treegather preamble
+ALL_GATHER, GATHER, BROADCAST = 1, 2, 3
+CALL_NAMES = {ALL_GATHER: "all_gather", GATHER: "gather", BROADCAST: "broadcast"}
+# Positions in a row.
+CALL, ROOT, HEADER, NBYTES, PLACEMENT, DIGEST, INLINE = 1, 2, 3, 4, 5, slice(6, 8), 8
+ROW_INTS = 10
+ROW_BYTES = 8 * ROW_INTS  # a multiple of 16: the inline payload starts aligned
+MAX_INLINE = 256 << 10  # bytes per rank; larger payloads take their own collective
+_GRAIN = 1 << 10
+
+
+def row(
+    call: int,
+    root: int,
+    lengths: tuple[int, int],
+    placement: int,
+    digest: tuple[int, int] = (0, 0),
+    inline: bool = False,
+) -> list[int]:
+    """This rank's row."""
+    return [MAGIC, call, root, *lengths, placement, *digest, int(inline), 0]
+
+
+def write_row(buf: torch.Tensor, values: Sequence[int]) -> None:
+    """Write ``values`` into the first ``ROW_BYTES`` of ``buf`` (``uint8``, any device)."""
+    ints = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    buf[:ROW_BYTES].view(torch.int64).copy_(ints)
+
+
+def read_rows(out: torch.Tensor, world: int) -> list[list[int]]:
+    """Every rank's row from the first collective's output (``world`` equal chunks)."""
+    chunks = out.view(world, -1)[:, :ROW_BYTES]
+    rows: list[list[int]] = chunks.view(torch.int64).tolist()
+    return rows
+
+
+def digests_agree(rows: Sequence[Sequence[int]]) -> bool:
+    """Every rank has a wire plan, and the same one (same structure, dtypes, layout, ...)."""
+    first = rows[0][DIGEST]
+    return first != [0, 0] and all(r[DIGEST] == first for r in rows)
+
+
+def all_inline(rows: Sequence[Sequence[int]]) -> bool:
+    """Every rank's payload came with its row."""
+    return all(r[INLINE] for r in rows)
+
+
+def check_calls(ranks: Sequence[int], rows: Sequence[Sequence[int]]) -> None:
+    """Raise :class:`StructureMismatchError` unless the ranks made the same call."""
+    if len({(r[0], r[CALL], r[ROOT]) for r in rows}) > 1:
+        raise StructureMismatchError(
+            format_problems(
+                "the ranks of the group made different treegather.distributed calls",
+                [f"rank {ranks[i]}: {_describe_call(ranks, r)}" for i, r in enumerate(rows)],
+                "every rank must make the same call, with the same dst/src, in the same order",
+            )
+        )
+
+
+def _describe_call(ranks: Sequence[int], values: Sequence[int]) -> str:
+    magic, call, root = values[:3]
+    if magic != MAGIC:
+        return "not a treegather.distributed call"
+    text = f"treegather.distributed.{CALL_NAMES.get(call, '?')}"
+    if 0 <= root < len(ranks):
+        text += f"(..., {'src' if call == BROADCAST else 'dst'}={ranks[root]})"
+    return text
+
+
+def next_capacity(capacity: int, rows: Sequence[Sequence[int]]) -> int:
+    """The inline capacity after a call whose first collective returned ``rows``.
+
+    A function of ``rows`` alone (and the previous capacity), so the same on every rank. Only
+    an agreed wire-plan call (all-gather or gather) moves it: up to its largest payload plus a
+    quarter when that did not fit, down when the payloads shrank below a quarter of it.
+    """
+    calls = {r[CALL] for r in rows}
+    if len(calls) > 1 or calls.pop() not in (ALL_GATHER, GATHER) or not digests_agree(rows):
+        return capacity
+    need = max(r[NBYTES] for r in rows)
+    if need > MAX_INLINE or capacity // 4 <= need <= capacity:
+        return capacity
+    return min(MAX_INLINE, -(-(need + need // 4) // _GRAIN) * _GRAIN)
