@@ -21,10 +21,11 @@ import pickle
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from treegather._errors import TreegatherError
-from treegather._wireplan import INT64, Local, WirePlan, padded
+from treegather._wireplan import INT64, Local, Region, WirePlan, padded
 
 __all__ = ["payload", "Received", "parse", "rank_leaves", "unpack"]
 
@@ -83,7 +84,7 @@ class Received(NamedTuple):
     """The ranks' payloads, parsed: per rank its rows, sizes, region views and objects."""
 
     rows: list[list[int]]
-    counts: torch.Tensor  # the same rows as an int64 [world, row-bearing leaves] CPU tensor
+    counts: np.ndarray  # the same rows as an int64 [world, row-bearing leaves] array
     sizes: list[int] | None
     regions: list[list[torch.Tensor]]  # per region, per rank: the region's flat values
     objects: list[list[Any]]  # per rank: its non-tensor leaves
@@ -99,7 +100,7 @@ def parse(
     """
     n_rows = len(plan.row_positions)
     stacked = torch.stack([b[: INT64 * plan.head_ints] for b in buffers])
-    head_ints = stacked.view(torch.int64).cpu()
+    head_ints = stacked.view(torch.int64).cpu().numpy()
     heads = head_ints.tolist()
     failed = [r for r, h in enumerate(heads) if h[0] != 0]
     if failed:
@@ -156,11 +157,10 @@ def rank_leaves(plan: WirePlan, received: Received) -> list[list[Any]]:
 
 
 def unpack(plan: WirePlan, received: Received) -> Any:
-    """The combined tree under the default rules: one ``cat`` per region, then views.
+    """The combined tree under the default rules: one copy per region (or per large leaf).
 
-    Leaf ``i`` of a region is rank 0's rows of it, then rank 1's, and so on: the regions' pieces
-    interleaved and concatenated in one call, then split once per leaf (0-dim leaves: stacked
-    into a vector with one entry per rank). Non-tensor leaves become the list of rank values.
+    Leaf ``i`` of a region is rank 0's rows of it, then rank 1's, and so on (0-dim leaves: a
+    vector with one entry per rank). Non-tensor leaves become the list of rank values.
     """
     world = len(received.objects)
     leaves: list[Any] = [None] * plan.spec.num_leaves
@@ -170,45 +170,56 @@ def unpack(plan: WirePlan, received: Received) -> Any:
         if region.trailing is None:
             results: Sequence[torch.Tensor] = torch.stack(per_rank, 1).unbind()
         else:
-            rows = [received.rows[r][region.rows] for r in range(world)]
-            if world > 1 and len(region.positions) >= _INDEXED_MIN:
-                counts = received.counts[:, region.rows]
-                totals = counts.sum(0).tolist()
-                merged = _gather_rows(per_rank, counts, region.trailing)
-            else:
-                totals = list(map(sum, zip(*rows)))
-                pieces = [
-                    flat.view(sum(rs), *region.trailing).split_with_sizes(rs)
-                    for flat, rs in zip(per_rank, rows)
-                ]
-                if sum(totals) * region.row_bytes >= _OWN_STORAGE * len(totals):
-                    # Large leaves: one tensor each (one copy), not views of one large block;
-                    # a block of tens of MiB is mapped fresh, and page-faulted, on every call.
-                    results = list(map(torch.cat, zip(*pieces)))
-                    for pos, value in zip(region.positions, results):
-                        leaves[pos] = value
-                    continue
-                columns = pieces[0] if world == 1 else [p for col in zip(*pieces) for p in col]
-                merged = torch.cat(columns)
-            results = merged.split_with_sizes(totals)
+            results = _region_results(region, per_rank, received)
         for pos, value in zip(region.positions, results):
             leaves[pos] = value
     return plan.spec.unflatten(leaves)
 
 
+def _region_results(
+    region: Region, per_rank: list[torch.Tensor], received: Received
+) -> Sequence[torch.Tensor]:
+    """One region's result leaves, each every rank's rows of it in rank order."""
+    trailing = region.trailing
+    assert trailing is not None
+    world = len(per_rank)
+    rows = [received.rows[r][region.rows] for r in range(world)]
+    totals = list(map(sum, zip(*rows)))
+    if sum(totals) * region.row_bytes >= _OWN_STORAGE * len(totals):
+        # Large leaves: one tensor each (one copy), not views of one large block; a block of
+        # tens of MiB is mapped fresh, and page-faulted, on every call.
+        pieces = _pieces(per_rank, rows, trailing)
+        return list(map(torch.cat, zip(*pieces)))
+    if world > 1 and len(region.positions) >= _INDEXED_MIN:
+        merged = _gather_rows(per_rank, received.counts[:, region.rows], trailing)
+    else:
+        pieces = _pieces(per_rank, rows, trailing)
+        merged = torch.cat([p for column in zip(*pieces) for p in column])
+    return merged.split_with_sizes(totals)
+
+
+def _pieces(
+    per_rank: Sequence[torch.Tensor], rows: list[list[int]], trailing: tuple[int, ...]
+) -> list[tuple[torch.Tensor, ...]]:
+    """Per rank, one view per leaf of its region (``rows``: that rank's rows of each leaf)."""
+    return [flat.view(sum(rs), *trailing).split_with_sizes(rs) for flat, rs in zip(per_rank, rows)]
+
+
 def _gather_rows(
-    per_rank: Sequence[torch.Tensor], counts: torch.Tensor, trailing: tuple[int, ...]
+    per_rank: Sequence[torch.Tensor], counts: np.ndarray, trailing: tuple[int, ...]
 ) -> torch.Tensor:
     """Many small leaves: rank-major rows reordered leaf-major with one ``index_select``.
 
     Splitting every rank's region into one view per leaf costs about a microsecond per view;
-    the row permutation is a few vectorised ops whatever the number of leaves.
+    the row permutation is a few vectorised numpy ops (a microsecond each, where a torch op on
+    a small CPU tensor costs several) whatever the number of leaves.
     """
     # counts: [world, leaves] rows of each leaf on each rank.
     stacked = torch.cat([flat.view(-1, *trailing) for flat in per_rank])
-    rank_base = counts.sum(1).cumsum(0) - counts.sum(1)
-    starts = counts.cumsum(1) - counts + rank_base[:, None]  # first row of (rank, leaf)
-    lengths = counts.t().reshape(-1)  # leaf-major order: leaf 0 of every rank, then leaf 1...
-    offsets = starts.t().reshape(-1) - (lengths.cumsum(0) - lengths)
-    index = torch.repeat_interleave(offsets, lengths) + torch.arange(int(lengths.sum()))
-    return stacked.index_select(0, index.to(stacked.device))
+    per_rank_rows = counts.sum(1)
+    rank_base = np.cumsum(per_rank_rows) - per_rank_rows
+    starts = np.cumsum(counts, 1) - counts + rank_base[:, None]  # first row of (rank, leaf)
+    lengths = counts.T.reshape(-1)  # leaf-major order: leaf 0 of every rank, then leaf 1...
+    offsets = starts.T.reshape(-1) - (np.cumsum(lengths) - lengths)
+    index = np.repeat(offsets, lengths) + np.arange(int(lengths.sum()))
+    return stacked.index_select(0, torch.from_numpy(index).to(stacked.device))

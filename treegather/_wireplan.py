@@ -82,7 +82,7 @@ def padded(n: int) -> int:
 # --------------------------------------------------------------------------------- the plan
 
 
-class _Region(NamedTuple):
+class Region(NamedTuple):
     dtype: torch.dtype
     trailing: tuple[int, ...] | None  # None: 0-dim leaves (one element each)
     positions: tuple[int, ...]  # leaf indices, in leaf order
@@ -96,7 +96,7 @@ class WirePlan:
 
     digest: tuple[int, int]
     spec: PyTreeSpec
-    regions: tuple[_Region, ...]
+    regions: tuple[Region, ...]
     objects: tuple[int, ...]  # positions of the non-tensor leaves
     row_positions: tuple[int, ...]  # the leaves whose first dim the rows vector holds
     sizes_given: bool
@@ -270,7 +270,7 @@ def _build(
             groups.setdefault((d.itemsize, str(d), t is None, t), []).append(i)
     # Widest elements first keeps each region's start aligned (regions are padded anyway).
     order = sorted(groups, key=lambda k: (-k[0], k[1], k[2], k[3] or ()))
-    regions: list[_Region] = []
+    regions: list[Region] = []
     row_positions: list[int] = []
     for k in order:
         positions = groups[k]
@@ -281,7 +281,7 @@ def _build(
             row_positions.extend(positions)
         row_bytes = dtype.itemsize * (math.prod(trail) if trail is not None else 1)
         regions.append(
-            _Region(dtype, trail, tuple(positions), slice(start, len(row_positions)), row_bytes)
+            Region(dtype, trail, tuple(positions), slice(start, len(row_positions)), row_bytes)
         )
     objects = tuple(i for i, d in enumerate(dtypes) if d is None)
     vectorised = resolved.up_spec is spec and all(
