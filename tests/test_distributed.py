@@ -529,9 +529,9 @@ def _rows_tree(rank: int, step: int) -> Any:
     }
 
 
-def _wide(rank: int) -> Any:
+def _wide(rank: int, step: int = 0) -> Any:
     """One float32 leaf of 300 KiB and more per rank: larger than any inline payload."""
-    return {"x": torch.full((rank + 300, 256), float(rank)), "n": torch.arange(rank + 1)}
+    return {"x": torch.full((rank + 300, 256), float(rank + step)), "n": torch.arange(rank + 1)}
 
 
 def _alternating(rank: int, world: int) -> bool:
@@ -579,11 +579,14 @@ def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
                 got = tgd.all_gather(_rows_tree(rank, step))
             assert_tree_equal(got, tg.gather([_rows_tree(r, step) for r in range(world)], "cpu"))
             report.setdefault("grown", []).append((list(calls), len(full)))
-        for _ in range(2):  # above the largest inline payload: always a second collective
+        kept = []
+        for step in range(2):  # above the largest inline payload: always a second collective
             with _counting() as calls:
-                got = tgd.all_gather(_wide(rank))
-            assert_tree_equal(got, tg.gather([_wide(r) for r in range(world)], "cpu"))
+                got = tgd.all_gather(_wide(rank, step))
+            kept.append(got)
             report.setdefault("wide", []).append((list(calls), len(full)))
+        for step, got in enumerate(kept):  # the group reuses its receive buffer: no aliasing
+            assert_tree_equal(got, tg.gather([_wide(r, step) for r in range(world)], "cpu"))
         with _counting() as calls:  # gather: the payloads ride with the rows, then the outcome
             got = tgd.gather(_rows_tree(rank, 1), dst=world - 1)
         expected = tg.gather([_rows_tree(r, 1) for r in range(world)], "cpu")
@@ -1030,6 +1033,26 @@ def test_wire_plans_are_type_aware_and_cleared(world_of_one: None) -> None:
     assert _wireplan.plan_count() == 5
     tg.clear_caches()
     assert _wireplan.plan_count() == 0
+
+
+def test_kept_receive_buffer(world_of_one: None) -> None:
+    """A large wire-plan payload is received into a buffer the group keeps for its next call;
+    results never alias it, other layouts never use it, clear_caches() releases it."""
+    import treegather.distributed as tgd
+    from treegather import _dist_group
+
+    tg.clear_caches()
+    first = tgd.all_gather(_wide(0, 1))
+    second = tgd.all_gather(_wide(0, 2))
+    assert len(_dist_group._KEPT) == 1
+    assert_tree_equal(first, tg.gather([_wide(0, 1)], "cpu"))
+    assert_tree_equal(second, tg.gather([_wide(0, 2)], "cpu"))
+    tg.clear_caches()
+    assert len(_dist_group._KEPT) == 0
+    views = tgd.all_gather(_wide(0, 3), tg.first())  # may return views of the received bytes
+    tgd.all_gather(_wide(0, 4), tg.first())
+    assert len(_dist_group._KEPT) == 0
+    assert_tree_equal(views, _wide(0, 3))
 
 
 def test_import_treegather_does_not_import_distributed(group_results: Any) -> None:

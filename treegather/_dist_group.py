@@ -11,6 +11,12 @@ answers by aborting the process).
 
 The current accelerator (``torch.cuda.current_device()``) may change between calls, so devices
 are resolved on every call from the kept kinds.
+
+A group also keeps the CPU receive buffer of its last large wire-plan call
+(:func:`receive_buffer`, up to ``MAX_KEPT`` bytes), as fusion buffers are kept elsewhere: a
+buffer of tens of MiB is otherwise mapped fresh and page-faulted by every call, which can cost
+as much as moving the bytes. It is a cache (:func:`treegather.clear_caches` releases it, and it
+goes with the group), used only when the results are copies that never alias it.
 """
 
 from __future__ import annotations
@@ -22,13 +28,24 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Group", "GroupState", "group", "placement", "data_device", "root_rank", "target"]
+from treegather._caches import WeakCache
+
+__all__ = [
+    "Group",
+    "GroupState",
+    "data_device",
+    "group",
+    "placement",
+    "receive_buffer",
+    "root_rank",
+    "target",
+]
 
 
 class GroupState:
     """What a process group keeps between calls: its fixed facts and the inline capacity."""
 
-    __slots__ = ("accelerator_kind", "capacity", "kind", "rank", "ranks")
+    __slots__ = ("__weakref__", "accelerator_kind", "capacity", "kind", "rank", "ranks")
 
     def __init__(self, rank: int, ranks: list[int], kind: str, accelerator_kind: str | None):
         self.rank = rank
@@ -49,6 +66,12 @@ class Group(NamedTuple):
 
 # Keyed weakly by the ProcessGroup: a destroyed and re-created group starts afresh on every rank.
 _STATES: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
+# The receive buffer each group keeps for its next large wire-plan call (a cache: clearing it on
+# one rank only changes where that rank receives, not what any rank sends).
+_KEPT: WeakCache[GroupState, torch.Tensor] = WeakCache(
+    "distributed.receive_buffers", maxsize=8, trees=False
+)
+MAX_KEPT = 128 << 20  # bytes: larger receive buffers are never kept
 
 
 def group(handle: Any) -> Group:
@@ -167,3 +190,20 @@ def receiving_device(kind: str) -> torch.device:
     if module is not None and getattr(module, "is_available", lambda: False)():
         return torch.device(kind, module.current_device())
     return torch.device("cpu")
+
+
+def receive_buffer(g: Group, nbytes: int, device: torch.device, *, keep: bool) -> torch.Tensor:
+    """A ``uint8`` buffer of ``nbytes`` on ``device`` for a payload collective.
+
+    With ``keep`` (the results will not alias the buffer), a CPU buffer of up to ``MAX_KEPT``
+    bytes is kept for the group's next call, and the kept one is reused when it is at least
+    ``nbytes`` and at most twice that. (GPU memory is reused by torch's caching allocator.)
+    """
+    if not keep or device.type != "cpu" or nbytes > MAX_KEPT:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    kept = _KEPT.get(g.state)
+    if kept is not None and kept.device == device and nbytes <= kept.numel() <= 2 * nbytes:
+        return kept[:nbytes]
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    _KEPT.put(g.state, buf)
+    return buf

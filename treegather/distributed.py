@@ -222,7 +222,8 @@ def all_gather(
         return _dist_combine.fast(g.ranks, fast, buffers, nbytes, g.device, layout, dim)
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     stride = _wireplan.padded(max(nbytes))
-    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
+    keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
+    out = _dist_group.receive_buffer(g, stride * len(g.ranks), device, keep=keep)
     # In place: this rank's payload is packed straight into its own slot of the output.
     mine = _fast_send(fast, stride, device, out[g.rank * stride : (g.rank + 1) * stride])
     _all_gather_into(out, mine, g.handle)
@@ -355,7 +356,10 @@ def _gather_payloads(
     send = _fast_send(fast, stride, device, torch.empty(stride, dtype=torch.uint8, device=device))
     received: list[torch.Tensor] | None = None
     if g.rank == root:
-        received = list(torch.empty(len(g.ranks), stride, dtype=torch.uint8, device=device))
+        buf = _dist_group.receive_buffer(
+            g, stride * len(g.ranks), device, keep=fast.plan.vectorised
+        )
+        received = list(buf.view(len(g.ranks), stride))
     dist.gather(send, received, dst=dst, group=g.handle)
     return received or []
 
