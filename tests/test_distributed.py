@@ -990,18 +990,17 @@ def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:
     branch that packs where the tensors live, moves the whole payload in one copy and moves the
     received bytes to the target in one copy per rank runs here; on a GPU it is the same code.
     """
-    import treegather.distributed as tgd
     from treegather import _dist_payload, _wireplan
 
     tree = {"x": torch.arange(12.0).view(6, 2), "n": torch.tensor(3), "s": "a", "b": [True]}
     local = _wireplan.prepare(tree, None, 0, None)
     assert local is not None
     stride = _wireplan.padded(local.nbytes)
-    direct = tgd._fast_send(
+    direct = _dist_payload.send(
         local, stride, torch.device("cpu"), torch.empty(stride, dtype=torch.uint8)
     )
     elsewhere = local._replace(devices=frozenset({torch.device("cpu", 0)}))
-    staged = tgd._fast_send(
+    staged = _dist_payload.send(
         elsewhere, stride, torch.device("cpu"), torch.empty(stride, dtype=torch.uint8)
     )
     assert torch.equal(direct, staged)

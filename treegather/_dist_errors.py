@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+import torch
 from optree import PyTreeSpec
 
 from treegather import _tree, _wire
+from treegather._dist_group import Collective, Group
 from treegather._errors import (
     BatchSizeError,
     LayoutError,
@@ -30,6 +32,7 @@ __all__ = [
     "ERROR_CLASSES",
     "StructuresDiffer",
     "check",
+    "name_differences",
     "node_table",
     "outcome_of",
     "raise_structure_mismatch",
@@ -183,7 +186,7 @@ def _node_name(spec: PyTreeSpec) -> str:
     return node_type.__qualname__ if node_type is not None else str(spec.kind)
 
 
-def raise_structure_mismatch(ranks: Sequence[int], tables: Sequence[Any]) -> None:
+def raise_structure_mismatch(ranks: Sequence[int], tables: Sequence[Any]) -> NoReturn:
     """Name every node whose path or type differs between the ranks' :func:`node_table`."""
     per_rank = [dict(t) for t in tables]
     all_paths: dict[str, None] = {}
@@ -208,6 +211,28 @@ def raise_structure_mismatch(ranks: Sequence[int], tables: Sequence[Any]) -> Non
             "on every rank for values a rank does not have",
         )
     )
+
+
+def _all_gather_bytes(collective: Collective, g: Group, payload: bytes) -> list[Any]:
+    """All-gather one pickled object per rank (two collectives)."""
+    n = len(payload)
+    lengths = torch.empty(len(g.ranks), dtype=torch.int64, device=g.device)
+    collective(lengths, torch.tensor([n], dtype=torch.int64, device=g.device), g.handle)
+    sizes = lengths.tolist()
+    stride = max(sizes)
+    mine = torch.zeros(stride, dtype=torch.uint8, device=g.device)
+    mine[:n].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
+    collective(out, mine, g.handle)
+    return [
+        pickle.loads(buf[:k].cpu().numpy().tobytes())
+        for buf, k in zip(out.view(len(g.ranks), stride), sizes)
+    ]
+
+
+def name_differences(collective: Collective, g: Group, local: _wire.Packed) -> NoReturn:
+    """Exchange the node paths (only on this error path) and name every difference."""
+    raise_structure_mismatch(g.ranks, _all_gather_bytes(collective, g, node_table(local)))
 
 
 # ------------------------------------------------------------------------------- gather

@@ -22,7 +22,7 @@ goes with the group), used only when the results are copies that never alias it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from treegather._caches import WeakCache
 
 __all__ = [
+    "Collective",
     "Group",
     "GroupState",
     "data_device",
@@ -64,6 +65,8 @@ class Group(NamedTuple):
     state: GroupState
 
 
+# An all-gather into a tensor: ``collective(out, inp, group)``.
+Collective = Callable[[torch.Tensor, torch.Tensor, Any], None]
 # Keyed weakly by the ProcessGroup: a destroyed and re-created group starts afresh on every rank.
 _STATES: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
 # The receive buffer each group keeps for its next large wire-plan call (a cache: clearing it on

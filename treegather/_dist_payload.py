@@ -27,7 +27,7 @@ import torch
 from treegather._errors import TreegatherError
 from treegather._wireplan import INT64, Local, Region, WirePlan, padded
 
-__all__ = ["payload", "Received", "parse", "rank_leaves", "unpack"]
+__all__ = ["Received", "parse", "payload", "rank_leaves", "send", "unpack"]
 
 _INDEXED_MIN = 32  # leaves per region from which the combine gathers rows with one index
 _OWN_STORAGE = 1 << 18  # bytes per result leaf from which each leaf gets its own tensor
@@ -48,6 +48,23 @@ def payload(local: Local, out: torch.Tensor) -> None:
 
 
 _FAILED = 1
+
+
+def send(fast: Local, stride: int, device: torch.device, buf: torch.Tensor) -> torch.Tensor:
+    """Pack this rank's payload into ``buf`` (``stride`` bytes on ``device``) and return it.
+
+    Each region is one ``cat`` straight into the buffer. When the tensors live on another
+    device than the bytes travel on (GPU tensors on gloo), they are packed there and moved in
+    one copy for the whole tree instead of one per leaf.
+    """
+    home = next(iter(fast.devices)) if fast.devices else device
+    if home == device:
+        payload(fast, buf)
+    else:
+        staged = torch.empty(stride, dtype=torch.uint8, device=home)
+        payload(fast, staged)
+        buf.copy_(staged)
+    return buf
 
 
 def _payload(local: Local, out: torch.Tensor) -> None:

@@ -25,10 +25,13 @@ from collections.abc import Sequence
 
 import torch
 
+from treegather import _dist_group, _dist_payload
+from treegather._dist_group import Collective, Group
 from treegather._errors import StructureMismatchError
 from treegather._wire import format_problems
+from treegather._wireplan import Local
 
-__all__ = ["ROW_BYTES", "row", "write_row", "read_rows", "check_calls", "next_capacity"]
+__all__ = ["ROW_BYTES", "check_calls", "exchange", "next_capacity", "read_rows", "row", "write_row"]
 
 MAGIC = 0x7467_6472  # identifies a treegather preamble
 ALL_GATHER, GATHER, BROADCAST = 1, 2, 3
@@ -113,3 +116,44 @@ def next_capacity(capacity: int, rows: Sequence[Sequence[int]]) -> int:
     if need > MAX_INLINE or capacity // 4 <= need <= capacity:
         return capacity
     return min(MAX_INLINE, -(-(need + need // 4) // _GRAIN) * _GRAIN)
+
+
+def exchange(
+    collective: Collective,
+    g: Group,
+    call: int,
+    root: int,
+    lengths: tuple[int, int],
+    devices: frozenset[torch.device],
+    fast: Local | None = None,
+    *,
+    first: bool = True,
+) -> tuple[list[list[int]], torch.Tensor]:
+    """All-gather every rank's row, with its wire-plan payload when that fits; check the calls.
+
+    ``collective(out, inp, group)`` is the all-gather (:mod:`treegather.distributed`'s).
+
+    The first collective of a call carries the group's inline area (``g.state.capacity`` bytes
+    per rank, the same on every rank), filled or zeroed; a later one (``first=False``) only rows.
+    Returns the rows and the collective's output (``world`` equal chunks, each row first).
+    """
+    area = g.state.capacity if first else 0
+    stride = ROW_BYTES + area
+    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
+    mine = out[g.rank * stride : (g.rank + 1) * stride]
+    placement = _dist_group.placement(g, devices)
+    inline = fast is not None and fast.nbytes <= area and placement != 1
+    if inline:
+        assert fast is not None
+        _dist_payload.send(fast, area, g.device, mine[ROW_BYTES:])
+    elif area:
+        mine[ROW_BYTES:].zero_()
+    digest = (0, 0) if fast is None else fast.plan.digest
+    write_row(mine, row(call, root, lengths, placement, digest, inline))
+    # In place: this rank's chunk of the output is its input (NCCL and gloo both accept that).
+    collective(out, mine, g.handle)
+    rows = read_rows(out, len(g.ranks))
+    # From the rows alone, before anything can raise: every rank keeps the same capacity.
+    g.state.capacity = next_capacity(g.state.capacity, rows)
+    check_calls(g.ranks, rows)
+    return rows, out

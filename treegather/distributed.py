@@ -57,7 +57,6 @@ Security:
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
@@ -87,67 +86,6 @@ _FAST_PATH = True  # tests turn it off to run every case through the full exchan
 def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
-
-
-def _exchange(
-    g: Group,
-    call: int,
-    root: int,
-    lengths: tuple[int, int],
-    devices: frozenset[torch.device],
-    fast: _wireplan.Local | None = None,
-    *,
-    first: bool = True,
-) -> tuple[list[list[int]], torch.Tensor]:
-    """All-gather every rank's row, with its wire-plan payload when that fits; check the calls.
-
-    The first collective of a call carries the group's inline area (``g.state.capacity`` bytes
-    per rank, the same on every rank), filled or zeroed; a later one (``first=False``) only rows.
-    Returns the rows and the collective's output (``world`` equal chunks, each row first).
-    """
-    area = g.state.capacity if first else 0
-    stride = _pre.ROW_BYTES + area
-    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
-    mine = out[g.rank * stride : (g.rank + 1) * stride]
-    placement = _dist_group.placement(g, devices)
-    inline = fast is not None and fast.nbytes <= area and placement != 1
-    if inline:
-        assert fast is not None
-        _fast_send(fast, area, g.device, mine[_pre.ROW_BYTES :])
-    elif area:
-        mine[_pre.ROW_BYTES :].zero_()
-    digest = (0, 0) if fast is None else fast.plan.digest
-    _pre.write_row(mine, _pre.row(call, root, lengths, placement, digest, inline))
-    # In place: this rank's chunk of the output is its input (NCCL and gloo both accept that).
-    _all_gather_into(out, mine, g.handle)
-    rows = _pre.read_rows(out, len(g.ranks))
-    # From the rows alone, before anything can raise: every rank keeps the same capacity.
-    g.state.capacity = _pre.next_capacity(g.state.capacity, rows)
-    _pre.check_calls(g.ranks, rows)
-    return rows, out
-
-
-def _all_gather_bytes(g: Group, payload: bytes) -> list[Any]:
-    """All-gather one pickled object per rank (two collectives)."""
-    n = len(payload)
-    lengths = torch.empty(len(g.ranks), dtype=torch.int64, device=g.device)
-    _all_gather_into(lengths, torch.tensor([n], dtype=torch.int64, device=g.device), g.handle)
-    sizes = lengths.tolist()
-    stride = max(sizes)
-    mine = torch.zeros(stride, dtype=torch.uint8, device=g.device)
-    mine[:n].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
-    _all_gather_into(out, mine, g.handle)
-    return [
-        pickle.loads(buf[:k].cpu().numpy().tobytes())
-        for buf, k in zip(out.view(len(g.ranks), stride), sizes)
-    ]
-
-
-def _raise_structure_mismatch(g: Group, local: _wire.Packed) -> None:
-    """Exchange the node paths (only on this error path) and name every difference."""
-    tables = _all_gather_bytes(g, _dist_errors.node_table(local))
-    _dist_errors.raise_structure_mismatch(g.ranks, tables)
 
 
 # -------------------------------------------------------------------------------- public API
@@ -213,7 +151,7 @@ def all_gather(
     if not _FAST_PATH:
         return _full_all_gather(g, tree, layout, dim, sizes)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
-    rows, out = _exchange(g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
+    rows, out = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
     if fast is None or not _pre.digests_agree(rows):
         return _full_all_gather(g, tree, layout, dim, sizes, first=False)
     nbytes = [r[_pre.NBYTES] for r in rows]
@@ -225,7 +163,7 @@ def all_gather(
     keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
     out = _dist_group.receive_buffer(g, stride * len(g.ranks), device, keep=keep)
     # In place: this rank's payload is packed straight into its own slot of the output.
-    mine = _fast_send(fast, stride, device, out[g.rank * stride : (g.rank + 1) * stride])
+    mine = _dist_payload.send(fast, stride, device, out[g.rank * stride : (g.rank + 1) * stride])
     _all_gather_into(out, mine, g.handle)
     buffers = list(out.view(len(g.ranks), stride))
     return _dist_combine.fast(g.ranks, fast, buffers, nbytes, device, layout, dim)
@@ -237,7 +175,9 @@ def _full_all_gather(
     """The full exchange: one header and bytes per rank, every check; the definition."""
     local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
     lengths = (len(local.header), local.nbytes)
-    rows = _exchange(g, _pre.ALL_GATHER, -1, lengths, local.devices, first=first)[0]
+    rows = _pre.exchange(
+        _all_gather_into, g, _pre.ALL_GATHER, -1, lengths, local.devices, first=first
+    )[0]
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     stride = max(_wire.padded(r[_pre.HEADER]) + _wire.padded(r[_pre.NBYTES]) for r in rows)
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
@@ -247,7 +187,7 @@ def _full_all_gather(
     try:
         _dist_errors.check(g.ranks, headers, local)
     except _dist_errors.StructuresDiffer:
-        _raise_structure_mismatch(g, local)
+        _dist_errors.name_differences(_all_gather_into, g, local)
     return _dist_combine.full(g.ranks, headers, buffers, rows, local, device, layout, dim)
 
 
@@ -259,25 +199,6 @@ def _fast_lengths(
 ) -> tuple[tuple[int, int], frozenset[torch.device]]:
     """The row's lengths and this rank's devices, for a wire-plan call."""
     return ((0, 0), frozenset()) if fast is None else ((0, fast.nbytes), fast.devices)
-
-
-def _fast_send(
-    fast: _wireplan.Local, stride: int, device: torch.device, buf: torch.Tensor
-) -> torch.Tensor:
-    """Pack this rank's payload into ``buf`` (``stride`` bytes on ``device``) and return it.
-
-    Each region is one ``cat`` straight into the buffer. When the tensors live on another
-    device than the bytes travel on (GPU tensors on gloo), they are packed there and moved in
-    one copy for the whole tree instead of one per leaf.
-    """
-    home = next(iter(fast.devices)) if fast.devices else device
-    if home == device:
-        _dist_payload.payload(fast, buf)
-    else:
-        staged = torch.empty(stride, dtype=torch.uint8, device=home)
-        _dist_payload.payload(fast, staged)
-        buf.copy_(staged)
-    return buf
 
 
 def gather(
@@ -331,7 +252,7 @@ def gather(
     if not _FAST_PATH:
         return _full_gather(g, dst, root, tree, layout, dim, sizes)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
-    rows, out = _exchange(g, _pre.GATHER, root, *_fast_lengths(fast), fast)
+    rows, out = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
     if fast is None or not _pre.digests_agree(rows):
         return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False)
     nbytes = [r[_pre.NBYTES] for r in rows]
@@ -353,7 +274,9 @@ def _gather_payloads(
     g: Group, dst: int, root: int, fast: _wireplan.Local, stride: int, device: torch.device
 ) -> list[torch.Tensor]:
     """Gather every rank's payload to ``dst`` (``[]`` elsewhere)."""
-    send = _fast_send(fast, stride, device, torch.empty(stride, dtype=torch.uint8, device=device))
+    send = _dist_payload.send(
+        fast, stride, device, torch.empty(stride, dtype=torch.uint8, device=device)
+    )
     received: list[torch.Tensor] | None = None
     if g.rank == root:
         buf = _dist_group.receive_buffer(
@@ -377,7 +300,9 @@ def _full_gather(
 ) -> Any:
     local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
     lengths = (len(local.header), local.nbytes)
-    rows = _exchange(g, _pre.GATHER, root, lengths, local.devices, first=first)[0]
+    rows = _pre.exchange(
+        _all_gather_into, g, _pre.GATHER, root, lengths, local.devices, first=first
+    )[0]
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     stride = max(_wire.padded(r[_pre.HEADER]) + _wire.padded(r[_pre.NBYTES]) for r in rows)
     send = _wire.message_buffer(local, stride, device)
@@ -393,7 +318,7 @@ def _full_gather(
         return _dist_combine.full(g.ranks, headers, received, rows, local, device, layout, dim)
 
     return _dist_outcome.finish_gather(
-        g, dst, root, combine, lambda: _raise_structure_mismatch(g, local)
+        g, dst, root, combine, lambda: _dist_errors.name_differences(_all_gather_into, g, local)
     )
 
 
@@ -430,7 +355,7 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
     root = _dist_group.root_rank(g, src, "src")
     local = _wire.encode(tree, None, with_spec=True) if g.rank == root else _wire.Packed(None, b"")
     lengths = (len(local.header), local.nbytes)
-    rows = _exchange(g, _pre.BROADCAST, root, lengths, local.devices)[0]
+    rows = _pre.exchange(_all_gather_into, g, _pre.BROADCAST, root, lengths, local.devices)[0]
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     head_len, data_len = rows[root][_pre.HEADER], rows[root][_pre.NBYTES]
     stride = _wire.padded(head_len) + data_len
