@@ -1004,7 +1004,8 @@ def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:
         elsewhere, stride, torch.device("cpu"), torch.empty(stride, dtype=torch.uint8)
     )
     assert torch.equal(direct, staged)
-    received = _dist_payload.parse(local.plan, [staged], [local.nbytes], torch.device("cpu", 0))
+    payloads = _dist_payload.Payloads(staged, 0, stride)
+    received = _dist_payload.parse(local.plan, payloads, [local.nbytes], torch.device("cpu", 0))
     assert_tree_equal(_dist_payload.unpack(local.plan, received), tg.gather([tree], "cpu"))
 
 

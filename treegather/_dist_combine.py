@@ -25,7 +25,7 @@ __all__ = ["fast", "full", "rules"]
 def fast(
     ranks: Sequence[int],
     local: _wireplan.Local,
-    buffers: Sequence[torch.Tensor],
+    payloads: _dist_payload.Payloads,
     nbytes: list[int],
     carrier: torch.device,
     layout: Any,
@@ -34,7 +34,7 @@ def fast(
     """Combine the ranks' payloads: vectorised for the default rules, else the rules as usual."""
     plan = local.plan
     target = _dist_group.target(local.devices, carrier)
-    received = _dist_payload.parse(plan, buffers, nbytes, target)
+    received = _dist_payload.parse(plan, payloads, nbytes, target)
     if plan.vectorised:
         return _dist_payload.unpack(plan, received)
     trees = [plan.spec.unflatten(leaves) for leaves in _dist_payload.rank_leaves(plan, received)]

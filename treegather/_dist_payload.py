@@ -24,59 +24,68 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from treegather._caches import LRU
 from treegather._errors import TreegatherError
 from treegather._wireplan import INT64, Local, Region, WirePlan, padded
 
-__all__ = ["Received", "parse", "payload", "rank_leaves", "send", "unpack"]
+__all__ = ["Payloads", "Received", "parse", "payload", "rank_leaves", "send", "unpack"]
 
 _INDEXED_MIN = 32  # leaves per region from which the combine gathers rows with one index
 _OWN_STORAGE = 1 << 18  # bytes per result leaf from which each leaf gets its own tensor
+# Per (plan digest, region): the rows seen last and their permutation (see _permutation).
+_PERMUTATIONS: LRU[Any, tuple[bytes, torch.Tensor]] = LRU(
+    "distributed.row_permutations", maxsize=64, trees=False
+)
 
 
-def payload(local: Local, out: torch.Tensor) -> None:
+def payload(local: Local, out: torch.Tensor, prefix: Sequence[int] = ()) -> None:
     """Write this rank's payload into ``out`` (uint8, 1-D, at least ``local.nbytes`` long).
 
-    Each region is one ``torch.cat`` (``torch.stack`` for 0-dim leaves) straight into ``out``,
-    which should live on the tensors' device; padding bytes are zeroed. Should packing fail
-    (it is checked not to), ``out`` holds a failure status instead, which every rank reads.
+    ``prefix`` (``int64`` values, e.g. the first collective's row) goes first, written together
+    with the payload's head; the payload follows. Each region is one ``torch.cat``
+    (``torch.stack`` for 0-dim leaves) straight into ``out``, which should live on the
+    tensors' device; padding bytes are zeroed. Should packing fail (it is checked not to),
+    ``out`` holds a failure status instead, which every rank reads.
     """
     try:
-        _payload(local, out)
+        _payload(local, out, prefix)
     except Exception:
         out.zero_()
-        out[:INT64].view(torch.int64).fill_(_FAILED)
+        status = torch.tensor([*prefix, _FAILED], dtype=torch.int64)
+        out[: INT64 * len(status)].view(torch.int64).copy_(status)
 
 
 _FAILED = 1
 
 
-def send(fast: Local, stride: int, device: torch.device, buf: torch.Tensor) -> torch.Tensor:
-    """Pack this rank's payload into ``buf`` (``stride`` bytes on ``device``) and return it.
+def send(
+    fast: Local, stride: int, device: torch.device, buf: torch.Tensor, prefix: Sequence[int] = ()
+) -> torch.Tensor:
+    """Pack ``prefix`` and this rank's payload into ``buf`` (``stride`` bytes on ``device``).
 
     Each region is one ``cat`` straight into the buffer. When the tensors live on another
     device than the bytes travel on (GPU tensors on gloo), they are packed there and moved in
-    one copy for the whole tree instead of one per leaf.
+    one copy for the whole tree instead of one per leaf. Returns ``buf``.
     """
     home = next(iter(fast.devices)) if fast.devices else device
     if home == device:
-        payload(fast, buf)
+        payload(fast, buf, prefix)
     else:
         staged = torch.empty(stride, dtype=torch.uint8, device=home)
-        payload(fast, staged)
+        payload(fast, staged, prefix)
         buf.copy_(staged)
     return buf
 
 
-def _payload(local: Local, out: torch.Tensor) -> None:
+def _payload(local: Local, out: torch.Tensor, prefix: Sequence[int]) -> None:
     plan = local.plan
-    head = [0, *local.rows]
+    head = [*prefix, 0, *local.rows]
     if plan.sizes_given:
         head.append(local.sizes if local.sizes is not None else 0)
-    offset = plan.head_bytes
-    if head:
-        ints = torch.frombuffer(array.array("q", head), dtype=torch.int64)
-        out[: INT64 * len(head)].view(torch.int64).copy_(ints)
-        out[INT64 * len(head) : offset].zero_()
+    ints = torch.frombuffer(array.array("q", head), dtype=torch.int64)
+    out[: INT64 * len(head)].view(torch.int64).copy_(ints)
+    offset = INT64 * len(prefix) + plan.head_bytes
+    _zero(out, INT64 * len(head), offset)
     leaves = local.leaves
     with torch.no_grad():
         for region in plan.regions:
@@ -89,68 +98,87 @@ def _payload(local: Local, out: torch.Tensor) -> None:
                 nbytes = count * region.row_bytes
                 target = out[offset : offset + nbytes].view(region.dtype)
                 torch.cat(parts, out=target.view(count, *region.trailing))
-            out[offset + nbytes : offset + padded(nbytes)].zero_()
+            _zero(out, offset + nbytes, offset + padded(nbytes))
             offset += padded(nbytes)
     if local.blob:
         blob = torch.frombuffer(bytearray(local.blob), dtype=torch.uint8)
         out[offset : offset + len(local.blob)].copy_(blob)
-    out[local.nbytes :].zero_()
+    _zero(out, INT64 * len(prefix) + local.nbytes, len(out))
+
+
+def _zero(out: torch.Tensor, start: int, stop: int) -> None:
+    """Zero ``out[start:stop]`` (padding: no stale memory travels), skipping empty ranges."""
+    if stop > start:
+        out[start:stop].zero_()
+
+
+class Payloads(NamedTuple):
+    """Every rank's payload in one buffer: rank ``r``'s bytes start at ``offset + r * stride``."""
+
+    buf: torch.Tensor  # uint8, 1-D, ``world * stride`` bytes
+    offset: int
+    stride: int
+    heads: np.ndarray | None = None  # their head ints, [world, plan.head_ints], if read already
 
 
 class Received(NamedTuple):
-    """The ranks' payloads, parsed: per rank its rows, sizes, region views and objects."""
+    """The ranks' payloads, parsed: per rank its rows, sizes and objects; where its values are."""
 
     rows: list[list[int]]
     counts: np.ndarray  # the same rows as an int64 [world, row-bearing leaves] array
     sizes: list[int] | None
-    regions: list[list[torch.Tensor]]  # per region, per rank: the region's flat values
     objects: list[list[Any]]  # per rank: its non-tensor leaves
+    digest: tuple[int, int]  # the plan's
+    buf: torch.Tensor  # every rank's bytes (on the target device)
+    starts: list[list[int]]  # per region, per rank: where its values start in ``buf``
+    spans: list[list[int]]  # per region, per rank: their bytes
+
+    def values(self, j: int, r: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``r``'s values of region ``j``, flat (a view of ``buf``)."""
+        start = self.starts[j][r]
+        return self.buf[start : start + self.spans[j][r]].view(dtype)
 
 
 def parse(
-    plan: WirePlan, buffers: Sequence[torch.Tensor], nbytes: Sequence[int], target: torch.device
+    plan: WirePlan, payloads: Payloads, nbytes: Sequence[int], target: torch.device
 ) -> Received:
-    """Read every rank's payload (``buffers[r]``: uint8, rank ``r``'s bytes first).
+    """Read every rank's payload; raise on every rank if one of them could not pack its tree.
 
-    Tensor regions are moved to ``target`` with one copy per rank when they arrived elsewhere
-    (one coalesced host-to-device transfer instead of one per leaf).
+    The received bytes are moved to ``target`` with one copy when they arrived elsewhere (one
+    coalesced host-to-device transfer instead of one per leaf).
     """
-    n_rows = len(plan.row_positions)
-    stacked = torch.stack([b[: INT64 * plan.head_ints] for b in buffers])
-    head_ints = stacked.view(torch.int64).cpu().numpy()
-    heads = head_ints.tolist()
-    failed = [r for r, h in enumerate(heads) if h[0] != 0]
+    world, n_rows = len(nbytes), len(plan.row_positions)
+    heads = payloads.heads
+    if heads is None:
+        grid = payloads.buf.view(world, payloads.stride)
+        start = payloads.offset
+        heads = grid[:, start : start + INT64 * plan.head_ints].view(torch.int64).cpu().numpy()
+    failed = np.flatnonzero(heads[:, 0]).tolist()
     if failed:
         raise TreegatherError(
             f"group rank(s) {', '.join(map(str, failed))} could not pack their tree for "
             "treegather.distributed (see the traceback there); no result on any rank"
         )
-    rows = [h[1 : 1 + n_rows] for h in heads]
-    sizes = [h[1 + n_rows] for h in heads] if plan.sizes_given else None
-    regions: list[list[torch.Tensor]] = [[] for _ in plan.regions]
+    counts = heads[:, 1 : 1 + n_rows]
+    sizes = heads[:, 1 + n_rows].tolist() if plan.sizes_given else None
+    spans = [
+        [len(region.positions) * region.row_bytes] * world
+        if region.trailing is None
+        else (counts[:, region.rows].sum(1) * region.row_bytes).tolist()
+        for region in plan.regions
+    ]
+    starts: list[list[int]] = [[] for _ in plan.regions]
     objects: list[list[Any]] = []
-    for r, buf in enumerate(buffers):
-        offset = plan.head_bytes
-        data_start = offset
-        spans = []
-        for region in plan.regions:
-            count = (
-                sum(rows[r][region.rows]) if region.trailing is not None else len(region.positions)
-            )
-            spans.append((offset, count * region.row_bytes))
-            offset += padded(count * region.row_bytes)
-        if plan.objects:
-            blob = buf[offset : nbytes[r]].cpu().numpy().tobytes()
-            objects.append(pickle.loads(blob))
-        else:
-            objects.append([])
-        data = buf[data_start:offset]
-        if data.device != target:
-            data = data.to(target)
-        for j, (region, (start, size)) in enumerate(zip(plan.regions, spans)):
-            start -= data_start
-            regions[j].append(data[start : start + size].view(region.dtype))
-    return Received(rows, head_ints[:, 1 : 1 + n_rows], sizes, regions, objects)
+    for r in range(world):
+        offset = payloads.offset + r * payloads.stride + plan.head_bytes
+        for j, per_rank in enumerate(spans):
+            starts[j].append(offset)
+            offset += padded(per_rank[r])
+        stop = payloads.offset + r * payloads.stride + nbytes[r]
+        blob = payloads.buf[offset:stop].cpu().numpy().tobytes() if plan.objects else b""
+        objects.append(pickle.loads(blob) if plan.objects else [])
+    buf = payloads.buf if payloads.buf.device == target else payloads.buf.to(target)
+    return Received(counts.tolist(), counts, sizes, objects, plan.digest, buf, starts, spans)
 
 
 def rank_leaves(plan: WirePlan, received: Received) -> list[list[Any]]:
@@ -160,8 +188,8 @@ def rank_leaves(plan: WirePlan, received: Received) -> list[list[Any]]:
         leaves: list[Any] = [None] * plan.spec.num_leaves
         for pos, obj in zip(plan.objects, objects):
             leaves[pos] = obj
-        for region, per_rank in zip(plan.regions, received.regions):
-            flat = per_rank[r]
+        for j, region in enumerate(plan.regions):
+            flat = received.values(j, r, region.dtype)
             if region.trailing is None:
                 parts: Sequence[torch.Tensor] = flat.unbind()
             else:
@@ -183,60 +211,86 @@ def unpack(plan: WirePlan, received: Received) -> Any:
     leaves: list[Any] = [None] * plan.spec.num_leaves
     for j, pos in enumerate(plan.objects):
         leaves[pos] = [received.objects[r][j] for r in range(world)]
-    for region, per_rank in zip(plan.regions, received.regions):
+    for j, region in enumerate(plan.regions):
         if region.trailing is None:
+            per_rank = [received.values(j, r, region.dtype) for r in range(world)]
             results: Sequence[torch.Tensor] = torch.stack(per_rank, 1).unbind()
         else:
-            results = _region_results(region, per_rank, received)
+            results = _region_results(j, region, received)
         for pos, value in zip(region.positions, results):
             leaves[pos] = value
     return plan.spec.unflatten(leaves)
 
 
-def _region_results(
-    region: Region, per_rank: list[torch.Tensor], received: Received
-) -> Sequence[torch.Tensor]:
-    """One region's result leaves, each every rank's rows of it in rank order."""
+def _region_results(j: int, region: Region, received: Received) -> Sequence[torch.Tensor]:
+    """Region ``j``'s result leaves, each every rank's rows of it in rank order."""
     trailing = region.trailing
     assert trailing is not None
-    world = len(per_rank)
-    rows = [received.rows[r][region.rows] for r in range(world)]
-    totals = list(map(sum, zip(*rows)))
+    world = len(received.objects)
+    counts = received.counts[:, region.rows]
+    totals = counts.sum(0).tolist()
     if sum(totals) * region.row_bytes >= _OWN_STORAGE * len(totals):
         # Large leaves: one tensor each (one copy), not views of one large block; a block of
         # tens of MiB is mapped fresh, and page-faulted, on every call.
-        pieces = _pieces(per_rank, rows, trailing)
-        return list(map(torch.cat, zip(*pieces)))
+        return list(map(torch.cat, zip(*_pieces(j, region, received))))
     if world > 1 and len(region.positions) >= _INDEXED_MIN:
-        merged = _gather_rows(per_rank, received.counts[:, region.rows], trailing)
+        merged = _gather_rows(j, region, received, counts)
     else:
-        pieces = _pieces(per_rank, rows, trailing)
-        merged = torch.cat([p for column in zip(*pieces) for p in column])
+        merged = torch.cat([p for column in zip(*_pieces(j, region, received)) for p in column])
     return merged.split_with_sizes(totals)
 
 
-def _pieces(
-    per_rank: Sequence[torch.Tensor], rows: list[list[int]], trailing: tuple[int, ...]
-) -> list[tuple[torch.Tensor, ...]]:
-    """Per rank, one view per leaf of its region (``rows``: that rank's rows of each leaf)."""
-    return [flat.view(sum(rs), *trailing).split_with_sizes(rs) for flat, rs in zip(per_rank, rows)]
+def _pieces(j: int, region: Region, received: Received) -> list[tuple[torch.Tensor, ...]]:
+    """Per rank, one view per leaf of its values of region ``j``."""
+    assert region.trailing is not None
+    out = []
+    for r, rows in enumerate(received.rows):
+        rs = rows[region.rows]
+        flat = received.values(j, r, region.dtype)
+        out.append(flat.view(sum(rs), *region.trailing).split_with_sizes(rs))
+    return out
 
 
-def _gather_rows(
-    per_rank: Sequence[torch.Tensor], counts: np.ndarray, trailing: tuple[int, ...]
-) -> torch.Tensor:
+def _gather_rows(j: int, region: Region, received: Received, counts: np.ndarray) -> torch.Tensor:
     """Many small leaves: rank-major rows reordered leaf-major with one ``index_select``.
 
-    Splitting every rank's region into one view per leaf costs about a microsecond per view;
-    the row permutation is a few vectorised numpy ops (a microsecond each, where a torch op on
-    a small CPU tensor costs several) whatever the number of leaves.
+    Splitting every rank's values into one view per leaf costs about a microsecond per view;
+    the permutation is a few vectorised ops whatever the number of leaves. When every rank's
+    values start at a multiple of the row size (always for rows of 16 bytes or a divisor of
+    16), the rows are selected straight from the received buffer; otherwise from a copy of the
+    ranks' values side by side.
     """
-    # counts: [world, leaves] rows of each leaf on each rank.
-    stacked = torch.cat([flat.view(-1, *trailing) for flat in per_rank])
-    per_rank_rows = counts.sum(1)
-    rank_base = np.cumsum(per_rank_rows) - per_rank_rows
-    starts = np.cumsum(counts, 1) - counts + rank_base[:, None]  # first row of (rank, leaf)
-    lengths = counts.T.reshape(-1)  # leaf-major order: leaf 0 of every rank, then leaf 1...
+    assert region.trailing is not None
+    starts = received.starts[j]
+    row_bytes = region.row_bytes
+    if all(start % row_bytes == 0 for start in starts):
+        source = received.buf.view(region.dtype)
+        n = len(received.buf) // row_bytes
+        source = source[: n * (row_bytes // region.dtype.itemsize)].view(n, *region.trailing)
+        base = np.array([start // row_bytes for start in starts], dtype=np.int64)
+    else:
+        per_rank = [received.values(j, r, region.dtype) for r in range(len(starts))]
+        source = torch.cat([flat.view(-1, *region.trailing) for flat in per_rank])
+        per_rank_rows = counts.sum(1)
+        base = np.cumsum(per_rank_rows) - per_rank_rows
+    index = _permutation((received.digest, j), counts, base)
+    return source.index_select(0, index.to(source.device))
+
+
+def _permutation(key: Any, counts: np.ndarray, base: np.ndarray) -> torch.Tensor:
+    """Rows of leaf ``l`` of rank ``r`` start at ``base[r] + (rows of leaves < l on r)``: the
+    rows in leaf-major order (leaf 0 of every rank, then leaf 1, ...), as an index.
+
+    A few numpy ops (a microsecond each, where a torch op on a small CPU tensor costs several);
+    the last permutation per region is kept, since a steady loop sends the same rows each call.
+    """
+    tag = counts.tobytes() + base.tobytes()
+    last = _PERMUTATIONS.get(key)
+    if last is not None and last[0] == tag:
+        return last[1]
+    starts = np.cumsum(counts, 1) - counts + base[:, None]  # first row of (rank, leaf)
+    lengths = counts.T.reshape(-1)  # leaf-major
     offsets = starts.T.reshape(-1) - (np.cumsum(lengths) - lengths)
-    index = np.repeat(offsets, lengths) + np.arange(int(lengths.sum()))
-    return stacked.index_select(0, torch.from_numpy(index).to(stacked.device))
+    index = torch.from_numpy(np.repeat(offsets, lengths) + np.arange(int(lengths.sum())))
+    _PERMUTATIONS.put(key, (tag, index))
+    return index

@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from treegather import _dist_group, _dist_payload
 from treegather._dist_group import Collective, Group
+from treegather._dist_payload import Payloads
 from treegather._errors import StructureMismatchError
 from treegather._wire import format_problems
 from treegather._wireplan import Local
 
-__all__ = ["ROW_BYTES", "check_calls", "exchange", "next_capacity", "read_rows", "row", "write_row"]
+__all__ = ["ROW_BYTES", "First", "check_calls", "exchange", "next_capacity", "row", "write_row"]
 
 MAGIC = 0x7467_6472  # identifies a treegather preamble
 ALL_GATHER, GATHER, BROADCAST = 1, 2, 3
@@ -60,13 +62,6 @@ def write_row(buf: torch.Tensor, values: Sequence[int]) -> None:
     """Write ``values`` into the first ``ROW_BYTES`` of ``buf`` (``uint8``, any device)."""
     ints = torch.frombuffer(array.array("q", values), dtype=torch.int64)
     buf[:ROW_BYTES].view(torch.int64).copy_(ints)
-
-
-def read_rows(out: torch.Tensor, world: int) -> list[list[int]]:
-    """Every rank's row from the first collective's output (``world`` equal chunks)."""
-    chunks = out.view(world, -1)[:, :ROW_BYTES]
-    rows: list[list[int]] = chunks.view(torch.int64).tolist()
-    return rows
 
 
 def digests_agree(rows: Sequence[Sequence[int]]) -> bool:
@@ -118,6 +113,13 @@ def next_capacity(capacity: int, rows: Sequence[Sequence[int]]) -> int:
     return min(MAX_INLINE, -(-(need + need // 4) // _GRAIN) * _GRAIN)
 
 
+class First(NamedTuple):
+    """What the first collective of a call returned."""
+
+    rows: list[list[int]]  # every rank's row
+    payloads: Payloads  # every rank's inline payload (meaningful when all_inline(rows))
+
+
 def exchange(
     collective: Collective,
     g: Group,
@@ -128,14 +130,13 @@ def exchange(
     fast: Local | None = None,
     *,
     first: bool = True,
-) -> tuple[list[list[int]], torch.Tensor]:
+) -> First:
     """All-gather every rank's row, with its wire-plan payload when that fits; check the calls.
 
-    ``collective(out, inp, group)`` is the all-gather (:mod:`treegather.distributed`'s).
-
-    The first collective of a call carries the group's inline area (``g.state.capacity`` bytes
-    per rank, the same on every rank), filled or zeroed; a later one (``first=False``) only rows.
-    Returns the rows and the collective's output (``world`` equal chunks, each row first).
+    ``collective(out, inp, group)`` is the all-gather (:mod:`treegather.distributed`'s). The
+    first collective of a call carries the group's inline area (``g.state.capacity`` bytes per
+    rank, the same on every rank), filled or zeroed; a later one (``first=False``) only rows.
+    The row and the payload's head are written, and read back, together.
     """
     area = g.state.capacity if first else 0
     stride = ROW_BYTES + area
@@ -143,17 +144,22 @@ def exchange(
     mine = out[g.rank * stride : (g.rank + 1) * stride]
     placement = _dist_group.placement(g, devices)
     inline = fast is not None and fast.nbytes <= area and placement != 1
+    digest = (0, 0) if fast is None else fast.plan.digest
+    values = row(call, root, lengths, placement, digest, inline)
     if inline:
         assert fast is not None
-        _dist_payload.send(fast, area, g.device, mine[ROW_BYTES:])
-    elif area:
-        mine[ROW_BYTES:].zero_()
-    digest = (0, 0) if fast is None else fast.plan.digest
-    write_row(mine, row(call, root, lengths, placement, digest, inline))
+        _dist_payload.send(fast, stride, g.device, mine, prefix=values)
+    else:
+        write_row(mine, values)
+        if area:
+            mine[ROW_BYTES:].zero_()
     # In place: this rank's chunk of the output is its input (NCCL and gloo both accept that).
     collective(out, mine, g.handle)
-    rows = read_rows(out, len(g.ranks))
+    n = ROW_INTS + (fast.plan.head_ints if inline and fast is not None else 0)
+    ints = out.view(len(g.ranks), stride)[:, : 8 * n].view(torch.int64).cpu().numpy()
+    rows: list[list[int]] = ints[:, :ROW_INTS].tolist()
     # From the rows alone, before anything can raise: every rank keeps the same capacity.
     g.state.capacity = next_capacity(g.state.capacity, rows)
     check_calls(g.ranks, rows)
-    return rows, out
+    heads = ints[:, ROW_INTS:] if n > ROW_INTS else None
+    return First(rows, Payloads(out, ROW_BYTES, stride, heads))

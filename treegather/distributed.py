@@ -151,13 +151,13 @@ def all_gather(
     if not _FAST_PATH:
         return _full_all_gather(g, tree, layout, dim, sizes)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
-    rows, out = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
+    opening = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
+    rows = opening.rows
     if fast is None or not _pre.digests_agree(rows):
         return _full_all_gather(g, tree, layout, dim, sizes, first=False)
     nbytes = [r[_pre.NBYTES] for r in rows]
     if _pre.all_inline(rows):
-        buffers = list(out.view(len(g.ranks), -1)[:, _pre.ROW_BYTES :])
-        return _dist_combine.fast(g.ranks, fast, buffers, nbytes, g.device, layout, dim)
+        return _dist_combine.fast(g.ranks, fast, opening.payloads, nbytes, g.device, layout, dim)
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     stride = _wireplan.padded(max(nbytes))
     keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
@@ -165,8 +165,8 @@ def all_gather(
     # In place: this rank's payload is packed straight into its own slot of the output.
     mine = _dist_payload.send(fast, stride, device, out[g.rank * stride : (g.rank + 1) * stride])
     _all_gather_into(out, mine, g.handle)
-    buffers = list(out.view(len(g.ranks), stride))
-    return _dist_combine.fast(g.ranks, fast, buffers, nbytes, device, layout, dim)
+    payloads = _dist_payload.Payloads(out, 0, stride)
+    return _dist_combine.fast(g.ranks, fast, payloads, nbytes, device, layout, dim)
 
 
 def _full_all_gather(
@@ -177,7 +177,7 @@ def _full_all_gather(
     lengths = (len(local.header), local.nbytes)
     rows = _pre.exchange(
         _all_gather_into, g, _pre.ALL_GATHER, -1, lengths, local.devices, first=first
-    )[0]
+    ).rows
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     stride = max(_wire.padded(r[_pre.HEADER]) + _wire.padded(r[_pre.NBYTES]) for r in rows)
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
@@ -252,39 +252,37 @@ def gather(
     if not _FAST_PATH:
         return _full_gather(g, dst, root, tree, layout, dim, sizes)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
-    rows, out = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
+    opening = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
+    rows = opening.rows
     if fast is None or not _pre.digests_agree(rows):
         return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False)
     nbytes = [r[_pre.NBYTES] for r in rows]
     if _pre.all_inline(rows):
-        device = g.device
-        received = list(out.view(len(g.ranks), -1)[:, _pre.ROW_BYTES :])
+        device, payloads = g.device, opening.payloads
     else:
         device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
-        received = _gather_payloads(g, dst, root, fast, _wireplan.padded(max(nbytes)), device)
+        payloads = _gather_payloads(g, dst, root, fast, _wireplan.padded(max(nbytes)), device)
     return _dist_outcome.finish_gather(
         g,
         dst,
         root,
-        lambda: _dist_combine.fast(g.ranks, fast, received, nbytes, device, layout, dim),
+        lambda: _dist_combine.fast(g.ranks, fast, payloads, nbytes, device, layout, dim),
     )
 
 
 def _gather_payloads(
     g: Group, dst: int, root: int, fast: _wireplan.Local, stride: int, device: torch.device
-) -> list[torch.Tensor]:
-    """Gather every rank's payload to ``dst`` (``[]`` elsewhere)."""
+) -> _dist_payload.Payloads:
+    """Gather every rank's payload to ``dst`` (elsewhere, what is returned is not read)."""
     send = _dist_payload.send(
         fast, stride, device, torch.empty(stride, dtype=torch.uint8, device=device)
     )
-    received: list[torch.Tensor] | None = None
-    if g.rank == root:
-        buf = _dist_group.receive_buffer(
-            g, stride * len(g.ranks), device, keep=fast.plan.vectorised
-        )
-        received = list(buf.view(len(g.ranks), stride))
-    dist.gather(send, received, dst=dst, group=g.handle)
-    return received or []
+    if g.rank != root:
+        dist.gather(send, None, dst=dst, group=g.handle)
+        return _dist_payload.Payloads(send, 0, stride)
+    buf = _dist_group.receive_buffer(g, stride * len(g.ranks), device, keep=fast.plan.vectorised)
+    dist.gather(send, list(buf.view(len(g.ranks), stride)), dst=dst, group=g.handle)
+    return _dist_payload.Payloads(buf, 0, stride)
 
 
 def _full_gather(
@@ -302,7 +300,7 @@ def _full_gather(
     lengths = (len(local.header), local.nbytes)
     rows = _pre.exchange(
         _all_gather_into, g, _pre.GATHER, root, lengths, local.devices, first=first
-    )[0]
+    ).rows
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     stride = max(_wire.padded(r[_pre.HEADER]) + _wire.padded(r[_pre.NBYTES]) for r in rows)
     send = _wire.message_buffer(local, stride, device)
@@ -355,7 +353,7 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
     root = _dist_group.root_rank(g, src, "src")
     local = _wire.encode(tree, None, with_spec=True) if g.rank == root else _wire.Packed(None, b"")
     lengths = (len(local.header), local.nbytes)
-    rows = _pre.exchange(_all_gather_into, g, _pre.BROADCAST, root, lengths, local.devices)[0]
+    rows = _pre.exchange(_all_gather_into, g, _pre.BROADCAST, root, lengths, local.devices).rows
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     head_len, data_len = rows[root][_pre.HEADER], rows[root][_pre.NBYTES]
     stride = _wire.padded(head_len) + data_len
