@@ -103,7 +103,7 @@ def _payload(local: Local, out: torch.Tensor, prefix: Sequence[int]) -> None:
     if local.blob:
         blob = torch.frombuffer(bytearray(local.blob), dtype=torch.uint8)
         out[offset : offset + len(local.blob)].copy_(blob)
-    _zero(out, INT64 * len(prefix) + local.nbytes, len(out))
+    _zero(out, INT64 * len(prefix) + local.nbytes, out.numel())
 
 
 def _zero(out: torch.Tensor, start: int, stop: int) -> None:
@@ -153,8 +153,8 @@ def parse(
         grid = payloads.buf.view(world, payloads.stride)
         start = payloads.offset
         heads = grid[:, start : start + INT64 * plan.head_ints].view(torch.int64).cpu().numpy()
-    failed = np.flatnonzero(heads[:, 0]).tolist()
-    if failed:
+    if heads[:, 0].any():
+        failed = np.flatnonzero(heads[:, 0]).tolist()
         raise TreegatherError(
             f"group rank(s) {', '.join(map(str, failed))} could not pack their tree for "
             "treegather.distributed (see the traceback there); no result on any rank"
@@ -208,17 +208,15 @@ def unpack(plan: WirePlan, received: Received) -> Any:
     vector with one entry per rank). Non-tensor leaves become the list of rank values.
     """
     world = len(received.objects)
-    leaves: list[Any] = [None] * plan.spec.num_leaves
-    for j, pos in enumerate(plan.objects):
-        leaves[pos] = [received.objects[r][j] for r in range(world)]
+    placed: list[Any] = []  # the regions' leaves in region order, then the objects
     for j, region in enumerate(plan.regions):
         if region.trailing is None:
             per_rank = [received.values(j, r, region.dtype) for r in range(world)]
-            results: Sequence[torch.Tensor] = torch.stack(per_rank, 1).unbind()
+            placed += torch.stack(per_rank, 1).unbind()
         else:
-            results = _region_results(j, region, received)
-        for pos, value in zip(region.positions, results):
-            leaves[pos] = value
+            placed += _region_results(j, region, received)
+    placed += ([objects[j] for objects in received.objects] for j in range(len(plan.objects)))
+    leaves = placed if plan.order is None else [placed[k] for k in plan.order]
     return plan.spec.unflatten(leaves)
 
 
@@ -233,8 +231,9 @@ def _region_results(j: int, region: Region, received: Received) -> Sequence[torc
         # Large leaves: one tensor each (one copy), not views of one large block; a block of
         # tens of MiB is mapped fresh, and page-faulted, on every call.
         return list(map(torch.cat, zip(*_pieces(j, region, received))))
-    if world > 1 and len(region.positions) >= _INDEXED_MIN:
-        merged = _gather_rows(j, region, received, counts)
+    aligned = all(start % region.row_bytes == 0 for start in received.starts[j])
+    if world > 1 and (aligned or len(region.positions) >= _INDEXED_MIN):
+        merged = _gather_rows(j, region, received, counts, aligned)
     else:
         merged = torch.cat([p for column in zip(*_pieces(j, region, received)) for p in column])
     return merged.split_with_sizes(totals)
@@ -251,21 +250,23 @@ def _pieces(j: int, region: Region, received: Received) -> list[tuple[torch.Tens
     return out
 
 
-def _gather_rows(j: int, region: Region, received: Received, counts: np.ndarray) -> torch.Tensor:
-    """Many small leaves: rank-major rows reordered leaf-major with one ``index_select``.
+def _gather_rows(
+    j: int, region: Region, received: Received, counts: np.ndarray, aligned: bool
+) -> torch.Tensor:
+    """Rank-major rows reordered leaf-major with one ``index_select``.
 
     Splitting every rank's values into one view per leaf costs about a microsecond per view;
     the permutation is a few vectorised ops whatever the number of leaves. When every rank's
-    values start at a multiple of the row size (always for rows of 16 bytes or a divisor of
-    16), the rows are selected straight from the received buffer; otherwise from a copy of the
-    ranks' values side by side.
+    values start at a multiple of the row size (``aligned``: always for rows of 16 bytes or a
+    divisor of 16), the rows are selected straight from the received buffer; otherwise (many
+    leaves only) from a copy of the ranks' values side by side.
     """
     assert region.trailing is not None
     starts = received.starts[j]
     row_bytes = region.row_bytes
-    if all(start % row_bytes == 0 for start in starts):
+    if aligned:
         source = received.buf.view(region.dtype)
-        n = len(received.buf) // row_bytes
+        n = received.buf.numel() // row_bytes
         source = source[: n * (row_bytes // region.dtype.itemsize)].view(n, *region.trailing)
         base = np.array([start // row_bytes for start in starts], dtype=np.int64)
     else:
@@ -274,7 +275,9 @@ def _gather_rows(j: int, region: Region, received: Received, counts: np.ndarray)
         per_rank_rows = counts.sum(1)
         base = np.cumsum(per_rank_rows) - per_rank_rows
     index = _permutation((received.digest, j), counts, base)
-    return source.index_select(0, index.to(source.device))
+    if index.device != source.device:
+        index = index.to(source.device)
+    return source.index_select(0, index)
 
 
 def _permutation(key: Any, counts: np.ndarray, base: np.ndarray) -> torch.Tensor:

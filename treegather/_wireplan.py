@@ -101,15 +101,23 @@ class WirePlan:
     row_positions: tuple[int, ...]  # the leaves whose first dim the rows vector holds
     sizes_given: bool
     vectorised: bool  # default rules only: every result region in one cat
+    # The status, one row count per row-bearing leaf, and ``sizes`` when given; their bytes.
+    head_ints: int = dataclasses.field(init=False)
+    head_bytes: int = dataclasses.field(init=False)
+    # Leaf i is entry order[i] of the regions' leaves in region order, then the objects; None
+    # when that is leaf order already.
+    order: tuple[int, ...] | None = dataclasses.field(init=False)
 
-    @property
-    def head_ints(self) -> int:
-        """The status, one row count per row-bearing leaf, and ``sizes`` when given."""
-        return 1 + len(self.row_positions) + self.sizes_given
-
-    @property
-    def head_bytes(self) -> int:
-        return padded(INT64 * self.head_ints)
+    def __post_init__(self) -> None:
+        head_ints = 1 + len(self.row_positions) + self.sizes_given
+        object.__setattr__(self, "head_ints", head_ints)
+        object.__setattr__(self, "head_bytes", padded(INT64 * head_ints))
+        placed = [pos for region in self.regions for pos in region.positions]
+        placed += self.objects
+        order: list[int] = [0] * len(placed)
+        for k, pos in enumerate(placed):
+            order[pos] = k
+        object.__setattr__(self, "order", None if placed == sorted(placed) else tuple(order))
 
 
 class Local(NamedTuple):
