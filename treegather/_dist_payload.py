@@ -33,7 +33,7 @@ __all__ = ["Payloads", "Received", "parse", "payload", "rank_leaves", "send", "u
 _INDEXED_MIN = 32  # leaves per region from which the combine gathers rows with one index
 _OWN_STORAGE = 1 << 18  # bytes per result leaf from which each leaf gets its own tensor
 # Per (plan digest, region): the rows seen last and their permutation (see _permutation).
-_PERMUTATIONS: LRU[Any, tuple[bytes, torch.Tensor]] = LRU(
+_PERMUTATIONS: LRU[Any, tuple[list[list[int]], list[int], torch.Tensor, list[int]]] = LRU(
     "distributed.row_permutations", maxsize=64, trees=False
 )
 
@@ -118,14 +118,13 @@ class Payloads(NamedTuple):
     buf: torch.Tensor  # uint8, 1-D, ``world * stride`` bytes
     offset: int
     stride: int
-    heads: np.ndarray | None = None  # their head ints, [world, plan.head_ints], if read already
+    heads: list[list[int]] | None = None  # their head ints, when read already
 
 
 class Received(NamedTuple):
     """The ranks' payloads, parsed: per rank its rows, sizes and objects; where its values are."""
 
-    rows: list[list[int]]
-    counts: np.ndarray  # the same rows as an int64 [world, row-bearing leaves] array
+    rows: list[list[int]]  # per rank: the rows of each row-bearing leaf
     sizes: list[int] | None
     objects: list[list[Any]]  # per rank: its non-tensor leaves
     digest: tuple[int, int]  # the plan's
@@ -152,19 +151,19 @@ def parse(
     if heads is None:
         grid = payloads.buf.view(world, payloads.stride)
         start = payloads.offset
-        heads = grid[:, start : start + INT64 * plan.head_ints].view(torch.int64).cpu().numpy()
-    if heads[:, 0].any():
-        failed = np.flatnonzero(heads[:, 0]).tolist()
+        heads = grid[:, start : start + INT64 * plan.head_ints].view(torch.int64).tolist()
+    if any(head[0] for head in heads):
+        failed = [r for r, head in enumerate(heads) if head[0]]
         raise TreegatherError(
             f"group rank(s) {', '.join(map(str, failed))} could not pack their tree for "
             "treegather.distributed (see the traceback there); no result on any rank"
         )
-    counts = heads[:, 1 : 1 + n_rows]
-    sizes = heads[:, 1 + n_rows].tolist() if plan.sizes_given else None
+    rows = [head[1 : 1 + n_rows] for head in heads]
+    sizes = [head[1 + n_rows] for head in heads] if plan.sizes_given else None
     spans = [
         [len(region.positions) * region.row_bytes] * world
         if region.trailing is None
-        else (counts[:, region.rows].sum(1) * region.row_bytes).tolist()
+        else [sum(rank_rows[region.rows]) * region.row_bytes for rank_rows in rows]
         for region in plan.regions
     ]
     starts: list[list[int]] = [[] for _ in plan.regions]
@@ -178,7 +177,7 @@ def parse(
         blob = payloads.buf[offset:stop].cpu().numpy().tobytes() if plan.objects else b""
         objects.append(pickle.loads(blob) if plan.objects else [])
     buf = payloads.buf if payloads.buf.device == target else payloads.buf.to(target)
-    return Received(counts.tolist(), counts, sizes, objects, plan.digest, buf, starts, spans)
+    return Received(rows, sizes, objects, plan.digest, buf, starts, spans)
 
 
 def rank_leaves(plan: WirePlan, received: Received) -> list[list[Any]]:
@@ -222,21 +221,17 @@ def unpack(plan: WirePlan, received: Received) -> Any:
 
 def _region_results(j: int, region: Region, received: Received) -> Sequence[torch.Tensor]:
     """Region ``j``'s result leaves, each every rank's rows of it in rank order."""
-    trailing = region.trailing
-    assert trailing is not None
-    world = len(received.objects)
-    counts = received.counts[:, region.rows]
-    totals = counts.sum(0).tolist()
-    if sum(totals) * region.row_bytes >= _OWN_STORAGE * len(totals):
+    assert region.trailing is not None
+    if sum(received.spans[j]) >= _OWN_STORAGE * len(region.positions):
         # Large leaves: one tensor each (one copy), not views of one large block; a block of
         # tens of MiB is mapped fresh, and page-faulted, on every call.
         return list(map(torch.cat, zip(*_pieces(j, region, received))))
+    rows = [rank_rows[region.rows] for rank_rows in received.rows]
     aligned = all(start % region.row_bytes == 0 for start in received.starts[j])
-    if world > 1 and (aligned or len(region.positions) >= _INDEXED_MIN):
-        merged = _gather_rows(j, region, received, counts, aligned)
-    else:
-        merged = torch.cat([p for column in zip(*_pieces(j, region, received)) for p in column])
-    return merged.split_with_sizes(totals)
+    if len(rows) > 1 and (aligned or len(region.positions) >= _INDEXED_MIN):
+        return _gather_rows(j, region, received, rows, aligned)
+    merged = torch.cat([p for column in zip(*_pieces(j, region, received)) for p in column])
+    return merged.split_with_sizes(list(map(sum, zip(*rows))))
 
 
 def _pieces(j: int, region: Region, received: Received) -> list[tuple[torch.Tensor, ...]]:
@@ -251,9 +246,9 @@ def _pieces(j: int, region: Region, received: Received) -> list[tuple[torch.Tens
 
 
 def _gather_rows(
-    j: int, region: Region, received: Received, counts: np.ndarray, aligned: bool
-) -> torch.Tensor:
-    """Rank-major rows reordered leaf-major with one ``index_select``.
+    j: int, region: Region, received: Received, rows: list[list[int]], aligned: bool
+) -> Sequence[torch.Tensor]:
+    """Rank-major rows reordered leaf-major with one ``index_select``, split into the leaves.
 
     Splitting every rank's values into one view per leaf costs about a microsecond per view;
     the permutation is a few vectorised ops whatever the number of leaves. When every rank's
@@ -262,38 +257,42 @@ def _gather_rows(
     leaves only) from a copy of the ranks' values side by side.
     """
     assert region.trailing is not None
-    starts = received.starts[j]
     row_bytes = region.row_bytes
     if aligned:
-        source = received.buf.view(region.dtype)
         n = received.buf.numel() // row_bytes
-        source = source[: n * (row_bytes // region.dtype.itemsize)].view(n, *region.trailing)
-        base = np.array([start // row_bytes for start in starts], dtype=np.int64)
+        source = received.buf.view(region.dtype)[: n * (row_bytes // region.dtype.itemsize)]
+        source = source.view(n, *region.trailing)
+        base = [start // row_bytes for start in received.starts[j]]
     else:
-        per_rank = [received.values(j, r, region.dtype) for r in range(len(starts))]
+        per_rank = [received.values(j, r, region.dtype) for r in range(len(rows))]
         source = torch.cat([flat.view(-1, *region.trailing) for flat in per_rank])
-        per_rank_rows = counts.sum(1)
-        base = np.cumsum(per_rank_rows) - per_rank_rows
-    index = _permutation((received.digest, j), counts, base)
+        base = [0]
+        for rank_rows in rows[:-1]:
+            base.append(base[-1] + sum(rank_rows))
+    index, totals = _permutation((received.digest, j), rows, base)
     if index.device != source.device:
         index = index.to(source.device)
-    return source.index_select(0, index)
+    return source.index_select(0, index).split_with_sizes(totals)
 
 
-def _permutation(key: Any, counts: np.ndarray, base: np.ndarray) -> torch.Tensor:
+def _permutation(
+    key: Any, rows: list[list[int]], base: list[int]
+) -> tuple[torch.Tensor, list[int]]:
     """Rows of leaf ``l`` of rank ``r`` start at ``base[r] + (rows of leaves < l on r)``: the
-    rows in leaf-major order (leaf 0 of every rank, then leaf 1, ...), as an index.
+    rows in leaf-major order (leaf 0 of every rank, then leaf 1, ...) as an index, and each
+    leaf's rows over all ranks.
 
-    A few numpy ops (a microsecond each, where a torch op on a small CPU tensor costs several);
-    the last permutation per region is kept, since a steady loop sends the same rows each call.
+    A few numpy ops whatever the number of leaves; the last permutation per region is kept,
+    since a steady loop sends the same rows call after call.
     """
-    tag = counts.tobytes() + base.tobytes()
     last = _PERMUTATIONS.get(key)
-    if last is not None and last[0] == tag:
-        return last[1]
-    starts = np.cumsum(counts, 1) - counts + base[:, None]  # first row of (rank, leaf)
+    if last is not None and last[0] == rows and last[1] == base:
+        return last[2], last[3]
+    counts = np.array(rows, dtype=np.int64).reshape(len(rows), -1)  # [world, leaves]
+    starts = np.cumsum(counts, 1) - counts + np.array(base, dtype=np.int64)[:, None]
     lengths = counts.T.reshape(-1)  # leaf-major
     offsets = starts.T.reshape(-1) - (np.cumsum(lengths) - lengths)
     index = torch.from_numpy(np.repeat(offsets, lengths) + np.arange(int(lengths.sum())))
-    _PERMUTATIONS.put(key, (tag, index))
-    return index
+    totals = counts.sum(0).tolist()
+    _PERMUTATIONS.put(key, (rows, base, index, totals))
+    return index, totals

@@ -156,10 +156,10 @@ def exchange(
     # In place: this rank's chunk of the output is its input (NCCL and gloo both accept that).
     collective(out, mine, g.handle)
     n = ROW_INTS + (fast.plan.head_ints if inline and fast is not None else 0)
-    ints = out.view(len(g.ranks), stride)[:, : 8 * n].view(torch.int64).cpu().numpy()
-    rows: list[list[int]] = ints[:, :ROW_INTS].tolist()
+    ints: list[list[int]] = out.view(len(g.ranks), stride)[:, : 8 * n].view(torch.int64).tolist()
+    rows = [values[:ROW_INTS] for values in ints]
     # From the rows alone, before anything can raise: every rank keeps the same capacity.
     g.state.capacity = next_capacity(g.state.capacity, rows)
     check_calls(g.ranks, rows)
-    heads = ints[:, ROW_INTS:] if n > ROW_INTS else None
+    heads = [values[ROW_INTS:] for values in ints] if n > ROW_INTS else None
     return First(rows, Payloads(out, ROW_BYTES, stride, heads))
