@@ -86,24 +86,36 @@ def _payload(local: Local, out: torch.Tensor, prefix: Sequence[int]) -> None:
     out[: INT64 * len(head)].view(torch.int64).copy_(ints)
     offset = INT64 * len(prefix) + plan.head_bytes
     _zero(out, INT64 * len(head), offset)
-    leaves = local.leaves
-    with torch.no_grad():
-        for region in plan.regions:
-            parts = [leaves[i] for i in region.positions]
-            if region.trailing is None:
-                nbytes = len(parts) * region.row_bytes
-                torch.stack(parts, out=out[offset : offset + nbytes].view(region.dtype))
-            else:
-                count = sum(local.rows[region.rows])
-                nbytes = count * region.row_bytes
-                target = out[offset : offset + nbytes].view(region.dtype)
-                torch.cat(parts, out=target.view(count, *region.trailing))
-            _zero(out, offset + nbytes, offset + padded(nbytes))
-            offset += padded(nbytes)
+    if torch.is_grad_enabled():  # cat and stack with out= refuse tensors that require grad
+        with torch.no_grad():
+            offset = _regions(local, out, offset)
+    else:
+        offset = _regions(local, out, offset)
     if local.blob:
         blob = torch.frombuffer(bytearray(local.blob), dtype=torch.uint8)
         out[offset : offset + len(local.blob)].copy_(blob)
     _zero(out, INT64 * len(prefix) + local.nbytes, out.numel())
+
+
+def _regions(local: Local, out: torch.Tensor, offset: int) -> int:
+    """Write every region from ``offset`` on; return where the objects go."""
+    leaves = local.leaves
+    for region in local.plan.regions:
+        if len(region.positions) == len(leaves):  # every leaf, in leaf order
+            parts = leaves
+        else:
+            parts = [leaves[i] for i in region.positions]
+        if region.trailing is None:
+            nbytes = len(parts) * region.row_bytes
+            torch.stack(parts, out=out[offset : offset + nbytes].view(region.dtype))
+        else:
+            count = sum(local.rows[region.rows])
+            nbytes = count * region.row_bytes
+            target = out[offset : offset + nbytes].view(region.dtype)
+            torch.cat(parts, out=target.view(count, *region.trailing))
+        _zero(out, offset + nbytes, offset + padded(nbytes))
+        offset += padded(nbytes)
+    return offset
 
 
 def _zero(out: torch.Tensor, start: int, stop: int) -> None:
