@@ -996,13 +996,11 @@ def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:
     local = _wireplan.prepare(tree, None, 0, None)
     assert local is not None
     stride = _wireplan.padded(local.nbytes)
-    direct = _dist_payload.send(
-        local, stride, torch.device("cpu"), torch.empty(stride, dtype=torch.uint8)
-    )
+    direct = torch.empty(stride, dtype=torch.uint8)
+    assert _dist_payload.send(local, stride, torch.device("cpu"), direct)
     elsewhere = local._replace(devices=frozenset({torch.device("cpu", 0)}))
-    staged = _dist_payload.send(
-        elsewhere, stride, torch.device("cpu"), torch.empty(stride, dtype=torch.uint8)
-    )
+    staged = torch.empty(stride, dtype=torch.uint8)
+    assert _dist_payload.send(elsewhere, stride, torch.device("cpu"), staged)
     assert torch.equal(direct, staged)
     payloads = _dist_payload.Payloads(staged, 0, stride)
     received = _dist_payload.parse(local.plan, payloads, [local.nbytes], torch.device("cpu", 0))
@@ -1182,3 +1180,20 @@ def test_local_problems_become_shared_errors(world_of_one: None) -> None:
         tgd.gather({"b": _Broken()})
     with pytest.raises(tg.BatchSizeError, match="sizes must be"):
         tgd.all_gather({"x": torch.ones(1)}, sizes=-1)
+
+
+def test_layouts_past_the_first_leaf_fall_back(world_of_one: None) -> None:
+    """The wire plan looks at the first tensor only; packing (inline) or the check before a
+    separate payload finds a sparse leaf after it, and the full exchange reports it."""
+    import treegather.distributed as tgd
+    from treegather import _dist_group
+
+    tree = {"a": torch.ones(2), "s": torch.eye(2).to_sparse()}
+    state = _dist_group.group(None).state
+    for capacity in (0, 4096):  # a separate payload, then one inline with the row
+        state.capacity = capacity
+        with pytest.raises(tg.LeafTypeError, match=r"(?s)cannot send sparse.*outputs\['s'\]"):
+            tgd.all_gather(tree)
+        with pytest.raises(tg.LeafTypeError, match=r"(?s)cannot send sparse.*outputs\['s'\]"):
+            tgd.gather(tree)
+        assert state.capacity == capacity  # no plan agreed: the capacity stays

@@ -38,14 +38,15 @@ _PERMUTATIONS: LRU[Any, tuple[list[list[int]], list[int], torch.Tensor, list[int
 )
 
 
-def payload(local: Local, out: torch.Tensor, prefix: Sequence[int] = ()) -> None:
+def payload(local: Local, out: torch.Tensor, prefix: Sequence[int] = ()) -> bool:
     """Write this rank's payload into ``out`` (uint8, 1-D, at least ``local.nbytes`` long).
 
     ``prefix`` (``int64`` values, e.g. the first collective's row) goes first, written together
     with the payload's head; the payload follows. Each region is one ``torch.cat``
     (``torch.stack`` for 0-dim leaves) straight into ``out``, which should live on the
-    tensors' device; padding bytes are zeroed. Should packing fail (it is checked not to),
-    ``out`` holds a failure status instead, which every rank reads.
+    tensors' device; padding bytes are zeroed. Should packing fail (a tensor on another
+    device, a sparse one: see :func:`treegather._wireplan.checked`), ``out`` holds a failure
+    status instead, which every rank reads, and the result is ``False``.
     """
     try:
         _payload(local, out, prefix)
@@ -53,6 +54,8 @@ def payload(local: Local, out: torch.Tensor, prefix: Sequence[int] = ()) -> None
         out.zero_()
         status = torch.tensor([*prefix, _FAILED], dtype=torch.int64)
         out[: INT64 * len(status)].view(torch.int64).copy_(status)
+        return False
+    return True
 
 
 _FAILED = 1
@@ -60,21 +63,20 @@ _FAILED = 1
 
 def send(
     fast: Local, stride: int, device: torch.device, buf: torch.Tensor, prefix: Sequence[int] = ()
-) -> torch.Tensor:
+) -> bool:
     """Pack ``prefix`` and this rank's payload into ``buf`` (``stride`` bytes on ``device``).
 
     Each region is one ``cat`` straight into the buffer. When the tensors live on another
     device than the bytes travel on (GPU tensors on gloo), they are packed there and moved in
-    one copy for the whole tree instead of one per leaf. Returns ``buf``.
+    one copy for the whole tree instead of one per leaf. ``False`` when packing failed.
     """
     home = next(iter(fast.devices)) if fast.devices else device
     if home == device:
-        payload(fast, buf, prefix)
-    else:
-        staged = torch.empty(stride, dtype=torch.uint8, device=home)
-        payload(fast, staged, prefix)
-        buf.copy_(staged)
-    return buf
+        return payload(fast, buf, prefix)
+    staged = torch.empty(stride, dtype=torch.uint8, device=home)
+    packed = payload(fast, staged, prefix)
+    buf.copy_(staged)
+    return packed
 
 
 def _payload(local: Local, out: torch.Tensor, prefix: Sequence[int]) -> None:

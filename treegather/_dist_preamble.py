@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from treegather import _dist_group, _dist_payload
+from treegather import _dist_group, _dist_payload, _wireplan
 from treegather._dist_group import Collective, Group
 from treegather._dist_payload import Payloads
 from treegather._errors import StructureMismatchError
@@ -118,6 +118,7 @@ class First(NamedTuple):
 
     rows: list[list[int]]  # every rank's row
     payloads: Payloads  # every rank's inline payload (meaningful when all_inline(rows))
+    fast: Local | None  # this rank's wire-plan call, checked (None: it sent no plan)
 
 
 def exchange(
@@ -144,11 +145,16 @@ def exchange(
     mine = out[g.rank * stride : (g.rank + 1) * stride]
     placement = _dist_group.placement(g, devices)
     inline = fast is not None and fast.nbytes <= area and placement != 1
+    if fast is not None and not inline:
+        fast = _wireplan.checked(fast)  # packed later, once the ranks agreed: check it now
     digest = (0, 0) if fast is None else fast.plan.digest
     values = row(call, root, lengths, placement, digest, inline)
     if inline:
         assert fast is not None
-        _dist_payload.send(fast, stride, g.device, mine, prefix=values)
+        if not _dist_payload.send(fast, stride, g.device, mine, prefix=values):
+            # Another device or layout past the first tensor: no plan from this rank.
+            fast, inline = None, False
+            write_row(mine, row(call, root, lengths, placement))
     else:
         write_row(mine, values)
         if area:
@@ -162,4 +168,4 @@ def exchange(
     g.state.capacity = next_capacity(g.state.capacity, rows)
     check_calls(g.ranks, rows)
     heads = [values[ROW_INTS:] for values in ints] if n > ROW_INTS else None
-    return First(rows, Payloads(out, ROW_BYTES, stride, heads))
+    return First(rows, Payloads(out, ROW_BYTES, stride, heads), fast)

@@ -41,7 +41,7 @@ from treegather._caches import LRU
 from treegather._dist_layout import layout_text
 from treegather._rules import Cat
 
-__all__ = ["WirePlan", "Local", "prepare", "padded", "plan_count", "clear_plans"]
+__all__ = ["Local", "WirePlan", "checked", "clear_plans", "padded", "plan_count", "prepare"]
 
 ALIGN = 16
 INT64 = 8
@@ -129,7 +129,27 @@ class Local(NamedTuple):
     sizes: int | None
     blob: bytes  # the pickled non-tensor leaves (empty when there are none)
     nbytes: int
-    devices: frozenset[torch.device]
+    devices: frozenset[torch.device]  # the first tensor leaf's, until ``checked``
+    checked: bool = False  # every tensor leaf is known to be strided and on ``devices``
+
+
+def checked(local: Local) -> Local | None:
+    """``local`` once every tensor leaf is known to be strided and on one device, else ``None``.
+
+    :func:`prepare` looks at the first tensor leaf only (reading every leaf's device and layout
+    costs as much as the rest of a repeated call's lookup): packing straight into the first
+    collective checks the others, since ``torch.cat`` into a strided buffer refuses other
+    devices and layouts, and a rank whose packing fails sends no plan. A payload that will be
+    packed after the ranks agreed on the plan is checked here first.
+    """
+    if local.checked:
+        return local
+    objects = frozenset(local.plan.objects)
+    tensors = [x for i, x in enumerate(local.leaves) if i not in objects]
+    devices = frozenset(map(_DEVICE, tensors))
+    if len(devices) > 1 or list(map(_LAYOUT, tensors)).count(torch.strided) != len(tensors):
+        return None
+    return local._replace(devices=devices, checked=True)
 
 
 class _Seen(NamedTuple):
@@ -147,8 +167,9 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
     """This rank's call as a :class:`Local`, or ``None`` when only the full exchange will do.
 
     ``None`` (this rank sends a zero digest, and every rank takes the full exchange) for bad
-    ``sizes``, sparse/quantized/meta/nested tensors, tensors on several devices, unpicklable
-    leaves or node metadata, or a layout that does not resolve: the full exchange reports those.
+    ``sizes``, sparse/quantized/meta/nested tensors, unpicklable leaves or node metadata, or a
+    layout that does not resolve: the full exchange reports those. Tensors on several devices
+    or of other layouts past the first are found by :func:`checked` or by packing.
     """
     if sizes is not None and (type(sizes) is not int or sizes < 0):
         return None
@@ -157,11 +178,12 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         shapes, dtypes, objects = _signature(leaves)
     except Exception:
         return None
-    tensors = [leaves[i] for i, d in enumerate(dtypes) if d is not None] if objects else leaves
-    devices = frozenset(map(_DEVICE, tensors))
-    if len(devices) > 1 or list(map(_LAYOUT, tensors)).count(torch.strided) != len(tensors):
-        return None
-    if devices and next(iter(devices)).type == "meta":
+    if objects:
+        first = next((leaves[i] for i, d in enumerate(dtypes) if d is not None), None)
+    else:
+        first = leaves[0] if leaves else None
+    devices = frozenset() if first is None else frozenset((first.device,))
+    if first is not None and (first.layout != torch.strided or first.device.type == "meta"):
         return None
     seen = _seen(structure, spec, dtypes, shapes, layout, dim, sizes is not None)
     if seen is None or seen.plan is None:
@@ -175,7 +197,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         except Exception:
             return None
     nbytes = seen.tensor_bytes + len(blob)
-    return Local(seen.plan, leaves, seen.rows, sizes, blob, nbytes, devices)
+    return Local(seen.plan, leaves, seen.rows, sizes, blob, nbytes, devices, len(leaves) < 2)
 
 
 def _seen(

@@ -152,7 +152,7 @@ def all_gather(
         return _full_all_gather(g, tree, layout, dim, sizes)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
-    rows = opening.rows
+    rows, fast = opening.rows, opening.fast
     if fast is None or not _pre.digests_agree(rows):
         return _full_all_gather(g, tree, layout, dim, sizes, first=False)
     nbytes = [r[_pre.NBYTES] for r in rows]
@@ -163,7 +163,8 @@ def all_gather(
     keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
     out = _dist_group.receive_buffer(g, stride * len(g.ranks), device, keep=keep)
     # In place: this rank's payload is packed straight into its own slot of the output.
-    mine = _dist_payload.send(fast, stride, device, out[g.rank * stride : (g.rank + 1) * stride])
+    mine = out[g.rank * stride : (g.rank + 1) * stride]
+    _dist_payload.send(fast, stride, device, mine)
     _all_gather_into(out, mine, g.handle)
     payloads = _dist_payload.Payloads(out, 0, stride)
     return _dist_combine.fast(g.ranks, fast, payloads, nbytes, device, layout, dim)
@@ -253,7 +254,7 @@ def gather(
         return _full_gather(g, dst, root, tree, layout, dim, sizes)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
-    rows = opening.rows
+    rows, fast = opening.rows, opening.fast
     if fast is None or not _pre.digests_agree(rows):
         return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False)
     nbytes = [r[_pre.NBYTES] for r in rows]
@@ -274,9 +275,8 @@ def _gather_payloads(
     g: Group, dst: int, root: int, fast: _wireplan.Local, stride: int, device: torch.device
 ) -> _dist_payload.Payloads:
     """Gather every rank's payload to ``dst`` (elsewhere, what is returned is not read)."""
-    send = _dist_payload.send(
-        fast, stride, device, torch.empty(stride, dtype=torch.uint8, device=device)
-    )
+    send = torch.empty(stride, dtype=torch.uint8, device=device)
+    _dist_payload.send(fast, stride, device, send)
     if g.rank != root:
         dist.gather(send, None, dst=dst, group=g.handle)
         return _dist_payload.Payloads(send, 0, stride)
