@@ -5,13 +5,16 @@ One rank's payload, for a :class:`~treegather._wireplan.WirePlan`::
     [status, rows of each tensor leaf, sizes (int64) | pad | a region per (dtype, trailing shape) | objects]
 
 :func:`payload` writes each region with one ``torch.cat`` (``torch.stack`` for 0-dim leaves)
-straight into the buffer the collective sends. :func:`parse` reads every rank's payload back
-as views. For the default rules (``cat`` along dim 0, ``as_list`` for other leaves)
-:func:`unpack` builds the results vectorised: a region of many small leaves is reordered from
-rank-major to leaf-major rows with one ``index_select`` and split once into the result leaves;
-large leaves are one ``torch.cat`` each (one copy per result leaf, each with its own storage).
-Other layouts rebuild each rank's leaves with :func:`rank_leaves` and apply the rules of
-:func:`treegather.gather`.
+straight into the buffer the collective sends (after the first collective's row, when the
+payload rides with it). Every rank's payload arrives in one buffer at a fixed stride
+(:class:`Payloads`); :func:`parse` reads the heads and works out where each rank's values are.
+For the default rules (``cat`` along dim 0, ``as_list`` for other leaves) :func:`unpack`
+builds the results vectorised: a region's rows are reordered from rank-major to leaf-major
+with one ``index_select`` (straight from the receive buffer when the rows are aligned in it;
+the permutation is kept while the rows repeat) and split once into the result leaves; large
+leaves are one ``torch.cat`` each (one copy per result leaf, each with its own storage). Every
+result is a copy, so the buffer may be reused. Other layouts rebuild each rank's leaves with
+:func:`rank_leaves` (views of the buffer) and apply the rules of :func:`treegather.gather`.
 """
 
 from __future__ import annotations

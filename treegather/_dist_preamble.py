@@ -8,8 +8,9 @@ Every call starts with one all-gather of ``ROW_BYTES + capacity`` bytes per rank
 ``digest`` is the wire plan's (:mod:`treegather._wireplan`; ``(0, 0)``: no plan on this rank)
 and ``inline`` says whether the rank's wire-plan payload follows the row in the same buffer.
 When every rank sent the same digest and its payload inline, that one collective is the whole
-call: a repeated structure of a few hundred KiB or less costs what the one-collective floor
-does, plus the row. Otherwise the payload (or the full exchange) follows as before.
+call (``gather``: plus the outcome): a repeated structure of up to a few hundred KiB per rank
+costs one collective, like a single ``all_gather`` of its bytes. Otherwise the payload (or the
+full exchange) follows in a collective of its own, and the inline bytes are not read.
 
 ``capacity`` is part of the process group's state (:class:`treegather._dist_group.GroupState`):
 every rank computes the next one with :func:`next_capacity` from the rows it just received,
@@ -103,6 +104,12 @@ def next_capacity(capacity: int, rows: Sequence[Sequence[int]]) -> int:
     A function of ``rows`` alone (and the previous capacity), so the same on every rank. Only
     an agreed wire-plan call (all-gather or gather) moves it: up to its largest payload plus a
     quarter when that did not fit, down when the payloads shrank below a quarter of it.
+
+    >>> rows = [row(ALL_GATHER, -1, (0, 3000), 0, (5, 6), True)] * 2  # 3000-byte payloads
+    >>> next_capacity(0, rows), next_capacity(4096, rows), next_capacity(65536, rows)
+    (4096, 4096, 4096)
+    >>> next_capacity(0, [row(ALL_GATHER, -1, (0, 3000), 0)] * 2)  # no plan: unchanged
+    0
     """
     calls = {r[CALL] for r in rows}
     if len(calls) > 1 or calls.pop() not in (ALL_GATHER, GATHER) or not digests_agree(rows):
