@@ -54,11 +54,16 @@ def payload(local: Local, out: torch.Tensor, prefix: Sequence[int] = ()) -> bool
     try:
         _payload(local, out, prefix)
     except Exception:
-        out.zero_()
-        status = torch.tensor([*prefix, _FAILED], dtype=torch.int64)
-        out[: INT64 * len(status)].view(torch.int64).copy_(status)
+        _failed(out, prefix)
         return False
     return True
+
+
+def _failed(out: torch.Tensor, prefix: Sequence[int]) -> None:
+    """``out`` as a payload that says packing failed (every rank then raises)."""
+    out.zero_()
+    status = torch.tensor([*prefix, _FAILED], dtype=torch.int64)
+    out[: INT64 * len(status)].view(torch.int64).copy_(status)
 
 
 _FAILED = 1
@@ -76,9 +81,13 @@ def send(
     home = next(iter(fast.devices)) if fast.devices else device
     if home == device:
         return payload(fast, buf, prefix)
-    staged = torch.empty(stride, dtype=torch.uint8, device=home)
-    packed = payload(fast, staged, prefix)
-    buf.copy_(staged)
+    try:  # never raise on one rank only: the others would wait in the collective
+        staged = torch.empty(stride, dtype=torch.uint8, device=home)
+        packed = payload(fast, staged, prefix)
+        buf.copy_(staged)
+    except Exception:
+        _failed(buf, prefix)
+        return False
     return packed
 
 
