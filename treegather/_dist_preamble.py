@@ -151,21 +151,7 @@ def exchange(
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
     mine = out[g.rank * stride : (g.rank + 1) * stride]
     placement = _dist_group.placement(g, devices)
-    inline = fast is not None and fast.nbytes <= area and placement != 1
-    if fast is not None and not inline:
-        fast = _wireplan.checked(fast)  # packed later, once the ranks agreed: check it now
-    digest = (0, 0) if fast is None else fast.plan.digest
-    values = row(call, root, lengths, placement, digest, inline)
-    if inline:
-        assert fast is not None
-        if not _dist_payload.send(fast, stride, g.device, mine, prefix=values):
-            # Another device or layout past the first tensor: no plan from this rank.
-            fast, inline = None, False
-            write_row(mine, row(call, root, lengths, placement))
-    else:
-        write_row(mine, values)
-        if area:
-            mine[ROW_BYTES:].zero_()
+    fast, inline = _fill(g, mine, (call, root, lengths, placement), fast)
     # In place: this rank's chunk of the output is its input (NCCL and gloo both accept that).
     collective(out, mine, g.handle)
     n = ROW_INTS + (fast.plan.head_ints if inline and fast is not None else 0)
@@ -176,3 +162,25 @@ def exchange(
     check_calls(g.ranks, rows)
     heads = [values[ROW_INTS:] for values in ints] if n > ROW_INTS else None
     return First(rows, Payloads(out, ROW_BYTES, stride, heads), fast)
+
+
+def _fill(
+    g: Group, mine: torch.Tensor, fields: tuple[int, int, tuple[int, int], int], fast: Local | None
+) -> tuple[Local | None, bool]:
+    """Write this rank's row (``fields``: call, root, lengths, placement) and, when it fits,
+    its payload after it. Returns the plan this rank sends (``None``: none) and whether its
+    payload is inline.
+    """
+    area = mine.numel() - ROW_BYTES
+    inline = fast is not None and fast.nbytes <= area and fields[3] != 1
+    if fast is not None and not inline:
+        fast = _wireplan.checked(fast)  # packed later, once the ranks agreed: check it now
+    if fast is not None and inline:
+        values = row(*fields, fast.plan.digest, inline=True)
+        if _dist_payload.send(fast, mine.numel(), g.device, mine, prefix=values):
+            return fast, True
+        fast = None  # another device or layout past the first tensor: no plan from this rank
+    write_row(mine, row(*fields) if fast is None else row(*fields, fast.plan.digest))
+    if area:
+        mine[ROW_BYTES:].zero_()
+    return fast, False
