@@ -487,7 +487,8 @@ def _count_calls(rank: int, world: int) -> dict[str, Any]:
     assert len(leaves) == 1000 and {x.dtype for x in leaves} == {torch.float32, torch.int64}
     counts: dict[str, Any] = {}
     for op, call in (
-        ("all_gather", lambda: tgd.all_gather(tree)),
+        ("all_gather", lambda: tgd.all_gather(tree)),  # larger than anything before it
+        ("all_gather_again", lambda: tgd.all_gather(tree)),
         ("gather", lambda: tgd.gather(tree, dst=0)),
         ("broadcast", lambda: tgd.broadcast(tree, src=0)),
     ):
@@ -528,6 +529,11 @@ def _rows_tree(rank: int, step: int) -> Any:
     }
 
 
+def _wide(rank: int, step: int = 0) -> Any:
+    """One float32 leaf of 300 KiB and more per rank: larger than any inline payload."""
+    return {"x": torch.full((rank + 300, 256), float(rank + step)), "n": torch.arange(rank + 1)}
+
+
 def _alternating(rank: int, world: int) -> bool:
     """Alternating structures holding leaves whose repr raises, strings and None."""
     import treegather.distributed as tgd
@@ -561,12 +567,31 @@ def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
     tgd._full_all_gather = counted
     report: dict[str, Any] = {}
     try:
+        tgd.all_gather(_rows_tree(rank, 2))  # the largest rows below: the capacity holds them
         for step in range(3):  # a repeated structure whose rows vary per call
             with _counting() as calls:
                 got = tgd.all_gather(_rows_tree(rank, step))
             expected = tg.gather([_rows_tree(r, step) for r in range(world)], "cpu")
             assert_tree_equal(got, expected)
             report[("repeated", step)] = (list(calls), len(full))
+        for step in (6, 6):  # rows that outgrow the capacity: payload apart once, then inline
+            with _counting() as calls:
+                got = tgd.all_gather(_rows_tree(rank, step))
+            assert_tree_equal(got, tg.gather([_rows_tree(r, step) for r in range(world)], "cpu"))
+            report.setdefault("grown", []).append((list(calls), len(full)))
+        kept = []
+        for step in range(2):  # above the largest inline payload: always a second collective
+            with _counting() as calls:
+                got = tgd.all_gather(_wide(rank, step))
+            kept.append(got)
+            report.setdefault("wide", []).append((list(calls), len(full)))
+        for step, got in enumerate(kept):  # the group reuses its receive buffer: no aliasing
+            assert_tree_equal(got, tg.gather([_wide(r, step) for r in range(world)], "cpu"))
+        with _counting() as calls:  # gather: the payloads ride with the rows, then the outcome
+            got = tgd.gather(_rows_tree(rank, 1), dst=world - 1)
+        expected = tg.gather([_rows_tree(r, 1) for r in range(world)], "cpu")
+        assert_tree_equal(got, expected if rank == world - 1 else None)
+        report["gather"] = (list(calls), len(full))
         # One rank passes its keys in another order: every rank falls back, same result.
         with _counting() as calls:
             got = tgd.all_gather(_key_order(rank))
@@ -624,6 +649,7 @@ def _checks(rank: int, world: int, fast: bool) -> dict[Any, Any]:
         results["fast"] = _capture(lambda: _fast_path_checks(rank, world))
     results["dim1"] = _capture(lambda: _dim1(rank, world))
     results["alternating"] = _capture(lambda: _alternating(rank, world))
+    results["capacity"] = tgd._dist_group.group(None).state.capacity
     sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
     if rank in (0, world - 1):
         results["subgroup"] = _capture(lambda: _subgroup(sub, rank, world))
@@ -800,18 +826,36 @@ def test_collectives_do_not_grow_with_leaves(group_results: Any) -> None:
     for res in results:
         counts = _ok(res["count"])
         assert counts["all_gather_rows"] == sum(r + 2 for r in range(world))
-        for op in ("all_gather", "gather", "broadcast"):
+        for op in ("all_gather", "all_gather_again", "gather", "broadcast"):
             assert len(counts[op]) <= 4, (op, counts[op])
-        # The exact protocol, pinned: a length exchange, then one buffer (gather: headers + data).
-        # (``all_gather_single`` is torch >= 2.13's name for ``all_gather_into_tensor``.)
+        # The exact protocol, pinned (``all_gather_single`` is torch >= 2.13's name for
+        # ``all_gather_into_tensor``). The full exchange: a length exchange, then one buffer
+        # (gather: headers + data, then the outcome). The wire plan: rows and payload in one
+        # collective once the group's inline capacity holds the payload; the first call of a
+        # larger tree finds it too small and sends the payload in a second collective.
         ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
         assert counts["all_gather"] == [ag, ag]
-        assert counts["gather"] == [ag, "gather", "broadcast"]
+        if "fast" in res:
+            assert counts["all_gather_again"] == [ag]
+            assert counts["gather"] == [ag, "broadcast"]
+        else:
+            assert counts["all_gather_again"] == [ag, ag]
+            assert counts["gather"] == [ag, "gather", "broadcast"]
         assert counts["broadcast"] == [ag, "broadcast"]
 
 
+def test_inline_capacity_is_the_same_on_every_rank(group_results: Any) -> None:
+    """The size of every first collective: grown by the wire-plan calls, equal on every rank."""
+    _, results = group_results
+    capacities = {res["capacity"] for res in results}
+    assert len(capacities) == 1, capacities
+    if "fast" in results[0]:
+        assert 0 < capacities.pop() <= 256 << 10
+
+
 def test_repeated_structure_takes_the_fingerprint_path(group_results: Any) -> None:
-    """Two collectives, no full exchange (no pickled header), whatever the rows of each call."""
+    """One collective, no full exchange (no pickled header), whatever the rows of each call;
+    two when the payload does not fit the inline capacity (grown rows, large payloads)."""
     _, results = group_results
     ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     for res in results:
@@ -820,7 +864,10 @@ def test_repeated_structure_takes_the_fingerprint_path(group_results: Any) -> No
         report = _ok(res["fast"])
         for step in range(3):
             calls, full = report[("repeated", step)]
-            assert calls == [ag, ag] and full == 0, (step, calls, full)
+            assert calls == [ag] and full == 0, (step, calls, full)
+        assert report["grown"] == [([ag, ag], 0), ([ag], 0)], report["grown"]
+        assert report["wide"] == [([ag, ag], 0), ([ag, ag], 0)], report["wide"]
+        assert report["gather"] == ([ag, "broadcast"], 0), report["gather"]
 
 
 def test_changed_structure_falls_back_on_every_rank(group_results: Any) -> None:
@@ -943,23 +990,21 @@ def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:
     branch that packs where the tensors live, moves the whole payload in one copy and moves the
     received bytes to the target in one copy per rank runs here; on a GPU it is the same code.
     """
-    import treegather.distributed as tgd
-    from treegather import _wireplan
+    from treegather import _dist_payload, _wireplan
 
     tree = {"x": torch.arange(12.0).view(6, 2), "n": torch.tensor(3), "s": "a", "b": [True]}
     local = _wireplan.prepare(tree, None, 0, None)
     assert local is not None
     stride = _wireplan.padded(local.nbytes)
-    direct = tgd._fast_send(
-        local, stride, torch.device("cpu"), torch.empty(stride, dtype=torch.uint8)
-    )
+    direct = torch.empty(stride, dtype=torch.uint8)
+    assert _dist_payload.send(local, stride, torch.device("cpu"), direct)
     elsewhere = local._replace(devices=frozenset({torch.device("cpu", 0)}))
-    staged = tgd._fast_send(
-        elsewhere, stride, torch.device("cpu"), torch.empty(stride, dtype=torch.uint8)
-    )
+    staged = torch.empty(stride, dtype=torch.uint8)
+    assert _dist_payload.send(elsewhere, stride, torch.device("cpu"), staged)
     assert torch.equal(direct, staged)
-    received = _wireplan.parse(local.plan, [staged], [local.nbytes], torch.device("cpu", 0))
-    assert_tree_equal(_wireplan.unpack(local.plan, received), tg.gather([tree], "cpu"))
+    payloads = _dist_payload.Payloads(staged, 0, stride)
+    received = _dist_payload.parse(local.plan, payloads, [local.nbytes], torch.device("cpu", 0))
+    assert_tree_equal(_dist_payload.unpack(local.plan, received), tg.gather([tree], "cpu"))
 
 
 @tg.register_dataclass(static=["flag"])
@@ -986,6 +1031,26 @@ def test_wire_plans_are_type_aware_and_cleared(world_of_one: None) -> None:
     assert _wireplan.plan_count() == 5
     tg.clear_caches()
     assert _wireplan.plan_count() == 0
+
+
+def test_kept_receive_buffer(world_of_one: None) -> None:
+    """A large wire-plan payload is received into a buffer the group keeps for its next call;
+    results never alias it, other layouts never use it, clear_caches() releases it."""
+    import treegather.distributed as tgd
+    from treegather import _dist_group
+
+    tg.clear_caches()
+    first = tgd.all_gather(_wide(0, 1))
+    second = tgd.all_gather(_wide(0, 2))
+    assert len(_dist_group._KEPT) == 1
+    assert_tree_equal(first, tg.gather([_wide(0, 1)], "cpu"))
+    assert_tree_equal(second, tg.gather([_wide(0, 2)], "cpu"))
+    tg.clear_caches()
+    assert len(_dist_group._KEPT) == 0
+    views = tgd.all_gather(_wide(0, 3), tg.first())  # may return views of the received bytes
+    tgd.all_gather(_wide(0, 4), tg.first())
+    assert len(_dist_group._KEPT) == 0
+    assert_tree_equal(views, _wide(0, 3))
 
 
 def test_import_treegather_does_not_import_distributed(group_results: Any) -> None:
@@ -1115,3 +1180,20 @@ def test_local_problems_become_shared_errors(world_of_one: None) -> None:
         tgd.gather({"b": _Broken()})
     with pytest.raises(tg.BatchSizeError, match="sizes must be"):
         tgd.all_gather({"x": torch.ones(1)}, sizes=-1)
+
+
+def test_layouts_past_the_first_leaf_fall_back(world_of_one: None) -> None:
+    """The wire plan looks at the first tensor only; packing (inline) or the check before a
+    separate payload finds a sparse leaf after it, and the full exchange reports it."""
+    import treegather.distributed as tgd
+    from treegather import _dist_group
+
+    tree = {"a": torch.ones(2), "s": torch.eye(2).to_sparse()}
+    state = _dist_group.group(None).state
+    for capacity in (0, 4096):  # a separate payload, then one inline with the row
+        state.capacity = capacity
+        with pytest.raises(tg.LeafTypeError, match=r"(?s)cannot send sparse.*outputs\['s'\]"):
+            tgd.all_gather(tree)
+        with pytest.raises(tg.LeafTypeError, match=r"(?s)cannot send sparse.*outputs\['s'\]"):
+            tgd.gather(tree)
+        assert state.capacity == capacity  # no plan agreed: the capacity stays

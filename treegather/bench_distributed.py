@@ -11,7 +11,8 @@ per column so that drifting load on a shared machine hits every column alike:
 - ``floor``: one ``all_gather_into_tensor`` of a flat buffer that already holds the payload (the
   largest rank's byte count, so no size exchange): what the transport costs, no pytree work;
 - ``treegather``: ``treegather.distributed.all_gather(tree)`` (a repeated structure: the cached
-  wire plan, two collectives);
+  wire plan; one collective while the payload fits the group's inline capacity, else two; the
+  ``collectives`` entry counts them in one more call);
 - ``all_gather_object``: ``torch.distributed.all_gather_object`` of the tree, then a merge that
   concatenates every leaf (pickles every tensor);
 - ``per-leaf``: for every leaf, all-gather its size, pad it to the largest rank's, all-gather it,
@@ -212,8 +213,31 @@ def _row(
     row["treegather_vs_floor"] = row["treegather_ms"] / row["floor_ms"]
     row["object_vs_treegather"] = row["object_ms"] / row["treegather_ms"]
     row["per_leaf_vs_treegather"] = row["per_leaf_ms"] / row["treegather_ms"]
-    row["collectives"] = {"floor": 1, "treegather": 2, "object": 2, "per_leaf": 2 * len(tree)}
+    row["collectives"] = {
+        "floor": 1,
+        "treegather": _collectives(tgd, tree),
+        "object": 2,
+        "per_leaf": 2 * len(tree),
+    }
     return row
+
+
+def _collectives(tgd: Any, tree: Any) -> int:
+    """How many collectives one more (repeated) call makes: each goes through _all_gather_into."""
+    real = tgd._all_gather_into
+    count = 0
+
+    def counted(*args: Any) -> None:
+        nonlocal count
+        count += 1
+        real(*args)
+
+    tgd._all_gather_into = counted
+    try:
+        tgd.all_gather(tree)
+    finally:
+        tgd._all_gather_into = real
+    return count
 
 
 def _worker(
@@ -283,7 +307,7 @@ def run(
     Example:
         >>> rows = run(leaves=(10,), large=0, repeats=2)
         >>> rows[0]["tree"], rows[0]["collectives"]["treegather"], rows[0]["collectives"]["per_leaf"]
-        ('10 x [8, 4]', 2, 20)
+        ('10 x [8, 4]', 1, 20)
     """
     import tempfile
 

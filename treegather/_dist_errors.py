@@ -1,0 +1,252 @@
+"""The errors of :mod:`treegather.distributed`: the same message on every rank.
+
+Every rank checks every rank's header of the full exchange (:mod:`treegather._wire`) with
+:func:`check`, so that when the trees differ every rank raises the same error, naming the leaf
+path and the (global) ranks. Structures that differ take one more exchange to name every
+differing node (:func:`node_table`, then :func:`raise_structure_mismatch` on every rank's table).
+``gather`` sends ``dst``'s outcome to the other ranks, which rebuild it with
+:func:`rebuild_error`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import torch
+from optree import PyTreeSpec
+
+from treegather import _tree, _wire
+from treegather._dist_group import Collective, Group
+from treegather._errors import (
+    BatchSizeError,
+    LayoutError,
+    LeafTypeError,
+    ShapeMismatchError,
+    StructureMismatchError,
+    TreegatherError,
+)
+
+__all__ = [
+    "ERROR_CLASSES",
+    "StructuresDiffer",
+    "check",
+    "name_differences",
+    "node_table",
+    "outcome_of",
+    "raise_structure_mismatch",
+    "rebuild_error",
+]
+
+ERROR_CLASSES: dict[str, type[TreegatherError]] = {
+    cls.__name__: cls
+    for cls in (
+        BatchSizeError,
+        LayoutError,
+        LeafTypeError,
+        ShapeMismatchError,
+        StructureMismatchError,
+        TreegatherError,
+    )
+}
+
+
+class StructuresDiffer(Exception):
+    """The fingerprints differ: every rank must join the exchange that names the differences."""
+
+
+def check(ranks: Sequence[int], headers: list[dict[str, Any]], local: _wire.Packed) -> None:
+    """Raise when a rank failed or the trees disagree (the same error wherever it runs).
+
+    ``ranks`` are the group's global ranks. Raises :class:`StructuresDiffer` when the
+    structures differ: naming the differences takes one more exchange, which every rank must
+    then join.
+    """
+    _raise_rank_errors(ranks, headers)
+    layouts = [h["layout"] for h in headers]
+    if len({key for key, _ in layouts}) > 1:
+        raise LayoutError(
+            _wire.format_problems(
+                "the ranks passed different layouts or dims (each rank would combine the trees "
+                "with other rules)",
+                [f"{shown} on {_ranks_text(ranks, rs)}" for shown, rs in _group_by(layouts)],
+                "pass the same layout= and dim= on every rank",
+            )
+        )
+    if len({h["fingerprint"] for h in headers}) > 1:
+        raise StructuresDiffer
+    _check_leaf_kinds(ranks, headers, local)
+    sizes = [h["sizes"] for h in headers]
+    if len({s is None for s in sizes}) > 1:
+        raise BatchSizeError(
+            "sizes= was passed on some ranks only: "
+            + _by_rank(ranks, ["None" if s is None else str(s) for s in sizes])
+            + "\nHint: pass sizes= (this rank's batch size) on every rank, or on none"
+        )
+
+
+def _raise_rank_errors(ranks: Sequence[int], headers: list[dict[str, Any]]) -> None:
+    """Problems a rank found before the exchange, raised on every rank (grouped by message)."""
+    errors = [(i, h["error"]) for i, h in enumerate(headers) if "error" in h]
+    if not errors:
+        return
+    cls = ERROR_CLASSES.get(errors[0][1][0], TreegatherError)
+    by_message: dict[str, list[int]] = {}
+    for i, (_, msg) in errors:
+        by_message.setdefault(msg, []).append(ranks[i])
+    raise cls(
+        "\n".join(
+            f"on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
+            for msg, rs in by_message.items()
+        )
+    )
+
+
+def _check_leaf_kinds(
+    ranks: Sequence[int], headers: list[dict[str, Any]], local: _wire.Packed
+) -> None:
+    """Same structure: a tensor at the same paths on every rank, of the same dtype."""
+    assert local.up_spec is not None
+    kinds = [_wire.up_kinds(h, local.up_spec.num_leaves) for h in headers]
+    if all(k == kinds[0] for k in kinds[1:]):
+        return
+    mixed, dtypes = [], []
+    for j, path in enumerate(_wire.leaf_paths(local.up_spec)):
+        per_rank = [k[j] for k in kinds]
+        if len(set(per_rank)) == 1:
+            continue
+        tensors = [p is not None and p.startswith("Tensor(") for p in per_rank]
+        if len(set(tensors)) > 1:
+            described = [_wire.describe_up(h, j, k) for h, k in zip(headers, per_rank)]
+            mixed.append(f"{path}: " + _by_rank(ranks, described))
+        elif all(tensors):
+            dtypes.append(f"{path}: " + _by_rank(ranks, [p[7:-1] for p in per_rank if p]))
+    if mixed:
+        raise StructureMismatchError(
+            _wire.format_problems(
+                "leaves are tensors on some ranks and other objects on others",
+                mixed,
+                "every rank must pass a tensor at the same paths (e.g. torch.tensor(x) for "
+                "numbers)",
+            )
+        )
+    raise ShapeMismatchError(
+        _wire.format_problems(
+            "tensor leaves have different dtypes on different ranks",
+            dtypes,
+            "cast them to one dtype on every rank before gathering (e.g. .float())",
+        )
+    )
+
+
+def _group_by(values: Sequence[tuple[str, str]]) -> list[tuple[str, list[int]]]:
+    """``(key, shown)`` per rank -> ``(shown, group ranks)`` per distinct key, in rank order."""
+    seen: dict[str, tuple[str, list[int]]] = {}
+    for i, (key, shown) in enumerate(values):
+        seen.setdefault(key, (shown, []))[1].append(i)
+    return list(seen.values())
+
+
+def _ranks_text(ranks: Sequence[int], members: Sequence[int]) -> str:
+    """``'rank 1'``, ``'ranks 0, 2'`` (global ranks of the group ranks ``members``)."""
+    return f"rank{'s' if len(members) > 1 else ''} {', '.join(str(ranks[i]) for i in members)}"
+
+
+def _by_rank(ranks: Sequence[int], values: Sequence[str]) -> str:
+    """``'float32 on ranks 0, 2; int64 on rank 1'``."""
+    seen: dict[str, list[int]] = {}
+    for i, v in enumerate(values):
+        seen.setdefault(v, []).append(ranks[i])
+    return "; ".join(
+        f"{v} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+        for v, rs in seen.items()
+    )
+
+
+# ------------------------------------------------------------------------ structure mismatch
+
+
+def node_table(local: _wire.Packed) -> bytes:
+    """This rank's ``(path, node type)`` pairs, pickled, for :func:`raise_structure_mismatch`."""
+    assert local.up_spec is not None
+    described = [
+        (_tree.format_path(_wire.ROOT, n.path), _node_name(n.spec))
+        for n in _tree.nodes(local.up_spec)
+    ]
+    return pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _node_name(spec: PyTreeSpec) -> str:
+    if spec.is_leaf():
+        return "a leaf"
+    if spec.kind == spec.kind.NONE:
+        return "None"
+    node_type = spec.type
+    return node_type.__qualname__ if node_type is not None else str(spec.kind)
+
+
+def raise_structure_mismatch(ranks: Sequence[int], tables: Sequence[Any]) -> NoReturn:
+    """Name every node whose path or type differs between the ranks' :func:`node_table`."""
+    per_rank = [dict(t) for t in tables]
+    all_paths: dict[str, None] = {}
+    for d in per_rank:
+        all_paths.update(dict.fromkeys(d))
+    problems: list[str] = []
+    reported: list[str] = []
+    for path in all_paths:
+        values = [d.get(path, "missing") for d in per_rank]
+        if len(set(values)) == 1:
+            continue
+        # Below a node reported as missing or of another type, every path differs too.
+        if any(path.startswith(p) and path[len(p)] in "[." for p in reported):
+            continue
+        reported.append(path)
+        problems.append(f"{path}: " + _by_rank(ranks, values))
+    raise StructureMismatchError(
+        _wire.format_problems(
+            "the ranks passed trees of different structure",
+            problems or ["same paths and node types, but different node metadata (static fields)"],
+            "every rank must pass the same keys, fields and lengths; use the same placeholder "
+            "on every rank for values a rank does not have",
+        )
+    )
+
+
+def _all_gather_bytes(collective: Collective, g: Group, payload: bytes) -> list[Any]:
+    """All-gather one pickled object per rank (two collectives)."""
+    n = len(payload)
+    lengths = torch.empty(len(g.ranks), dtype=torch.int64, device=g.device)
+    collective(lengths, torch.tensor([n], dtype=torch.int64, device=g.device), g.handle)
+    sizes = lengths.tolist()
+    stride = max(sizes)
+    mine = torch.zeros(stride, dtype=torch.uint8, device=g.device)
+    mine[:n].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
+    collective(out, mine, g.handle)
+    return [
+        pickle.loads(buf[:k].cpu().numpy().tobytes())
+        for buf, k in zip(out.view(len(g.ranks), stride), sizes)
+    ]
+
+
+def name_differences(collective: Collective, g: Group, local: _wire.Packed) -> NoReturn:
+    """Exchange the node paths (only on this error path) and name every difference."""
+    raise_structure_mismatch(g.ranks, _all_gather_bytes(collective, g, node_table(local)))
+
+
+# ------------------------------------------------------------------------------- gather
+
+
+def outcome_of(exc: Exception) -> bytes:
+    """What ``gather``'s ``dst`` tells the other ranks about an error it raised."""
+    error = (type(exc).__name__, isinstance(exc, TreegatherError), str(exc))
+    return pickle.dumps(error)
+
+
+def rebuild_error(payload: bytes, dst: int) -> Exception:
+    """The error :func:`outcome_of` describes, to raise on another rank."""
+    name, ours, message = pickle.loads(payload)
+    if ours:
+        return ERROR_CLASSES.get(name, TreegatherError)(message)
+    return RuntimeError(f"treegather.distributed.gather failed on rank {dst}: {name}: {message}")

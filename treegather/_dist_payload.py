@@ -1,0 +1,324 @@
+"""The payload of :mod:`treegather.distributed`'s wire plan: packing and unpacking.
+
+One rank's payload, for a :class:`~treegather._wireplan.WirePlan`::
+
+    [status, rows of each tensor leaf, sizes (int64) | pad | a region per (dtype, trailing shape) | objects]
+
+:func:`payload` writes each region with one ``torch.cat`` (``torch.stack`` for 0-dim leaves)
+straight into the buffer the collective sends (after the first collective's row, when the
+payload rides with it). Every rank's payload arrives in one buffer at a fixed stride
+(:class:`Payloads`); :func:`parse` reads the heads and works out where each rank's values are.
+For the default rules (``cat`` along dim 0, ``as_list`` for other leaves) :func:`unpack`
+builds the results vectorised: a region's rows are reordered from rank-major to leaf-major
+with one ``index_select`` (straight from the receive buffer when the rows are aligned in it;
+the permutation is kept while the rows repeat) and split once into the result leaves; large
+leaves are one ``torch.cat`` each (one copy per result leaf, each with its own storage). Every
+result is a copy, so the buffer may be reused. Other layouts rebuild each rank's leaves with
+:func:`rank_leaves` (views of the buffer) and apply the rules of :func:`treegather.gather`.
+"""
+
+from __future__ import annotations
+
+import array
+import pickle
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from treegather._caches import LRU
+from treegather._errors import TreegatherError
+from treegather._wireplan import INT64, Local, Region, WirePlan, padded
+
+__all__ = ["Payloads", "Received", "parse", "payload", "rank_leaves", "send", "unpack"]
+
+_INDEXED_MIN = 32  # leaves per region from which the combine gathers rows with one index
+_OWN_STORAGE = 1 << 18  # bytes per result leaf from which each leaf gets its own tensor
+# Per (plan digest, region): the rows seen last and their permutation (see _permutation).
+_PERMUTATIONS: LRU[Any, tuple[list[list[int]], list[int], torch.Tensor, list[int]]] = LRU(
+    "distributed.row_permutations", maxsize=64, trees=False
+)
+
+
+def payload(local: Local, out: torch.Tensor, prefix: Sequence[int] = ()) -> bool:
+    """Write this rank's payload into ``out`` (uint8, 1-D, at least ``local.nbytes`` long).
+
+    ``prefix`` (``int64`` values, e.g. the first collective's row) goes first, written together
+    with the payload's head; the payload follows. Each region is one ``torch.cat``
+    (``torch.stack`` for 0-dim leaves) straight into ``out``, which should live on the
+    tensors' device; padding bytes are zeroed. Should packing fail (a tensor on another
+    device, a sparse one: see :func:`treegather._wireplan.checked`), ``out`` holds a failure
+    status instead, which every rank reads, and the result is ``False``.
+    """
+    try:
+        _payload(local, out, prefix)
+    except Exception:
+        _failed(out, prefix)
+        return False
+    return True
+
+
+def _failed(out: torch.Tensor, prefix: Sequence[int]) -> None:
+    """``out`` as a payload that says packing failed (every rank then raises)."""
+    out.zero_()
+    status = torch.tensor([*prefix, _FAILED], dtype=torch.int64)
+    out[: INT64 * len(status)].view(torch.int64).copy_(status)
+
+
+_FAILED = 1
+
+
+def send(
+    fast: Local, stride: int, device: torch.device, buf: torch.Tensor, prefix: Sequence[int] = ()
+) -> bool:
+    """Pack ``prefix`` and this rank's payload into ``buf`` (``stride`` bytes on ``device``).
+
+    Each region is one ``cat`` straight into the buffer. When the tensors live on another
+    device than the bytes travel on (GPU tensors on gloo), they are packed there and moved in
+    one copy for the whole tree instead of one per leaf. ``False`` when packing failed.
+    """
+    home = next(iter(fast.devices)) if fast.devices else device
+    if home == device:
+        return payload(fast, buf, prefix)
+    try:  # never raise on one rank only: the others would wait in the collective
+        staged = torch.empty(stride, dtype=torch.uint8, device=home)
+        packed = payload(fast, staged, prefix)
+        buf.copy_(staged)
+    except Exception:
+        _failed(buf, prefix)
+        return False
+    return packed
+
+
+def _payload(local: Local, out: torch.Tensor, prefix: Sequence[int]) -> None:
+    plan = local.plan
+    head = [*prefix, 0, *local.rows]
+    if plan.sizes_given:
+        head.append(local.sizes if local.sizes is not None else 0)
+    ints = torch.frombuffer(array.array("q", head), dtype=torch.int64)
+    out[: INT64 * len(head)].view(torch.int64).copy_(ints)
+    offset = INT64 * len(prefix) + plan.head_bytes
+    _zero(out, INT64 * len(head), offset)
+    if torch.is_grad_enabled():  # cat and stack with out= refuse tensors that require grad
+        with torch.no_grad():
+            offset = _regions(local, out, offset)
+    else:
+        offset = _regions(local, out, offset)
+    if local.blob:
+        blob = torch.frombuffer(bytearray(local.blob), dtype=torch.uint8)
+        out[offset : offset + len(local.blob)].copy_(blob)
+    _zero(out, INT64 * len(prefix) + local.nbytes, out.numel())
+
+
+def _regions(local: Local, out: torch.Tensor, offset: int) -> int:
+    """Write every region from ``offset`` on; return where the objects go."""
+    leaves = local.leaves
+    for region in local.plan.regions:
+        if len(region.positions) == len(leaves):  # every leaf, in leaf order
+            parts = leaves
+        else:
+            parts = [leaves[i] for i in region.positions]
+        if region.trailing is None:
+            nbytes = len(parts) * region.row_bytes
+            torch.stack(parts, out=out[offset : offset + nbytes].view(region.dtype))
+        else:
+            count = sum(local.rows[region.rows])
+            nbytes = count * region.row_bytes
+            target = out[offset : offset + nbytes].view(region.dtype)
+            torch.cat(parts, out=target.view(count, *region.trailing))
+        _zero(out, offset + nbytes, offset + padded(nbytes))
+        offset += padded(nbytes)
+    return offset
+
+
+def _zero(out: torch.Tensor, start: int, stop: int) -> None:
+    """Zero ``out[start:stop]`` (padding: no stale memory travels), skipping empty ranges."""
+    if stop > start:
+        out[start:stop].zero_()
+
+
+class Payloads(NamedTuple):
+    """Every rank's payload in one buffer: rank ``r``'s bytes start at ``offset + r * stride``."""
+
+    buf: torch.Tensor  # uint8, 1-D, ``world * stride`` bytes
+    offset: int
+    stride: int
+    heads: list[list[int]] | None = None  # their head ints, when read already
+
+
+class Received(NamedTuple):
+    """The ranks' payloads, parsed: per rank its rows, sizes and objects; where its values are."""
+
+    rows: list[list[int]]  # per rank: the rows of each row-bearing leaf
+    sizes: list[int] | None
+    objects: list[list[Any]]  # per rank: its non-tensor leaves
+    digest: tuple[int, int]  # the plan's
+    buf: torch.Tensor  # every rank's bytes (on the target device)
+    starts: list[list[int]]  # per region, per rank: where its values start in ``buf``
+    spans: list[list[int]]  # per region, per rank: their bytes
+
+    def values(self, j: int, r: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``r``'s values of region ``j``, flat (a view of ``buf``)."""
+        start = self.starts[j][r]
+        return self.buf[start : start + self.spans[j][r]].view(dtype)
+
+
+def parse(
+    plan: WirePlan, payloads: Payloads, nbytes: Sequence[int], target: torch.device
+) -> Received:
+    """Read every rank's payload; raise on every rank if one of them could not pack its tree.
+
+    The received bytes are moved to ``target`` with one copy when they arrived elsewhere (one
+    coalesced host-to-device transfer instead of one per leaf).
+    """
+    world, n_rows = len(nbytes), len(plan.row_positions)
+    heads = payloads.heads
+    if heads is None:
+        grid = payloads.buf.view(world, payloads.stride)
+        start = payloads.offset
+        heads = grid[:, start : start + INT64 * plan.head_ints].view(torch.int64).tolist()
+    if any(head[0] for head in heads):
+        failed = [r for r, head in enumerate(heads) if head[0]]
+        raise TreegatherError(
+            f"group rank(s) {', '.join(map(str, failed))} could not pack their tree for "
+            "treegather.distributed (see the traceback there); no result on any rank"
+        )
+    rows = [head[1 : 1 + n_rows] for head in heads]
+    sizes = [head[1 + n_rows] for head in heads] if plan.sizes_given else None
+    spans = [
+        [len(region.positions) * region.row_bytes] * world
+        if region.trailing is None
+        else [sum(rank_rows[region.rows]) * region.row_bytes for rank_rows in rows]
+        for region in plan.regions
+    ]
+    starts: list[list[int]] = [[] for _ in plan.regions]
+    objects: list[list[Any]] = []
+    for r in range(world):
+        offset = payloads.offset + r * payloads.stride + plan.head_bytes
+        for j, per_rank in enumerate(spans):
+            starts[j].append(offset)
+            offset += padded(per_rank[r])
+        stop = payloads.offset + r * payloads.stride + nbytes[r]
+        blob = payloads.buf[offset:stop].cpu().numpy().tobytes() if plan.objects else b""
+        objects.append(pickle.loads(blob) if plan.objects else [])
+    buf = payloads.buf if payloads.buf.device == target else payloads.buf.to(target)
+    return Received(rows, sizes, objects, plan.digest, buf, starts, spans)
+
+
+def rank_leaves(plan: WirePlan, received: Received) -> list[list[Any]]:
+    """Each rank's leaves (tensors as views of the received bytes), in leaf order."""
+    out: list[list[Any]] = []
+    for r, objects in enumerate(received.objects):
+        leaves: list[Any] = [None] * plan.spec.num_leaves
+        for pos, obj in zip(plan.objects, objects):
+            leaves[pos] = obj
+        for j, region in enumerate(plan.regions):
+            flat = received.values(j, r, region.dtype)
+            if region.trailing is None:
+                parts: Sequence[torch.Tensor] = flat.unbind()
+            else:
+                rows = received.rows[r][region.rows]
+                parts = flat.view(sum(rows), *region.trailing).split_with_sizes(rows)
+            for pos, part in zip(region.positions, parts):
+                leaves[pos] = part
+        out.append(leaves)
+    return out
+
+
+def unpack(plan: WirePlan, received: Received) -> Any:
+    """The combined tree under the default rules: one copy per region (or per large leaf).
+
+    Leaf ``i`` of a region is rank 0's rows of it, then rank 1's, and so on (0-dim leaves: a
+    vector with one entry per rank). Non-tensor leaves become the list of rank values.
+    """
+    world = len(received.objects)
+    placed: list[Any] = []  # the regions' leaves in region order, then the objects
+    for j, region in enumerate(plan.regions):
+        if region.trailing is None:
+            per_rank = [received.values(j, r, region.dtype) for r in range(world)]
+            placed += torch.stack(per_rank, 1).unbind()
+        else:
+            placed += _region_results(j, region, received)
+    placed += ([objects[j] for objects in received.objects] for j in range(len(plan.objects)))
+    leaves = placed if plan.order is None else [placed[k] for k in plan.order]
+    return plan.spec.unflatten(leaves)
+
+
+def _region_results(j: int, region: Region, received: Received) -> Sequence[torch.Tensor]:
+    """Region ``j``'s result leaves, each every rank's rows of it in rank order."""
+    assert region.trailing is not None
+    if sum(received.spans[j]) >= _OWN_STORAGE * len(region.positions):
+        # Large leaves: one tensor each (one copy), not views of one large block; a block of
+        # tens of MiB is mapped fresh, and page-faulted, on every call.
+        return list(map(torch.cat, zip(*_pieces(j, region, received))))
+    rows = [rank_rows[region.rows] for rank_rows in received.rows]
+    aligned = all(start % region.row_bytes == 0 for start in received.starts[j])
+    if len(rows) > 1 and (aligned or len(region.positions) >= _INDEXED_MIN):
+        return _gather_rows(j, region, received, rows, aligned)
+    merged = torch.cat([p for column in zip(*_pieces(j, region, received)) for p in column])
+    return merged.split_with_sizes(list(map(sum, zip(*rows))))
+
+
+def _pieces(j: int, region: Region, received: Received) -> list[tuple[torch.Tensor, ...]]:
+    """Per rank, one view per leaf of its values of region ``j``."""
+    assert region.trailing is not None
+    out = []
+    for r, rows in enumerate(received.rows):
+        rs = rows[region.rows]
+        flat = received.values(j, r, region.dtype)
+        out.append(flat.view(sum(rs), *region.trailing).split_with_sizes(rs))
+    return out
+
+
+def _gather_rows(
+    j: int, region: Region, received: Received, rows: list[list[int]], aligned: bool
+) -> Sequence[torch.Tensor]:
+    """Rank-major rows reordered leaf-major with one ``index_select``, split into the leaves.
+
+    Splitting every rank's values into one view per leaf costs about a microsecond per view;
+    the permutation is a few vectorised ops whatever the number of leaves. When every rank's
+    values start at a multiple of the row size (``aligned``: always for rows of 16 bytes or a
+    divisor of 16), the rows are selected straight from the received buffer; otherwise (many
+    leaves only) from a copy of the ranks' values side by side.
+    """
+    assert region.trailing is not None
+    row_bytes = region.row_bytes
+    if aligned:
+        n = received.buf.numel() // row_bytes
+        source = received.buf.view(region.dtype)[: n * (row_bytes // region.dtype.itemsize)]
+        source = source.view(n, *region.trailing)
+        base = [start // row_bytes for start in received.starts[j]]
+    else:
+        per_rank = [received.values(j, r, region.dtype) for r in range(len(rows))]
+        source = torch.cat([flat.view(-1, *region.trailing) for flat in per_rank])
+        base = [0]
+        for rank_rows in rows[:-1]:
+            base.append(base[-1] + sum(rank_rows))
+    index, totals = _permutation((received.digest, j), rows, base)
+    if index.device != source.device:
+        index = index.to(source.device)
+    return source.index_select(0, index).split_with_sizes(totals)
+
+
+def _permutation(
+    key: Any, rows: list[list[int]], base: list[int]
+) -> tuple[torch.Tensor, list[int]]:
+    """Rows of leaf ``l`` of rank ``r`` start at ``base[r] + (rows of leaves < l on r)``: the
+    rows in leaf-major order (leaf 0 of every rank, then leaf 1, ...) as an index, and each
+    leaf's rows over all ranks.
+
+    A few numpy ops whatever the number of leaves; the last permutation per region is kept,
+    since a steady loop sends the same rows call after call.
+    """
+    last = _PERMUTATIONS.get(key)
+    if last is not None and last[0] == rows and last[1] == base:
+        return last[2], last[3]
+    counts = np.array(rows, dtype=np.int64).reshape(len(rows), -1)  # [world, leaves]
+    starts = np.cumsum(counts, 1) - counts + np.array(base, dtype=np.int64)[:, None]
+    lengths = counts.T.reshape(-1)  # leaf-major
+    offsets = starts.T.reshape(-1) - (np.cumsum(lengths) - lengths)
+    index = torch.from_numpy(np.repeat(offsets, lengths) + np.arange(int(lengths.sum())))
+    totals = counts.sum(0).tolist()
+    _PERMUTATIONS.put(key, (rows, base, index, totals))
+    return index, totals
