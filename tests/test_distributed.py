@@ -1197,3 +1197,34 @@ def test_layouts_past_the_first_leaf_fall_back(world_of_one: None) -> None:
         with pytest.raises(tg.LeafTypeError, match=r"(?s)cannot send sparse.*outputs\['s'\]"):
             tgd.gather(tree)
         assert state.capacity == capacity  # no plan agreed: the capacity stays
+
+
+_WITHOUT_NUMPY = """
+import os, sys, tempfile
+sys.modules["numpy"] = None  # as on a machine without numpy: torch does not require it
+import torch, torch.distributed as dist
+import treegather.distributed as tgd
+store = os.path.join(tempfile.mkdtemp(), "store")
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+many = {f"k{i}": torch.full((2, 3), float(i)) for i in range(40)}  # rows picked by one index
+tree = {"x": torch.arange(6.0).view(3, 2), "name": "a", "many": many}
+for _ in range(4):  # the full exchange, then the wire plan
+    out = tgd.all_gather(tree)
+    assert torch.equal(out["x"], tree["x"]) and out["name"] == ["a"], out
+    assert all(torch.equal(out["many"][k], v) for k, v in many.items())
+    assert tgd.gather(tree, 0)["name"] == ["a"] and tgd.broadcast(tree, 0)["name"] == "a"
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_distributed_runs_without_numpy() -> None:
+    """numpy is not a dependency (torch runs without it): object leaves travel as bytes read
+    with torch alone, and the row permutation of many small leaves is computed with torch."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_NUMPY],
+        capture_output=True,
+        text=True,
+        timeout=GROUP_DEADLINE_S,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -225,7 +225,7 @@ def _all_gather_bytes(collective: Collective, g: Group, payload: bytes) -> list[
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
     collective(out, mine, g.handle)
     return [
-        pickle.loads(buf[:k].cpu().numpy().tobytes())
+        pickle.loads(_wire.tensor_bytes(buf[:k]))
         for buf, k in zip(out.view(len(g.ranks), stride), sizes)
     ]
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from treegather import _dist_errors
 from treegather._dist_group import Group
+from treegather._wire import tensor_bytes
 
 __all__ = ["finish_gather"]
 
@@ -68,4 +69,4 @@ def _status(g: Group, src: int, code: int = _OK, payload: bytes = b"") -> tuple[
     if payload:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buf, src=src, group=g.handle)
-    return code, buf.cpu().numpy().tobytes()
+    return code, tensor_bytes(buf)

@@ -24,11 +24,11 @@ import pickle
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from treegather._caches import LRU
 from treegather._errors import TreegatherError
+from treegather._wire import tensor_bytes
 from treegather._wireplan import INT64, Local, Region, WirePlan, padded
 
 __all__ = ["Payloads", "Received", "parse", "payload", "rank_leaves", "send", "unpack"]
@@ -200,7 +200,7 @@ def parse(
             starts[j].append(offset)
             offset += padded(per_rank[r])
         stop = payloads.offset + r * payloads.stride + nbytes[r]
-        blob = payloads.buf[offset:stop].cpu().numpy().tobytes() if plan.objects else b""
+        blob = tensor_bytes(payloads.buf[offset:stop]) if plan.objects else b""
         objects.append(pickle.loads(blob) if plan.objects else [])
     buf = payloads.buf if payloads.buf.device == target else payloads.buf.to(target)
     return Received(rows, sizes, objects, plan.digest, buf, starts, spans)
@@ -308,17 +308,18 @@ def _permutation(
     rows in leaf-major order (leaf 0 of every rank, then leaf 1, ...) as an index, and each
     leaf's rows over all ranks.
 
-    A few numpy ops whatever the number of leaves; the last permutation per region is kept,
+    A few tensor ops whatever the number of leaves; the last permutation per region is kept,
     since a steady loop sends the same rows call after call.
     """
     last = _PERMUTATIONS.get(key)
     if last is not None and last[0] == rows and last[1] == base:
         return last[2], last[3]
-    counts = np.array(rows, dtype=np.int64).reshape(len(rows), -1)  # [world, leaves]
-    starts = np.cumsum(counts, 1) - counts + np.array(base, dtype=np.int64)[:, None]
-    lengths = counts.T.reshape(-1)  # leaf-major
-    offsets = starts.T.reshape(-1) - (np.cumsum(lengths) - lengths)
-    index = torch.from_numpy(np.repeat(offsets, lengths) + np.arange(int(lengths.sum())))
+    counts = torch.tensor(rows, dtype=torch.int64).view(len(rows), -1)  # [world, leaves]
+    starts = counts.cumsum(1) - counts + torch.tensor(base, dtype=torch.int64).unsqueeze(1)
+    lengths = counts.t().reshape(-1)  # leaf-major
+    offsets = starts.t().reshape(-1) - (lengths.cumsum(0) - lengths)
+    total = int(lengths.sum())
+    index = torch.repeat_interleave(offsets, lengths, output_size=total) + torch.arange(total)
     totals = counts.sum(0).tolist()
     _PERMUTATIONS.put(key, (rows, base, index, totals))
     return index, totals

@@ -118,6 +118,19 @@ def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return flat.resolve_conj().resolve_neg().view(torch.uint8)
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a 1-dim ``uint8`` tensor on any device (without numpy, which torch does not
+    require).
+
+    >>> tensor_bytes(torch.tensor([104, 105], dtype=torch.uint8)), tensor_bytes(torch.zeros(0, dtype=torch.uint8))
+    (b'hi', b'')
+    """
+    out = bytearray(t.numel())
+    if out:
+        torch.frombuffer(out, dtype=torch.uint8).copy_(t)
+    return bytes(out)
+
+
 def error_header(cls: type[TreegatherError], message: str) -> bytes:
     return pickle.dumps({"error": (cls.__name__, message)}, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -277,7 +290,7 @@ def message_buffer(
 def read_headers(
     buffers: torch.Tensor | Sequence[torch.Tensor], lengths: Sequence[int]
 ) -> list[dict[str, Any]]:
-    return [pickle.loads(buf[:n].cpu().numpy().tobytes()) for buf, n in zip(buffers, lengths)]
+    return [pickle.loads(tensor_bytes(buf[:n])) for buf, n in zip(buffers, lengths)]
 
 
 def up_kinds(header: dict[str, Any], n: int) -> list[str | None]:
