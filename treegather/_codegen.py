@@ -292,6 +292,11 @@ def _generate(
             consts[name] = value
         return name
 
+    def index(entry: Any) -> str:
+        # A str or int key is written as a literal (a constant of the code: thousands of
+        # closure cells would make compiling slow); anything else is a closure cell.
+        return repr(entry) if type(entry) in (str, int) else const(entry)
+
     if not columns:
         lines = ["  def guard(s0):", "    try:", "      pass"]
         prefixes = ["s"]
@@ -301,13 +306,13 @@ def _generate(
         lines = ["  def guard(trees):", "    try:", f"      {roots}, = trees"]
     checks = _Checks()
     for prefix, keys in zip(prefixes, modes):
-        lines += checks.walk(steps, prefix, keys, const, fail)
+        lines += checks.walk(steps, prefix, keys, (const, index), fail)
     lines += checks.batched(const, fail)
     if leaves is None:
         lines.append("      return True")
     else:
         cells = [
-            [f"{p}{parent}" if entry is _ROOT else f"{p}{parent}[{const(entry)}]" for p in prefixes]
+            [f"{p}{parent}" if entry is _ROOT else f"{p}{parent}[{index(entry)}]" for p in prefixes]
             for parent, entry in leaves
         ]
         if not columns:
@@ -356,13 +361,22 @@ class _Checks:
         self.sizes: list[Any] = []
 
     def walk(
-        self, steps: list[Step], p: str, keys: str, const: Callable[[Any], str], fail: str
+        self,
+        steps: list[Step],
+        p: str,
+        keys: str,
+        names: tuple[Callable[[Any], str], Callable[[Any], str]],
+        fail: str,
     ) -> list[str]:
-        """Lines binding ``{p}{i}`` to node i of one tree and checking it (or queueing checks)."""
+        """Lines binding ``{p}{i}`` to node i of one tree and checking it (or queueing checks).
+
+        ``names`` writes a value into the source: as a closure constant, and as an index.
+        """
+        const, index = names
         lines = []
         for i, (parent, reach, kind, cls, expected) in enumerate(steps, start=1):
             var = f"{p}{i}"
-            src = f"{p}{parent}" if reach is _ROOT else f"{p}{parent}[{const(reach)}]"
+            src = f"{p}{parent}" if reach is _ROOT else f"{p}{parent}[{index(reach)}]"
             lines.append(f"      {var} = {src}")
             if kind == _NONE:
                 lines.append(f"      if {var} is not None: {fail}")
