@@ -13,8 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import treegather as tg
-from treegather._builders import MAX_DEPTH, compiled_builder, compiled_unflatten
-from treegather._codegen import (
+from treegather._compiled import COMPILE_AFTER
+from treegather._compiled.builders import MAX_DEPTH, compiled_builder, compiled_unflatten
+from treegather._compiled.codegen import (
     compiled_columns,
     compiled_guard,
     compiled_reader,
@@ -22,7 +23,6 @@ from treegather._codegen import (
     interpreted_guard,
     structure_steps,
 )
-from treegather._compiled import COMPILE_AFTER
 from treegather._tree import NAMESPACE, flatten
 
 Pair = namedtuple("Pair", ["left", "right"])

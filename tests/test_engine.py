@@ -651,7 +651,7 @@ def test_differential_threads(pair: tuple[Case, Case]) -> None:
     ids=[*corpus.CASE_IDS, "torch_pytree_node"],
 )
 def test_a_structure_is_recognised_from_its_second_call(tree: Any) -> None:
-    """A structure seen before is recognised: one :class:`~treegather._structure.Structure`,
+    """A structure seen before is recognised: one :class:`~treegather._compiled.structure.Structure`,
     found again on every later call. Otherwise the structure never takes the compiled path, and
     each call learns it anew (evicting other structures with its root type)."""
     found = [_compiled.recognise(tree)[1] for _ in range(WARM_CALLS)]

@@ -399,7 +399,8 @@ def test_by_path_with_tuple_paths_is_an_immutable_value() -> None:
 
 
 def test_equal_inline_tuple_path_layouts_share_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    from treegather import _compiled, _structure
+    from treegather import _compiled
+    from treegather._compiled import structure as _structure
 
     calls: list[Any] = []
     real = _compiled.resolve

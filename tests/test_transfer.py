@@ -1,4 +1,4 @@
-"""Coalesced host-device copies (:mod:`treegather._transfer`) and scatter's use of them.
+"""Coalesced host-device copies (:mod:`treegather._compiled.transfer`) and scatter's use of them.
 
 The copies are for CPU batches going to CUDA devices; the packing works between any devices, so
 it is tested here on the CPU (and on a GPU by the CUDA-marked test when one is present).
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import treegather as tg
-from treegather import _compiled, _transfer
-from treegather._transfer import SMALL_BYTES, coalesced_to
+from treegather import _compiled
+from treegather._compiled import transfer as _transfer
+from treegather._compiled.transfer import SMALL_BYTES, coalesced_to
 
 CPU = torch.device("cpu")
 

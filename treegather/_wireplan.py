@@ -11,9 +11,9 @@ differs (or a rank cannot use the plan), every rank takes the full exchange of
 :mod:`treegather._wire`, whose checks and errors are the definition.
 
 Finding the plan is most of a repeated call's own work, so it is cheap: the compiled layer
-(:func:`treegather._structure.recognise`) recognises a structure seen before with its generated
+(:func:`treegather._compiled.structure.recognise`) recognises a structure seen before with its generated
 guard (exact containers, dict keys in order and by type, typed node metadata) and hands back the
-same :class:`~treegather._structure.Structure` each time; the plan seen last with that structure,
+same :class:`~treegather._compiled.structure.Structure` each time; the plan seen last with that structure,
 layout and these exact dtypes and shapes is then one comparison of two lists away. Otherwise
 plans are looked up by the pickled structure (type-aware: ``True``, ``1`` and ``1.0`` differ, and
 so does key order) with each leaf's dtype and trailing shape, in bounded
@@ -36,8 +36,9 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from treegather import _layout, _structure
+from treegather import _layout
 from treegather._caches import LRU
+from treegather._compiled import structure as _structure
 from treegather._dist_layout import layout_text
 from treegather._rules import Cat
 

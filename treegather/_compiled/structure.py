@@ -1,6 +1,6 @@
 """What the compiled layer keeps per structure: recognising a tree seen before, and its plans.
 
-Structures seen twice get a :class:`Structure`: their spec, a guard (:mod:`treegather._codegen`)
+Structures seen twice get a :class:`Structure`: their spec, a guard (:mod:`treegather._compiled.codegen`)
 that checks a tree has exactly that structure, the leaf types seen, and the plans resolved for
 it. Until a structure has been seen ``COMPILE_AFTER`` times its guard is interpreted and a tree
 that passes it is flattened with one ``spec.flatten_up_to`` (C, no dict-key sorting; the guard
@@ -19,10 +19,12 @@ from typing import Any
 import torch
 from optree import PyTreeSpec
 
-from . import _tree
-from ._builders import Builder, compiled_builder, compiled_unflatten
-from ._caches import LRU
-from ._codegen import (
+from .. import _tree
+from .._caches import LRU
+from .._layout import ByPath, Plan, layout_key, resolve
+from .._rules import Rule
+from .builders import Builder, compiled_builder, compiled_unflatten
+from .codegen import (
     Reach,
     Reader,
     Step,
@@ -31,8 +33,6 @@ from ._codegen import (
     interpreted_guard,
     structure_steps,
 )
-from ._layout import ByPath, Plan, layout_key, resolve
-from ._rules import Rule
 
 __all__ = ["COMPILE_AFTER", "Structure", "find", "find_columns", "recognise"]
 

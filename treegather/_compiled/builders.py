@@ -17,7 +17,7 @@ from typing import Any
 
 from optree import PyTreeSpec
 
-from ._codegen import MAX_CELLS
+from .codegen import MAX_CELLS
 
 __all__ = [
     "MAX_DEPTH",

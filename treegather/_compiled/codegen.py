@@ -15,7 +15,7 @@ All are made from a ``PyTreeSpec`` alone (never from user data) and are pure fun
   :func:`compiled_columns` reads gather's k replicas at once, as columns, and can compare each
   leaf's dtype across replicas on the way.
 
-The per-device builders are in :mod:`treegather._builders`.
+The per-device builders are in :mod:`treegather._compiled.builders`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 import optree
 from optree import PyTreeSpec
 
-from ._caches import typed_key
-from ._tree import NAMESPACE
+from .._caches import typed_key
+from .._tree import NAMESPACE
 
 __all__ = [
     "MAX_CELLS",
