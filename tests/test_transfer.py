@@ -47,13 +47,19 @@ def test_coalesced_copies_equal_to() -> None:
     assert all(y.untyped_storage().data_ptr() != storage for y in (ys[1], ys[5], ys[6], ys[8]))
 
 
-def test_coalesced_copies_are_differentiable() -> None:
+def test_tracked_tensors_get_copies_of_their_own() -> None:
+    # Differentiable as .to(), and modifiable in place (a view of a split output is not).
     a = torch.randn(3, 2, requires_grad=True)
     b = torch.randn(4, requires_grad=True)
-    ya, yb = coalesced_to([a * 2, b[1:]], CPU)
-    (ya.sum() + (yb * 3).sum()).backward()
+    ya, yb, yc = coalesced_to([a * 2, b[1:], torch.ones(2)], CPU)
+    assert ya.grad_fn is not None and yb.grad_fn is not None and yc._base is not None
+    yb.mul_(3)
+    (ya.sum() + yb.sum()).backward()
     assert torch.equal(a.grad, torch.full((3, 2), 2.0))  # type: ignore[arg-type]
     assert torch.equal(b.grad, torch.tensor([0.0, 3.0, 3.0, 3.0]))  # type: ignore[arg-type]
+    with torch.no_grad():  # not tracked: packed with the others
+        ya, yc = coalesced_to([a, torch.ones(2)], CPU)
+    assert ya.untyped_storage().data_ptr() == yc.untyped_storage().data_ptr()
 
 
 def _batch() -> dict[str, Any]:

@@ -4,7 +4,8 @@ Moving a batch of many small tensors to a GPU one ``.to()`` at a time costs one 
 its launch overhead) per tensor. :func:`coalesced_to` packs the small contiguous tensors of each
 dtype into one staging buffer (pinned host memory when copying from the CPU to CUDA, so the
 copy is asynchronous), makes one copy per dtype, and hands back views of the copied buffer.
-Large or non-contiguous tensors (channels-last pieces keep their memory format) are moved one by
+Large or non-contiguous tensors (channels-last pieces keep their memory format), and tensors
+autograd tracks (a view of a split may not be modified in place, a copy may), are moved one by
 one, as ``.to()`` would. The compiled layer uses it for scatters of CPU batches to CUDA devices;
 it works between any two devices, which is how it is tested on machines without a GPU.
 """
@@ -25,8 +26,9 @@ def coalesced_to(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor
     """``[t.to(device) for t in tensors]``, the small ones in one copy per dtype (and source).
 
     Values, shapes and dtypes are those of ``.to()``; each packed result is a view of one
-    buffer on ``device`` (disjoint from the others). Differentiable: gradients flow back to
-    each source tensor. Always copies, even to the tensors' own device.
+    buffer on ``device`` (disjoint from the others). Tensors that require grad (with grad
+    enabled) get a copy of their own, differentiable as ``.to()``. Always copies, even to the
+    tensors' own device.
 
     >>> xs = [torch.arange(3.0), torch.ones(2, 2), torch.tensor(7), torch.zeros(0, 5)]
     >>> ys = coalesced_to(xs, torch.device("cpu"))
@@ -37,8 +39,10 @@ def coalesced_to(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor
     """
     out: list[Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    grad = torch.is_grad_enabled()
     for i, t in enumerate(tensors):
-        if t.is_contiguous() and t.layout == torch.strided and _nbytes(t) <= SMALL_BYTES:
+        packable = t.layout == torch.strided and t.is_contiguous() and _nbytes(t) <= SMALL_BYTES
+        if packable and not (grad and t.requires_grad):
             groups.setdefault((t.device, t.dtype), []).append(i)
         else:
             out[i] = t.to(device, non_blocking=device.type == "cuda", copy=True)
@@ -58,9 +62,8 @@ def _nbytes(t: Tensor) -> int:
 
 def _staged(parts: list[Tensor], device: torch.device) -> Tensor:
     """One flat tensor holding ``parts`` (pinned when it goes from the CPU to CUDA)."""
-    flat = [p.reshape(-1) for p in parts]
-    grad = torch.is_grad_enabled() and any(p.requires_grad for p in parts)
-    if device.type == "cuda" and parts[0].device.type == "cpu" and not grad:
+    flat = [p.detach().reshape(-1) for p in parts]  # (none is tracked: see coalesced_to)
+    if device.type == "cuda" and parts[0].device.type == "cpu":
         total = sum(p.numel() for p in parts)
         pinned = torch.empty(total, dtype=parts[0].dtype, pin_memory=True)
         return torch.cat(flat, out=pinned)
