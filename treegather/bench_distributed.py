@@ -21,7 +21,8 @@ per column so that drifting load on a shared machine hits every column alike:
 - ``accelerate``: ``accelerate.utils.pad_across_processes`` then ``gather``, when installed.
 
 Every column's result is checked equal to treegather's before timing. Each row reports the
-slowest rank's median, ``treegather`` as a multiple of the floor, the others as multiples of
+slowest rank's median, ``treegather`` as a multiple of the floor (the median over rounds of the
+two calls' ratio in the same round, as in :mod:`treegather.bench`), the others as multiples of
 ``treegather``, and the peak memory of one call on rank 0, measured in a separate untimed call
 as the rise of the process's resident-set high-water mark (Linux; buffers of a few hundred KiB
 and more are mapped fresh by each call and counted in full, smaller ones reuse freed memory).
@@ -125,12 +126,16 @@ def _accelerate_gather() -> Callable[[Any], Any] | None:
     return run
 
 
-def _interleaved_ms(columns: dict[str, tuple[Callable[[], Any], int]]) -> dict[str, float]:
-    """Median milliseconds per column, timed in rounds of one call per column.
+def _interleaved_ms(
+    columns: dict[str, tuple[Callable[[], Any], int]],
+) -> tuple[dict[str, float], float]:
+    """Median milliseconds per column, timed in rounds of one call per column, and the median
+    over rounds of treegather's time / the floor's time in the same round.
 
     Interleaving keeps the columns' ratios meaningful on a machine whose load drifts: every
-    column sees the same conditions. A column with fewer repeats sits out the later rounds.
-    Every rank waits for the slowest, so each column reports the slowest rank's median.
+    column sees the same conditions, and a per-round ratio cancels a slow phase (as in
+    :mod:`treegather.bench`). A column with fewer repeats sits out the later rounds. Every rank
+    waits for the slowest, so each column (and the ratio) reports the slowest rank's median.
     """
     times: dict[str, list[float]] = {name: [] for name in columns}
     for i in range(max(n for _, n in columns.values())):
@@ -141,11 +146,14 @@ def _interleaved_ms(columns: dict[str, tuple[Callable[[], Any], int]]) -> dict[s
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    mine = torch.tensor([statistics.median(times[name]) * 1e3 for name in columns])
+    ratios = [t / f for t, f in zip(times["treegather"], times["floor"])]
+    mine = torch.tensor(
+        [statistics.median(times[name]) * 1e3 for name in columns] + [statistics.median(ratios)]
+    )
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     slowest = torch.stack(every).amax(0).tolist()
-    return dict(zip(columns, slowest))
+    return dict(zip(columns, slowest[:-1])), slowest[-1]
 
 
 def _status_kib(field: str) -> int:
@@ -205,12 +213,13 @@ def _row(
     for fn, _ in columns.values():
         for _ in range(2):
             fn()  # warm-up: the wire plan, allocator state
-    for name, ms in _interleaved_ms(columns).items():
+    medians, ratio = _interleaved_ms(columns)
+    for name, ms in medians.items():
         row[f"{name}_ms"] = ms
     for name, (fn, _) in columns.items():
         row[f"{name}_peak_mib"] = _peak_mib(fn)
     row.setdefault("accelerate_ms", None)
-    row["treegather_vs_floor"] = row["treegather_ms"] / row["floor_ms"]
+    row["treegather_vs_floor"] = ratio  # the median of per-round ratios
     row["object_vs_treegather"] = row["object_ms"] / row["treegather_ms"]
     row["per_leaf_vs_treegather"] = row["per_leaf_ms"] / row["treegather_ms"]
     row["collectives"] = {
