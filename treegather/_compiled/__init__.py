@@ -35,10 +35,10 @@ from .. import _gather as _g
 from .. import _scatter as _s
 from .._devices import accelerator_tensors_possible
 from .._layout import resolve
-from .structure import COMPILE_AFTER, Structure, find, find_columns, recognise
+from .structure import COMPILE_AFTER, Structure, find_columns, recognise
 from .transfer import coalesced_to
 
-__all__ = ["COMPILE_AFTER", "Structure", "find", "gather", "recognise", "reference_only", "scatter"]
+__all__ = ["COMPILE_AFTER", "Structure", "gather", "recognise", "reference_only", "scatter"]
 
 Tensor = torch.Tensor
 
@@ -55,7 +55,7 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _FIRST = operator.itemgetter(0)
-_GATHER = "gather"  # the phase (plans are looked up by identity first)
+_GATHER = "gather"  # the phase
 
 
 @contextlib.contextmanager
@@ -182,11 +182,7 @@ def _gather_seen(
 ) -> Any:
     """Every replica has ``st``'s structure; ``columns[i]`` holds leaf i of each replica, and
     ``same_dtypes`` says each column was found to have one dtype."""
-    last = st.last  # (the same layout object as last call: Structure.cached_plan's first test)
-    if last[0] is layout and last[1] is _GATHER and last[3] is dim and last[2] is _g.ROOT:
-        found = last[4]
-    else:
-        found = st.cached_plan(layout, _GATHER, dim, _g.ROOT)
+    found = st.cached_plan(layout, _GATHER, dim, _g.ROOT)
     if found is None:
         found = st.plan(layout, _GATHER, dim, _g.ROOT, list(map(_FIRST, columns)))
         if found is None:
