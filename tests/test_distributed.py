@@ -604,6 +604,71 @@ def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
+def _counts_tree(rank: int, change: str = "") -> Any:
+    """Leaves in four regions; ``change`` reshapes some of them, mostly keeping element counts."""
+    tree = {
+        "a": torch.full((rank + 2, 4), float(rank)),
+        "b": torch.arange(12.0).view(3, 4) + rank,
+        "c": torch.arange(6) + rank,
+        "d": torch.tensor(float(rank)),
+        "e": torch.full((rank + 1, 2), -1.0),
+    }
+    if change == "b":  # a later leaf of a's region: only packing can tell
+        tree["b"] = tree["b"].view(4, 3)
+    elif change == "ab":  # the region's first leaf too
+        tree["a"] = tree["a"].view(-1, 2)
+        tree["b"] = tree["b"].view(6, 2)
+    elif change == "c":
+        tree["c"] = tree["c"].view(2, 3)
+    elif change == "d":
+        tree["d"] = tree["d"].view(1)
+    elif change == "c32":
+        tree["c"] = tree["c"].to(torch.int32)
+    elif change == "e0":
+        tree["e"] = torch.zeros(0, 2)
+    elif change == "e0_1d":
+        tree["e"] = torch.zeros(0)
+    return tree
+
+
+def _wide_pair(rank: int, change: bool) -> Any:
+    """Two leaves of one region, larger than any inline payload; ``change`` reshapes the
+    second one with the same element count."""
+    y = torch.arange(300 * 256.0).view(300, 256) + rank
+    return {"x": torch.full((rank + 300, 256), float(rank)), "y": y.view(600, 128) if change else y}
+
+
+def _same_counts_checks(rank: int, world: int) -> list[tuple[str, int]]:
+    """Calls whose leaves keep their element counts but change shape: each result must equal
+    the single-process gather's; returns the full exchanges after each step (fast path only)."""
+    import treegather.distributed as tgd
+
+    full: list[str] = []
+    real = tgd._full_all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        full.append("full")
+        return real(*args, **kwargs)
+
+    tgd._full_all_gather = counted
+    report = []
+    try:
+        steps = ["", "", "", "b", "b", "ab", "ab", "c", "d", "c32", "", "e0", "e0", "e0_1d"]
+        for step, change in enumerate(steps):
+            got = tgd.all_gather(_counts_tree(rank, change))
+            assert_tree_equal(
+                got, tg.gather([_counts_tree(r, change) for r in range(world)], "cpu")
+            )
+            report.append((f"{step}:{change}", len(full)))
+        for change in (False, False, False, True, True):  # packed after the ranks agreed
+            got = tgd.all_gather(_wide_pair(rank, change))
+            assert_tree_equal(got, tg.gather([_wide_pair(r, change) for r in range(world)], "cpu"))
+            report.append((f"wide:{change}", len(full)))
+    finally:
+        tgd._full_all_gather = real
+    return report
+
+
 def _dim1(rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
@@ -648,6 +713,7 @@ def _checks(rank: int, world: int, fast: bool) -> dict[Any, Any]:
     if fast:
         results["fast"] = _capture(lambda: _fast_path_checks(rank, world))
     results["dim1"] = _capture(lambda: _dim1(rank, world))
+    results["same_counts"] = _capture(lambda: _same_counts_checks(rank, world))
     results["alternating"] = _capture(lambda: _alternating(rank, world))
     results["capacity"] = tgd._dist_group.group(None).state.capacity
     sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
@@ -881,6 +947,22 @@ def test_changed_structure_falls_back_on_every_rank(group_results: Any) -> None:
         assert calls == [ag, ag, ag] and full == 1, (calls, full)  # digests, then the full path
         assert keys == ["b", "a", "c"] and inner == ["y", "x"], (keys, inner)
         assert _ok(res["fast"])["alternating_full"] == 1  # alternating: no full exchange
+
+
+def test_same_counts_other_shapes(group_results: Any) -> None:
+    """A repeated call compares element counts, not shapes: a leaf reshaped with the same count
+    is caught by packing (a later leaf of a region) or by its region's first leaf, and gives the
+    single-process result; only the call that packing refuted takes the full exchange."""
+    _, results = group_results
+    for res in results:
+        report = _ok(res["same_counts"])
+        if "fast" not in res:
+            continue
+        fulls = [n for _, n in report]
+        # "3:b" is refuted by packing (b is not its region's first leaf), "wide:True" by the
+        # check before packing a payload that does not fit inline: one full exchange each.
+        # Every other change fails the comparison of counts and first leaves: a plan of its own.
+        assert fulls == [0, 0, 0] + [1] * 11 + [1, 1, 1, 2, 2], report
 
 
 def test_alternating_structures_never_format_leaves(group_results: Any) -> None:

@@ -46,7 +46,7 @@ __all__ = [
 class GroupState:
     """What a process group keeps between calls: its fixed facts and the inline capacity."""
 
-    __slots__ = ("__weakref__", "accelerator_kind", "capacity", "kind", "rank", "ranks")
+    __slots__ = ("__weakref__", "accelerator_kind", "capacity", "fixed", "kind", "rank", "ranks")
 
     def __init__(self, rank: int, ranks: list[int], kind: str, accelerator_kind: str | None):
         self.rank = rank
@@ -54,6 +54,7 @@ class GroupState:
         self.kind = kind  # the device type of object collectives ("cpu" for gloo)
         self.accelerator_kind = accelerator_kind  # a native accelerator backend, if any
         self.capacity = 0  # bytes of payload the next first collective carries per rank
+        self.fixed: Group | None = None  # the default group's Group, when on CPU only
 
 
 class Group(NamedTuple):
@@ -91,11 +92,19 @@ def group(handle: Any) -> Group:
         state = None
     if state is None:
         state = _new_state(handle, pg)
+    fixed = state.fixed
+    if fixed is not None and handle is None:
+        return fixed
     device = _device(state.kind)
     accelerator = device if device.type != "cpu" else None
     if accelerator is None and state.accelerator_kind is not None:
         accelerator = _device(state.accelerator_kind)
-    return Group(handle, state.rank, state.ranks, device, accelerator, state)
+    found = Group(handle, state.rank, state.ranks, device, accelerator, state)
+    # The default group on CPU only: no current device to follow (and no reference from the
+    # state to a group object, which keys it weakly).
+    if accelerator is None and handle is None:
+        state.fixed = found
+    return found
 
 
 def _new_state(handle: Any, pg: Any) -> GroupState:

@@ -179,7 +179,8 @@ def _fill(
         values = row(*fields, fast.plan.digest, inline=True)
         if _dist_payload.send(fast, mine.numel(), g.device, mine, prefix=values):
             return fast, True
-        fast = None  # another device or layout past the first tensor: no plan from this rank
+        _wireplan.refuted(fast)
+        fast = None  # another device, layout or shape past the first tensor: no plan from here
     write_row(mine, row(*fields) if fast is None else row(*fields, fast.plan.digest))
     if area:
         mine[ROW_BYTES:].zero_()

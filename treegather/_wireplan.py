@@ -108,6 +108,7 @@ class WirePlan:
     # Leaf i is entry order[i] of the regions' leaves in region order, then the objects; None
     # when that is leaf order already.
     order: tuple[int, ...] | None = dataclasses.field(init=False)
+    firsts: tuple[int, ...] = dataclasses.field(init=False)  # each region's first leaf
 
     def __post_init__(self) -> None:
         head_ints = 1 + len(self.row_positions) + self.sizes_given
@@ -119,6 +120,7 @@ class WirePlan:
         for k, pos in enumerate(placed):
             order[pos] = k
         object.__setattr__(self, "order", None if placed == sorted(placed) else tuple(order))
+        object.__setattr__(self, "firsts", tuple(r.positions[0] for r in self.regions))
 
 
 class Local(NamedTuple):
@@ -132,6 +134,9 @@ class Local(NamedTuple):
     nbytes: int
     devices: frozenset[torch.device]  # the first tensor leaf's, until ``checked``
     checked: bool = False  # every tensor leaf is known to be strided and on ``devices``
+    # The last call whose shapes this one assumes, when only each leaf's element count was read
+    # (see :func:`prepare`): packing, or :func:`checked`, confirms them. ``None``: shapes read.
+    assumed: _Seen | None = None
 
 
 def checked(local: Local) -> Local | None:
@@ -143,25 +148,49 @@ def checked(local: Local) -> Local | None:
     devices and layouts, and a rank whose packing fails sends no plan. A payload that will be
     packed after the ranks agreed on the plan is checked here first.
     """
-    if local.checked:
+    if local.checked and local.assumed is None:
         return local
     objects = frozenset(local.plan.objects)
     tensors = [x for i, x in enumerate(local.leaves) if i not in objects]
     devices = frozenset(map(_DEVICE, tensors))
     if len(devices) > 1 or list(map(_LAYOUT, tensors)).count(torch.strided) != len(tensors):
         return None
-    return local._replace(devices=devices, checked=True)
+    if local.assumed is not None and list(map(Tensor.size, local.leaves)) != local.assumed.shapes:
+        refuted(local)
+        return None
+    return local._replace(devices=devices, checked=True, assumed=None)
 
 
-class _Seen(NamedTuple):
+def refuted(local: Local) -> None:
+    """``local`` could not be packed: if it assumed the last call's shapes, stop assuming them
+    for that call (the next call reads its shapes and finds its own plan)."""
+    if local.assumed is not None:
+        local.assumed.numels = ()
+
+
+class _Seen:
     """The last call with one structure and layout: what a repeated call compares itself to."""
 
-    spec_bytes: bytes
-    dtypes: list[Any]
-    shapes: list[Any]
-    plan: WirePlan | None
-    rows: list[int]
-    tensor_bytes: int  # of the head and every region (the pickled objects come on top)
+    __slots__ = ("dtypes", "numels", "plan", "rows", "shapes", "spec_bytes", "tensor_bytes")
+
+    def __init__(
+        self,
+        spec_bytes: bytes,
+        dtypes: list[Any],
+        shapes: list[Any],
+        plan: WirePlan | None,
+        rows: list[int],
+        tensor_bytes: int,
+    ) -> None:
+        self.spec_bytes = spec_bytes
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.plan = plan
+        self.rows = rows
+        self.tensor_bytes = tensor_bytes  # of the head and every region (objects on top)
+        # Each leaf's element count, worked out the first time a call is compared by counts
+        # (see _same_counts); () when that comparison cannot stand in for the shapes.
+        self.numels: list[int] | tuple[()] | None = None
 
 
 def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
@@ -171,24 +200,42 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
     ``sizes``, sparse/quantized/meta/nested tensors, unpicklable leaves or node metadata, or a
     layout that does not resolve: the full exchange reports those. Tensors on several devices
     or of other layouts past the first are found by :func:`checked` or by packing.
+
+    A tree of tensors only, whose leaves have the dtypes and element counts of the last call
+    with its structure and whose first leaf of each region has that call's exact shape, takes
+    that call's plan without reading every shape (a ``torch.Size`` per leaf costs twice an
+    element count): packing each region with one ``torch.cat`` then proves every other leaf's
+    shape, since ``cat`` refuses leaves whose dims past the first differ from the first leaf's,
+    and equal counts then mean equal rows. A rank whose packing fails sends no plan, and
+    :func:`checked` reads the shapes before a payload that is packed after the ranks agreed.
     """
     if sizes is not None and (type(sizes) is not int or sizes < 0):
         return None
+    sizes_given = sizes is not None
     try:
         leaves, structure, spec = _structure.recognise(tree)
-        shapes, dtypes, objects = _signature(leaves)
+        text = layout_text(layout, dim)[0]
+        key = None if structure is None else (structure, text, sizes_given)
+        last = None if key is None else _LAST.get(key)
+        assumed = None
+        if last is not None and _same_counts(last, leaves):
+            seen: _Seen | None = last
+            assumed = last
+            first = leaves[0] if leaves else None
+        else:
+            shapes, dtypes, objects = _signature(leaves)
+            seen = _seen(key, last, spec, dtypes, shapes, text, layout, dim, sizes_given)
+            if objects:
+                first = next((leaves[i] for i, d in enumerate(dtypes) if d is not None), None)
+            else:
+                first = leaves[0] if leaves else None
+        if first is not None and (first.layout != torch.strided or first.device.type == "meta"):
+            return None
     except Exception:
         return None
-    if objects:
-        first = next((leaves[i] for i, d in enumerate(dtypes) if d is not None), None)
-    else:
-        first = leaves[0] if leaves else None
-    devices = frozenset() if first is None else frozenset((first.device,))
-    if first is not None and (first.layout != torch.strided or first.device.type == "meta"):
-        return None
-    seen = _seen(structure, spec, dtypes, shapes, layout, dim, sizes is not None)
     if seen is None or seen.plan is None:
         return None
+    devices = frozenset() if first is None else frozenset((first.device,))
     blob = b""
     if seen.plan.objects:
         try:
@@ -198,22 +245,59 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         except Exception:
             return None
     nbytes = seen.tensor_bytes + len(blob)
-    return Local(seen.plan, leaves, seen.rows, sizes, blob, nbytes, devices, len(leaves) < 2)
+    single = len(leaves) < 2  # one leaf: its shape was read whole, and checked
+    return Local(
+        seen.plan,
+        leaves,
+        seen.rows,
+        sizes,
+        blob,
+        nbytes,
+        devices,
+        single,
+        None if single else assumed,
+    )
+
+
+def _same_counts(last: _Seen, leaves: list[Any]) -> bool:
+    """Whether ``leaves`` (tensors only) can take ``last``'s plan by element counts and dtypes.
+
+    Each region's first leaf must have ``last``'s exact shape (read first: where the rows change
+    with the batch, this fails before anything per leaf is read). No count may be zero: ``cat``
+    skips a 1-D empty tensor instead of checking its dims.
+    """
+    plan = last.plan
+    if plan is None or plan.objects or last.numels == ():
+        return False
+    shapes = last.shapes
+    try:
+        for i in plan.firsts:
+            if leaves[i].size() != shapes[i]:
+                return False
+        numels = last.numels
+        if numels is None:
+            counts = list(map(torch.Size.numel, shapes))
+            numels = last.numels = () if 0 in counts else counts
+        if not numels:
+            return False
+        counts = list(map(Tensor.numel, leaves))  # a TypeError for a leaf that is no tensor
+        return counts == numels and list(map(_DTYPE, leaves)) == last.dtypes
+    except Exception:  # not a tensor, a nested tensor, ...: the shapes will tell
+        return False
 
 
 def _seen(
-    structure: Any,
+    key: Any,
+    last: _Seen | None,
     spec: PyTreeSpec,
     dtypes: list[Any],
     shapes: list[Any],
+    text: str,
     layout: Any,
     dim: Any,
     sizes_given: bool,
 ) -> _Seen | None:
-    """The plan for this call, from the last call with the same structure when it can be."""
-    text = layout_text(layout, dim)[0]
-    key = None if structure is None else (structure, text, sizes_given)
-    last = None if key is None else _LAST.get(key)
+    """The plan for this call, from ``last`` (the last call with its ``key``) when it can be."""
     if last is not None and last.shapes == shapes and last.dtypes == dtypes:
         return last
     try:
