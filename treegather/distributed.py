@@ -152,13 +152,12 @@ def all_gather(
         return _full_all_gather(g, tree, layout, dim, sizes)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
-    rows, fast = opening.rows, opening.fast
-    if fast is None or not _pre.digests_agree(rows):
+    fast, nbytes = opening.fast, opening.nbytes
+    if fast is None or not opening.agreed:
         return _full_all_gather(g, tree, layout, dim, sizes, first=False)
-    nbytes = [r[_pre.NBYTES] for r in rows]
-    if _pre.all_inline(rows):
+    if opening.inline:
         return _dist_combine.fast(g.ranks, fast, opening.payloads, nbytes, g.device, layout, dim)
-    device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
+    device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in opening.rows])
     stride = _wireplan.padded(max(nbytes))
     keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
     out = _dist_group.receive_buffer(g, stride * len(g.ranks), device, keep=keep)
@@ -254,14 +253,13 @@ def gather(
         return _full_gather(g, dst, root, tree, layout, dim, sizes)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
-    rows, fast = opening.rows, opening.fast
-    if fast is None or not _pre.digests_agree(rows):
+    fast, nbytes = opening.fast, opening.nbytes
+    if fast is None or not opening.agreed:
         return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False)
-    nbytes = [r[_pre.NBYTES] for r in rows]
-    if _pre.all_inline(rows):
+    if opening.inline:
         device, payloads = g.device, opening.payloads
     else:
-        device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
+        device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in opening.rows])
         payloads = _gather_payloads(g, dst, root, fast, _wireplan.padded(max(nbytes)), device)
     return _dist_outcome.finish_gather(
         g,
