@@ -14,7 +14,8 @@ Finding the plan is most of a repeated call's own work, so it is cheap: the comp
 (:func:`treegather._compiled.structure.recognise`) recognises a structure seen before with its generated
 guard (exact containers, dict keys in order and by type, typed node metadata) and hands back the
 same :class:`~treegather._compiled.structure.Structure` each time; the plan seen last with that structure,
-layout and these exact dtypes and shapes is then one comparison of two lists away. Otherwise
+layout and these exact dtypes and shapes is then one comparison of two lists away (for a tree
+of tensors, lists of element counts and dtypes: see :func:`prepare`). Otherwise
 plans are looked up by the pickled structure (type-aware: ``True``, ``1`` and ``1.0`` differ, and
 so does key order) with each leaf's dtype and trailing shape, in bounded
 LRUs (:class:`~treegather._caches.LRU`) that :func:`treegather.clear_caches` empties.
