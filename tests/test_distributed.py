@@ -553,8 +553,9 @@ def _alternating(rank: int, world: int) -> bool:
     return True
 
 
-def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
-    """Count collectives and full exchanges on repeated, changed and alternating structures."""
+@contextlib.contextmanager
+def _counting_full() -> Iterator[list[str]]:
+    """Count the calls that take the full exchange (``all_gather``'s fallback)."""
     import treegather.distributed as tgd
 
     full: list[str] = []
@@ -565,8 +566,18 @@ def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
         return real(*args, **kwargs)
 
     tgd._full_all_gather = counted
-    report: dict[str, Any] = {}
     try:
+        yield full
+    finally:
+        tgd._full_all_gather = real
+
+
+def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
+    """Count collectives and full exchanges on repeated, changed and alternating structures."""
+    import treegather.distributed as tgd
+
+    report: dict[str, Any] = {}
+    with _counting_full() as full:
         tgd.all_gather(_rows_tree(rank, 2))  # the largest rows below: the capacity holds them
         for step in range(3):  # a repeated structure whose rows vary per call
             with _counting() as calls:
@@ -599,8 +610,6 @@ def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
         assert_tree_equal(got, tg.gather([_key_order(r) for r in range(world)], "cpu"))
         _alternating(rank, world)
         report["alternating_full"] = len(full)
-    finally:
-        tgd._full_all_gather = real
     return report
 
 
@@ -643,16 +652,8 @@ def _same_counts_checks(rank: int, world: int) -> list[tuple[str, int]]:
     the single-process gather's; returns the full exchanges after each step (fast path only)."""
     import treegather.distributed as tgd
 
-    full: list[str] = []
-    real = tgd._full_all_gather
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        full.append("full")
-        return real(*args, **kwargs)
-
-    tgd._full_all_gather = counted
     report = []
-    try:
+    with _counting_full() as full:
         steps = ["", "", "", "b", "b", "ab", "ab", "c", "d", "c32", "", "e0", "e0", "e0_1d"]
         for step, change in enumerate(steps):
             got = tgd.all_gather(_counts_tree(rank, change))
@@ -664,8 +665,6 @@ def _same_counts_checks(rank: int, world: int) -> list[tuple[str, int]]:
             got = tgd.all_gather(_wide_pair(rank, change))
             assert_tree_equal(got, tg.gather([_wide_pair(r, change) for r in range(world)], "cpu"))
             report.append((f"wide:{change}", len(full)))
-    finally:
-        tgd._full_all_gather = real
     return report
 
 
