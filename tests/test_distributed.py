@@ -661,6 +661,12 @@ def _same_counts_checks(rank: int, world: int) -> list[tuple[str, int]]:
                 got, tg.gather([_counts_tree(r, change) for r in range(world)], "cpu")
             )
             report.append((f"{step}:{change}", len(full)))
+        for step, change in enumerate(["b", "", "b", "", "b", ""]):  # alternating, same counts
+            got = tgd.all_gather(_counts_tree(rank, change))
+            assert_tree_equal(
+                got, tg.gather([_counts_tree(r, change) for r in range(world)], "cpu")
+            )
+            report.append((f"alternating{step}:{change}", len(full)))
         for change in (False, False, False, True, True):  # packed after the ranks agreed
             got = tgd.all_gather(_wide_pair(rank, change))
             assert_tree_equal(got, tg.gather([_wide_pair(r, change) for r in range(world)], "cpu"))
@@ -961,7 +967,8 @@ def test_same_counts_other_shapes(group_results: Any) -> None:
         # "3:b" is refuted by packing (b is not its region's first leaf), "wide:True" by the
         # check before packing a payload that does not fit inline: one full exchange each.
         # Every other change fails the comparison of counts and first leaves: a plan of its own.
-        assert fulls == [0, 0, 0] + [1] * 11 + [1, 1, 1, 2, 2], report
+        # Shapes alternating with the same counts: refuted once, then read every call.
+        assert fulls == [0, 0, 0] + [1] * 11 + [1] * 6 + [1, 1, 1, 2, 2], report
 
 
 def test_alternating_structures_never_format_leaves(group_results: Any) -> None:

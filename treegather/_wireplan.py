@@ -163,16 +163,26 @@ def checked(local: Local) -> Local | None:
 
 
 def refuted(local: Local) -> None:
-    """``local`` could not be packed: if it assumed the last call's shapes, stop assuming them
-    for that call (the next call reads its shapes and finds its own plan)."""
+    """``local`` could not be packed: if it assumed the last call's shapes, its structure's calls
+    read their shapes from now on (the next call finds its own plan). For good: shapes that
+    alternate with the same counts would otherwise cost a full exchange every other call."""
     if local.assumed is not None:
-        local.assumed.numels = ()
+        local.assumed.refuted = True
 
 
 class _Seen:
     """The last call with one structure and layout: what a repeated call compares itself to."""
 
-    __slots__ = ("dtypes", "numels", "plan", "rows", "shapes", "spec_bytes", "tensor_bytes")
+    __slots__ = (
+        "dtypes",
+        "numels",
+        "plan",
+        "refuted",
+        "rows",
+        "shapes",
+        "spec_bytes",
+        "tensor_bytes",
+    )
 
     def __init__(
         self,
@@ -190,8 +200,11 @@ class _Seen:
         self.rows = rows
         self.tensor_bytes = tensor_bytes  # of the head and every region (objects on top)
         # Each leaf's element count, worked out the first time a call is compared by counts
-        # (see _same_counts); () when that comparison cannot stand in for the shapes.
+        # (see _same_counts); () when a count is zero (``cat`` skips 1-D empty tensors).
         self.numels: list[int] | tuple[()] | None = None
+        # Packing refuted a call that assumed these shapes: this structure's calls (this one's
+        # successors included) read their shapes.
+        self.refuted = False
 
 
 def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
@@ -268,7 +281,7 @@ def _same_counts(last: _Seen, leaves: list[Any]) -> bool:
     skips a 1-D empty tensor instead of checking its dims.
     """
     plan = last.plan
-    if plan is None or plan.objects or last.numels == ():
+    if plan is None or plan.objects or last.refuted or last.numels == ():
         return False
     shapes = last.shapes
     try:
@@ -319,6 +332,7 @@ def _seen(
             count = sum(rows[region.rows]) if region.trailing is not None else len(region.positions)
             nbytes += padded(count * region.row_bytes)
     found = _Seen(spec_bytes, dtypes, shapes, plan, rows, nbytes)
+    found.refuted = last is not None and last.refuted
     if key is not None:
         _LAST.put(key, found)
     return found
