@@ -28,8 +28,7 @@ from typing import NamedTuple
 import torch
 
 from treegather import _dist_group, _dist_payload, _wireplan
-from treegather._caches import WeakCache
-from treegather._dist_group import Collective, Group, GroupState
+from treegather._dist_group import Collective, Group
 from treegather._dist_payload import Payloads
 from treegather._errors import StructureMismatchError
 from treegather._wire import format_problems
@@ -121,16 +120,6 @@ def next_capacity(capacity: int, rows: Sequence[Sequence[int]]) -> int:
     return min(MAX_INLINE, -(-(need + need // 4) // _GRAIN) * _GRAIN)
 
 
-class Rows(NamedTuple):
-    """What the rows (and heads) of a first collective say: a function of its ints alone."""
-
-    rows: list[list[int]]  # every rank's row
-    heads: list[list[int]] | None  # every rank's inline payload head, when it has one
-    agreed: bool  # every rank sent the same wire plan (digests_agree)
-    inline: bool  # every rank's payload came with its row (all_inline)
-    nbytes: list[int]  # every rank's payload bytes
-
-
 class First(NamedTuple):
     """What the first collective of a call returned."""
 
@@ -140,13 +129,6 @@ class First(NamedTuple):
     agreed: bool  # every rank sent the same wire plan
     inline: bool  # every rank's payload came with its row
     nbytes: list[int]  # every rank's payload bytes
-
-
-# Per group: the last first collective's ints, the capacity before it, what they said and the
-# capacity after; a steady loop receives the same ints call after call.
-_LAST: WeakCache[GroupState, tuple[int, list[list[int]], Rows, int]] = WeakCache(
-    "distributed.first_rows", maxsize=8, trees=False
-)
 
 
 def exchange(
@@ -177,26 +159,14 @@ def exchange(
     collective(out, mine, g.handle)
     n = ROW_INTS + (fast.plan.head_ints if inline and fast is not None else 0)
     ints: list[list[int]] = out.view(len(g.ranks), stride)[:, : 8 * n].view(torch.int64).tolist()
-    capacity = g.state.capacity
-    last = _LAST.get(g.state)
-    if last is not None and last[0] == capacity and last[1] == ints:
-        said, g.state.capacity = last[2], last[3]
-    else:
-        said = _read(g, ints, n)
-        _LAST.put(g.state, (capacity, ints, said, g.state.capacity))
-    payloads = Payloads(out, ROW_BYTES, stride, said.heads)
-    return First(said.rows, payloads, fast, said.agreed, said.inline, said.nbytes)
-
-
-def _read(g: Group, ints: list[list[int]], n: int) -> Rows:
-    """Read the rows; move the group's capacity; raise unless the ranks made the same call."""
     rows = [values[:ROW_INTS] for values in ints]
     # From the rows alone, before anything can raise: every rank keeps the same capacity.
     g.state.capacity = next_capacity(g.state.capacity, rows)
     check_calls(g.ranks, rows)
     heads = [values[ROW_INTS:] for values in ints] if n > ROW_INTS else None
+    payloads = Payloads(out, ROW_BYTES, stride, heads)
     nbytes = [r[NBYTES] for r in rows]
-    return Rows(rows, heads, digests_agree(rows), all_inline(rows), nbytes)
+    return First(rows, payloads, fast, digests_agree(rows), all_inline(rows), nbytes)
 
 
 def _fill(

@@ -232,7 +232,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         key = None if structure is None else (structure, text, sizes_given)
         last = None if key is None else _LAST.get(key)
         assumed = None
-        if last is not None and _same_counts(last, leaves):
+        if last is not None and _same_counts(last, leaves):  # tensors only
             seen: _Seen | None = last
             assumed = last
             first = leaves[0] if leaves else None
