@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -148,6 +149,50 @@ def test_gather_rule_names_are_refused_by_scatter(name: str) -> None:
 def test_callables_are_gather_rules_only() -> None:
     with pytest.raises(tg.LayoutError, match="custom callables are gather rules"):
         tg.scatter({"x": torch.arange(4)}, CPU2, {"x": lambda v, d: v})
+
+
+GATHER_FACTORIES = ["cat", "stack", "mean", "sum", "pad", "as_list", "first", "cat_items"]
+SCATTER_FACTORIES = ["split", "broadcast", "split_items"]
+
+
+@pytest.mark.parametrize("name", GATHER_FACTORIES + SCATTER_FACTORIES)
+def test_a_rule_factory_not_called_is_a_layout_error(name: str) -> None:
+    """``{"loss": tg.mean}`` is a mistake, not a custom rule: a LayoutError naming the path and
+    the call to write, when the layout is resolved (before any custom rule runs), in the
+    reference and compiled paths alike, and from by_path patterns and defaults too."""
+    from treegather._compiled import reference_only
+
+    factory = getattr(tg, name)
+    calls: list[Any] = []
+
+    def custom(values: list[Any], device: torch.device) -> Any:
+        calls.append(values)
+        return values
+
+    outs = [{"loss": torch.tensor(1.0), "other": torch.ones(1)} for _ in range(2)]
+    is_gather = name in GATHER_FACTORIES
+    gather_says = rf"tg\.{name} is a rule factory, not a rule" + (
+        rf": write tg\.{name}\(\)" if is_gather else ", and tg"
+    )
+    for attempt in range(4):  # cold, then a structure the compiled layer has seen
+        ctx = reference_only if attempt == 3 else contextlib.nullcontext
+        with ctx(), pytest.raises(tg.LayoutError, match=r"outputs\['loss'\]: " + gather_says):
+            tg.gather(outs, "cpu", {"loss": factory, "other": custom})
+        with ctx(), pytest.raises(tg.LayoutError, match=r"by_path pattern 'loss': " + gather_says):
+            tg.gather(outs, "cpu", tg.by_path({"loss": factory}))
+        with ctx(), pytest.raises(tg.LayoutError, match=r"by_path default: tg\." + name):
+            tg.gather(outs, "cpu", tg.by_path({}, default=factory))
+        scatter_says = rf"inputs\['x'\]: tg\.{name} is a rule factory, not a rule" + (
+            ", and tg" if is_gather else rf": write tg\.{name}\(\)"
+        )
+        with ctx(), pytest.raises(tg.LayoutError, match=scatter_says):
+            tg.scatter({"x": torch.arange(4), "y": torch.arange(4)}, CPU2, {"x": factory, "y": 0})
+    assert calls == []  # the custom rule beside it never ran
+    # A callable that is no factory is still a custom gather rule.
+    assert tg.gather(outs, "cpu", {"loss": custom, "other": custom})["loss"] == [
+        outs[0]["loss"],
+        outs[1]["loss"],
+    ]
 
 
 # -------------------------------------------------------------------------------- by_path

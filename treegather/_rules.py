@@ -364,6 +364,31 @@ SHORTHANDS: dict[str, Callable[[int], Rule]] = {
 }
 
 
+# The rule factories, which written without a call (``{"loss": tg.mean}``) would otherwise be
+# taken for custom gather rules; found by identity, never by == (a user callable may not compare).
+_FACTORIES: tuple[tuple[Any, str], ...] = (
+    (split, "split"),
+    (broadcast, "broadcast"),
+    (split_items, "split_items"),
+    (cat, "cat"),
+    (stack, "stack"),
+    (mean, "mean"),
+    (sum, "sum"),
+    (pad, "pad"),
+    (as_list, "as_list"),
+    (first, "first"),
+    (cat_items, "cat_items"),
+)
+
+
+def _factory_name(value: Any) -> str | None:
+    """The rule's name when ``value`` is one of the rule factories itself (not called)."""
+    for factory, name in _FACTORIES:
+        if value is factory:
+            return name
+    return None
+
+
 def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
     """Normalise one layout entry to a rule (``None`` result: the default for the leaf's type)."""
     if isinstance(value, Rule):
@@ -389,6 +414,17 @@ def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
             raise layout_error(f"{where}: {value!r} is a {rule.phase} rule, not a {phase} rule")
         return rule
     if callable(value):
+        factory = _factory_name(value)
+        if factory is not None:
+            made = SHORTHANDS[factory](dim)
+            if made.phase == phase:
+                use = (
+                    f": write tg.{factory}() (a callable in a layout is taken as a custom gather "
+                    "rule f(values, device))"
+                )
+            else:
+                use = f", and tg.{factory}() is a {made.phase} rule, which {phase} cannot use"
+            raise layout_error(f"{where}: tg.{factory} is a rule factory, not a rule{use}")
         if phase != "gather":
             raise layout_error(f"{where}: custom callables are gather rules, not scatter rules")
         return Custom(value)
