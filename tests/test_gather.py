@@ -281,6 +281,46 @@ def test_first_and_first_check() -> None:
         tg.gather([{"a": 1}, {"a": 1}, {"a": 2}], "cpu", tg.by_path({"a": tg.first(check=True)}))
 
 
+class _Elementwise:
+    """An array-like without numpy: ``==`` is elementwise, and its truth value is ambiguous."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+        self.shape = (len(values),)
+        self.ndim = 1
+
+    def __eq__(self, other: object) -> Any:
+        assert isinstance(other, _Elementwise)
+        return _Elementwise([int(a == b) for a, b in zip(self.values, other.values)])
+
+    def __bool__(self) -> bool:
+        raise ValueError("The truth value of an array with more than one element is ambiguous")
+
+    def all(self) -> bool:
+        return all(self.values)
+
+
+def test_first_check_compares_arrays_as_arrays() -> None:
+    """first(check=True) on array leaves (numpy, or any array-like whose ``==`` is elementwise):
+    equal arrays pass, different values or shapes are the ShapeMismatchError, never numpy's
+    "truth value of an array is ambiguous"."""
+    check = tg.first(check=True)
+    same = [{"a": _Elementwise([1, 2])}, {"a": _Elementwise([1, 2])}]
+    assert tg.gather(same, "cpu", check)["a"] is same[0]["a"]
+    with pytest.raises(tg.ShapeMismatchError, match="replica 1 differs from replica 0"):
+        tg.gather([{"a": _Elementwise([1, 2])}, {"a": _Elementwise([1, 3])}], "cpu", check)
+    np = pytest.importorskip("numpy")
+    arrays = [{"a": np.arange(3.0), "b": np.ones((2, 2))} for _ in range(3)]
+    out = tg.gather(arrays, "cpu", check)
+    assert out["a"] is arrays[0]["a"] and out["b"] is arrays[0]["b"]
+    assert tg.gather([np.array(3), np.array(3)], "cpu", check) == 3  # 0-dim arrays
+    for other in (np.zeros(3), np.arange(4.0), np.arange(3.0)[None]):  # values, shapes
+        with pytest.raises(tg.ShapeMismatchError, match="replica 2 differs from replica 0"):
+            tg.gather([arrays[0], arrays[1], {"a": other, "b": np.ones((2, 2))}], "cpu", check)
+    with pytest.raises(tg.ShapeMismatchError, match=r"replica 1 differs"):
+        tg.gather([{"a": np.arange(2)}, {"a": [0, 1]}], "cpu", tg.by_path({"a": check}))
+
+
 def test_cat_items_is_the_inverse_of_split_items() -> None:
     assert tg.gather([["a", "b"], ["c"]], "cpu", tg.cat_items()) == ["a", "b", "c"]
     assert tg.gather([("a",), ("b", "c")], "cpu", tg.cat_items()) == ("a", "b", "c")

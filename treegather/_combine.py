@@ -298,6 +298,27 @@ def _tree_equal(a: Any, b: Any) -> bool:
                 return False
             if x.shape != y.shape or not torch.equal(x, y.to(x.device)):
                 return False
-        elif not bool(x == y):
+        elif not _same_value(x, y):
             return False
     return True
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """``x == y`` as one bool; array-likes (numpy arrays, ...) compared as arrays: the same
+    shape, then every element (``bool()`` of an elementwise ``==`` is ambiguous). Duck-typed:
+    numpy is not a dependency."""
+    shape_x, shape_y = getattr(x, "shape", None), getattr(y, "shape", None)
+    if shape_x is None and shape_y is None:
+        return bool(x == y)
+    try:
+        if tuple(shape_x) != tuple(shape_y):  # type: ignore[arg-type]
+            return False
+    except TypeError:  # a ``shape`` that is not a sequence of dims: compare the values
+        return bool(x == y)
+    same = x == y
+    for _ in range(64):  # an array of results: reduce it with its own all() (a DataFrame: twice)
+        every = getattr(same, "all", None)
+        if not getattr(same, "ndim", 0) or not callable(every):
+            break
+        same = every()
+    return bool(same)
