@@ -83,7 +83,10 @@ def gather(
     k = len(outputs)
     if k == 0:
         raise ValueError("gather needs at least one replica's output, got an empty sequence")
-    target = target_device if type(target_device) is torch.device else as_device(target_device)
+    if type(target_device) is torch.device and target_device.index is None:
+        target = target_device  # (an index to check: "cuda:0" is available, "cpu:1" is no device)
+    else:
+        target = as_device(target_device)
     if sizes is not None:
         sizes = _check_sizes(sizes, k)
     return _compiled.gather(outputs, target, layout, check_dim(dim, "gather"), sizes)
