@@ -147,6 +147,16 @@ def _key_order(r: int) -> Any:
     return dict(items)
 
 
+def _half_loss(r: int) -> Any:
+    """A float16 loss per rank of 4096 rows: loss x rows overflows float16."""
+    return {"loss": torch.tensor(100.0 + r, dtype=torch.float16)}
+
+
+def _empty_rank(r: int) -> Any:
+    """Rank 0 has no rows: its loss is torch's mean of an empty batch (NaN)."""
+    return {"loss": torch.ones(0 if r == 0 else 3).mean() * (r + 1)}
+
+
 # name -> (tree maker, layout maker, sizes per rank or None)
 CASES: dict[str, tuple[Callable[[int], Any], Callable[[], Any], Callable[[int], int] | None]] = {
     "ragged": (_ragged, lambda: None, None),
@@ -184,6 +194,8 @@ CASES: dict[str, tuple[Callable[[int], Any], Callable[[], Any], Callable[[int], 
         None,
     ),
     "key_order": (_key_order, lambda: None, None),
+    "mean_float16": (_half_loss, lambda: {"loss": tg.mean()}, lambda r: 4096),
+    "mean_empty_rank": (_empty_rank, lambda: {"loss": tg.mean()}, lambda r: 0 if r == 0 else 3),
 }
 OPS = ("all_gather", "gather", "broadcast")
 
@@ -836,6 +848,21 @@ def test_matches_single_process_gather(group_results: Any, case: str, op: str) -
     world, results = group_results
     for rank, res in enumerate(results):
         assert_tree_equal(_ok(res[(case, op)]), _expected(op, case, rank, world))
+
+
+def test_weighted_means_neither_overflow_nor_count_empty_ranks(group_results: Any) -> None:
+    """``mean()`` weighted by ``sizes`` across ranks: a float16 loss of ~100 on ranks of 4096
+    rows is its mean, not inf; a rank of 0 rows (its loss NaN) takes no part, on every rank."""
+    world, results = group_results
+    expected = {
+        "mean_float16": torch.tensor(sum(100.0 + r for r in range(world)) / world).half(),
+        "mean_empty_rank": torch.tensor(sum(r + 1.0 for r in range(1, world)) / (world - 1)),
+    }
+    for rank, res in enumerate(results):
+        for case, value in expected.items():
+            assert_tree_equal(_ok(res[(case, "all_gather")]), {"loss": value})
+            got = _ok(res[(case, "gather")])
+            assert_tree_equal(got, {"loss": value} if rank == _dst(world) else None)
 
 
 ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {

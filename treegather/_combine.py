@@ -194,7 +194,12 @@ def _reduce(
             return builtins.sum(col)
         if sizes is None:
             return builtins.sum(col) / len(col)
-        return builtins.sum(v * s for v, s in zip(col, sizes)) / builtins.sum(sizes)
+        total = builtins.sum(sizes)
+        if all(type(v) is int for v in col):  # exact
+            return builtins.sum(v * s for v, s in zip(col, sizes)) / total
+        # Each value times its share of the rows: never a product larger than the value (a
+        # numpy float16 times 4096 rows overflows); a share of 0 leaves the value out (NaN).
+        return builtins.sum(v * (s / total) for v, s in zip(col, sizes) if s)
     _one_dtype(col)
     stacked = torch.stack(_to(col, target))
     if isinstance(rule, Sum):
@@ -203,9 +208,34 @@ def _reduce(
         stacked = stacked.to(torch.get_default_dtype())
     if sizes is None:
         return stacked.mean(0)
-    weights = torch.tensor(sizes, dtype=stacked.dtype, device=stacked.device)
-    weights = weights.reshape((-1,) + (1,) * (stacked.dim() - 1))
-    return (stacked * weights).sum(0) / weights.sum()
+    return _weighted_mean(stacked, sizes)
+
+
+# The dtype torch's mean accumulates in, where it is not the input's (at::opmath_type).
+_ACCUMULATE = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.complex32: torch.complex64,
+}
+
+
+def _weighted_mean(stacked: Tensor, sizes: tuple[int, ...]) -> Tensor:
+    """The mean of ``stacked`` along dim 0 weighted by ``sizes`` (adding up to more than 0),
+    accumulated as :func:`torch.mean` does (float16 and bfloat16 in float32), each value times
+    its share of the rows (so no product exceeds the value: a float16 loss of 100 times 4096
+    rows would be inf), and returned in the input's dtype. A replica of 0 rows takes no part:
+    its value (the NaN mean of an empty batch) is replaced by 0 before it is weighted by 0,
+    which also gives it a zero gradient rather than a NaN one."""
+    dtype = stacked.dtype
+    wide = _ACCUMULATE.get(dtype, dtype)
+    total = builtins.sum(sizes)
+    shape = (-1,) + (1,) * (stacked.dim() - 1)
+    shares = torch.tensor([s / total for s in sizes], dtype=wide, device=stacked.device)
+    values = stacked.to(wide)
+    if 0 in sizes:
+        kept = torch.tensor([s > 0 for s in sizes], device=stacked.device).reshape(shape)
+        values = torch.where(kept, values, torch.zeros((), dtype=wide, device=stacked.device))
+    return (values * shares.reshape(shape)).sum(0).to(dtype)
 
 
 def _pad(rule: Pad, col: tuple[Any, ...], target: torch.device) -> Any:

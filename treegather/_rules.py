@@ -254,9 +254,23 @@ def mean() -> Mean:
     mean of per-shard batch means equals the full-batch mean, even for uneven splits. Integer
     tensors are promoted to the default float dtype; Python numbers give a Python float.
 
+    The weighted mean accumulates as :func:`torch.mean` does: float16 and bfloat16 values (and
+    complex32) in float32, other dtypes in their own, each value multiplied by its share of the
+    rows (``sizes[i] / sum(sizes)``, so no product is larger than the value), and the result
+    comes back in the values' dtype: a float16 loss of 100.0 over two shards of 4096 rows is
+    100.0, not ``inf``. A replica of 0 rows (``sizes[i] == 0``) takes no part in the mean: its
+    value (torch's mean of an empty batch is NaN) neither reaches the result nor gets a NaN
+    gradient (its gradient is zero). Without ``sizes`` it is the plain :func:`torch.mean` of
+    the per-replica values. The result is differentiable either way.
+
     >>> import torch, treegather as tg
     >>> tg.gather([torch.tensor(1.0), torch.tensor(4.0)], "cpu", tg.mean(), sizes=[2, 1])
     tensor(2.)
+    >>> half = [torch.tensor(100.0, dtype=torch.float16)] * 2
+    >>> tg.gather(half, "cpu", tg.mean(), sizes=[4096, 4096])
+    tensor(100., dtype=torch.float16)
+    >>> tg.gather([torch.tensor(1.0), torch.tensor(float("nan"))], "cpu", tg.mean(), sizes=[3, 0])
+    tensor(1.)
     """
     return Mean()
 
