@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import namedtuple
 from typing import Any, ClassVar
@@ -331,7 +332,8 @@ def test_gather_rule_error_in_the_last_leaf_comes_before_any_copy_to_the_target(
     # "Errors happen before anything is copied": when replicas live off the target device, a
     # mistake in the last leaf must not leave the earlier leaves copied over first. (On one
     # device the combine pass finds shape problems itself; then nothing is returned and no
-    # custom rule runs, see the next test.) Meta tensors stand in for another device here.
+    # custom rule runs, see the next test.) The meta device stands in for another device here
+    # (as the target: a meta tensor gathered onto the CPU is an error of its own).
     moves: list[str] = []
     real_to = torch.Tensor.to
 
@@ -341,11 +343,11 @@ def test_gather_rule_error_in_the_last_leaf_comes_before_any_copy_to_the_target(
 
     monkeypatch.setattr(torch.Tensor, "to", counting_to)
     outs = [
-        {"a": torch.ones(2, 3, device="meta"), "z": torch.ones(1, 2, device="meta")},
-        {"a": torch.ones(2, 3, device="meta"), "z": torch.ones(1, 5, device="meta")},
+        {"a": torch.ones(2, 3), "z": torch.ones(1, 2)},
+        {"a": torch.ones(2, 3), "z": torch.ones(1, 5)},
     ]
     with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['z'\]"):
-        tg.gather(outs, "cpu")
+        tg.gather(outs, "meta")
     assert moves == []
 
 
@@ -528,6 +530,83 @@ def test_tensors_scatter_cannot_split_or_place_get_typed_errors(kind: Any) -> No
     for _ in range(5):  # cold and through the compiled layer: never meta "shards"
         with pytest.raises(tg.LeafTypeError, match=r"inputs\['x'\]"):
             tg.scatter({"x": x, "y": torch.zeros(4)}, CPU2)
+
+
+def _meta(*shape: int) -> torch.Tensor:
+    return torch.ones(shape, device="meta")
+
+
+# name -> (per-replica outputs, layout, dim, the path the error names)
+META_GATHERS: dict[str, tuple[Any, Any, int, str]] = {
+    "later_leaf": ([{"a": torch.ones(2), "b": _meta(2)}] * 2, None, 0, "outputs['b']"),
+    "first_leaf": ([{"a": _meta(2), "b": torch.ones(2)}] * 2, None, 0, "outputs['a']"),
+    "one_replica": (
+        [{"a": torch.ones(2), "b": torch.ones(2)}, {"a": torch.ones(2), "b": _meta(2)}],
+        None,
+        0,
+        "outputs['b']",
+    ),
+    "dim_1": ([{"a": torch.ones(2, 2), "b": _meta(2, 3)}] * 2, None, 1, "outputs['b']"),
+    "zero_dim": ([{"n": torch.tensor(1.0), "m": _meta()}] * 2, None, 0, "outputs['m']"),
+    "beside_a_string": ([{"a": torch.ones(1), "b": _meta(1), "s": "x"}] * 2, None, 0, "['b']"),
+    "cat_rule": (
+        [{"a": torch.ones(1), "b": _meta(1, 2)}] * 2,
+        {"a": 0, "b": tg.cat(1)},
+        0,
+        "['b']",
+    ),
+    "mean": (
+        [{"loss": _meta(), "s": "x"}] * 2,
+        {"loss": tg.mean(), "s": tg.first()},
+        0,
+        "['loss']",
+    ),
+    "stack": ([{"h": torch.ones(1), "x": _meta(2)}] * 2, {"h": 0, "x": tg.stack()}, 0, "['x']"),
+    "pad": ([{"h": torch.ones(1), "x": _meta(2)}] * 2, {"h": 0, "x": tg.pad()}, 0, "['x']"),
+    "first_subtree": (
+        [{"m": {"w": _meta(2), "k": 1}, "x": torch.ones(1)}] * 2,
+        {"m": tg.first(), "x": 0},
+        0,
+        "outputs['m']['w'] (replica 0)",
+    ),
+    "cat_items": (
+        [{"ids": [torch.ones(1)], "x": torch.ones(1)}, {"ids": [_meta(1)], "x": torch.ones(1)}],
+        {"ids": tg.cat_items(), "x": 0},
+        0,
+        "outputs['ids'][0] (replica 1)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(META_GATHERS))
+def test_meta_tensors_gathered_onto_the_cpu_are_typed_errors(name: str) -> None:
+    """A meta tensor has no data to gather: a LeafTypeError naming its path wherever it sits
+    (gather sampled the first tensor position only: a later one came back on ``meta``, and at
+    the first one torch's raw NotImplementedError came out), cold, through the compiled layer
+    and on the reference path alike."""
+    from treegather._compiled import reference_only
+
+    outs, layout, dim, path = META_GATHERS[name]
+    for attempt in range(5):
+        ctx = reference_only() if attempt == 4 else contextlib.nullcontext()
+        with ctx, pytest.raises(tg.LeafTypeError) as info:
+            tg.gather(outs, "cpu", layout, dim=dim)
+        message = str(info.value)
+        assert path in message and "a meta tensor holds no data to gather onto cpu" in message
+        assert "materialise it first" in message
+
+
+def test_meta_tensors_stay_meta_where_nothing_moves_them() -> None:
+    """as_list() leaves values untouched, and the meta device is a target like any other."""
+    outs = [{"a": _meta(2), "b": _meta(1, 3)}] * 2
+    for _ in range(4):
+        kept = tg.gather(outs, "cpu", {"a": tg.as_list(), "b": tg.as_list()})
+        assert kept["a"][0] is outs[0]["a"] and kept["b"][1] is outs[1]["b"]
+        on_meta = tg.gather(outs, "meta")
+        assert on_meta["a"].is_meta and on_meta["a"].shape == (4,)
+        assert on_meta["b"].is_meta and on_meta["b"].shape == (2, 3)
+        moved = tg.gather([{"a": torch.ones(2)}] * 2, "meta")
+        assert moved["a"].is_meta and moved["a"].shape == (4,)
 
 
 def test_split_sizes_naming_fewer_shards_than_devices_use_fewer_devices() -> None:

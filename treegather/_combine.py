@@ -43,7 +43,8 @@ Tensor = torch.Tensor
 def needs_move(columns: list[tuple[Any, ...]], target: torch.device) -> bool:
     """Whether any replica's tensors live off ``target`` (sampled: the first tensor position).
 
-    Only a hint for the fast path: a leaf elsewhere is still moved, just less cheaply.
+    Only a hint for the fast path: a leaf elsewhere is still moved, just less cheaply (and a
+    meta tensor elsewhere still found: moving it raises, and ``gather`` names its path).
     """
     for column in columns:
         if any(type(v) is Tensor or isinstance(v, Tensor) for v in column):
@@ -93,10 +94,12 @@ def combine_default(
     target: torch.device,
     moving: bool,
     dim: int,
-    check: bool = True,
 ) -> list[Any]:
     """The default rules (tensors: cat, others: as_list), leaf by leaf.
 
+    Every result is checked to be on ``target``: ``torch.cat`` of a column wholly on another
+    device (a GPU, or the meta device even on a CPU-only machine) stays there, and moving it
+    there raises for a meta tensor (``gather`` then names the path).
     (The all-tensor CPU case of a structure seen before never gets here: ``gather`` does it in
     one comprehension.)
     """
@@ -120,7 +123,7 @@ def combine_default(
                 append(_as_list(col))
             continue
         _one_dtype(col)  # torch.cat promoted mixed dtypes: refuse them
-        if check and ((not r.is_cpu) if cpu else (r.get_device() != index)):
+        if (not r.is_cpu) if cpu else (r.get_device() != index):
             r = r.to(target)
         append(r)
     return out

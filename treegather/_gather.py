@@ -16,7 +16,7 @@ import torch
 
 from . import _compiled
 from ._combine import combine_default, combine_planned, needs_move
-from ._devices import DeviceLike, accelerator_tensors_possible, as_device
+from ._devices import DeviceLike, as_device
 from ._errors import (
     ArgumentTypeError,
     LeafTypeError,
@@ -188,20 +188,19 @@ def combine(
     listed, with nothing returned and no custom rule run.
     """
     moving = needs_move(columns, target)
-    cpu_only = target.type == "cpu" and not accelerator_tensors_possible()
     if moving:
-        problem = diagnose(plan, columns, dim, None, sizes)
+        problem = diagnose(plan, columns, dim, None, sizes, target)
         if problem is not None:
             raise problem
     try:
         if plan.default_only:
-            results = combine_default(columns, target, moving, dim, not cpu_only)
+            results = combine_default(columns, target, moving, dim)
         else:
             results = combine_planned(plan, columns, target, moving, sizes, dim)
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
         if isinstance(exc, (StructureMismatchError, ShapeMismatchError, LeafTypeError)):
             raise
-        err = diagnose(plan, columns, dim, exc, sizes)
+        err = diagnose(plan, columns, dim, exc, sizes, target)
         if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
             raise
         raise err from exc

@@ -201,11 +201,17 @@ def _gather_seen(
             # One dtype per leaf across replicas (torch.cat would promote silently); a value
             # without a dtype (a subtree or None where a leaf should be) stops here.
             if same_dtypes or _one_dtype_per_leaf(columns, len(outputs)):
-                if columns[0][0].is_cpu:  # (torch.cat refuses tensors on other devices)
+                if columns[0][0].is_cpu:
                     if dim:
-                        return st.rebuild([torch.cat(c, dim) for c in columns])
-                    return st.rebuild(list(map(torch.cat, columns)))
-                if accelerator_tensors_possible():  # replicas on GPUs
+                        results = [torch.cat(c, dim) for c in columns]
+                    else:
+                        results = list(map(torch.cat, columns))
+                    # torch.cat refuses a column that mixes devices, but one wholly elsewhere
+                    # (meta tensors, or one GPU) stays there: the reference steps move it, or
+                    # name a meta tensor's path.
+                    if all(map(_IS_CPU, results)):
+                        return st.rebuild(results)
+                elif accelerator_tensors_possible():  # replicas on GPUs
                     return st.rebuild(_cat_on_host(columns, target, dim))
         except (TypeError, RuntimeError, AttributeError, IndexError):
             pass  # the reference steps below explain it
