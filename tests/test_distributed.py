@@ -343,6 +343,58 @@ def different_calls(rank: int, world: int) -> Any:
     return tgd.all_gather({"x": torch.ones(1)})
 
 
+def _bad_rank_waits(rank: int, world: int, bad: int, call: Callable[[], Any]) -> Any:
+    """Run ``call`` (whose arguments are bad on rank ``bad``); rank ``bad`` then makes no other
+    collective until every other rank is done with its call, as a rank that raised and went on
+    with other work would: the others must not wait for it (they used to, until the process
+    group's timeout)."""
+    import treegather.distributed as tgd
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"{call.__qualname__}:{tgd._FAST_PATH}:done"
+    try:
+        return call()
+    finally:
+        if rank == bad:
+            store.wait([f"{key}:{r}" for r in range(world) if r != bad], timedelta(seconds=45))
+        else:
+            store.set(f"{key}:{rank}", "1")
+
+
+@_error
+def bad_dst_on_one_rank(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    def call() -> Any:
+        return tgd.gather({"x": torch.ones(rank + 1)}, dst=world if rank == 1 else 0)
+
+    return _bad_rank_waits(rank, world, 1, call)
+
+
+@_error
+def dst_of_the_wrong_type_on_one_rank(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.gather({"x": torch.ones(1)}, "0" if rank == world - 1 else 0, sizes=1)
+
+
+@_error
+def bad_dst_on_every_rank(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.gather({"x": torch.ones(1)}, dst=-1)
+
+
+@_error
+def bad_src_on_one_rank(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    def call() -> Any:
+        return tgd.broadcast({"x": torch.ones(1)} if rank == 0 else None, src=0 if rank else -5)
+
+    return _bad_rank_waits(rank, world, 0, call)
+
+
 @_error
 def broadcast_unpicklable(rank: int, world: int) -> Any:
     import treegather.distributed as tgd
@@ -880,6 +932,22 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "sizes_on_some_ranks": (tg.BatchSizeError, ["sizes=", "4 on rank 0", "None on rank"]),
     "bad_sizes": (tg.BatchSizeError, ["on rank 1", "sizes must be", "2.5"]),
     "dst_disagrees": (tg.StructureMismatchError, ["dst=0", "dst=1"]),
+    "bad_dst_on_one_rank": (
+        ValueError,
+        ["every rank raises", "rank 1: treegather.distributed.gather: dst=", "is not a rank"],
+    ),
+    "dst_of_the_wrong_type_on_one_rank": (
+        tg.ArgumentTypeError,
+        ["treegather.distributed.gather: dst must be an int (a global rank), got str '0'"],
+    ),
+    "bad_dst_on_every_rank": (
+        ValueError,
+        ["rank 0: treegather.distributed.gather: dst=-1 is not a rank", "rank 1: ", "Hint"],
+    ),
+    "bad_src_on_one_rank": (
+        ValueError,
+        ["rank 0: treegather.distributed.broadcast: src=", "is not a rank of the process group"],
+    ),
     "different_calls": (tg.StructureMismatchError, ["gather", "all_gather", "rank 0"]),
     "mismatch_beside_whole_nodes": (tg.StructureMismatchError, ["outputs['y']", "missing on rank"]),
     "layout_error": (tg.LayoutError, ["on ranks 0, 1", "nope"]),
@@ -1082,6 +1150,23 @@ def test_bad_dst_is_rejected(world_of_one: None) -> None:
 
     with pytest.raises(ValueError, match=r"dst=3 is not a rank"):
         tgd.gather({"x": torch.ones(1)}, dst=3)
+
+
+def test_dst_and_src_are_ints_or_integer_types(world_of_one: None) -> None:
+    """Integer types with ``__index__`` are ranks (as for dims); a bool or a str is an
+    ArgumentTypeError (it used to be a ValueError saying the rank does not exist)."""
+    import treegather.distributed as tgd
+
+    tree = {"x": torch.ones(2)}
+    np = pytest.importorskip("numpy")
+    assert torch.equal(tgd.gather(tree, dst=np.int64(0))["x"], tree["x"])
+    assert torch.equal(tgd.broadcast(tree, src=torch.tensor(0))["x"], tree["x"])
+    with pytest.raises(tg.ArgumentTypeError, match=r"dst must be an int .*, got bool True"):
+        tgd.gather(tree, dst=True)
+    with pytest.raises(tg.ArgumentTypeError, match=r"src must be an int .*, got str '0'"):
+        tgd.broadcast(tree, src="0")
+    # ... and the group is still in step.
+    assert torch.equal(tgd.all_gather(tree)["x"], tree["x"])
 
 
 def test_results_are_detached_copies(world_of_one: None) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "ERROR_CLASSES",
     "StructuresDiffer",
     "check",
+    "exchange_objects",
     "name_differences",
     "node_table",
     "outcome_of",
@@ -228,6 +229,10 @@ def _all_gather_bytes(collective: Collective, g: Group, payload: bytes) -> list[
         pickle.loads(_wire.tensor_bytes(buf[:k]))
         for buf, k in zip(out.view(len(g.ranks), stride), sizes)
     ]
+
+
+# The preamble's exchange of the ranks' argument problems uses it too (error paths only).
+exchange_objects = _all_gather_bytes
 
 
 def name_differences(collective: Collective, g: Group, local: _wire.Packed) -> NoReturn:

@@ -38,7 +38,8 @@ outcome; :mod:`treegather._dist_errors`), so when the trees differ (a missing ke
 a tuple, a tensor against a string, mismatched dtypes or non-cat dims, ``sizes=`` on some ranks
 only, another ``dst``, ``layout`` or ``dim``) every rank raises the same error naming the leaf
 path and the ranks, instead of hanging in a mismatched collective. Problems found before the
-exchange (an unpicklable leaf, a layout that does not fit) travel in the header too. Nodes that
+exchange (an unpicklable leaf, a layout that does not fit) travel in the header too, and a
+``dst``/``src`` that names no rank of the group travels in the first exchange's row. Nodes that
 the layout takes whole (``cat_items()``, ``as_list()``, ``first()``, a callable on an inner node)
 may differ between ranks, like per-sample lists of uneven length.
 
@@ -237,6 +238,8 @@ def gather(
         ShapeMismatchError: A rule cannot combine the ranks' tensors.
         BatchSizeError: ``sizes`` is not an int, or was passed on some ranks only.
         LeafTypeError: A leaf cannot travel.
+        ValueError: ``dst`` names no rank of the group on some rank (raised on every rank;
+            :class:`~treegather.ArgumentTypeError` when it is not an int).
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -248,9 +251,12 @@ def gather(
         >>> dist.destroy_process_group()
     """
     g = _dist_group.group(group)
-    root = _dist_group.root_rank(g, dst, "dst")
-    if not _FAST_PATH:
-        return _full_gather(g, dst, root, tree, layout, dim, sizes)
+    # A dst that names no rank travels in the first exchange: every rank raises, none waits.
+    root, problem = _dist_group.root_rank(g, dst, "dst")
+    if problem is None:
+        dst = g.ranks[root]
+    if not _FAST_PATH or problem is not None:
+        return _full_gather(g, dst, root, tree, layout, dim, sizes, problem=problem)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
@@ -293,11 +299,15 @@ def _full_gather(
     sizes: int | None,
     *,
     first: bool = True,
+    problem: _dist_group.Problem | None = None,
 ) -> Any:
-    local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
+    if problem is not None:  # the first exchange raises it on every rank
+        local = _wire.Packed(None, b"")
+    else:
+        local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
     lengths = (len(local.header), local.nbytes)
     rows = _pre.exchange(
-        _all_gather_into, g, _pre.GATHER, root, lengths, local.devices, first=first
+        _all_gather_into, g, _pre.GATHER, root, lengths, local.devices, first=first, problem=problem
     ).rows
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     stride = max(_wire.padded(r[_pre.HEADER]) + _wire.padded(r[_pre.NBYTES]) for r in rows)
@@ -337,6 +347,8 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
     Raises:
         StructureMismatchError: The ranks disagree on ``src``.
         LeafTypeError: A leaf of ``src``'s tree cannot travel.
+        ValueError: ``src`` names no rank of the group on some rank (raised on every rank;
+            :class:`~treegather.ArgumentTypeError` when it is not an int).
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -348,10 +360,15 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
         >>> dist.destroy_process_group()
     """
     g = _dist_group.group(group)
-    root = _dist_group.root_rank(g, src, "src")
+    # A src that names no rank travels in the first exchange: every rank raises, none waits.
+    root, problem = _dist_group.root_rank(g, src, "src")
+    if problem is None:
+        src = g.ranks[root]
     local = _wire.encode(tree, None, with_spec=True) if g.rank == root else _wire.Packed(None, b"")
     lengths = (len(local.header), local.nbytes)
-    rows = _pre.exchange(_all_gather_into, g, _pre.BROADCAST, root, lengths, local.devices).rows
+    rows = _pre.exchange(
+        _all_gather_into, g, _pre.BROADCAST, root, lengths, local.devices, problem=problem
+    ).rows
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     head_len, data_len = rows[root][_pre.HEADER], rows[root][_pre.NBYTES]
     stride = _wire.padded(head_len) + data_len
