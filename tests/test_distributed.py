@@ -386,6 +386,15 @@ def bad_dst_on_every_rank(rank: int, world: int) -> Any:
 
 
 @_error
+def bool_dim_on_every_rank(rank: int, world: int) -> Any:
+    """dim=True on every rank: dst found it after the gather, and the other ranks got its error
+    rebuilt as another class."""
+    import treegather.distributed as tgd
+
+    return tgd.gather({"x": torch.ones(1)}, world - 1, dim=True)
+
+
+@_error
 def bad_src_on_one_rank(rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
@@ -943,6 +952,10 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "bad_dst_on_every_rank": (
         ValueError,
         ["rank 0: treegather.distributed.gather: dst=-1 is not a rank", "rank 1: ", "Hint"],
+    ),
+    "bool_dim_on_every_rank": (
+        tg.ArgumentTypeError,
+        ["rank 0: treegather.distributed.gather: dim must be an int", "got bool True", "rank 1"],
     ),
     "bad_src_on_one_rank": (
         ValueError,

@@ -20,7 +20,9 @@ from optree import PyTreeSpec
 from treegather import _tree, _wire
 from treegather._dist_group import Collective, Group
 from treegather._errors import (
+    ArgumentTypeError,
     BatchSizeError,
+    DeviceError,
     LayoutError,
     LeafTypeError,
     ShapeMismatchError,
@@ -43,7 +45,9 @@ __all__ = [
 ERROR_CLASSES: dict[str, type[TreegatherError]] = {
     cls.__name__: cls
     for cls in (
+        ArgumentTypeError,
         BatchSizeError,
+        DeviceError,
         LayoutError,
         LeafTypeError,
         ShapeMismatchError,
