@@ -140,7 +140,7 @@ def as_devices(
     """
     if isinstance(devices, (int, str, torch.device)):
         return (as_device(devices),)
-    items = devices if isinstance(devices, Sequence) else list(devices)
+    items = devices if type(devices) in (list, tuple) else list(devices)
     try:
         out = tuple(as_device(d) for d in items)
     except DeviceError:
