@@ -708,3 +708,34 @@ def test_corpus_differential(case: corpus.Case) -> None:
         for name, call in calls.items():
             assert_same(run(call), expected[name], f"{case.name} {name} call {i + 1}")
             assert_same(run(other[name]), expected_other[name], f"other {name} call {i + 1}")
+
+
+def _meta_or_real(meta: bool, at: str) -> list[dict[str, torch.Tensor]]:
+    """Two replicas of one structure; with ``meta``, the leaf ``at`` is a meta tensor in both."""
+    outs = []
+    for r in range(2):
+        tree = {"a": torch.full((2, 3), float(r)), "b": torch.ones(2, 2) + r, "c": torch.ones(2, 1)}
+        if meta:
+            tree[at] = torch.empty(tree[at].shape, device="meta")
+        outs.append(tree)
+    return outs
+
+
+@pytest.mark.parametrize("at", ["a", "b", "c"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_meta_leaves_after_real_calls_differential(at: str, dim: int) -> None:
+    """A structure compiled with CPU tensors, then the same structure with a meta tensor at any
+    position (the per-step path cats in C: a column wholly on ``meta`` used to come back
+    there), alternating: the same result or error as the plain path, every call."""
+    real, meta = _meta_or_real(False, at), _meta_or_real(True, at)
+    expected = {
+        name: reference(lambda o=outs: tg.gather(o, "cpu", dim=dim))
+        for name, outs in (("real", real), ("meta", meta))
+    }
+    assert expected["real"].error is None
+    assert expected["meta"].error is tg.LeafTypeError
+    assert f"outputs['{at}']: a meta tensor" in expected["meta"].message
+    for i in range(WARM_CALLS + 1):
+        for name, outs in (("real", real), ("meta", meta)):
+            got = run(lambda o=outs: tg.gather(o, "cpu", dim=dim))
+            assert_same(got, expected[name], f"{name} call {i + 1}")

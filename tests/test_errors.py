@@ -587,6 +587,7 @@ def test_meta_tensors_gathered_onto_the_cpu_are_typed_errors(name: str) -> None:
     from treegather._compiled import reference_only
 
     outs, layout, dim, path = META_GATHERS[name]
+    messages = set()
     for attempt in range(5):
         ctx = reference_only() if attempt == 4 else contextlib.nullcontext()
         with ctx, pytest.raises(tg.LeafTypeError) as info:
@@ -594,6 +595,8 @@ def test_meta_tensors_gathered_onto_the_cpu_are_typed_errors(name: str) -> None:
         message = str(info.value)
         assert path in message and "a meta tensor holds no data to gather onto cpu" in message
         assert "materialise it first" in message
+        messages.add(message)
+    assert len(messages) == 1, messages  # the same error, cold, compiled and reference
 
 
 def test_meta_tensors_stay_meta_where_nothing_moves_them() -> None:
