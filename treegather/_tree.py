@@ -24,6 +24,8 @@ from ._caches import clear_tree_caches
 
 __all__ = [
     "NAMESPACE",
+    "INPUT_AND_KWARGS",
+    "is_call_root",
     "register_dataclass",
     "register_node",
     "flatten",
@@ -377,13 +379,30 @@ def move_tree(tree: Any, target: torch.device) -> Any:
     )
 
 
+INPUT_AND_KWARGS = "(inputs, kwargs)"
+"""The ``root`` of an ``(input, kwargs)`` pair: :func:`treegather.data_parallel`'s single
+input (paths start at it, ``inputs['names']``) next to its keyword arguments (``kwargs['labels']``).
+``root=None`` is an ``(args, kwargs)`` pair, whose paths start at the positional index."""
+
+
+def is_call_root(root: str | None) -> bool:
+    """Whether ``root`` names a call's pair (``(args, kwargs)`` or ``(input, kwargs)``), whose
+    first level (the pair's index) is not part of any path."""
+    return root is None or root == INPUT_AND_KWARGS
+
+
 def display_path(node: Node, root: str | None) -> str:
-    """A node's path for messages; ``root=None`` means an ``(args, kwargs)`` pair."""
-    if root is not None:
+    """A node's path for messages; ``root=None`` means an ``(args, kwargs)`` pair and
+    :data:`INPUT_AND_KWARGS` an ``(input, kwargs)`` pair.
+
+    >>> [display_path(n, INPUT_AND_KWARGS) for n in nodes(optree.tree_structure(({"a": 1}, {"b": 2})))]
+    ['(inputs, kwargs)', 'inputs', "inputs['a']", 'kwargs', "kwargs['b']"]
+    """
+    if root is not None and root != INPUT_AND_KWARGS:
         return format_path(root, node.path)
     if not node.path:
-        return "(args, kwargs)"
-    head = "args" if node.raw[0] == 0 else "kwargs"
+        return "(args, kwargs)" if root is None else INPUT_AND_KWARGS
+    head = "kwargs" if node.raw[0] == 1 else "args" if root is None else "inputs"
     return format_path(head, node.path[1:])
 
 
