@@ -18,7 +18,7 @@ from ._devices import DeviceLike, as_devices
 from ._errors import EXPLAIN_POINTER, BatchSizeError, LeafTypeError, bullet_list, check_dim
 from ._layout import Plan, display_path, resolve
 from ._rules import Broadcast, Split
-from ._tree import INPUT_AND_KWARGS, describe, flatten, move_tree
+from ._tree import INPUT_AND_KWARGS, Opaque, describe, flatten, move_tree
 
 __all__ = [
     "Shards",
@@ -342,6 +342,8 @@ def _sent_whole(x: Any, where: Callable[[], str]) -> tuple[str, bool] | None:
     tuple subclass) are refused; numpy arrays of >= 1 dim are refused next to split data
     (``_ARRAY``). Strings, numbers and containers of plain values are broadcast.
     """
+    if isinstance(x, Opaque):  # a registered node that cannot be split: it says why
+        return f"{where()}: {x.reason}", True
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (
             f"{where()}: {type(x).__qualname__} is a dataclass treegather does not know, so it "
