@@ -303,8 +303,14 @@ def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def leaves_of(tree: Any) -> list[Any]:
+    """``tree``'s leaves as treegather sees them (flattening registers transformers' caches)."""
+    return tg._tree.flatten(tree)[0]
+
+
 def assert_same_tree(got: Any, expected: Any, skip: tuple[str, ...] = (), where: str = "") -> None:
     """Same structure (treegather's view: caches are nodes) and equal tensors, leaf by leaf."""
+    tg._tree.registry_version()  # (registers transformers' caches on first use)
     if skip:
         got = {k: v for k, v in got.items() if k not in skip}
         expected = {k: v for k, v in expected.items() if k not in skip}
@@ -349,7 +355,7 @@ def test_cached_decode_step_feeds_the_gathered_cache_back(name: str) -> None:
     assert isinstance(cache, type(expected.cache))  # one cache of the whole batch ...
     assert_same_tree(cache, expected.cache, where=f"{name} cache")  # ... equal to one device's
     length = cache.get_seq_length()
-    keys = [t.clone() for t in optree.tree_leaves(cache, namespace=tg.NAMESPACE)]
+    keys = [t.clone() for t in leaves_of(cache)]
     step: dict[str, Any] = {"cache": cache, "use_cache": True}
     nxt = torch.randint(3, VOCAB, (N, 1), generator=torch.Generator().manual_seed(1))
     if seq2seq:
@@ -366,7 +372,7 @@ def test_cached_decode_step_feeds_the_gathered_cache_back(name: str) -> None:
     assert_same_tree(got.cache, want.cache, where=f"{name} next cache")
     # the cache passed in was split per replica, never modified
     assert cache.get_seq_length() == length
-    for a, b in zip(optree.tree_leaves(cache, namespace=tg.NAMESPACE), keys):
+    for a, b in zip(leaves_of(cache), keys):
         assert torch.equal(a, b)
 
 
@@ -519,7 +525,7 @@ def _mistral_cache(rows: int = N) -> tuple[nn.Module, Any, torch.Tensor]:
 def test_a_dynamic_cache_is_split_per_replica_and_never_modified() -> None:
     model, cache, _ = _mistral_cache()
     assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer"] * 2
-    before = [t.clone() for t in optree.tree_leaves(cache, namespace=tg.NAMESPACE)]
+    before = [t.clone() for t in leaves_of(cache)]
     shards = tg.scatter({"cache": cache}, DEVICES)
     assert [s["cache"].layers[0].keys.shape[0] for s in shards] == [3, 2, 2]
     assert all(type(s["cache"]) is type(cache) and s["cache"] is not cache for s in shards)
@@ -530,7 +536,7 @@ def test_a_dynamic_cache_is_split_per_replica_and_never_modified() -> None:
         want = pristine(_mistral)(input_ids=nxt, cache=copy.deepcopy(cache))
     torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-4)
     assert cache.get_seq_length() == 8  # was 11 when the replicas advanced the caller's cache
-    for a, b in zip(optree.tree_leaves(cache, namespace=tg.NAMESPACE), before):
+    for a, b in zip(leaves_of(cache), before):
         assert torch.equal(a, b)
     assert got.cache.get_seq_length() == 9
     # the rebuilt cache is a working cache: the layers' metadata kept, the device rebuilt
@@ -644,3 +650,33 @@ def test_caches_are_nodes_only_once_transformers_is_in_use(order: str) -> None:
         "5",
         "inputs.layers[0]['keys']",
     ]
+
+
+def test_caches_scatter_and_gather_alike_on_the_compiled_and_reference_paths() -> None:
+    from treegather._compiled import reference_only
+    from treegather._compiled.structure import find
+
+    _, cache, _ = _mistral_cache()
+    tree = {"cache": cache, "ids": torch.arange(N)}
+
+    def shapes(shards: Any) -> list[Any]:
+        return [
+            (
+                type(s["cache"]).__name__,
+                [tuple(t.shape) for t in leaves_of(s)],
+            )
+            for s in shards
+        ]
+
+    with reference_only():
+        want = tg.scatter(tree, DEVICES)
+        back_want = tg.gather(list(want), "cpu", sizes=want.sizes)
+    for _ in range(5):  # cold, seen, then compiled
+        got = tg.scatter(tree, DEVICES)
+        assert shapes(got) == shapes(want)
+        back = tg.gather(list(got), "cpu", sizes=got.sizes)
+        assert_same_tree(back, back_want)
+        assert_same_tree(back["cache"], cache)
+    assert (
+        find(tree) is not None
+    )  # the cache's structure is recognised: its metadata keys are stable

@@ -69,16 +69,25 @@ class _Tensor0:
         return (str(self.dtype), self.value)
 
 
-def _statics(obj: Any, skip: Iterable[str]) -> tuple[tuple[str, Any], ...] | str:
-    """``obj``'s attributes but ``skip`` as sorted ``(name, value)`` metadata, or why not."""
+def _statics(
+    obj: Any, skip: Iterable[str], data: Any = None
+) -> tuple[tuple[str, Any], ...] | str:
+    """``obj``'s attributes but ``skip`` as sorted ``(name, value)`` metadata, or why not.
+
+    A ``torch.device`` attribute of an object whose ``data`` is a tensor is the data's device
+    (rebuilt so, never compared: replicas on several GPUs agree); otherwise it is kept.
+    """
     out = []
     for name, value in sorted(vars(obj).items()):
         if name in skip:
             continue
-        if type(value) in _ATOMS or isinstance(value, type):
-            out.append((name, value))
+        if type(value) in _ATOMS or isinstance(value, (type, _Device)):
+            out.append((name, value))  # (a _Device: a template's, see _restore)
         elif isinstance(value, torch.device):
-            out.append((name, _Device(str(value))))
+            if isinstance(data, torch.Tensor) and data.device == value:
+                out.append((name, _DATA_DEVICE))
+            else:
+                out.append((name, _Device(str(value))))
         elif isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad:
             out.append((name, _Tensor0(value)))
         else:
@@ -87,15 +96,26 @@ def _statics(obj: Any, skip: Iterable[str]) -> tuple[tuple[str, Any], ...] | str
 
 
 class _Device(str):
-    """A ``torch.device`` attribute as metadata: rebuilt as the shard's device when it can be."""
+    """A ``torch.device`` attribute as metadata (``""``: the device of the object's data)."""
 
     __slots__ = ()
+
+    def _typed_fields(self) -> tuple[Any, ...]:
+        """For :func:`treegather._caches.typed_key`: by value (a new one per flatten)."""
+        return (str(self),)
+
+
+_DATA_DEVICE = _Device("")
 
 
 def _restore(obj: Any, statics: tuple[tuple[str, Any], ...], device: torch.device | None) -> None:
     for name, value in statics:
-        if isinstance(value, _Device):
-            value = device if device is not None else torch.device(value)
+        if value is _DATA_DEVICE:
+            # the data's device; rebuilt around placeholders (the compiled layer's template of
+            # the structure), the marker itself, so that flattening it gives the same metadata
+            value = _DATA_DEVICE if device is None else device
+        elif isinstance(value, _Device):
+            value = torch.device(value)
         elif isinstance(value, _Tensor0):
             value = torch.tensor(value.value, dtype=value.dtype, device=device or "cpu")
         obj.__dict__[name] = value
@@ -119,7 +139,7 @@ def _dynamic_parts(cache: Any, module: types.ModuleType) -> tuple[Any, ...] | st
                 f"its layer {i} is a {type(layer).__qualname__} (only DynamicLayer, "
                 "DynamicSlidingWindowLayer and DummyLayer hold just batch-wise keys and values)"
             )
-        own = _statics(layer, ("keys", "values"))
+        own = _statics(layer, ("keys", "values"), layer.keys)
         if isinstance(own, str):
             return f"in its layer {i}, {own}"
         layers.append((type(layer), own))
