@@ -91,14 +91,15 @@ def data_parallel(
         output_device: where the result goes; default ``devices[0]``.
         module_kwargs: keyword arguments for ``fn``, scattered with the positional ones (a
             dict batch for ``model(**batch)``, as every Hugging Face model takes, goes here).
-        in_layout: how the inputs are split, as the call was written: for a single input
-            (``data_parallel(fn, batch)``) a layout of ``batch`` exactly as in
+        in_layout: how the inputs are split, as the call was written. For a single input
+            (``data_parallel(fn, batch)``), a layout of ``batch`` exactly as in
             :func:`scatter` (``by_path({"names": split_items()})``; a prefix tree of
-            ``batch``, ``module_kwargs`` then keeping their default rules), the
-            :func:`by_path` patterns also naming ``module_kwargs`` by keyword; for a tuple, a layout of ``(args, kwargs)`` as in :func:`scatter_kwargs`
-            (``"0.names"``, ``"labels"``). A pattern that could mean a key of the single input
-            or a keyword argument is a :class:`LayoutError`. ``explain(batch, in_layout,
-            devices, module_kwargs=...)`` shows what it does.
+            ``batch``, ``module_kwargs`` then keeping their default rules), whose
+            :func:`by_path` patterns also name ``module_kwargs`` by keyword; for a tuple, a
+            layout of ``(args, kwargs)`` as in :func:`scatter_kwargs` (``"0.names"``,
+            ``"labels"``). A pattern that could mean a key of the single input or a keyword
+            argument is a :class:`LayoutError`. ``explain(batch, in_layout, devices,
+            module_kwargs=...)`` shows what it does.
         out_layout: a layout of ``fn``'s output as in :func:`gather`.
         dim: the default split/concatenation dim.
         backend: the :func:`parallel_apply` backend.
