@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -63,19 +64,24 @@ def data_parallel(
 
     Steps: ``inputs`` and ``module_kwargs`` are divided by ``in_layout`` (default: tensors
     split along ``dim``, everything else broadcast); an ``nn.Module`` is replicated
-    onto the devices that received a shard (a plain callable is called as it is, on every
-    shard); :func:`parallel_apply` runs the shards with ``backend``; :func:`gather` combines
+    onto the devices that received a shard, and so is the module of a bound method
+    (``data_parallel(model.generate, ...)`` calls each replica's ``generate``; a plain
+    callable is called as it is, on every shard); :func:`parallel_apply` runs the shards with
+    ``backend``; :func:`gather` combines
     the outputs on ``output_device`` by ``out_layout``, with the shard sizes, so ``mean()``
     is exact for uneven splits. The output is always gathered, so one device gives the same
     output shapes as N devices (a 0-dim loss becomes a vector unless ``out_layout`` says
     ``mean()``, ``sum()`` or ``first()``). When nothing is split (no tensor input with a batch
     dim), ``fn`` runs once, on the first device.
 
-    A module's replicas are kept from step to step (as with :func:`replicate`'s
-    ``reuse=True``; a deleted module frees them): each step only re-binds buffers (and
-    parameters on other devices), and any change to the module (a replaced layer, a new hook
-    or attribute, ``.eval()``, ``.half()``, compiling it) rebuilds them. Results equal fresh
-    replicas' exactly; concurrent steps on one module each get their own replicas.
+    A module's replicas are kept from step to step (held so that a deleted module frees
+    them): each step re-binds them to the module as it is now (its attributes and hooks,
+    buffers, and parameters on other devices), and a change to the module's tree (a replaced
+    layer, ``.eval()``, ``.half()``, compiling it) rebuilds them. Results equal fresh
+    replicas' exactly; concurrent steps on one module each get their own replicas. What a
+    replica's forward registers (hooks) or assigns on itself (attributes, submodules,
+    parameters, buffers) stays in that replica for that step: the module you pass never sees
+    it, and neither does the next step.
 
     Under ``torch.compile``: a compiled model (``torch.compile(m)`` or ``m.compile()``) is
     replicated with its compiled code, which every replica shares. A compiled function that
@@ -83,7 +89,8 @@ def data_parallel(
     (a graph break, so ``fullgraph=True`` raises); compile the model for speed.
 
     Args:
-        fn: an ``nn.Module`` (parameters and buffers on ``devices[0]``) or any callable.
+        fn: an ``nn.Module`` (parameters and buffers on ``devices[0]``), a bound method of one
+            (``model.generate``: each replica's method is called), or any callable.
         inputs: a tuple (not a namedtuple) is the positional arguments (``()`` = none);
             anything else is the single argument.
         devices: the devices (repeats allowed, e.g. ``["cpu"] * 4``); default: every
@@ -109,6 +116,8 @@ def data_parallel(
 
     Raises:
         RuntimeError: a module's parameters or buffers are not on ``devices[0]``.
+        UninitializedModuleError: the module has uninitialized (lazy) parameters and the
+            batch is split over 2 or more devices (one device calls the module itself).
     """
     if _compiler_active():
         return _outside_compiler(data_parallel)(
@@ -128,15 +137,19 @@ def data_parallel(
     args_shards, kwargs_shards = _trim_unsplit(args_shards, kwargs_shards)
     used = args_shards.devices or devs[: len(args_shards)]
     kept: Kept | None = None
-    if not isinstance(fn, nn.Module):
+    module = fn if isinstance(fn, nn.Module) else _module_of(fn)
+    if module is None:
         fns: Any = fn
     elif len(used) == 1:
-        _check_module_device(fn, devs[0])
+        _check_module_device(module, devs[0])
         fns = [fn]
     else:
-        fns, kept = _replicas_for_step(fn, used, devs[0])
+        fns, kept = _replicas_for_step(module, used, devs[0])
+        if fn is not module:  # a bound method: the same method of each replica
+            fns = [types.MethodType(fn.__func__, replica) for replica in fns]  # type: ignore[attr-defined]
     with _module_kwargs_hint(fn, inputs, module_kwargs):
         outputs = parallel_apply(fns, list(args_shards), list(kwargs_shards), used, backend=backend)
+    del fns  # nothing here holds the replicas when they are handed back
     if kept is not None:
         give_back(kept)  # not after a failed step: the next one builds new replicas
     target = devs[0] if output_device is None else as_device(output_device)
@@ -181,6 +194,14 @@ def _parameters_named_by(fn: Callable[..., Any], inputs: Any) -> list[str]:
         name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     }
     return [k for k in inputs if isinstance(k, str) and k in named]
+
+
+def _module_of(fn: Callable[..., Any]) -> nn.Module | None:
+    """The module whose bound method ``fn`` is (``model.generate``), else None."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module) and isinstance(fn, types.MethodType):
+        return owner
+    return None
 
 
 def _default_devices(devices: Sequence[DeviceLike] | None) -> tuple[torch.device, ...]:
