@@ -69,9 +69,7 @@ class _Tensor0:
         return (str(self.dtype), self.value)
 
 
-def _statics(
-    obj: Any, skip: Iterable[str], data: Any = None
-) -> tuple[tuple[str, Any], ...] | str:
+def _statics(obj: Any, skip: Iterable[str], data: Any = None) -> tuple[tuple[str, Any], ...] | str:
     """``obj``'s attributes but ``skip`` as sorted ``(name, value)`` metadata, or why not.
 
     A ``torch.device`` attribute of an object whose ``data`` is a tensor is the data's device
