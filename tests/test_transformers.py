@@ -337,6 +337,32 @@ def run(entry: str, model: nn.Module, kwargs: dict[str, Any], layout: Any) -> An
 OUTPUTS = {"output_hidden_states": True, "output_attentions": True}
 
 
+@pytest.mark.parametrize("entry", ["data_parallel", "DataParallel"])
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_forward_and_backward_equal_one_device_cold(name: str, entry: str) -> None:
+    arch = ARCHS[name]
+    model, ref = pristine(arch.build), pristine(arch.build)
+    hooks, state = hook_counts(model), state_of(model)
+    kwargs = {**batch_of(arch), **OUTPUTS}
+    out = run(entry, model, kwargs, arch.layout)  # the model's first call
+    expected = ref(**kwargs)
+    assert type(out) is type(expected)
+    assert_same_tree(out, expected, arch.skip, f"{name} via {entry}")
+    arch.loss(out, model).backward()
+    arch.loss(expected, ref).backward()
+    grads = dict(ref.named_parameters())
+    for pname, p in model.named_parameters():
+        q = grads[pname]
+        assert (p.grad is None) == (q.grad is None), pname
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-4, msg=pname)
+    # the source is the user's model as it was: no hook, attribute or tensor of the replicas
+    assert hook_counts(model) == hooks
+    assert_same_tree(state_of(model), state)
+    with torch.no_grad():  # and called directly afterwards it is the one-device model
+        assert_same_tree(model(**kwargs), ref(**kwargs), arch.skip, f"{name} direct")
+
+
 DECODERS = {"gpt2_cache": {}, "llama": {}, "t5": {}, "bart": {"use_cache": True}}
 
 
