@@ -98,6 +98,9 @@ class _Device(str):
 
     __slots__ = ()
 
+    def __repr__(self) -> str:
+        return f"device({str.__repr__(self)})"
+
     def _typed_fields(self) -> tuple[Any, ...]:
         """For :func:`treegather._caches.typed_key`: by value (a new one per flatten)."""
         return (str(self),)
@@ -119,10 +122,41 @@ def _restore(obj: Any, statics: tuple[tuple[str, Any], ...], device: torch.devic
         obj.__dict__[name] = value
 
 
+class _Meta:
+    """A DynamicCache's metadata, ``(cache statics, per-layer (class, statics))``.
+
+    Compared and hashed by value; its type-aware key (:func:`treegather._caches.typed_key`,
+    which the compiled layer's guard computes on every call) is one text: the parts' ``repr``
+    (which tells ``True``, ``1`` and ``1.0`` apart) and the classes' identities.
+    """
+
+    __slots__ = ("_text", "parts")
+
+    def __init__(self, parts: tuple[Any, ...]) -> None:
+        self.parts = parts
+        self._text: str | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Meta) and other.parts == self.parts
+
+    def __hash__(self) -> int:
+        return hash(self.parts)
+
+    def __repr__(self) -> str:
+        return repr(self.parts)
+
+    def _typed_fields(self) -> tuple[Any, ...]:
+        if self._text is None:
+            statics, layers = self.parts
+            classes = [v for _, v in statics if isinstance(v, type)] + [c for c, _ in layers]
+            self._text = f"{self.parts!r}#{[id(c) for c in classes]}"
+        return (self._text,)
+
+
 # ------------------------------------------------------------------------------ DynamicCache
 
 
-def _dynamic_parts(cache: Any, module: types.ModuleType) -> tuple[Any, ...] | str:
+def _dynamic_parts(cache: Any, module: types.ModuleType) -> _Meta | str:
     """``(cache statics, per-layer (class, statics))`` or the reason it cannot be split."""
     if getattr(cache, "offloading", False):
         return "it offloads its layers to the CPU (with a stream per device)"
@@ -141,7 +175,7 @@ def _dynamic_parts(cache: Any, module: types.ModuleType) -> tuple[Any, ...] | st
         if isinstance(own, str):
             return f"in its layer {i}, {own}"
         layers.append((type(layer), own))
-    return statics, tuple(layers)
+    return _Meta((statics, tuple(layers)))
 
 
 def _flatten_dynamic(module: types.ModuleType) -> Any:
@@ -160,7 +194,7 @@ def _unflatten_dynamic(cls: type) -> Any:
         (layers,) = children
         if parts is None:
             return _whole(layers)
-        statics, layer_parts = parts
+        statics, layer_parts = parts.parts
         cache: Any = object.__new__(cls)
         _restore(cache, statics, None)
         built = []
