@@ -340,7 +340,9 @@ def _sent_whole(x: Any, where: Callable[[], str]) -> tuple[str, bool] | None:
     Unregistered dataclasses, dict/list subclasses, and any other mapping or sequence holding
     tensors (``collections.UserDict`` -- the shape of transformers' ``BatchEncoding`` --, a
     tuple subclass) are refused; numpy arrays of >= 1 dim are refused next to split data
-    (``_ARRAY``). Strings, numbers and containers of plain values are broadcast.
+    (``_ARRAY``); so is an :class:`~treegather._tree.Opaque` value (a registered node that
+    cannot be split, such as a transformers ``StaticCache``), with its reason. Strings, numbers
+    and containers of plain values are broadcast.
     """
     if isinstance(x, Opaque):  # a registered node that cannot be split: it says why
         return f"{where()}: {x.reason}", True
