@@ -140,11 +140,12 @@ def _swap_class(m: Net) -> None:
 
 
 CHANGES: dict[str, tuple[Callable[[Net], None], bool]] = {
-    # change, and whether the kept replicas stay valid
+    # change, and whether the kept replicas stay valid (re-bound: every step refills them with
+    # the module's attributes and hooks; a change to its tree rebuilds them)
     "load_state_dict_in_place": (_load_state_dict, True),
     "replace_a_layer": (_replace_layer, False),
-    "add_a_hook": (_add_hook, False),
-    "plain_attribute": (_attribute, False),
+    "add_a_hook": (_add_hook, True),
+    "plain_attribute": (_attribute, True),
     "half": (_half, False),  # buffers are replaced (parameters change dtype in place)
     "freeze_a_parameter": (_freeze, True),
     "swap_a_class": (_swap_class, False),
@@ -174,8 +175,7 @@ def test_guards(change: str, builds: list[bool]) -> None:
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, msg=name, **tol)
     assert builds[0] is True
-    if change != "add_a_hook":  # hook tables are shared with the replicas: valid either way
-        assert builds[1] is (not stays_valid)
+    assert builds[1] is (not stays_valid)
 
 
 def test_eval_mode_and_torch_compile_rebuild(builds: list[bool]) -> None:
@@ -209,6 +209,124 @@ def test_no_replica_state_leaks_into_the_next_step() -> None:
     for _ in range(3):
         torch.testing.assert_close(_dp(model, x), expected)
     assert not hasattr(model, "calls")
+
+
+class ForwardState(Net):
+    """A forward that registers hooks on a child (one removed again, one left in place) and
+    stores an attribute on itself: none of it may reach the module or the next step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        handle = self.head.register_forward_hook(lambda m, args, out: out * 2)
+        out = super().forward(x) * self.calls
+        handle.remove()
+        self.head.register_forward_pre_hook(lambda m, args: (args[0] + 1,))  # never removed
+        return out
+
+
+def _tiny_bert_for_steps() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=20
+    )
+    torch.manual_seed(0)
+    return transformers.BertModel(config)  # type: ignore[no-any-return]
+
+
+def _source_hook(m: nn.Module) -> Any:
+    target = m.encoder.layer[0] if hasattr(m, "encoder") else m.head
+    return target.register_forward_hook(
+        lambda mod, args, out: (out[0] * 0.5, *out[1:]) if isinstance(out, tuple) else out * 0.5
+    )
+
+
+# (mode, K, backend) steps; "hook+" / "hook-" register / remove a hook on the source between
+# steps. Threads only in eval mode (dropout's random draws would interleave across threads).
+SCHEDULE: list[tuple[str, int, str]] = [
+    ("train", 2, "serial"),
+    ("train", 3, "serial"),
+    ("eval", 2, "threads"),
+    ("eval", 3, "threads"),
+    ("hook+", 0, ""),
+    ("train", 2, "serial"),
+    ("eval", 3, "threads"),
+    ("hook-", 0, ""),
+    ("train", 3, "serial"),
+    ("train", 2, "serial"),
+]
+
+
+def _run_schedule(make: Callable[[], nn.Module], *, fresh: bool) -> list[Any]:
+    model = make()
+    bert = hasattr(model, "config")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    batch = (
+        {"input_ids": torch.randint(0, 100, (7, 5), generator=gen), "output_hidden_states": True}
+        if bert
+        else {"x": torch.randn(7, 4, generator=gen)}
+    )
+    trace: list[Any] = []
+    handle = None
+    for step, (mode, k, backend) in enumerate(SCHEDULE):
+        if mode == "hook+":
+            handle = _source_hook(model)
+            continue
+        if mode == "hook-":
+            assert handle is not None
+            handle.remove()
+            continue
+        model.train(mode == "train")
+        if fresh:
+            tg.clear_caches()
+        torch.manual_seed(100 + step)
+        out = tg.data_parallel(model, (), ["cpu"] * k, module_kwargs=batch, backend=backend)  # type: ignore[arg-type]
+        tensors = [*out.hidden_states, out.last_hidden_state] if bert else [out]
+        loss = sum(t.pow(2).mean() for t in tensors)
+        opt.zero_grad()
+        loss.backward()  # type: ignore[union-attr]
+        trace.append([t.detach() for t in tensors])
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        if backend == "threads":  # autograd sums the replicas' gradients in thread order
+            trace.append(("close", grads))
+        else:
+            trace.append(grads)
+            opt.step()  # (not after threads: later steps stay comparable bit for bit)
+    trace.append({k: v.clone() for k, v in model.state_dict().items()})
+    trace.append(sorted(vars(model)))
+    trace.append([len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()])
+    return trace
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_equal, a, b))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize(
+    "make", [_net, ForwardState, _tiny_bert_for_steps], ids=["net", "forward_state", "hf_bert"]
+)
+def test_kept_replicas_equal_fresh_ones_cold_warm_alternating_threads(
+    make: Callable[[], nn.Module],
+) -> None:
+    """The differential test of kept replicas (issue 19): a cold model (its first call through
+    treegather), K alternating between 2 and 3, train/eval switches, threads, a hook registered
+    on and removed from the source between steps; forwards that register hooks and store
+    attributes on themselves. Bit for bit equal to fresh replicas every step."""
+    kept = _run_schedule(make, fresh=False)
+    fresh = _run_schedule(make, fresh=True)
+    assert len(kept) == len(fresh)
+    for i, (a, b) in enumerate(zip(kept, fresh)):
+        if isinstance(a, tuple):
+            torch.testing.assert_close(a[1], b[1], rtol=1e-6, atol=1e-7, msg=str(i))
+        else:
+            assert _equal(a, b), i
+    tg.clear_caches()
 
 
 def _compiled_in_place() -> nn.Module:

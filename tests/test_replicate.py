@@ -43,10 +43,14 @@ def test_module_replicas_compute_the_same_and_reduce_gradients(devices: list[str
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-def test_replicas_expose_no_parameters_and_keep_none_slots() -> None:
+def test_replicas_expose_their_parameters_and_keep_none_slots() -> None:
+    # Issue 19: replicas have parameters (torch's replicas expose none, so transformers'
+    # next(self.parameters()) raised StopIteration); on the source's device, its own.
     net = _net("cpu")
     r = tg.replicate(net, ["cpu"] * 2)[1]
-    assert list(r.parameters()) == []
+    assert [n for n, _ in r.named_parameters()] == [n for n, _ in net.named_parameters()]
+    assert all(p is q for p, q in zip(r.parameters(), net.parameters()))
+    assert [n for n, _ in r.named_buffers()] == [n for n, _ in net.named_buffers()]
     assert r.unused is None
     assert isinstance(r.head, nn.Linear) and r.head is not net.head
 

@@ -25,6 +25,7 @@ from ._errors import (
     ShapeMismatchError,
     StructureMismatchError,
     TreegatherError,
+    UninitializedModuleError,
 )
 from ._explain import explain
 from ._explanation import ExplainedLeaf, Explanation
@@ -95,6 +96,7 @@ __all__ = [
     "ShapeMismatchError",
     "DeviceError",
     "ArgumentTypeError",
+    "UninitializedModuleError",
     # replicate, apply and the data-parallel entry points (issue 3)
     "replicate",
     "parallel_apply",

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from ._caches import typed_key
-from ._errors import LayoutError, bullet_list, layout_error
+from ._errors import ArgumentTypeError, LayoutError, bullet_list, layout_error
 from ._rules import Rule, to_rule
-from ._tree import Node, display_path
+from ._tree import INPUT_AND_KWARGS, Node, display_path, is_call_root
 
 __all__ = ["ByPath", "by_path", "Patterns", "RuleSource", "assign_by_path", "writable_path"]
 
@@ -26,6 +26,9 @@ _SPECIALS = "*?["
 
 Patterns = Mapping[str, Any] | Mapping[tuple[Any, ...], Any] | Mapping[str | tuple[Any, ...], Any]
 """What :func:`by_path` takes: dotted patterns and/or exact tuple paths, mapped to rules."""
+
+Pattern = str | tuple[Any, ...]
+"""One key of :data:`Patterns`: a dotted pattern or an exact tuple path."""
 
 
 class ByPath:
@@ -36,9 +39,11 @@ class ByPath:
     the same path), so an inline ``by_path({...})`` written each step shares one cached plan.
     """
 
-    __slots__ = ("_key", "default", "patterns")
+    __slots__ = ("_key", "_optional_at", "default", "optional", "patterns")
 
-    def __init__(self, patterns: Patterns, default: Any = None) -> None:
+    def __init__(
+        self, patterns: Patterns, default: Any = None, optional: Iterable[Pattern] = ()
+    ) -> None:
         if not isinstance(patterns, Mapping):
             raise TypeError(f"by_path expects a mapping of patterns to rules, got {patterns!r}")
         items = []
@@ -64,10 +69,13 @@ class ByPath:
             items.append((pattern, segments, rule))
         self.patterns: tuple[tuple[str | tuple[Any, ...], tuple[Any, ...], Any], ...] = tuple(items)
         self.default = default
+        at = _optional_flags([p for p, _, _ in items], optional)
+        self._optional_at: tuple[bool, ...] = at
+        self.optional: tuple[Pattern, ...] = tuple(p for (p, _, _), o in zip(items, at) if o)
         # Equal layouts are equal values (rules by value, callables by identity; True is not 1,
         # a tuple path is not a string), so an inline by_path({...}) finds the plan of an equal
         # one written last step.
-        self._key = typed_key((tuple((p, r) for p, _, r in items), default))
+        self._key = typed_key((tuple((p, r, o) for (p, _, r), o in zip(items, at)), default))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ByPath) and other._key == self._key
@@ -82,10 +90,37 @@ class ByPath:
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{p!r}: {r!r}" for p, _, r in self.patterns)
-        return f"by_path({{{inner}}}, default={self.default!r})"
+        optional = f", optional={self.optional!r}" if self.optional else ""
+        return f"by_path({{{inner}}}, default={self.default!r}{optional})"
 
 
-def by_path(patterns: Patterns, default: Any = None) -> ByPath:
+def _optional_flags(patterns: list[Pattern], optional: Iterable[Pattern]) -> tuple[bool, ...]:
+    """Per pattern, whether ``optional`` names it (type-aware: ``(1,)`` is not ``(True,)``)."""
+    if isinstance(optional, (str, bytes)) or not isinstance(optional, Iterable):
+        raise ArgumentTypeError(
+            f"by_path(optional={optional!r}): optional is a collection of the layout's patterns, "
+            f"such as optional=('loss',)"
+        )
+    keys = [typed_key(p) for p in patterns]
+    flags = [False] * len(patterns)
+    unknown = []
+    for entry in optional:
+        key = typed_key(entry)
+        if key in keys:
+            flags[keys.index(key)] = True
+        else:
+            unknown.append(entry)
+    if unknown:
+        raise LayoutError(
+            f"by_path optional names {', '.join(map(repr, unknown))}, which "
+            f"{'is' if len(unknown) == 1 else 'are'} not among the layout's patterns "
+            f"({', '.join(map(repr, patterns)) or 'none'}); optional lists patterns exactly as "
+            "written in the mapping (a dotted string, or an exact path as a tuple)"
+        )
+    return tuple(flags)
+
+
+def by_path(patterns: Patterns, default: Any = None, *, optional: Iterable[Pattern] = ()) -> ByPath:
     """A layout given as dotted path patterns (or exact tuple paths) mapped to rules.
 
     A **string** is a dotted pattern: each segment is a dict key, an attribute/field name or an
@@ -102,14 +137,17 @@ def by_path(patterns: Patterns, default: Any = None) -> ByPath:
     whole-value rule takes the subtree. When several patterns match, the one with more literal
     segments wins (every step of a tuple path is literal), then the deeper one; an exact tie is
     an error, and so is a pattern that matches nothing (the error lists close paths, written as
-    you would type them). Leaves no pattern matches get ``default`` (``None``: the built-in
-    default for their type).
+    you would type them), unless ``optional`` lists it: a layout written for a training step
+    (``{"loss": tg.mean()}``) can then be reused for a call whose output has no loss. Leaves no
+    pattern matches get ``default`` (``None``: the built-in default for their type).
 
     Args:
         patterns: ``{"pattern": rule}`` or ``{("exact", "path"): rule}``; a rule is a rule
             object, an int dim, ``None``, a rule-name string or (for gather) a callable
             ``f(values, device)``.
         default: the rule for unmatched leaves.
+        optional: patterns (keys of ``patterns``, written exactly as there: ``("loss",)`` is
+            the pattern ``'loss'``, ``[("loss",)]`` the exact path) that may match nothing.
 
     Returns:
         A layout for :func:`scatter`, :func:`scatter_kwargs` or :func:`gather`.
@@ -123,8 +161,12 @@ def by_path(patterns: Patterns, default: Any = None) -> ByPath:
     ...          {"encoder.layer.0.weight": torch.ones(2), "step": 1}]
     >>> tg.gather(grads, "cpu", tg.by_path({("encoder.layer.0.weight",): "sum", ("step",): "first"}))
     {'encoder.layer.0.weight': tensor([2., 2.]), 'step': 1}
+    >>> train = tg.by_path({"loss": "mean", "logits": 0}, optional=("loss",))
+    >>> tg.gather([{"logits": torch.ones(1, 2)}, {"logits": torch.zeros(1, 2)}], "cpu", train)
+    {'logits': tensor([[1., 1.],
+            [0., 0.]])}
     """
-    return ByPath(patterns, default)
+    return ByPath(patterns, default, optional)
 
 
 class RuleSource(NamedTuple):
@@ -138,6 +180,8 @@ class RuleSource(NamedTuple):
     """The :func:`by_path` pattern or exact path that matched (``"pattern"`` only)."""
     node: Node | None = None
     """The node the prefix layout put the rule on (``"prefix"`` only)."""
+    optional: bool = False
+    """The pattern is one of the layout's ``optional`` ones (``"pattern"`` only)."""
 
 
 class _Level(NamedTuple):
@@ -178,7 +222,7 @@ def _levels(all_nodes: list[Node], root: str | None) -> list[tuple[Node, tuple[_
             _Level(names, keys, index, frozen[nd.raw[:-1]]),
         )
         made[nd.raw] = levels
-        if root is None:
+        if is_call_root(root):
             if len(levels) < 2:
                 continue
             levels = levels[1:]
@@ -254,7 +298,7 @@ def writable_path(node: Node, root: str | None) -> str:
     >>> [writable_path(n, "x") for n in nodes(optree.tree_structure({"a.b": 1, "c": [2]}))[1:]]
     ["('a.b',)", 'c', 'c.0']
     """
-    steps = node.path[1:] if root is None else node.path
+    steps = node.path[1:] if is_call_root(root) else node.path
     if all(_spellable(str(entry)) for entry, _ in steps):
         return ".".join(str(entry) for entry, _ in steps)
     return repr(tuple(entry for entry, _ in steps))
@@ -285,35 +329,83 @@ def _close_paths(
     return out[:3]
 
 
+def _two_meanings(
+    pattern: Pattern, segments: tuple[Any, ...], hit: list[tuple[Node, Any]], root: str
+) -> str | None:
+    """For an ``(input, kwargs)`` pair: a pattern whose first step names a key literally in
+    both the input and the keyword arguments could mean either; say which paths it reaches.
+
+    (A wildcard first step, ``'*'`` or ``'**.logits'``, means both on purpose.)
+    """
+    head = segments[0]
+    if isinstance(pattern, str) and (head == "**" or any(c in head for c in _SPECIALS)):
+        return None
+    sides: dict[Any, str] = {}
+    for nd, _ in hit:
+        sides.setdefault(nd.raw[0], display_path(nd, root))
+    if len(sides) < 2:
+        return None
+    return f"{sides[0]} or {sides[1]}"
+
+
 def assign_by_path(
-    all_nodes: list[Node], layout: ByPath, phase: str, dim: int, root: str | None
+    all_nodes: list[Node],
+    layout: ByPath,
+    phase: str,
+    dim: int,
+    root: str | None,
+    unmatched: list[Pattern] | None = None,
 ) -> list[tuple[Node, Rule | None, RuleSource]]:
+    """Each leaf's (or whole-value node's) rule under ``layout``, and where it came from.
+
+    ``unmatched``, when given, receives the optional patterns that match nothing here.
+    """
     seg_of = _levels(all_nodes, root)
     problems: list[str] = []
+    two_ways = 0
+    optional_hit: set[Any] = set()
     matches: list[tuple[tuple[int, int], str | tuple[Any, ...], Node, Rule | None]] = []
-    for pattern, pat_segs, value in layout.patterns:
+    for (pattern, pat_segs, value), optional in zip(layout.patterns, layout._optional_at):
         if isinstance(pattern, tuple):
             hit = [(nd, len(pat_segs)) for nd, levels in seg_of if _match_exact(pat_segs, levels)]
         else:
             found = [(nd, _match(pat_segs, levels)) for nd, levels in seg_of]
             hit = [(nd, c) for nd, c in found if c is not None]
+        kind = "path" if isinstance(pattern, tuple) else "pattern"
         if not hit:
+            if optional:
+                if unmatched is not None:
+                    unmatched.append(pattern)
+                continue
             close = _close_paths(pattern, seg_of, root)
             hint = f"; close paths: {', '.join(close)}" if close else ""
-            kind = "path" if isinstance(pattern, tuple) else "pattern"
             problems.append(f"by_path {kind} {pattern!r} matches nothing{hint}")
             continue
+        if root == INPUT_AND_KWARGS:
+            meanings = _two_meanings(pattern, pat_segs, hit, root)
+            if meanings:
+                two_ways += 1
+                problems.append(f"by_path {kind} {pattern!r} could mean {meanings}")
+                continue
         rule = to_rule(value, phase, dim, f"by_path pattern {pattern!r}")
         matches.extend((_score(pattern, pat_segs, c), pattern, nd, rule) for nd, c in hit)
+        if optional:
+            optional_hit.add(typed_key(pattern))
     if problems:
-        raise layout_error(
-            bullet_list(
-                problems,
+        hints = []
+        if len(problems) > two_ways:
+            hints.append(
                 "patterns are dotted paths from the root: "
                 "'loss', 'meta.*', 'hidden.0', '**.logits'; a tuple is an exact path, for keys "
-                "with a '.', '*', '?' or '[' in them: ('encoder.layer.0.weight',)",
+                "with a '.', '*', '?' or '[' in them: ('encoder.layer.0.weight',)"
             )
-        )
+        if two_ways:
+            hints.append(
+                "with a single input, paths start at it and at the names of module_kwargs; pass "
+                "the input as a tuple, data_parallel(fn, (batch,), ...), to write '0.name' for "
+                "the input's key and 'name' for the keyword argument"
+            )
+        raise layout_error(bullet_list(problems, "; ".join(hints)))
     if layout.default is None:
         default, default_source = None, RuleSource("default")
     else:
@@ -339,6 +431,11 @@ def assign_by_path(
             for i, pats in sorted(ties.items())
         ]
         raise layout_error(bullet_list(problems, "make one pattern more specific"))
+
+    def source(pattern: Pattern) -> RuleSource:
+        optional = bool(optional_hit) and typed_key(pattern) in optional_hit
+        return RuleSource("pattern", pattern, None, optional)
+
     out: list[tuple[Node, Rule | None, RuleSource]] = []
     seen_groups: set[int] = set()
     for i in range(n):
@@ -364,9 +461,9 @@ def assign_by_path(
                     )
                 )
             seen_groups.add(id(node))
-            out.append((node, rule, RuleSource("pattern", pattern)))
+            out.append((node, rule, source(pattern)))
         else:
-            out.append((leaf_nodes[i], rule, RuleSource("pattern", pattern)))
+            out.append((leaf_nodes[i], rule, source(pattern)))
     # Whole-value rules on empty nodes (None, {}) still apply: as_list on None gives [None, ...].
     for _, pattern, node, rule in matches:
         if node.start == node.stop and rule is not None and rule.whole:
@@ -379,5 +476,5 @@ def assign_by_path(
                 and m[2].raw == node.raw[: len(m[2].raw)]
             ]
             if not enclosing:
-                out.append((node, rule, RuleSource("pattern", pattern)))
+                out.append((node, rule, source(pattern)))
     return out

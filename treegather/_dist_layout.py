@@ -43,13 +43,18 @@ def _describe_rule(value: Any) -> tuple[str, str]:
         )
         return key, value.describe()
     if isinstance(value, ByPath):
-        parts = [(p, *_describe_rule(r)) for p, _, r in value.patterns]
+        parts = [
+            (p, *_describe_rule(r), "?" if o else "")
+            for (p, _, r), o in zip(value.patterns, value._optional_at)
+        ]
         default = _describe_rule(value.default)
-        # Patterns are dotted strings or exact tuple paths: typed, in an order of their own.
-        keys = sorted(f"{type(p).__name__}:{p!r}={k}" for p, k, _ in parts)
+        # Patterns are dotted strings or exact tuple paths: typed, in an order of their own;
+        # an optional one is marked (a rank where it matches nothing does not raise).
+        keys = sorted(f"{type(p).__name__}:{p!r}{o}={k}" for p, k, _, o in parts)
         key = "by_path:" + "|".join(keys) + f"|={default[0]}"
-        inner = ", ".join(f"{p!r}: {s}" for p, _, s in parts)
-        return key, f"by_path({{{inner}}}, default={default[1]})"
+        inner = ", ".join(f"{p!r}: {s}" for p, _, s, _ in parts)
+        optional = f", optional={value.optional!r}" if value.optional else ""
+        return key, f"by_path({{{inner}}}, default={default[1]}{optional})"
     if value is None or type(value) in (bool, int, float, str):
         return f"{type(value).__name__}:{value!r}", repr(value)
     return f"object:{type(value).__module__}.{type(value).__qualname__}", type(value).__qualname__

@@ -1,7 +1,7 @@
 """The exceptions treegather raises, and the checks of plain arguments that raise them.
 
 Every class refines the builtin a caller would catch anyway (``ValueError``,
-``TypeError``) and shows ``treegather`` as its module in tracebacks.
+``TypeError``, ``RuntimeError`` where torch raises that) and shows ``treegather`` as its module in tracebacks.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ __all__ = [
     "ShapeMismatchError",
     "DeviceError",
     "ArgumentTypeError",
+    "UninitializedModuleError",
     "check_dim",
 ]
 
@@ -57,6 +58,12 @@ class ArgumentTypeError(TreegatherError, TypeError):
     given as ``True``, ``1.0`` or ``None`` (a device is an int, a string or a ``torch.device``)."""
 
 
+class UninitializedModuleError(TreegatherError, RuntimeError):
+    """A module with uninitialized (lazy) parameters or buffers (``nn.LazyLinear`` before its first
+    forward) was to be replicated; the message names each such module and says to run one forward
+    on one device first. A ``RuntimeError``, as torch's own refusal of lazy modules is."""
+
+
 for _cls in (
     TreegatherError,
     LayoutError,
@@ -66,6 +73,7 @@ for _cls in (
     ShapeMismatchError,
     DeviceError,
     ArgumentTypeError,
+    UninitializedModuleError,
 ):
     _cls.__module__ = "treegather"
 del _cls

@@ -54,7 +54,7 @@ def _value_text(x: Any, whole: bool) -> str:
     return f"{type(x).__qualname__} {text}"
 
 
-def _why(source: RuleSource, x: Any, root: str) -> str:
+def _why(source: RuleSource, x: Any, root: str | None) -> str:
     if source.kind != "default":
         return describe_source(source, root)
     if isinstance(x, Tensor):

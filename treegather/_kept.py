@@ -1,181 +1,379 @@
-"""Replicas kept across steps: a module's replica shells reused while they are valid (issue 14).
+"""Replicas kept across steps: a module's replica shells reused while its tree is unchanged (issue 14).
 
 A data-parallel step re-replicates the model, as torch does: a new shell for every submodule of
 every replica. Here the shells of a module's last replication for a device list are kept (in a
-:class:`~treegather._caches.WeakCache` keyed by the module: a deleted model frees them) and each
-step only re-binds what must change:
+:class:`~treegather._caches.WeakCache` keyed by the module) and each step re-binds them to the
+module as it is now:
 
+- every shell's ``__dict__`` is rebuilt from its original's (so an attribute changed on the
+  module, ``m.scale = 3.0``, is seen at once, and one a replica's forward stored on itself is
+  gone the next step), with the shell's own tables: its submodule shells, this step's
+  parameters (in ``_parameters`` and as plain attributes) and buffers, and its own hook tables,
+  refilled with the original's hooks (a hook registered on the module between steps runs from
+  the next step on; one a replica registered is gone);
 - buffers: replica 0 shares the source's (on the source's device), every other replica gets
   fresh copies, so BatchNorm statistics move through replica 0 only, exactly as in torch;
 - parameters: on the source's device the shells hold the source parameters themselves, so
   nothing is copied; on other devices (and for detached replicas) they are copied again, by
   torch's coalesced, differentiable broadcast when the devices are distinct CUDA devices.
 
-Guards: kept shells are used only while the module is what it was when they were built. Every
-value in every submodule's ``__dict__`` (training mode, hook tables, a compiled forward, plain
-attributes), ``_modules``, ``_parameters`` and ``_buffers`` is compared by identity with the
-values seen at build time (and every module's class), and every shell's ``__dict__`` with what it was (an attribute a
-replica's forward stored on itself is not carried into the next step). Anything else rebuilds.
-Hook tables are shared by the module and its replicas (as in torch), so a hook registered
-between steps runs on the kept replicas at once. Changes made in place on a parameter
-(``load_state_dict``, ``requires_grad_(False)``, ``p.data = ...``) need no rebuild:
-same-device shells hold the parameter itself, other devices copy it anew every step.
+Guards: kept shells are used only while the module's tree is what it was when they were built:
+every submodule, parameter and buffer (``_modules``, ``_parameters``, ``_buffers``: keys, and
+values by identity), every module's class, training flag and in-place compiled forward
+(``m.compile()``). Anything else rebuilds. Changes made in place on a parameter
+(``load_state_dict``, ``requires_grad_(False)``, ``p.data = ...``) need no rebuild.
+
+Nothing the cache holds between steps reaches the module strongly (issue 20 item 7): the guards
+hold weak references (and ids checked only while those references are alive), keys, classes
+and flags. After a step, when nothing but the cache references the shells (their reference
+counts are what they were when built), their ``__dict__`` is stripped down to what is theirs
+(their hook tables, emptied, and what replication bound into them): the shells are kept and
+refilled at the next step. When something else still holds them (an autograd graph through a
+full backward hook or gradient checkpointing, the caller of ``replicate(reuse=True)``) they are
+left intact and held weakly: the next step refills them if they are still alive, and builds new
+ones if not. Either way a deleted module frees them.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
-import types
 import weakref
-from collections.abc import Callable, Sequence
-from itertools import chain
-from operator import is_
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain, compress, repeat
+from operator import is_not, itemgetter, or_
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from ._caches import WeakCache
 from ._replicate import (
+    OWN_TABLES,
     _build_rows,
     _check_replicatable,
     _tensor_copies,
+    check_initialized,
     params_copied,
 )
 
 __all__ = ["Kept", "give_back", "kept_count", "reusable", "take"]
 
 Key = tuple[tuple[torch.device, ...], bool]
-
 # module -> {(devices, detach): Kept}; a few device lists per module (train/eval alternate).
 _KEPT: WeakCache[nn.Module, dict[Key, Kept]] = WeakCache("replicate.kept", maxsize=64, trees=False)
 _PER_MODULE = 4
 _LOCK = threading.Lock()
+
+_TREE = itemgetter("_modules", "_parameters", "_buffers")
+_OWN_TABLES = itemgetter(*OWN_TABLES)
+_PARAMETERS = itemgetter("_parameters")
+_DEREF = weakref.ref.__call__
+_PER_STEP = frozenset(("_modules", "_parameters", "_buffers"))
+_set_dict = object.__setattr__
 
 
 class Kept:
     """The linked replica shells of one module for one device list, and what they were built from."""
 
     __slots__ = (
-        "buffer_slots",
-        "buffers",
+        "base_counts",
         "classes",
+        "compiled_ids",
+        "compiled_refs",
         "copy_params",
         "detach",
         "devs",
-        "n_table_values",
-        "param_slots",
-        "params",
+        "flat",
+        "keepable",
+        "n_params",
+        "own_keys",
+        "own_tables",
+        "owns",
+        "plans",
+        "refs",
         "root",
-        "root_keys",
-        "root_values",
         "rows",
-        "shell_dicts",
-        "shell_sizes",
-        "shell_tables",
-        "shell_values",
-        "sub_dicts",
-        "submodules",
-        "table_values",
-        "tables",
+        "shell_refs",
+        "step",
+        "stripped",
+        "tensor_refs",
+        "training",
+        "tree_ids",
+        "tree_keys",
     )
 
     def __init__(self, module: nn.Module, devs: tuple[torch.device, ...], detach: bool) -> None:
         originals, rows = _build_rows(module, devs, detach)
         self.root = weakref.ref(module)  # the cache is keyed weakly by it: never hold it
-        self.submodules = originals[1:]
         self.devs = devs
         self.detach = detach
-        self.rows = rows
-        self.params = list(module.parameters())
-        self.buffers = list(module.buffers())
-        self.param_slots = [
-            (i, key, p)
-            for i, m in enumerate(originals)
-            for key, p in m._parameters.items()
-            if p is not None
-        ]
-        self.buffer_slots = [
-            (i, key, b)
-            for i, m in enumerate(originals)
-            for key, b in m._buffers.items()
-            if b is not None
-        ]
-        self.copy_params = params_copied(self.params, devs, detach)
-        # The guards: what every table held at build time, compared by identity in C
-        # (chain/map/is_) with what it holds now. The root's own __dict__ is compared in
-        # Python: a compiled forward in it (m.compile()) is bound to the root, so it is held
-        # through a weakref (held strongly, it would keep the root alive in this weak cache).
-        self.root_keys = tuple(module.__dict__)
-        self.root_values = [_weak_if_bound(v) for v in module.__dict__.values()]
-        self.sub_dicts = list(map(vars, self.submodules))
+        self.rows: list[list[nn.Module]] | None = rows
+        ods = list(map(vars, originals))
+        # Shells are refilled from their originals' tables, so every original must have them
+        # all (every nn.Module does); TorchScript copies live in C++ and are rebuilt each step.
+        self.keepable = not any(isinstance(o, torch.jit.ScriptModule) for o in originals) and all(
+            key in od for od in ods for key in (*OWN_TABLES, *_PER_STEP)
+        )
+        if not self.keepable:
+            return
+        # The guards: weak references, and ids compared only while those are alive.
+        self.refs = [weakref.ref(o) for o in originals]
         self.classes = list(map(type, originals))  # a swapped __class__ is in no __dict__
-        self.tables: list[dict[str, Any]] = [module._modules, module._parameters, module._buffers]
-        self.tables += [
-            t for m in self.submodules for t in (vars(m), m._modules, m._parameters, m._buffers)
-        ]
-        self.table_values: list[Any] = list(chain.from_iterable(map(dict.values, self.tables)))
-        self.n_table_values = len(self.table_values)
-        shells = [s for row in rows for s in row]
-        self.shell_dicts: list[dict[str, Any]] = list(map(vars, shells))
-        self.shell_tables: list[dict[str, Any]] = [
-            t for s in shells for t in (s._modules, s._buffers, s._parameters)
-        ]
-        self.shell_sizes = list(map(len, self.shell_tables))
-        self.shell_values = list(chain.from_iterable(map(dict.values, self.shell_dicts)))
+        self.training = list(map(dict.get, ods, repeat("training")))
+        tables = list(chain.from_iterable(map(_TREE, ods)))
+        self.tree_keys = list(chain.from_iterable(tables))
+        self.tree_ids = list(map(id, chain.from_iterable(map(dict.values, tables))))
+        compiled = list(map(dict.get, ods, repeat("_compiled_call_impl")))
+        self.compiled_ids = list(map(id, compiled))
+        self.compiled_refs = [weakref.ref(f) for f in compiled if f is not None]
+        params, buffers = list(module.parameters()), list(module.buffers())
+        self.n_params = len(params)
+        self.tensor_refs = [weakref.ref(t) for t in (*params, *buffers)]
+        self.copy_params = params_copied(params, devs, detach)
+        self.plans = Plans(originals, params, buffers)
+        flat = [s for row in rows for s in row]
+        self.flat: list[nn.Module] | None = flat
+        self.shell_refs = [weakref.ref(s) for s in flat]
+        self.own_keys: list[tuple[str, ...]] = []
+        self.owns: list[dict[str, Any]] | None = None
+        self.own_tables: list[Any] | None = None
+        self.seal()
+        self.step: list[torch.Tensor] | None = None  # this step's tensors (not after a build)
+        self.stripped = False
+        # What references each shell when only this object does (its rows, the parent shells'
+        # _modules tables, a compiled forward bound to it): compared after every step.
+        self.base_counts = list(map(sys.getrefcount, self.flat))
 
-    def valid(self, module: nn.Module) -> bool:
-        """The module and every shell are exactly as they were when the shells were built."""
-        if self.root() is not module:
-            return False
-        own = module.__dict__
-        if tuple(own) != self.root_keys:
-            return False
-        for now, then in zip(own.values(), self.root_values):
-            if now is not then and not (type(then) is weakref.ref and then() is now):
-                return False
-        return (
-            type(module) is self.classes[0]
-            and all(map(is_, map(type, self.submodules), self.classes[1:]))
-            and all(map(is_, map(vars, self.submodules), self.sub_dicts))
-            and sum(map(len, self.tables)) == self.n_table_values
-            and all(map(is_, chain.from_iterable(map(dict.values, self.tables)), self.table_values))
-            and list(map(len, self.shell_tables)) == self.shell_sizes
-            and sum(map(len, self.shell_dicts)) == len(self.shell_values)
-            and all(
-                map(is_, chain.from_iterable(map(dict.values, self.shell_dicts)), self.shell_values)
+    def seal(self) -> None:
+        """Record what each shell holds of its own (after replication callbacks, if any)."""
+        flat = self.flat
+        assert flat is not None
+        m = self.plans.m
+        own_keys = []
+        for s, shell in enumerate(flat):
+            od = vars(self.refs[s % m]())
+            table = vars(shell)
+            skip = _PER_STEP.union(self.plans.pkeys[s % m])
+            own_keys.append(
+                tuple(k for k, v in table.items() if k not in skip and od.get(k, _MISSING) is not v)
             )
-        )
+        self.own_keys = own_keys
+        self.owns = [{k: table[k] for k in keys} for table, keys in zip(map(vars, flat), own_keys)]
+        self.own_tables = list(chain.from_iterable(map(_OWN_TABLES, self.owns)))
 
-    def on(self, device: torch.device) -> bool:
-        """Every parameter and buffer of the module is on ``device``."""
-        return all(t.device == device for t in self.params) and all(
-            t.device == device for t in self.buffers
-        )
+    def _current(
+        self, module: nn.Module
+    ) -> tuple[list[nn.Module], list[dict[str, Any]], list[torch.Tensor]] | None:
+        """The originals, their ``__dict__`` and tensors, if the tree is what it was; else None."""
+        if self.root() is not module:
+            return None
+        mods = list(map(_DEREF, self.refs))
+        if not all(map(is_not, mods, repeat(None))) or list(map(type, mods)) != self.classes:
+            return None
+        ods = list(map(vars, mods))
+        if list(map(dict.get, ods, repeat("training"))) != self.training:
+            return None
+        try:
+            tables = list(chain.from_iterable(map(_TREE, ods)))
+        except KeyError:
+            return None
+        if list(chain.from_iterable(tables)) != self.tree_keys:
+            return None
+        tensors = list(map(_DEREF, self.tensor_refs))
+        if not all(map(is_not, tensors, repeat(None))):
+            return None
+        # Every recorded object is alive (held here): an equal id is the same object.
+        if list(map(id, chain.from_iterable(map(dict.values, tables)))) != self.tree_ids:
+            return None
+        compiled = map(dict.get, ods, repeat("_compiled_call_impl"))
+        if list(map(id, compiled)) != self.compiled_ids or not all(
+            map(is_not, map(_DEREF, self.compiled_refs), repeat(None))
+        ):
+            return None
+        return cast("list[nn.Module]", mods), ods, cast("list[torch.Tensor]", tensors)
 
-    def refresh(self, *, copy_buffers: bool = True) -> list[nn.Module]:
-        """Re-bind this step's tensors into the shells; return one replica per device."""
-        rows = self.rows
-        if self.copy_params:
-            copies = _tensor_copies(self.params, (), self.devs, self.detach)
-            for i, key, p in self.param_slots:
-                for j, row in enumerate(rows):
-                    row[i].__dict__[key] = copies[id(p)][j]
-        if copy_buffers and self.buffer_slots:
-            copies = _tensor_copies((), self.buffers, self.devs, self.detach)
-            for i, key, b in self.buffer_slots:
-                for j, row in enumerate(rows):
-                    row[i]._buffers[key] = copies[id(b)][j]
-        if self.copy_params:
-            self.shell_values = list(chain.from_iterable(map(dict.values, self.shell_dicts)))
+    def reuse(self, module: nn.Module, *, copy_buffers: bool = True) -> list[nn.Module] | None:
+        """Re-bind the shells to the module as it is now: one replica per device, or None when
+        the module's tree changed (or the shells, held weakly, are gone)."""
+        current = self._current(module)
+        if current is None:
+            return None
+        _, ods, tensors = current
+        m, n = self.plans.m, len(self.devs)
+        olds: list[dict[str, Any]] | None = None
+        if self.stripped:
+            rows, owns, own_tables = self.rows, self.owns, self.own_tables
+            assert rows is not None and owns is not None and own_tables is not None
+        else:
+            alive = list(map(_DEREF, self.shell_refs))
+            if not all(map(is_not, alive, repeat(None))):
+                return None
+            flat = cast("list[nn.Module]", alive)
+            del alive
+            olds = list(map(vars, flat))
+            try:
+                owns = [{k: old[k] for k in keys} for old, keys in zip(olds, self.own_keys)]
+                own_tables = list(chain.from_iterable(map(_OWN_TABLES, owns)))
+            except KeyError:  # the last forward deleted something of its own: build anew
+                return None
+            rows = [flat[j * m : (j + 1) * m] for j in range(n)]
+            self.rows, self.flat, self.owns, self.own_tables = rows, flat, owns, own_tables
+        _reset_tables(ods, own_tables, n, clear=not self.stripped)
+        params, buffers = tensors[: self.n_params], tensors[self.n_params :]
+        pcols = _columns(params, self.devs, self.detach, True) if self.copy_params else None
+        bcols = None
+        if buffers and (copy_buffers or olds is None):
+            bcols = _columns(buffers, self.devs, self.detach, False)
+        _fill(rows, owns, ods, self.plans, pcols, bcols, olds)
+        self.step = tensors
+        self.stripped = False
         return [row[0] for row in rows]
 
+    def on(self, device: torch.device) -> bool:
+        """Every parameter and buffer of the module is on ``device`` (in a step that reused the
+        shells: a build checks the devices before it starts)."""
+        assert self.step is not None
+        return all(t.device == device for t in self.step)
 
-def _weak_if_bound(value: Any) -> Any:
-    """A weakref to a compiled forward (``m.compile()``), else the value itself."""
-    if isinstance(value, types.FunctionType) and hasattr(value, "_torchdynamo_orig_callable"):
-        return weakref.ref(value)
-    return value
+    def end_step(self) -> None:
+        """After a step: strip the shells if nothing else holds them, else let go of them."""
+        self.step = None
+        flat = self.flat
+        assert flat is not None and self.own_tables is not None and self.owns is not None
+        if list(map(sys.getrefcount, flat)) == self.base_counts:
+            own_tables = self.own_tables
+            for table in compress(own_tables, map(len, own_tables)):
+                table.clear()
+            for shell, own in zip(flat, self.owns):
+                _set_dict(shell, "__dict__", own)
+            self.stripped = True
+        else:  # in use elsewhere: held weakly (what they hold may reach the module)
+            self.rows = self.flat = self.owns = self.own_tables = None
+            self.stripped = False
+
+
+_MISSING = object()
+
+
+class Plans:
+    """Where each shell's submodules, parameters and buffers come from every step: only the
+    modules that have some are listed (most have no children, many no parameters)."""
+
+    __slots__ = ("containers", "m", "none_params", "pkeys", "with_buffers", "with_params")
+
+    def __init__(
+        self,
+        originals: list[nn.Module],
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+    ) -> None:
+        position = {id(o): i for i, o in enumerate(originals)}
+        p_at = {id(p): k for k, p in enumerate(params)}
+        b_at = {id(b): k for k, b in enumerate(buffers)}
+        self.m = len(originals)
+        self.pkeys = [tuple(o._parameters) for o in originals]
+        # (module, keys, positions in the row / in this step's column; the last one is None)
+        self.containers: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
+        self.with_params: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
+        self.with_buffers: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
+        self.none_params: list[tuple[int, str]] = []  # None parameters are no attributes
+        for i, o in enumerate(originals):
+            mods, ps, bs = o._modules, o._parameters, o._buffers
+            if mods:
+                where = (self.m if c is None else position[id(c)] for c in mods.values())
+                self.containers.append((i, tuple(mods), tuple(where)))
+            if ps:
+                where = (len(params) if p is None else p_at[id(p)] for p in ps.values())
+                self.with_params.append((i, tuple(ps), tuple(where)))
+                self.none_params += [(i, k) for k, p in ps.items() if p is None]
+            if bs:
+                where = (len(buffers) if b is None else b_at[id(b)] for b in bs.values())
+                self.with_buffers.append((i, tuple(bs), tuple(where)))
+
+
+def _columns(
+    tensors: list[torch.Tensor], devs: tuple[torch.device, ...], detach: bool, params: bool
+) -> list[list[Any]]:
+    """This step's copies: per device, one per tensor (in order), then None."""
+    copies = (
+        _tensor_copies(tensors, (), devs, detach)
+        if params
+        else _tensor_copies((), tensors, devs, detach)
+    )
+    per_tensor = [copies[id(t)] for t in tensors]
+    return [[*(c[j] for c in per_tensor), None] for j in range(len(devs))]
+
+
+def _reset_tables(ods: list[dict[str, Any]], own_tables: list[Any], n: int, *, clear: bool) -> None:
+    """Give every shell's own tables its original's contents (hooks, non-persistent names).
+
+    Own tables are empty after a strip (``clear=False``: only the originals' non-empty tables
+    need copying); intact shells' tables may hold what their last forward registered.
+    """
+    src = list(chain.from_iterable(map(_OWN_TABLES, ods)))
+    lens = list(map(len, src))
+    dirty: Iterable[int]
+    if clear:
+        dirty = compress(range(len(own_tables)), map(or_, map(len, own_tables), lens * n))
+    elif any(lens):
+        width = len(src)
+        dirty = (j * width + p for j in range(n) for p in compress(range(width), lens))
+    else:
+        return
+    for at in dirty:
+        table = own_tables[at]
+        table.clear()
+        table.update(src[at % len(src)])
+
+
+def _fill(
+    rows: list[list[nn.Module]],
+    owns: list[dict[str, Any]],
+    ods: list[dict[str, Any]],
+    plans: Plans,
+    pcols: list[list[Any]] | None,
+    bcols: list[list[Any]] | None,
+    olds: list[dict[str, Any]] | None,
+) -> None:
+    """Rebuild every shell's ``__dict__``: its original's, its own entries, this step's tensors.
+
+    One pass in C per step of the work for every shell (copy, update, set), Python only for
+    the modules that have submodules, copied parameters or buffers.
+    """
+    m = plans.m
+    for j, row in enumerate(rows):
+        tables = list(map(dict.copy, ods))
+        deque(map(dict.update, tables, owns[j * m : (j + 1) * m]), 0)
+        if pcols is None:  # the source parameters themselves
+            params = list(map(dict.copy, map(_PARAMETERS, ods)))
+        else:
+            pcol = pcols[j]
+            params = [{} for _ in range(m)]
+            for i, keys, where in plans.with_params:
+                params[i] = dict(zip(keys, map(pcol.__getitem__, where)))
+        deque(map(dict.update, tables, params), 0)  # parameters as attributes, as in torch
+        deque(map(dict.__setitem__, tables, repeat("_parameters"), params), 0)
+        for i, key in plans.none_params:
+            del tables[i][key]
+        children: list[dict[str, Any]] = [{} for _ in range(m)]
+        rowx: list[Any] = [*row, None]
+        for i, keys, where in plans.containers:
+            children[i] = dict(zip(keys, map(rowx.__getitem__, where)))
+        deque(map(dict.__setitem__, tables, repeat("_modules"), children), 0)
+        buffers: list[dict[str, Any]] = [{} for _ in range(m)]
+        if bcols is not None:
+            bcol = bcols[j]
+            for i, keys, where in plans.with_buffers:
+                buffers[i] = dict(zip(keys, map(bcol.__getitem__, where)))
+        elif plans.with_buffers:  # copy_buffers=False: each replica keeps its own buffers
+            assert olds is not None
+            for i, keys, _ in plans.with_buffers:
+                own = olds[j * m + i]["_buffers"]
+                buffers[i] = {key: own.get(key) for key in keys}
+        deque(map(dict.__setitem__, tables, repeat("_buffers"), buffers), 0)
+        deque(map(_set_dict, row, repeat("__dict__"), tables), 0)
 
 
 def reusable(module: nn.Module, devs: Sequence[torch.device]) -> bool:
@@ -191,31 +389,50 @@ def take(
     *,
     copy_buffers: bool = True,
     before_build: Callable[[], None] | None = None,
-) -> tuple[list[nn.Module], Kept, bool]:
+    prepare: Callable[[list[nn.Module]], None] | None = None,
+) -> tuple[list[nn.Module], Kept | None, bool]:
     """This step's replicas from the kept shells (or new ones): ``(replicas, kept, fresh)``.
 
     The kept shells leave the cache until :func:`give_back`: a concurrent step on the same
     module builds its own, and a step that fails never hands back shells in an unknown state.
-    ``before_build`` runs before new shells are built (a device check).
+    ``before_build`` runs before new shells are built (a device check); ``prepare`` runs on
+    new replicas before what they hold of their own is recorded (replication callbacks).
+    ``kept`` is None when the module cannot be kept (TorchScript inside): fresh every call.
     """
     key: Key = (tuple(devs), detach)
     with _LOCK:
         entries = _KEPT.get(module)
         kept = entries.pop(key, None) if entries else None
-    if kept is not None and kept.valid(module):
-        return kept.refresh(copy_buffers=copy_buffers), kept, False
+    if kept is not None:
+        replicas = kept.reuse(module, copy_buffers=copy_buffers)
+        if replicas is not None:
+            return replicas, kept, False
+        del kept
+    check_initialized(module, len(devs))
     if before_build is not None:
         before_build()
     _check_replicatable(module)
-    kept = Kept(module, key[0], detach)
-    return [row[0] for row in kept.rows], kept, True
+    built = Kept(module, key[0], detach)
+    assert built.rows is not None
+    replicas = [row[0] for row in built.rows]
+    if not built.keepable:
+        return replicas, None, True
+    if prepare is not None:
+        prepare(replicas)
+        built.seal()
+    return replicas, built, True
 
 
 def give_back(kept: Kept) -> None:
-    """Keep ``kept`` for the next step on its module (unless the module is gone)."""
+    """Keep ``kept`` for the next step on its module (unless the module is gone).
+
+    Call it once the step no longer holds the replicas: shells that nothing else references
+    are stripped of the module's values; shells still held elsewhere are kept weakly.
+    """
     module = kept.root()
     if module is None:
         return
+    kept.end_step()
     key: Key = (kept.devs, kept.detach)
     with _LOCK:
         entries = _KEPT.get(module)

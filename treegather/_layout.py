@@ -26,7 +26,7 @@ from ._by_path import ByPath, RuleSource, assign_by_path, by_path, writable_path
 from ._caches import typed_key
 from ._errors import EXPLAIN_POINTER, bullet_list, layout_error
 from ._rules import Rule, to_rule
-from ._tree import NAMESPACE, Node, child_styles, display_path, leaf_nodes, nodes
+from ._tree import INPUT_AND_KWARGS, NAMESPACE, Node, child_styles, display_path, leaf_nodes, nodes
 
 __all__ = [
     "ByPath",
@@ -98,12 +98,18 @@ def resolve(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | Non
 
 
 def resolve_sources(
-    spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | None
+    spec: PyTreeSpec,
+    layout: Any,
+    phase: str,
+    dim: int,
+    root: str | None,
+    unmatched: list[Any] | None = None,
 ) -> tuple[Plan, list[RuleSource]]:
     """:func:`resolve`, and for each position of the plan where its rule came from.
 
     The plan is the one :func:`resolve` returns (same rules, same groups); the sources are
-    only recorded, for :func:`treegather.explain`.
+    only recorded, for :func:`treegather.explain`. ``unmatched``, when given, receives the
+    :func:`by_path` layout's optional patterns that match nothing in ``spec``.
 
     >>> import optree
     >>> spec = optree.tree_structure({"a": 1, "meta": {"b": 2}})
@@ -113,6 +119,8 @@ def resolve_sources(
     """
     found: dict[Any, Any] = {}
     plan = _build(spec, layout, phase, dim, root, found)
+    if unmatched is not None:
+        unmatched.extend(found.get("unmatched") or ())
     leaf_sources: list[RuleSource] = found["leaves"]
     whole_sources: dict[tuple[Any, ...], RuleSource] = found["whole"]
     sources = []
@@ -132,7 +140,7 @@ def describe_source(source: RuleSource, root: str | None) -> str:
     """
     if source.kind == "pattern":
         kind = "path" if isinstance(source.pattern, tuple) else "pattern"
-        return f"by_path {kind} {source.pattern!r}"
+        return f"by_path {kind} {source.pattern!r}" + (" (optional)" if source.optional else "")
     if source.kind == "prefix" and source.node is not None:
         return f"prefix layout at {display_path(source.node, root)}"
     return {
@@ -161,7 +169,10 @@ def _build(
         return Plan(spec, spec, [None] * n, [None] * n, _lazy_leaf_nodes(spec))
     all_nodes = nodes(spec)
     if isinstance(layout, ByPath):
-        assigned = assign_by_path(all_nodes, layout, phase, dim, root)
+        unmatched: list[Any] | None = None if found is None else []
+        assigned = assign_by_path(all_nodes, layout, phase, dim, root, unmatched)
+        if found is not None:
+            found["unmatched"] = unmatched
     else:
         assigned = _assign_prefix(spec, all_nodes, layout, phase, dim, root)
     leaf_rules: list[Rule | None] = [None] * n
@@ -253,31 +264,47 @@ def _assign_prefix(
     root: str | None,
 ) -> list[tuple[Node, Rule | None, RuleSource]]:
     lleaves, lspec = optree.tree_flatten(layout, none_is_leaf=True, namespace=NAMESPACE)
-    if root is None and lspec.is_leaf():
+    single_input = root == INPUT_AND_KWARGS
+    if lspec.is_leaf() and (root is None or single_input):
         # One rule for an (args, kwargs) pair applies to each argument: a whole-value rule
-        # (split_items) takes each argument whole, never the synthetic pair itself.
+        # (split_items) takes each argument whole, never the synthetic pair itself. With a
+        # single input, the rule is that input's, as in scatter(input, devices, rule).
         rule = to_rule(lleaves[0], phase, dim, "layout")
         single = RuleSource("layout")
-        return [(nd, rule, single) for nd in all_nodes if len(nd.path) == 2]
-    skeleton = spec.unflatten(range(spec.num_leaves))
+        return [
+            (nd, rule, single)
+            for nd in all_nodes
+            if len(nd.path) == 2 or (single_input and nd.raw == (0,))
+        ]
+    # With a single input (data_parallel(fn, batch)), a prefix layout is the input's, as in
+    # scatter(batch, devices, layout); its keyword arguments keep their default rules.
+    target, above = (spec.children()[0], (0,)) if single_input else (spec, ())
+    skeleton = target.unflatten(range(target.num_leaves))
     try:
         lspec.flatten_up_to(skeleton)
     except (ValueError, TypeError) as exc:
-        problems = _prefix_problems(layout, spec, root) or [str(exc)]
-        name = "(args, kwargs)" if root is None else root
+        problems = _prefix_problems(layout, target, "inputs" if single_input else root) or [
+            str(exc)
+        ]
+        name = "(args, kwargs)" if root is None else "inputs" if single_input else root
+        hint = (
+            "a prefix-tree layout mirrors the data's containers down to where it puts a rule "
+            "(every key of a dict, every item of a list); use by_path({...}) for a partial "
+            "layout"
+        )
+        if single_input:
+            hint += (
+                "; with a single input the layout starts at it (for a layout of "
+                "(args, kwargs), pass the input as a tuple: data_parallel(fn, (batch,), ...))"
+            )
         raise layout_error(
             f"the layout is not a prefix of the structure of {name}:\n"
-            + bullet_list(
-                problems if len(problems) > 1 else [f"  - {problems[0]}"],
-                "a prefix-tree layout mirrors the data's containers down to where it puts a rule "
-                "(every key of a dict, every item of a list); use by_path({...}) for a partial "
-                "layout",
-            )
+            + bullet_list(problems if len(problems) > 1 else [f"  - {problems[0]}"], hint)
         ) from None
     by_raw = {nd.raw: nd for nd in all_nodes}
     out: list[tuple[Node, Rule | None, RuleSource]] = []
     for path, value in zip(lspec.paths(), lleaves):
-        node = by_raw[tuple(path)]
+        node = by_raw[(*above, *path)]
         rule = to_rule(value, phase, dim, f"layout at {display_path(node, root)}")
         out.append(
             (node, rule, RuleSource("layout") if not path else RuleSource("prefix", None, node))

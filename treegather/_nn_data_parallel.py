@@ -46,7 +46,15 @@ class DataParallel(nn.DataParallel):
     behaves like torch: every visible CUDA device, or on a machine without CUDA a plain call
     of the module. ``isinstance(dp, torch.nn.DataParallel)`` holds and ``state_dict()`` keys
     carry the usual ``module.`` prefix. Replicas are kept from call to call while the module
-    is unchanged, as in :func:`data_parallel` (unless a subclass overrides ``replicate``).
+    is unchanged, as in :func:`data_parallel` (unless a subclass overrides ``replicate``);
+    each replica's hook tables and attributes are its own, so nothing a replica's forward
+    registers or assigns reaches ``module``.
+
+    Only ``forward`` is data-parallel: to run another method of the module on every device
+    (``generate``), pass the bound method to :func:`data_parallel`, e.g.
+    ``tg.data_parallel(dp.module.generate, (), dp.device_ids, module_kwargs=batch,
+    out_layout=tg.pad(0, fill=pad_id))``: each replica's ``generate`` runs on its shard, and
+    sequences of uneven lengths are padded to the longest.
 
     Args:
         module: the module to parallelise (parameters and buffers on ``device_ids[0]``).
@@ -109,6 +117,7 @@ class DataParallel(nn.DataParallel):
             else:
                 replicas = self.replicate(self.module, devices)
             outputs = self.parallel_apply(replicas, args_shards, kwargs_shards)
+            del replicas  # nothing here holds the replicas when they are handed back
             if kept is not None:
                 give_back(kept)
             return self.gather(outputs, self.output_device)

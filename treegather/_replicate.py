@@ -5,6 +5,13 @@ parameters (or source tensors). Repeated devices (``["cpu"] * 3``) are first-cla
 the source's own device use its parameters themselves instead of copying them. Nothing of the
 source module is ever written to (compiled modules included), whether replication succeeds or
 fails.
+
+Each replica's per-module tables are its own: the hook tables (forward, forward-pre, backward,
+backward-pre, their kwargs / always-call companions, state-dict hooks) and the set of
+non-persistent buffer names are copies of the source's, so what a replica's forward registers or
+removes is seen by that replica only (torch's ``_replicate_for_data_parallel`` shares them). A
+replica's ``_parameters`` holds its own tensors (so ``replica.parameters()`` and transformers'
+``next(self.parameters())`` see them); they are also plain attributes, as in torch, for speed.
 """
 
 from __future__ import annotations
@@ -17,11 +24,21 @@ import torch
 from torch import nn
 
 from ._devices import DeviceLike, as_devices
+from ._errors import UninitializedModuleError
 from ._tree import flatten
 
 __all__ = ["replicate"]
 
 M = TypeVar("M", bound=nn.Module)
+
+# The per-module tables a replica gets its own copy of: every container ``nn.Module.__init__``
+# creates besides the parameter, buffer and submodule tables (hook tables, non-persistent
+# buffer names), read from torch itself so that a table a later torch adds is included.
+OWN_TABLES: tuple[str, ...] = tuple(
+    key
+    for key, value in vars(nn.Module()).items()
+    if isinstance(value, (dict, set)) and key not in ("_parameters", "_buffers", "_modules")
+)
 
 
 @overload
@@ -60,7 +77,11 @@ def replicate(
     A module gives one module per device, built like ``torch.nn.DataParallel``'s replicas
     (TorchScript modules too). Parameters are differentiable copies (on the source's own
     device, the source parameters themselves), so gradients accumulate on the original
-    parameters, sparse gradients (``nn.Embedding(sparse=True)``) included. Buffers are shared with
+    parameters, sparse gradients (``nn.Embedding(sparse=True)``) included; a replica's
+    ``parameters()``, ``named_parameters()``, ``buffers()`` and ``.device``-style lookups give
+    its own tensors. Each replica has hook tables of its own (copies of the source's): a hook
+    its forward registers or removes is seen by that replica only, never by the source or
+    another replica; so is anything its forward assigns on itself. Buffers are shared with
     the source by the first replica that sits on the source's device (replica 0 in the usual
     ``devices[0] == module device`` case), so BatchNorm running statistics are updated through
     that replica only, exactly as in ``nn.DataParallel``; every other replica gets a private
@@ -83,30 +104,36 @@ def replicate(
         detach: detach the copies from autograd (torch's DataParallel passes
             ``not torch.is_grad_enabled()``).
         reuse: for a module, hand back the replicas of the previous ``reuse=True`` call for
-            the same devices (and ``detach``) while the module is unchanged, with this call's
-            buffers and parameters bound into them (what :func:`data_parallel` and
-            :class:`DataParallel` do every step). They are the same objects each call: use one
-            call's replicas before the next, from one thread. Anything that changed the module
-            (a replaced layer, a new attribute, ``.eval()``, a compiled forward) rebuilds them;
-            a deleted module frees them. TorchScript modules are replicated anew every call.
+            the same devices (and ``detach``) while you still hold them and the module's tree
+            is unchanged, re-bound to the module as it is now (its attributes, hooks, buffers
+            and parameters; what :func:`data_parallel` and :class:`DataParallel` do every
+            step). They are the same objects each call: use one call's replicas before the
+            next, from one thread. A replaced layer, parameter or buffer, a swapped class,
+            ``.eval()`` / ``.train()`` or a compiled forward rebuilds them; replicas you no
+            longer hold are rebuilt too (the cache holds nothing that keeps the module alive:
+            a deleted module frees them). TorchScript modules are replicated anew every call.
 
     Returns:
         A list with one replica per entry of ``devices``.
 
     Raises:
         ValueError: ``devices`` is empty.
+        UninitializedModuleError: the module has uninitialized (lazy) parameters or buffers
+            (``nn.LazyLinear`` before its first forward); nothing is replicated.
         RuntimeError: a TorchScript module has plain Python modules below it (as in torch).
     """
     devs = as_devices(devices)
     if not devs:
         raise ValueError("replicate needs at least one device, got an empty device list")
     if isinstance(module_or_tree, nn.Module):
+        check_initialized(module_or_tree, len(devs))
         if reuse:
             from ._kept import give_back, reusable, take
 
             if reusable(module_or_tree, devs):
                 replicas, kept, _ = take(module_or_tree, devs, detach)
-                give_back(kept)
+                if kept is not None:
+                    give_back(kept)  # the caller holds the replicas: kept weakly
                 return replicas
         return _replicate_module(module_or_tree, devs, detach)
     leaves, spec = flatten(module_or_tree)
@@ -154,6 +181,32 @@ def _use_torch_broadcast(module: nn.Module, devs: Sequence[torch.device]) -> boo
     return all(t.device == src for t in tensors)
 
 
+def check_initialized(module: nn.Module, n_devices: int) -> None:
+    """Refuse a module with uninitialized (lazy) parameters or buffers, naming each one.
+
+    A lazy module infers its shapes on its first forward and then changes its parameters and
+    its class in place: replicas would each initialize the source's own (shared) parameter
+    objects, or fail inside torch. Every such module is listed, by its ``named_modules()``
+    path under ``model``.
+    """
+    from torch.nn.parameter import is_lazy
+
+    lazy: list[str] = []
+    for name, m in module.named_modules(prefix="model"):
+        tensors = [*m._parameters.items(), *m._buffers.items()]
+        names = [key for key, t in tensors if t is not None and is_lazy(t)]
+        if names:
+            lazy.append(f"{name} ({type(m).__name__}: {', '.join(names)})")
+    if lazy:
+        where = "1 device" if n_devices == 1 else f"{n_devices} devices"
+        raise UninitializedModuleError(
+            f"cannot replicate a module with uninitialized (lazy) parameters onto {where}: "
+            f"{'; '.join(lazy)}. Run one forward on one device first (model(batch), or "
+            "data_parallel / DataParallel with a single device, which calls the module "
+            "itself) so that torch infers their shapes; then replicate it"
+        )
+
+
 def _check_replicatable(module: nn.Module) -> None:
     from torch.jit._state import _enabled
 
@@ -173,6 +226,8 @@ def _replicate_module(module: nn.Module, devs: Sequence[torch.device], detach: b
     _check_replicatable(module)
     if _use_torch_broadcast(module, devs):
         replicas = torch.nn.parallel.replicate(module, list(devs), detach)
+        for replica in replicas:
+            _own_tables(module, replica)
     else:
         replicas = _replicate_module_generic(module, devs, detach)
     for r in replicas:
@@ -194,9 +249,10 @@ def _build_rows(
     """The original modules and, per device, one linked shell per original (same order).
 
     A shell is a new object of the module's class whose ``__dict__`` is a shallow copy of the
-    original's, with its own ``_parameters`` (empty), ``_buffers`` and ``_modules`` tables. The
+    original's, with its own ``_parameters``, ``_buffers``, ``_modules`` and hook tables. The
     shells are linked by writing into those tables and into the shell's own ``__dict__``
-    (replica parameters are plain attributes, as in torch), never through ``setattr``: a
+    (replica parameters are in ``_parameters`` and, as in torch, plain attributes too, so that
+    reading them costs no ``__getattr__``), never through ``setattr``: a
     module class may route attribute writes elsewhere (``torch.compile``'s wrapper forwards
     them to the module it wraps, which would be the caller's). TorchScript modules are copied
     by TorchScript itself and linked with ``setattr`` on the copy.
@@ -223,7 +279,7 @@ def _build_rows(
                 if param is None:
                     table["_parameters"][key] = None
                 else:
-                    table[key] = tensor_copies[id(param)][j]
+                    table[key] = table["_parameters"][key] = tensor_copies[id(param)][j]
             for key, buf in orig._buffers.items():
                 if buf is not None:
                     buffers[key] = tensor_copies[id(buf)][j]
@@ -308,12 +364,33 @@ def _shell(m: nn.Module) -> nn.Module:
         return m._replicate_for_data_parallel()
     shell = m.__new__(type(m))
     table = m.__dict__.copy()
+    for key in OWN_TABLES:
+        if key in table:
+            table[key] = table[key].copy()
     table["_parameters"] = {}
     table["_buffers"] = m._buffers.copy()
     table["_modules"] = m._modules.copy()
     table["_is_replica"] = True
     object.__setattr__(shell, "__dict__", table)
     return shell
+
+
+def _own_tables(module: nn.Module, replica: nn.Module) -> None:
+    """Give a replica made by torch's ``replicate`` tables of its own, and its parameters.
+
+    torch's replicas share the source's hook tables and expose no parameters; the replica's
+    modules come in the source's ``modules()`` order (torch builds them in that order).
+    """
+    for orig, copied in zip(module.modules(), replica.modules()):
+        if isinstance(copied, torch.jit.ScriptModule):
+            continue
+        table = copied.__dict__
+        for key in OWN_TABLES:
+            if key in table:
+                table[key] = table[key].copy()
+        params = table["_parameters"]
+        for key, param in orig._parameters.items():
+            params[key] = None if param is None else table[key]
 
 
 def _link_script_shell(

@@ -2,7 +2,9 @@
 
 Nothing split means one shard on the first device; a module's replicas for the step are its
 kept ones, re-bound (:mod:`treegather._kept`), or fresh ones from :func:`treegather.replicate`,
-after checking that the module is on the source device.
+after checking that the module is initialized (no lazy parameters) and on the source device.
+The caller drops its references to the replicas before handing them back
+(:func:`treegather._kept.give_back`), so that the kept shells can be stripped between steps.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _replicas_for_step(
     replicas, kept, fresh = take(
         module, devices, detach, before_build=lambda: _check_module_device(module, source)
     )
-    if not fresh and not kept.on(_concrete(source)):
+    if kept is not None and not fresh and not kept.on(_concrete(source)):
         _check_module_device(module, source)  # raises, naming the tensor
     return replicas, kept
 

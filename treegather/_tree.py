@@ -3,8 +3,9 @@
 Everything treegather does to a tree goes through :func:`flatten` here, so that one place knows
 which classes are containers: optree's built-ins (dict, OrderedDict, defaultdict, list, tuple,
 namedtuple, deque, ``None`` as an empty node), classes registered with :func:`register_dataclass`
-or :func:`register_node`, and classes registered with torch's own pytree
-(``torch.utils._pytree.register_pytree_node``, as transformers does for every ``ModelOutput``).
+or :func:`register_node`, classes registered with torch's own pytree
+(``torch.utils._pytree.register_pytree_node``, as transformers does for every ``ModelOutput``),
+and transformers' key/value caches once transformers is in use (:mod:`treegather._transformers`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import keyword
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar, overload
 
@@ -24,6 +26,9 @@ from ._caches import clear_tree_caches
 
 __all__ = [
     "NAMESPACE",
+    "INPUT_AND_KWARGS",
+    "Opaque",
+    "is_call_root",
     "register_dataclass",
     "register_node",
     "flatten",
@@ -47,8 +52,9 @@ T = TypeVar("T")
 # ----------------------------------------------------------------------------- registration
 
 _REGISTERED: set[type] = set()
-# Classes registered only through the torch pytree bridge: an explicit treegather registration
-# replaces the bridged one instead of failing (whether the bridge ran first must not matter).
+# Classes registered only through the torch pytree bridge (or transformers' caches, registered
+# by treegather itself): an explicit treegather registration replaces it instead of failing
+# (whether the bridge ran first must not matter).
 _BRIDGED: set[type] = set()
 
 
@@ -177,6 +183,24 @@ def _register(cls: type, flatten_fn: Callable[..., Any], unflatten_fn: Callable[
     _invalidate()
 
 
+class Opaque:
+    """A value a registered node holds whole, with the reason it cannot be split or combined.
+
+    A node's flatten returns one as its only child when this instance cannot be divided
+    batch-wise (a transformers ``StaticCache``): scatter refuses it, saying ``reason`` (unless
+    the layout says ``broadcast()``), and gather keeps the replicas' values as a list.
+    """
+
+    __slots__ = ("reason", "value")
+
+    def __init__(self, value: Any, reason: str) -> None:
+        self.value = value
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<{type(self.value).__qualname__}, kept whole>"
+
+
 # ----------------------------------------------------------------- torch.utils._pytree bridge
 
 _torch_synced = 0
@@ -229,12 +253,33 @@ def _bridge(cls: type, node_def: Any) -> None:
     _BRIDGED.add(cls)
 
 
+_transformers_done = False
+
+
+def _sync_transformers() -> None:
+    """Register transformers' cache classes once ``transformers.cache_utils`` is loaded.
+
+    Called at import and from :func:`_sync_torch_registry` (whenever torch's pytree registry
+    has grown, which importing any transformers model does): no cost on the hot path, and
+    ``import treegather`` never imports transformers.
+    """
+    global _transformers_done
+    module = sys.modules.get("transformers.cache_utils")
+    if _transformers_done or module is None:
+        return
+    _transformers_done = True
+    from ._transformers import register_caches
+
+    register_caches(module)
+
+
 def _sync_torch_registry() -> None:
     """Bridge classes registered with torch's pytree since the last call (cheap when none are)."""
     global _torch_synced
     supported = _torch_pytree.SUPPORTED_NODES
     if len(supported) == _torch_synced:
         return
+    _sync_transformers()  # first: its classes are then treegather's, never bridged
     for cls, node_def in list(supported.items()):
         if not isinstance(cls, type) or cls in _REGISTERED:
             continue
@@ -377,13 +422,30 @@ def move_tree(tree: Any, target: torch.device) -> Any:
     )
 
 
+INPUT_AND_KWARGS = "(inputs, kwargs)"
+"""The ``root`` of an ``(input, kwargs)`` pair: :func:`treegather.data_parallel`'s single
+input (paths start at it, ``inputs['names']``) next to its keyword arguments (``kwargs['labels']``).
+``root=None`` is an ``(args, kwargs)`` pair, whose paths start at the positional index."""
+
+
+def is_call_root(root: str | None) -> bool:
+    """Whether ``root`` names a call's pair (``(args, kwargs)`` or ``(input, kwargs)``), whose
+    first level (the pair's index) is not part of any path."""
+    return root is None or root == INPUT_AND_KWARGS
+
+
 def display_path(node: Node, root: str | None) -> str:
-    """A node's path for messages; ``root=None`` means an ``(args, kwargs)`` pair."""
-    if root is not None:
+    """A node's path for messages; ``root=None`` means an ``(args, kwargs)`` pair and
+    :data:`INPUT_AND_KWARGS` an ``(input, kwargs)`` pair.
+
+    >>> [display_path(n, INPUT_AND_KWARGS) for n in nodes(optree.tree_structure(({"a": 1}, {"b": 2})))]
+    ['(inputs, kwargs)', 'inputs', "inputs['a']", 'kwargs', "kwargs['b']"]
+    """
+    if root is not None and root != INPUT_AND_KWARGS:
         return format_path(root, node.path)
     if not node.path:
-        return "(args, kwargs)"
-    head = "args" if node.raw[0] == 0 else "kwargs"
+        return "(args, kwargs)" if root is None else INPUT_AND_KWARGS
+    head = "kwargs" if node.raw[0] == 1 else "args" if root is None else "inputs"
     return format_path(head, node.path[1:])
 
 
@@ -414,3 +476,6 @@ def describe(value: Any) -> str:
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{type(value).__qualname__} {text}"
+
+
+_sync_transformers()  # transformers imported before treegather: its caches are nodes from now on

@@ -373,15 +373,27 @@ class JacDataParallel(DataParallel):
         """Replicate with treegather (kept across calls if ``persistent``), then run the
         replication callbacks on new replicas."""
         devs = as_devices(device_ids, "device_ids")
+        callback = _exec_replication_callback if self.allow_replication_callback else None
         if self.persistent and reusable(module, devs):
-            modules, kept, fresh = take(
-                module, devs, not torch.is_grad_enabled(), copy_buffers=self.copy_buffers
+            modules, kept, _ = take(
+                module,
+                devs,
+                not torch.is_grad_enabled(),
+                copy_buffers=self.copy_buffers,
+                prepare=callback,
             )
-            give_back(kept)
-        else:
-            modules, fresh = super().replicate(module, device_ids), True
-        if self.allow_replication_callback and fresh:
-            _exec_replication_callback(modules)
+            # Held here from call to call (the kept cache holds replicas only weakly while
+            # something else does): the replicas, and what the callbacks gave them, stay.
+            self.__dict__["_persistent_replicas"] = modules
+            if kept is None:
+                if callback is not None:
+                    callback(modules)
+            else:
+                give_back(kept)
+            return modules
+        modules = super().replicate(module, device_ids)
+        if callback is not None:
+            callback(modules)
         return modules
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
