@@ -1121,6 +1121,21 @@ def test_wire_plans_are_type_aware_and_cleared(world_of_one: None) -> None:
     assert _wireplan.plan_count() == 0
 
 
+def test_results_are_built_from_the_calls_own_objects(world_of_one: None) -> None:
+    """A static field holding a list comes back as this call's own list on every call, as the
+    full exchange rebuilds it: not, once a wire plan is cached, the list of the call that made
+    the plan (which one result's edit would change for every later call)."""
+    import treegather.distributed as tgd
+
+    tg.clear_caches()
+    for layout in (None, tg.by_path({"m.x": "cat"})):
+        for _ in range(5):
+            names = ["a"]
+            out = tgd.all_gather({"m": Flagged(torch.ones(2), names)}, layout)
+            assert out["m"].flag is names
+            out["m"].flag.append("edited")
+
+
 def test_kept_receive_buffer(world_of_one: None) -> None:
     """A large wire-plan payload is received into a buffer the group keeps for its next call;
     results never alias it, other layouts never use it, clear_caches() releases it."""

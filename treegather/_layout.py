@@ -38,6 +38,7 @@ __all__ = [
     "describe_source",
     "display_path",
     "layout_key",
+    "rebase",
     "writable_path",
     "EXPLAIN_POINTER",
     "to_rule",
@@ -184,6 +185,21 @@ def _build(
     if not whole:
         return Plan(spec, spec, leaf_rules, [None] * n, leaf_nodes.__getitem__)
     return _with_groups(spec, all_nodes, leaf_nodes, leaf_rules, whole)
+
+
+def rebase(plan: Plan, spec: PyTreeSpec) -> Plan:
+    """``plan`` for ``spec``: a structure equal to ``plan.spec`` whose dict keys and node metadata
+    are other objects (another call's). The same rules; trees are rebuilt, and messages name
+    paths, from ``spec``. Only for a plan without whole-value groups (``up_spec is spec``).
+
+    >>> import optree
+    >>> old, new = optree.tree_structure({"a": 1}), optree.tree_structure({"a": 2})
+    >>> rebase(resolve(old, None, "gather", 0, "outputs"), new).up_spec is new
+    True
+    """
+    if plan.up_spec is not plan.spec:
+        raise ValueError("rebase: a plan with whole-value groups is resolved again instead")
+    return Plan(spec, spec, plan.rules, plan.groups, _lazy_leaf_nodes(spec))
 
 
 def _lazy_leaf_nodes(spec: PyTreeSpec) -> Callable[[int], Node]:

@@ -138,6 +138,10 @@ class Local(NamedTuple):
     # The last call whose shapes this one assumes, when only each leaf's element count was read
     # (see :func:`prepare`): packing, or :func:`checked`, confirms them. ``None``: shapes read.
     assumed: _Seen | None = None
+    # This call's structure, which results are rebuilt with: ``plan.spec`` may be an earlier
+    # call's, whose static fields and dict keys a result must not share (see
+    # treegather._compiled.structure.Structure.exact).
+    spec: PyTreeSpec | None = None
 
 
 def checked(local: Local) -> Local | None:
@@ -270,6 +274,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         devices,
         single,
         None if single else assumed,
+        spec,
     )
 
 

@@ -21,7 +21,7 @@ from optree import PyTreeSpec
 
 from .. import _tree
 from .._caches import LRU
-from .._layout import ByPath, Plan, layout_key, resolve
+from .._layout import ByPath, Plan, layout_key, rebase, resolve
 from .._rules import Rule
 from .builders import Builder, compiled_builder, compiled_unflatten
 from .codegen import (
@@ -31,6 +31,7 @@ from .codegen import (
     compiled_columns,
     compiled_reader,
     interpreted_guard,
+    sharing,
     structure_steps,
 )
 
@@ -58,6 +59,8 @@ class Structure:
     __slots__ = (
         "builders",
         "columns",
+        "exact",
+        "exact_paths",
         "guard",
         "hits",
         "last",
@@ -84,6 +87,10 @@ class Structure:
         self.steps = steps
         self.reach = reach
         self.guard = interpreted_guard(steps)
+        # Whether a tree this structure accepts differs from ``spec`` in its leaves only (see
+        # codegen.sharing): then results are rebuilt from ``spec``; otherwise from the structure
+        # of the call's own tree, as the plain path does (and plans are rebased onto it).
+        self.exact, self.exact_paths = sharing(steps)
         # read(tree): the tree's leaves when it has exactly this structure (dict keys in order
         # and by type: a result is rebuilt from it), else None. read_any, for gather's replicas
         # 1..: the same containers, dict keys in any order compared with == (as the reference
@@ -167,33 +174,67 @@ class Structure:
         build = self.builders[k] = compiled_builder(self.spec, k)
         return build
 
-    def cached_plan(self, layout: Any, phase: str, dim: int, root: str | None) -> Any:
-        """The ``(plan, all batched)`` kept for an equal layout, or ``None``."""
+    def cached_plan(
+        self, layout: Any, phase: str, dim: int, root: str | None, spec: PyTreeSpec | None = None
+    ) -> Any:
+        """The ``(plan, all batched)`` kept for an equal layout, or ``None``.
+
+        ``spec``: the structure of this call's tree when it is not :attr:`spec` itself (a
+        structure that is not :attr:`exact`): the plan is then made for it.
+        """
         last = self.last
         if last[0] is layout and last[1] is phase and last[2] is root and last[3] is dim:
-            return last[4]
-        found = self.plans.get(_plan_key(layout, phase, dim, root))
-        if found is not None and _immutable(layout):
-            # (a mutable layout may change between calls: keyed by value each time)
-            self.last = (layout, phase, root, dim, found)
-        return found
+            found = last[4]
+        else:
+            found = self.plans.get(_plan_key(layout, phase, dim, root))
+            if found is not None and _immutable(layout):
+                # (a mutable layout may change between calls: keyed by value each time)
+                self.last = (layout, phase, root, dim, found)
+        if found is None or spec is None or spec is self.spec:
+            return found
+        return self._for_spec(found, spec, layout, phase, dim, root)
+
+    def _for_spec(
+        self,
+        found: tuple[Plan, bool],
+        spec: PyTreeSpec,
+        layout: Any,
+        phase: str,
+        dim: int,
+        root: str | None,
+    ) -> tuple[Plan, bool]:
+        """A kept plan made for this call's ``spec``: rebased (same rules, containers and
+        paths from ``spec``), or resolved again where the rules may depend on more than what the
+        guard compared (by_path patterns on keys that are equal but not the same) or the plan
+        builds a coarser structure of its own (whole-value groups)."""
+        plan, per_step = found
+        if plan.up_spec is plan.spec and (self.exact_paths or not isinstance(layout, ByPath)):
+            return rebase(plan, spec), per_step
+        return resolve(spec, layout, phase, dim, root), per_step
 
     def plan(
-        self, layout: Any, phase: str, dim: int, root: str | None, leaves: list[Any]
+        self,
+        layout: Any,
+        phase: str,
+        dim: int,
+        root: str | None,
+        leaves: list[Any],
+        spec: PyTreeSpec | None = None,
     ) -> tuple[Plan, bool] | None:
         """The plan (resolved once per equal layout) and whether it is the per-step case: the
         default rules, and every leaf a >= 1-dim tensor (at least one).
 
-        ``leaves`` are one tree's values at this structure's leaves. ``None`` when the plan is
-        not cached yet and ``leaves`` are not all leaves (a subtree or ``None`` where this
-        structure has a leaf): the caller runs the reference steps.
+        ``leaves`` are one tree's values at this structure's leaves; ``spec`` that tree's
+        structure when it is not :attr:`spec` itself (see :meth:`cached_plan`). ``None`` when
+        the plan is not cached yet and ``leaves`` are not all leaves (a subtree or ``None``
+        where this structure has a leaf): the caller runs the reference steps.
         """
-        found: tuple[Plan, bool] | None = self.cached_plan(layout, phase, dim, root)
+        found: tuple[Plan, bool] | None = self.cached_plan(layout, phase, dim, root, spec)
         if found is not None:
             return found
         if not self.leaves_ok(leaves):  # a subtree where a leaf is: not this structure's plan
             return None
-        plan = resolve(self.spec, layout, phase, dim, root)
+        plan = resolve(self.spec if spec is None else spec, layout, phase, dim, root)
         found = (plan, plan.default_only and bool(leaves) and _all_batched(leaves))
         if len(self.plans) >= _PLANS_PER_STRUCTURE:
             self.plans.clear()
@@ -256,15 +297,19 @@ def find_columns(outputs: list[Any]) -> tuple[Structure, list[tuple[Any, ...]], 
 
 
 def recognise(tree: Any) -> tuple[list[Any], Structure | None, PyTreeSpec]:
-    """The leaves of ``tree``, its :class:`Structure` when seen before, and its spec.
+    """The leaves of ``tree``, its :class:`Structure` when seen before, and its spec: the
+    structure's own, or for a structure that is not :attr:`Structure.exact` the tree's.
 
-    A hit costs the structure's reader; a miss costs one full flatten.
+    A hit costs the structure's reader (and a flatten when not exact); a miss one full flatten.
     """
     found = find(tree)
     if found is not None:
         st, leaves = found
         if st.leaves_ok(leaves):
             st.seen()
+            if not st.exact:  # results are rebuilt from this tree's own structure
+                leaves, spec = _tree.flatten(tree)
+                return leaves, st, spec
             return leaves, st, st.spec
         # The containers match but a leaf is a subtree: never learned.
         leaves, spec = _tree.flatten(tree)
