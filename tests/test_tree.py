@@ -226,6 +226,42 @@ def test_class_registered_with_torch_pytree_after_import_is_a_node() -> None:
     assert out["p"].a.tolist() == [0, 1, 2, 3] and out["p"].b == "s"
 
 
+def test_class_registered_with_optree_directly_after_it_was_a_leaf_is_a_node() -> None:
+    """``optree.register_pytree_node(cls, ..., namespace=tg.NAMESPACE)`` is seen as
+    :func:`treegather.register_node` is, by structures compiled while the class was a leaf: a
+    shard gets its 4 rows, not all 8; unregistering it makes it a leaf again. Before, the
+    cached structures kept treating it as a leaf."""
+    import optree
+
+    class Box:
+        def __init__(self, x: Any) -> None:
+            self.x = x
+
+    def tree() -> Any:
+        return {"a": torch.zeros(8), "box": Box(torch.arange(8))}
+
+    for _ in range(5):  # compiled while Box is a leaf: sent whole to each device
+        shards = tg.scatter(tree(), CPU2)
+        assert [len(s["box"].x) for s in shards] == [8, 8]
+        assert type(tg.gather(shards, "cpu")["box"]) is list
+    optree.register_pytree_node(
+        Box,  # type: ignore[arg-type]
+        lambda b: ((b.x,), None),
+        lambda _, ch: Box(*ch),
+        namespace=tg.NAMESPACE,
+    )
+    try:
+        for _ in range(5):
+            shards = tg.scatter(tree(), CPU2)
+            assert [s["box"].x.tolist() for s in shards] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            out = tg.gather(shards, "cpu")
+            assert type(out["box"]) is Box and out["box"].x.tolist() == list(range(8))
+    finally:
+        optree.unregister_pytree_node(Box, namespace=tg.NAMESPACE)
+    shards = tg.scatter(tree(), CPU2)
+    assert [len(s["box"].x) for s in shards] == [8, 8]
+
+
 def test_dataclass_registered_with_torch_pytree_is_understood() -> None:
     @dataclasses.dataclass
     class TorchDC:

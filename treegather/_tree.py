@@ -59,6 +59,7 @@ def _invalidate() -> None:
     """Every cached structure may depend on which classes are nodes: start cold."""
     global _version
     _version += 1
+    _note_optree_registry()  # (a registration through treegather is accounted for here)
     clear_tree_caches()
 
 
@@ -254,6 +255,63 @@ def _sync_torch_registry() -> None:
     _invalidate()
 
 
+# -------------------------------------------------------------------- optree's own registry
+
+# A class may also be registered (or unregistered) with optree directly, in treegather's
+# namespace or in optree's global one, which applies to every namespace. optree keeps every
+# registration in one dict, keyed by the class (global) or by (namespace, class): a
+# registration appends an entry, an unregistration removes one, so any change changes its
+# length or its last entry. Both are read per call (the entry is held, so that its identity is
+# never reused); only when they changed are the entries that apply to treegather's namespace
+# compared with those seen last, and a difference makes every cached structure stale.
+_OPTREE_REGISTRY: dict[Any, Any] | None = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
+if not isinstance(_OPTREE_REGISTRY, dict):  # another optree: its registry size, per call
+    _OPTREE_REGISTRY = None
+_optree_size = getattr(getattr(optree, "_C", None), "get_registry_size", None)
+_optree_len = -1
+_optree_last: Any = None
+_optree_ours: dict[Any, Any] = {}
+
+
+def _optree_changed() -> bool:
+    """Whether optree's registry may have changed since :func:`_note_optree_registry` (cheap)."""
+    registry = _OPTREE_REGISTRY
+    if registry is None:
+        return _optree_size is not None and _optree_size(NAMESPACE) != _optree_len
+    if len(registry) != _optree_len:
+        return True
+    try:
+        return next(reversed(registry.values())) is not _optree_last
+    except (StopIteration, RuntimeError):  # empty, or changed while read
+        return True
+
+
+def _note_optree_registry() -> bool:
+    """Record optree's registry as it is now; whether its entries for treegather changed."""
+    global _optree_len, _optree_last, _optree_ours
+    registry = _OPTREE_REGISTRY
+    if registry is None:
+        size = -1 if _optree_size is None else _optree_size(NAMESPACE)
+        changed, _optree_len = size != _optree_len, size
+        return changed
+    items = list(registry.items())  # (one C call: a registration in another thread waits)
+    ours = {k: v for k, v in items if type(k) is not tuple or k[:1] == (NAMESPACE,)}
+    changed = ours.keys() != _optree_ours.keys() or any(
+        v is not _optree_ours[k] for k, v in ours.items()
+    )
+    _optree_len, _optree_last, _optree_ours = len(items), items[-1][1] if items else None, ours
+    return changed
+
+
+def _sync_optree_registry() -> None:
+    """Make cached structures stale when a class was (un)registered with optree directly."""
+    if _note_optree_registry():
+        _invalidate()
+
+
+_note_optree_registry()
+
+
 # ------------------------------------------------------------------------------- flattening
 
 
@@ -287,10 +345,14 @@ def is_leaf(value: Any) -> bool:
 def registry_version() -> int:
     """A number that changes whenever treegather's idea of which classes are nodes changes.
 
-    Cached structures record it; a registration (here or with torch's pytree) makes them stale.
+    Cached structures record it; a registration (here, with torch's pytree, or with optree
+    directly in treegather's namespace or the global one) makes them stale. Per call: two
+    length checks and one identity check.
     """
     if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
         _sync_torch_registry()
+    if _optree_changed():
+        _sync_optree_registry()
     return _version
 
 
