@@ -90,9 +90,9 @@ def scatter(
         if plan.default_only:
             kinds = [d.type for d in devs]
             if kinds.count("cpu") == len(devs):
-                fast = _scatter_cpu_tensors(leaves, st, spec, devs, dim)
+                fast = _scatter_cpu_tensors(leaves, st, devs, dim, spec=spec)
             elif kinds.count("cuda") == len(devs):  # a CPU batch to the GPUs: coalesced copies
-                fast = _scatter_cpu_tensors(leaves, st, spec, devs, dim, move=True)
+                fast = _scatter_cpu_tensors(leaves, st, devs, dim, move=True, spec=spec)
             else:
                 fast = None
             if fast is not None:
@@ -103,15 +103,15 @@ def scatter(
 def _scatter_cpu_tensors(
     leaves: list[Any],
     st: Structure,
-    spec: Any,
     devs: tuple[torch.device, ...],
     dim: int,
     move: bool = False,
+    spec: Any = None,
 ) -> _s.Shards | None:
     """Default rules, every leaf a CPU tensor of >= 1 dim with one batch size: split in C;
     with ``move``, each device's pieces are then copied there with :func:`coalesced_to` (one
     copy per dtype for the small ones). The trees are built with ``spec``'s containers (the
-    input's own structure when it is not ``st.spec``).
+    input's own structure when it is not ``st.spec``; ``None``: ``st.spec``).
 
     ``None`` (not applicable) for anything else: the reference steps handle and report it.
     """
@@ -142,6 +142,8 @@ def _scatter_cpu_tensors(
     if move:
         rows = [coalesced_to(row, d) for row, d in zip(zip(*columns), devs)]
         columns = list(zip(*rows))
+    if spec is None:
+        spec = st.spec
     build = st.builder(k) if spec is st.spec else None
     if build is not None:
         trees = build(*columns)

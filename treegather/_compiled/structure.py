@@ -13,6 +13,8 @@ by the layout's value (:func:`treegather._layout.layout_key`: type-aware, so ``T
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -41,12 +43,18 @@ Tensor = torch.Tensor
 COMPILE_AFTER = 3  # sightings of a structure before its guard and builders are compiled
 _BUCKET = 16  # structures kept per root type
 _PLANS_PER_STRUCTURE = 16
+_MAX_COMPILE_AFTER = 3 << 10  # hits an often-evicted structure needs before its code is made
 
-# Root type -> the structures recently seen with that root type, newest first.
+# Root type -> the structures recently seen with that root type, newest first (see _learn for
+# which a full bucket takes in; it evicts its least recently used structure into _SIGHTINGS).
 _STRUCTURES: LRU[type, list[Structure]] = LRU("structures", 64)
-# Structures seen once (by spec equality): a second sighting makes a Structure. The count is
-# only a hint (== merges True and 1 in metadata); the guard is made from the current spec.
-_SIGHTINGS: LRU[PyTreeSpec, bool] = LRU("structure sightings", 256)
+# By spec equality: when a structure was last seen (a stamp of _CLOCK) while not in a bucket
+# (seen again, it may make a Structure), or a Structure evicted from its bucket, without its
+# generated code (seen again, it serves the call with its plans, or is taken back). Only a
+# hint (== merges True and 1 in metadata): the current tree is checked by the guard.
+_SIGHTINGS: LRU[PyTreeSpec, Any] = LRU("structure sightings", 256)
+_CLOCK = itertools.count()  # stamps each structure's last use
+_USED = operator.attrgetter("used")
 _TENSORS = frozenset([Tensor])
 # Up to this many leaves x replicas, gather's reader also compares dtypes (faster for small
 # trees; above, one map over the leaves is cheaper than the generated comparisons).
@@ -59,6 +67,7 @@ class Structure:
     __slots__ = (
         "builders",
         "columns",
+        "compile_after",
         "exact",
         "exact_paths",
         "guard",
@@ -72,6 +81,7 @@ class Structure:
         "rebuild",
         "spec",
         "steps",
+        "used",
         "version",
     )
 
@@ -101,6 +111,9 @@ class Structure:
         self.leaf_types = frozenset(map(type, leaves))
         self.version = version
         self.hits = 0
+        # Hits before the code is generated: COMPILE_AFTER, doubled each time it is evicted.
+        self.compile_after = COMPILE_AFTER
+        self.used = next(_CLOCK)
         self.plans: dict[Any, tuple[Plan, bool]] = {}
         # The last immutable layout asked for, by identity: (layout, phase, root, dim, found).
         self.last: tuple[Any, ...] = (_NO_LAYOUT,)
@@ -118,7 +131,10 @@ class Structure:
         return None
 
     def _columns_checked(self, trees: list[Any]) -> list[Any] | None:
-        rows = [self.read(trees[0]), *map(self.read_any, trees[1:])]
+        first = self.read(trees[0])
+        if first is None:  # (the other replicas need not be read)
+            return None
+        rows = [first, *map(self.read_any, trees[1:])]
         return None if None in rows else list(zip(*rows))
 
     def columns_reader(self, k: int) -> tuple[Reader, bool, Reader]:
@@ -132,7 +148,7 @@ class Structure:
         found = self.columns.get(k)
         if found is not None:
             return found
-        if self.hits < COMPILE_AFTER:
+        if self.hits < self.compile_after:
             return self._columns_checked, False, self._columns_checked
         plain = compiled_columns(self.steps, self.reach, k) or self._columns_checked
         found = (plain, False, plain)
@@ -148,10 +164,22 @@ class Structure:
     def seen(self) -> None:
         """Count a hit; compile the readers once the structure is clearly a regular."""
         self.hits += 1
-        if self.hits == COMPILE_AFTER:
+        self.used = next(_CLOCK)
+        if self.hits == self.compile_after:
             self.read = compiled_reader(self.steps, self.reach)
             self.read_any = compiled_reader(self.steps, self.reach, keys="any")
             self.rebuild = compiled_unflatten(self.spec) or self.spec.unflatten
+
+    def retire(self) -> None:
+        """Evicted from its bucket: drop the generated code (steps and plans stay), and wait
+        for twice as many hits before generating it again. A structure in a rotation longer
+        than the bucket is then never compiled again, and costs no more than a cold call."""
+        self.read = self.read_any = self._read_checked
+        self.rebuild = self.spec.unflatten
+        self.columns = {}
+        self.builders = {}
+        self.hits = 0
+        self.compile_after = min(2 * self.compile_after, _MAX_COMPILE_AFTER)
 
     def leaves_ok(self, leaves: list[Any]) -> bool:
         """Every value is a leaf (``flatten_up_to`` lets a subtree or None stand in for one)."""
@@ -167,7 +195,7 @@ class Structure:
             return self.builders[k]
         except KeyError:
             pass
-        if self.hits < COMPILE_AFTER:
+        if self.hits < self.compile_after:
             return None
         if len(self.builders) >= 4:
             self.builders.clear()
@@ -290,8 +318,10 @@ def find_columns(outputs: list[Any]) -> tuple[Structure, list[tuple[Any, ...]], 
                 if columns is None and same_dtypes:  # a dtype differs, or a value has none
                     columns, same_dtypes = plain(outputs), False
                 if columns is not None:
-                    if st.hits < COMPILE_AFTER:
+                    if st.hits < st.compile_after:
                         st.seen()
+                    else:
+                        st.used = next(_CLOCK)
                     return st, columns, same_dtypes
     return None
 
@@ -319,17 +349,47 @@ def recognise(tree: Any) -> tuple[list[Any], Structure | None, PyTreeSpec]:
 
 
 def _learn(tree: Any, spec: PyTreeSpec, leaves: list[Any], version: int) -> Structure | None:
-    """A :class:`Structure` for a spec seen before; only a sighting the first time."""
+    """The :class:`Structure` for a spec seen before (the one evicted, when it was); only a
+    sighting the first time.
+
+    A full bucket takes a structure in only if it was seen again sooner than the bucket's least
+    recently used structure was last used (which then makes room): in a rotation through more
+    structures than a bucket holds, the bucket keeps the same structures, compiled, and the
+    others run as a cold call does (without generating any code), instead of every structure
+    being compiled again and evicted before its next use.
+    """
+    now = next(_CLOCK)
     try:
-        if _SIGHTINGS.pop(spec) is None:
-            _SIGHTINGS.put(spec, True)
-            return None
+        seen = _SIGHTINGS.pop(spec)
     except TypeError:  # unhashable metadata: never cached
         return None
-    found = structure_steps(spec)
-    if found is None:
+    if seen is None:
+        _SIGHTINGS.put(spec, now)
         return None
-    st = Structure(spec, *found, leaves, version)
-    bucket = [st, *(_STRUCTURES.get(type(tree)) or ())][:_BUCKET]
-    _STRUCTURES.put(type(tree), bucket)
+    retired = seen if type(seen) is Structure else None
+    last: int = seen if retired is None else retired.used
+    if retired is not None and not (retired.version == version and retired.guard(tree)):
+        retired = None  # (== merged it with another structure, or the registry changed)
+    root = type(tree)
+    bucket = [s for s in _STRUCTURES.get(root) or () if s.version == version]
+    victim = min(bucket, key=_USED) if len(bucket) >= _BUCKET else None
+    if victim is not None and last < victim.used:
+        # Not taken in: a sighting again (a structure evicted before serves this call).
+        if retired is not None:
+            retired.used = now
+        _SIGHTINGS.put(spec, now if retired is None else retired)
+        return retired
+    if retired is not None:
+        st = retired  # taken back with its plans; its code is made later, if at all
+    else:
+        found = structure_steps(spec)
+        if found is None:
+            return None
+        st = Structure(spec, *found, leaves, version)
+    st.used = now
+    if victim is not None:
+        bucket.remove(victim)
+        victim.retire()
+        _SIGHTINGS.put(victim.spec, victim)
+    _STRUCTURES.put(root, [st, *bucket])
     return st
