@@ -1136,6 +1136,33 @@ def test_results_are_built_from_the_calls_own_objects(world_of_one: None) -> Non
             out["m"].flag.append("edited")
 
 
+class _KeyReprRaises:
+    def __repr__(self) -> str:
+        raise RuntimeError("key repr not available")
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _KeyReprRaises)
+
+
+def test_error_texts_survive_a_key_whose_repr_raises(world_of_one: None) -> None:
+    """The rank's own error names the leaf (``outputs[<_KeyReprRaises object at 0x...>]``), not
+    "could not prepare this rank's tree: RuntimeError: key repr not available"."""
+    import treegather.distributed as tgd
+
+    key = _KeyReprRaises()
+    shown = f"outputs[<_KeyReprRaises object at {id(key):#x}>]"
+    with pytest.raises(tg.LeafTypeError, match=r"cannot send sparse") as info:
+        tgd.all_gather({key: torch.zeros(2).to_sparse()})
+    assert shown in str(info.value)
+    with pytest.raises(tg.BatchSizeError, match=r"got <_KeyReprRaises object at 0x"):
+        tgd.all_gather({"a": torch.zeros(2)}, sizes=key)
+    out = tgd.all_gather({key: torch.ones(2), "s": "x"})
+    assert out[key].tolist() == [1.0, 1.0] and out["s"] == ["x"]
+
+
 def test_kept_receive_buffer(world_of_one: None) -> None:
     """A large wire-plan payload is received into a buffer the group keeps for its next call;
     results never alias it, other layouts never use it, clear_caches() releases it."""

@@ -23,6 +23,7 @@ from ._errors import (
     ShapeMismatchError,
     StructureMismatchError,
     check_dim,
+    safe_repr,
 )
 from ._layout import Plan, resolve
 from ._mismatch import ROOT, diagnose, structure_error
@@ -97,7 +98,7 @@ def _check_sizes(sizes: Sequence[int], k: int) -> tuple[int, ...]:
         items = None
     if items is None:
         raise ArgumentTypeError(
-            f"gather: sizes must be a sequence of ints (rows per replica), got {sizes!r}"
+            f"gather: sizes must be a sequence of ints (rows per replica), got {safe_repr(sizes)}"
         )
     out: list[int] = []
     for r, s in enumerate(items):
@@ -108,7 +109,7 @@ def _check_sizes(sizes: Sequence[int], k: int) -> tuple[int, ...]:
         except TypeError:
             raise ArgumentTypeError(
                 f"gather: sizes[{r}] must be an int (the rows replica {r} got), "
-                f"got {type(s).__name__} {s!r}"
+                f"got {type(s).__name__} {safe_repr(s)}"
             ) from None
         if n < 0:
             raise ValueError(f"gather: sizes[{r}] must be >= 0 (rows of replica {r}), got {n}")

@@ -22,9 +22,9 @@ from typing import Any, cast
 import optree
 from optree import PyTreeSpec
 
-from ._by_path import ByPath, RuleSource, assign_by_path, by_path, writable_path
+from ._by_path import ByPath, RuleSource, assign_by_path, by_path, path_text, writable_path
 from ._caches import typed_key
-from ._errors import EXPLAIN_POINTER, bullet_list, layout_error
+from ._errors import EXPLAIN_POINTER, bullet_list, layout_error, safe_repr
 from ._rules import Rule, to_rule
 from ._tree import NAMESPACE, Node, child_styles, display_path, leaf_nodes, nodes
 
@@ -133,7 +133,7 @@ def describe_source(source: RuleSource, root: str | None) -> str:
     """
     if source.kind == "pattern":
         kind = "path" if isinstance(source.pattern, tuple) else "pattern"
-        return f"by_path {kind} {source.pattern!r}"
+        return f"by_path {kind} {path_text(source.pattern)}"
     if source.kind == "prefix" and source.node is not None:
         return f"prefix layout at {display_path(source.node, root)}"
     return {
@@ -278,8 +278,8 @@ def _assign_prefix(
     skeleton = spec.unflatten(range(spec.num_leaves))
     try:
         lspec.flatten_up_to(skeleton)
-    except (ValueError, TypeError) as exc:
-        problems = _prefix_problems(layout, spec, root) or [str(exc)]
+    except Exception as exc:  # (optree's message reprs the tree: a key's repr may raise there)
+        problems = _prefix_problems(layout, spec, root) or [safe_repr(str(exc), None, text=str)]
         name = "(args, kwargs)" if root is None else root
         raise layout_error(
             f"the layout is not a prefix of the structure of {name}:\n"
@@ -336,9 +336,9 @@ def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[st
                 extra = [k for k in entries if k not in data_entries]
                 parts = []
                 if lacks:
-                    parts.append(f"lacks key(s) {', '.join(map(repr, lacks))}")
+                    parts.append(f"lacks key(s) {', '.join(map(safe_repr, lacks))}")
                 if extra:
-                    parts.append(f"has key(s) {', '.join(map(repr, extra))} the data does not")
+                    parts.append(f"has key(s) {', '.join(map(safe_repr, extra))} the data does not")
                 problems.append(f"{where}: the layout {' and '.join(parts)}")
                 styled = dict(zip(data_entries, child_styles(node)))
                 for key in common:

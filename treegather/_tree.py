@@ -21,6 +21,7 @@ import torch.utils._pytree as _torch_pytree
 from optree import PyTreeKind, PyTreeSpec
 
 from ._caches import clear_tree_caches
+from ._errors import safe_repr
 
 __all__ = [
     "NAMESPACE",
@@ -190,7 +191,8 @@ class _Context:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        self._key = repr(value)
+        # (process-independent, and the same for equal contexts whose repr fails)
+        self._key = safe_repr(value, None, stable=True)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Context) and bool(self.value == other.value)
@@ -462,17 +464,15 @@ def format_path(root: str, path: Sequence[tuple[Any, str]]) -> str:
         elif style == "index":
             parts.append(f"[{entry}]")
         else:
-            parts.append(f"[{entry!r}]")
+            parts.append(f"[{safe_repr(entry)}]")
     return "".join(parts)
 
 
 def describe(value: Any) -> str:
-    """A short description of a leaf for error messages: shape/dtype/device or type."""
+    """A short description of a leaf for error messages: shape/dtype/device or type, and a
+    ``repr`` cut to 60 characters that never raises (:func:`treegather._errors.safe_repr`)."""
     if isinstance(value, torch.Tensor):
         if value.is_nested:  # a nested tensor has no single shape
             return f"nested Tensor(dtype={value.dtype}, device={value.device})"
         return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{type(value).__qualname__} {text}"
+    return f"{type(value).__qualname__} {safe_repr(value, 60)}"

@@ -20,7 +20,7 @@ from optree import PyTreeSpec
 
 from treegather import _layout, _tree
 from treegather._dist_layout import layout_text
-from treegather._errors import BatchSizeError, LeafTypeError, TreegatherError
+from treegather._errors import BatchSizeError, LeafTypeError, TreegatherError, safe_repr
 
 ALIGN = 16  # every region starts 16-byte aligned, so any dtype can be viewed in place
 ROOT = "outputs"  # how error messages name the tree (as treegather.gather does)
@@ -160,7 +160,10 @@ def encode(
 
 def _encode(tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool, order: bool) -> Packed:
     if sizes is not None and (isinstance(sizes, bool) or not isinstance(sizes, int) or sizes < 0):
-        message = f"sizes must be this rank's non-negative int (e.g. its batch size), got {sizes!r}"
+        message = (
+            "sizes must be this rank's non-negative int (e.g. its batch size), got "
+            f"{safe_repr(sizes)}"
+        )
         return Packed(None, error_header(BatchSizeError, message))
     # The plain full flatten, never a cached structure's flatten_up_to on a tree that may not
     # match it: on a mismatch, optree formats the whole tree (every repr) into its error.
