@@ -1163,6 +1163,23 @@ def test_error_texts_survive_a_key_whose_repr_raises(world_of_one: None) -> None
     assert out[key].tolist() == [1.0, 1.0] and out["s"] == ["x"]
 
 
+def test_a_tree_that_contains_itself_is_a_typed_error(world_of_one: None) -> None:
+    """Every collective: a :class:`TreeDepthError` naming where the cycle closes (sent to every
+    rank), not "could not prepare this rank's tree: RecursionError"."""
+    import treegather.distributed as tgd
+
+    cyclic: dict[str, Any] = {"x": torch.zeros(2)}
+    cyclic["self"] = cyclic
+    for call in (
+        lambda: tgd.all_gather(cyclic),
+        lambda: tgd.gather(cyclic, dst=0),
+        lambda: tgd.broadcast(cyclic, src=0),
+    ):
+        with pytest.raises(tg.TreeDepthError, match=r"outputs\['self'\] is outputs itself"):
+            call()
+    assert tgd.all_gather({"x": torch.ones(1)})["x"].tolist() == [1.0]  # the group is in step
+
+
 def test_kept_receive_buffer(world_of_one: None) -> None:
     """A large wire-plan payload is received into a buffer the group keeps for its next call;
     results never alias it, other layouts never use it, clear_caches() releases it."""

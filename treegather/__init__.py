@@ -24,6 +24,7 @@ from ._errors import (
     LeafTypeError,
     ShapeMismatchError,
     StructureMismatchError,
+    TreeDepthError,
     TreegatherError,
 )
 from ._explain import explain
@@ -95,6 +96,7 @@ __all__ = [
     "ShapeMismatchError",
     "DeviceError",
     "ArgumentTypeError",
+    "TreeDepthError",
     # replicate, apply and the data-parallel entry points (issue 3)
     "replicate",
     "parallel_apply",

@@ -25,6 +25,7 @@ from treegather._errors import (
     LeafTypeError,
     ShapeMismatchError,
     StructureMismatchError,
+    TreeDepthError,
     TreegatherError,
 )
 
@@ -47,6 +48,7 @@ ERROR_CLASSES: dict[str, type[TreegatherError]] = {
         LeafTypeError,
         ShapeMismatchError,
         StructureMismatchError,
+        TreeDepthError,
         TreegatherError,
     )
 }

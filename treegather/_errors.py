@@ -23,6 +23,7 @@ __all__ = [
     "ShapeMismatchError",
     "DeviceError",
     "ArgumentTypeError",
+    "TreeDepthError",
     "check_dim",
 ]
 
@@ -61,6 +62,12 @@ class ArgumentTypeError(TreegatherError, TypeError):
     given as ``True``, ``1.0`` or ``None`` (a device is an int, a string or a ``torch.device``)."""
 
 
+class TreeDepthError(TreegatherError, ValueError):
+    """A tree that cannot be flattened: it contains itself (a cycle, ``d["self"] = d``) or is
+    nested deeper than optree's limit (1000 levels). The message names the path where the cycle
+    closes, or where the limit is passed."""
+
+
 for _cls in (
     TreegatherError,
     LayoutError,
@@ -70,6 +77,7 @@ for _cls in (
     ShapeMismatchError,
     DeviceError,
     ArgumentTypeError,
+    TreeDepthError,
 ):
     _cls.__module__ = "treegather"
 del _cls

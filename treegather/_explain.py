@@ -91,7 +91,7 @@ def explain(
         raise TypeError(f"explain(dim={safe_repr(dim)}): dim is an int")
     devs = None if devices is None else as_devices(devices)
     root = _ROOTS[way]
-    leaves, spec = flatten(tree)
+    leaves, spec = flatten(tree, root)
     try:
         plan, sources = _resolve_sources(spec, layout, way, dim, root)
     except LayoutError as exc:  # the pointer to explain would point here

@@ -127,7 +127,7 @@ def gather_reference(
     sizes: tuple[int, ...] | None,
 ) -> Any:
     """The definition of :func:`gather` (arguments already checked). No cache."""
-    leaves0, spec0 = flatten(outputs[0])
+    leaves0, spec0 = flatten(outputs[0], ROOT)
     plan = resolve(spec0, layout, "gather", dim, ROOT)
     return gather_from(outputs, leaves0, plan, target, dim, sizes)
 
@@ -150,8 +150,8 @@ def replica_leaves(outputs: list[Any], leaves0: list[Any], plan: Plan) -> list[l
     any replica's structure differs from replica 0's (dict keys may come in another order)."""
     if plan.up_spec is plan.spec:
         per_replica = [leaves0]
-        for out in outputs[1:]:
-            leaves, spec = flatten(out)
+        for r, out in enumerate(outputs[1:], start=1):
+            leaves, spec = flatten(out, ROOT, f"replica {r}: ")
             if spec != plan.spec:
                 raise structure_error(outputs, plan)
             per_replica.append(leaves)

@@ -302,7 +302,10 @@ def _assign_prefix(
 
 
 def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[str]:
-    """Where a prefix-tree layout departs from the data's structure, as the user would read it."""
+    """Where a prefix-tree layout departs from the data's structure, as the user would read it.
+
+    Iterative (a stack of pending nodes, in pre-order): a layout as deep as the data is fine.
+    """
     problems: list[str] = []
 
     def is_rule(x: Any) -> bool:
@@ -311,24 +314,27 @@ def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[st
     def name(t: Any) -> str:
         return "None" if t is type(None) else f"a {t.__qualname__}"
 
-    def walk(
-        lay: Any, node: PyTreeSpec, path: tuple[tuple[Any, str], ...], raw: tuple[Any, ...]
-    ) -> None:
-        if len(problems) >= 20 or is_rule(lay):
-            return
+    Pending = tuple[Any, PyTreeSpec, tuple[tuple[Any, str], ...], tuple[Any, ...]]
+    stack: list[Pending] = [(layout, spec, (), ())]
+    while stack and len(problems) < 20:
+        lay, node, path, raw = stack.pop()
+        if is_rule(lay):
+            continue
         where = display_path(Node(path, raw, 0, 0, node), root)
         if node.is_leaf():
             problems.append(f"{where}: the layout has {name(type(lay))} where the data has a leaf")
-            return
+            continue
         if type(lay) is not node.type:
             problems.append(
                 f"{where}: the layout has {name(type(lay))} where the data has {name(node.type)}"
             )
-            return
+            continue
         children, _, entries, _ = optree.tree_flatten_one_level(
             cast(Any, lay), none_is_leaf=True, namespace=NAMESPACE
         )
         data_entries = list(node.entries())
+        styled = dict(zip(data_entries, child_styles(node)))
+        below: list[Pending] = []
         if list(entries) != data_entries:
             if isinstance(lay, Mapping):
                 common = [k for k in entries if k in data_entries]
@@ -340,23 +346,24 @@ def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[st
                 if extra:
                     parts.append(f"has key(s) {', '.join(map(safe_repr, extra))} the data does not")
                 problems.append(f"{where}: the layout {' and '.join(parts)}")
-                styled = dict(zip(data_entries, child_styles(node)))
-                for key in common:
-                    walk(
+                below = [
+                    (
                         lay[key],
                         node.children()[data_entries.index(key)],
                         (*path, styled[key]),
                         (*raw, key),
                     )
+                    for key in common
+                ]
             else:
                 problems.append(
                     f"{where}: the layout has {len(entries)} item(s) where the data has "
                     f"{len(data_entries)}"
                 )
-            return
-        styled = dict(zip(data_entries, child_styles(node)))
-        for entry, child_lay, child in zip(entries, children, node.children()):
-            walk(child_lay, child, (*path, styled[entry]), (*raw, entry))
-
-    walk(layout, spec, (), ())
+        else:
+            below = [
+                (child_lay, child, (*path, styled[entry]), (*raw, entry))
+                for entry, child_lay, child in zip(entries, children, node.children())
+            ]
+        stack.extend(reversed(below))
     return problems

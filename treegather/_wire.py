@@ -153,6 +153,8 @@ def encode(
     """
     try:
         return _encode(tree, sizes, layout, dim, with_spec, order)
+    except TreegatherError as exc:  # (a tree that contains itself): the same error everywhere
+        return Packed(None, error_header(type(exc), str(exc)))
     except Exception as exc:  # a node's flatten function failed, say: still tell the others
         message = f"could not prepare this rank's tree: {type(exc).__name__}: {exc}"
         return Packed(None, error_header(TreegatherError, message))
@@ -167,7 +169,7 @@ def _encode(tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool, order
         return Packed(None, error_header(BatchSizeError, message))
     # The plain full flatten, never a cached structure's flatten_up_to on a tree that may not
     # match it: on a mismatch, optree formats the whole tree (every repr) into its error.
-    leaves, spec = _tree.flatten(tree)
+    leaves, spec = _tree.flatten(tree, ROOT)
     up_spec, groups = spec, None
     if layout is not None:
         try:

@@ -231,7 +231,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         return None
     sizes_given = sizes is not None
     try:
-        leaves, structure, spec = _structure.recognise(tree)
+        leaves, structure, spec = _structure.recognise(tree, "outputs")
         text = layout_text(layout, dim)[0]
         key = None if structure is None else (structure, text, sizes_given)
         last = None if key is None else _LAST.get(key)

@@ -82,7 +82,7 @@ def scatter(
     """:func:`treegather.scatter` for a structure seen before; the reference steps otherwise."""
     if _LOCAL.off:
         return _s.scatter_reference(inputs, devs, layout, dim, root)
-    leaves, st, spec = recognise(inputs)
+    leaves, st, spec = recognise(inputs, root)
     if st is None:
         plan = resolve(spec, layout, "scatter", dim, root)
     else:
@@ -171,7 +171,7 @@ def gather(
         return _gather_seen(found[0], outputs, found[1], found[2], target, layout, dim, sizes)
     # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
     # mismatch), or a structure not seen before: the reference steps.
-    leaves0, seen, spec0 = recognise(outputs[0])
+    leaves0, seen, spec0 = recognise(outputs[0], _g.ROOT)
     if seen is None:
         plan = resolve(spec0, layout, _GATHER, dim, _g.ROOT)
     else:
@@ -194,7 +194,7 @@ def _gather_seen(
 
     The result is rebuilt with ``st.spec``'s containers when ``st`` is exact, else with replica
     0's own structure (its dict keys and static fields), as the reference does."""
-    spec0 = st.spec if st.exact else _flatten(outputs[0])[1]
+    spec0 = st.spec if st.exact else _flatten(outputs[0], _g.ROOT)[1]
     found = st.cached_plan(layout, _GATHER, dim, _g.ROOT, spec0)
     if found is None:
         found = st.plan(layout, _GATHER, dim, _g.ROOT, list(map(_FIRST, columns)), spec0)

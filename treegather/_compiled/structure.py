@@ -326,11 +326,15 @@ def find_columns(outputs: list[Any]) -> tuple[Structure, list[tuple[Any, ...]], 
     return None
 
 
-def recognise(tree: Any) -> tuple[list[Any], Structure | None, PyTreeSpec]:
+def recognise(
+    tree: Any, root: str | None = "tree"
+) -> tuple[list[Any], Structure | None, PyTreeSpec]:
     """The leaves of ``tree``, its :class:`Structure` when seen before, and its spec: the
     structure's own, or for a structure that is not :attr:`Structure.exact` the tree's.
 
     A hit costs the structure's reader (and a flatten when not exact); a miss one full flatten.
+    ``root`` names the tree in a :class:`~treegather.TreeDepthError` (see
+    :func:`treegather._tree.flatten`).
     """
     found = find(tree)
     if found is not None:
@@ -338,13 +342,13 @@ def recognise(tree: Any) -> tuple[list[Any], Structure | None, PyTreeSpec]:
         if st.leaves_ok(leaves):
             st.seen()
             if not st.exact:  # results are rebuilt from this tree's own structure
-                leaves, spec = _tree.flatten(tree)
+                leaves, spec = _tree.flatten(tree, root)
                 return leaves, st, spec
             return leaves, st, st.spec
         # The containers match but a leaf is a subtree: never learned.
-        leaves, spec = _tree.flatten(tree)
+        leaves, spec = _tree.flatten(tree, root)
         return leaves, None, spec
-    leaves, spec = _tree.flatten(tree)
+    leaves, spec = _tree.flatten(tree, root)
     return leaves, _learn(tree, spec, leaves, _tree.registry_version()), spec
 
 
