@@ -105,19 +105,20 @@ def _rotation(
     """(cold s, rotation s per call, median of per-round rotation/cold) for ``call`` on ``n``
     structures made from ``base`` taken in turn.
 
-    The rotation is warmed up by six full turns (the structures kept are compiled on their third
-    hit); each of at most five rounds then times ``min(n, 32)`` calls continuing it, and
-    ``reps`` calls each on a structure never seen (in the same state: the rotation's structures
-    cached), as a cold call in a long-running process is.
+    The rotation is warmed up by full turns: six up to 32 structures (the structures kept are
+    compiled on their third hit), two above (where most calls are not served by the cache
+    whatever it compiled); each of at most three rounds then times ``min(n, 16)`` calls
+    continuing it, and ``reps`` calls each on a structure never seen (in the same state: the
+    rotation's structures cached), as a cold call in a long-running process is.
     """
     items = [_renamed(base, f"r{j}_") for j in range(n)]
-    for _ in range(6):
+    for _ in range(6 if n <= 32 else 2):
         for item in items:
             call(item)
     turn, cold, ratios = [], [], []
     i = fresh = 0
-    m = min(n, 32)
-    for _ in range(min(rounds, 5)):
+    m = min(n, 16)
+    for _ in range(min(rounds, 3)):
         batch = [items[(i + j) % n] for j in range(m)]
         i += m
         news = [_renamed(base, f"new{fresh + j}_") for j in range(reps)]
