@@ -1246,6 +1246,65 @@ def test_wire_plans_are_type_aware_and_cleared(world_of_one: None) -> None:
     assert _wireplan.plan_count() == 0
 
 
+def test_results_are_built_from_the_calls_own_objects(world_of_one: None) -> None:
+    """A static field holding a list comes back as this call's own list on every call, as the
+    full exchange rebuilds it: not, once a wire plan is cached, the list of the call that made
+    the plan (which one result's edit would change for every later call)."""
+    import treegather.distributed as tgd
+
+    tg.clear_caches()
+    for layout in (None, tg.by_path({"m.x": "cat"})):
+        for _ in range(5):
+            names = ["a"]
+            out = tgd.all_gather({"m": Flagged(torch.ones(2), names)}, layout)
+            assert out["m"].flag is names
+            out["m"].flag.append("edited")
+
+
+class _KeyReprRaises:
+    def __repr__(self) -> str:
+        raise RuntimeError("key repr not available")
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _KeyReprRaises)
+
+
+def test_error_texts_survive_a_key_whose_repr_raises(world_of_one: None) -> None:
+    """The rank's own error names the leaf (``outputs[<_KeyReprRaises object at 0x...>]``), not
+    "could not prepare this rank's tree: RuntimeError: key repr not available"."""
+    import treegather.distributed as tgd
+
+    key = _KeyReprRaises()
+    shown = f"outputs[<_KeyReprRaises object at {id(key):#x}>]"
+    with pytest.raises(tg.LeafTypeError, match=r"cannot send sparse") as info:
+        tgd.all_gather({key: torch.zeros(2).to_sparse()})
+    assert shown in str(info.value)
+    with pytest.raises(tg.BatchSizeError, match=r"got <_KeyReprRaises object at 0x"):
+        tgd.all_gather({"a": torch.zeros(2)}, sizes=key)
+    out = tgd.all_gather({key: torch.ones(2), "s": "x"})
+    assert out[key].tolist() == [1.0, 1.0] and out["s"] == ["x"]
+
+
+def test_a_tree_that_contains_itself_is_a_typed_error(world_of_one: None) -> None:
+    """Every collective: a :class:`TreeDepthError` naming where the cycle closes (sent to every
+    rank), not "could not prepare this rank's tree: RecursionError"."""
+    import treegather.distributed as tgd
+
+    cyclic: dict[str, Any] = {"x": torch.zeros(2)}
+    cyclic["self"] = cyclic
+    for call in (
+        lambda: tgd.all_gather(cyclic),
+        lambda: tgd.gather(cyclic, dst=0),
+        lambda: tgd.broadcast(cyclic, src=0),
+    ):
+        with pytest.raises(tg.TreeDepthError, match=r"outputs\['self'\] is outputs itself"):
+            call()
+    assert tgd.all_gather({"x": torch.ones(1)})["x"].tolist() == [1.0]  # the group is in step
+
+
 def test_kept_receive_buffer(world_of_one: None) -> None:
     """A large wire-plan payload is received into a buffer the group keeps for its next call;
     results never alias it, other layouts never use it, clear_caches() releases it."""

@@ -624,3 +624,128 @@ def test_bad_dims_are_typed_errors(dim: Any) -> None:
         tg.scatter(torch.zeros(2, 2), CPU2, dim=dim)
     with pytest.raises(tg.ArgumentTypeError, match="dim"):
         tg.gather([torch.zeros(2, 2)] * 2, "cpu", dim=dim)
+
+
+# ------------------------------------------------ values whose repr raises or is huge
+
+
+class ReprRaises:
+    """A leaf or static field whose repr fails (a lazy proxy, a closed handle)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr not available")
+
+
+class KeyReprRaises:
+    """A dict key whose repr fails (and so does its str)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("key repr not available")
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeyReprRaises)
+
+
+class HugeRepr:
+    """A value whose repr is 10 million characters long."""
+
+    def __repr__(self) -> str:
+        return "H" * 10_000_000
+
+
+@tg.register_dataclass(static=["meta"])
+@dataclasses.dataclass
+class WithMeta:
+    x: Any
+    meta: Any
+
+
+KEY = KeyReprRaises()
+SHOWN_KEY = f"<KeyReprRaises object at {id(KEY):#x}>"
+ODD_CASES: dict[str, tuple[Any, type[Exception], str]] = {
+    "scatter: batch sizes differ under the key": (
+        lambda: tg.scatter({KEY: torch.zeros(4), "b": torch.zeros(3)}, CPU2),
+        tg.BatchSizeError,
+        f"4 at inputs[{SHOWN_KEY}]",
+    ),
+    "scatter: split() on the leaf": (
+        lambda: tg.scatter({"o": ReprRaises(), "b": torch.zeros(4)}, CPU2, tg.by_path({"o": 0})),
+        tg.LeafTypeError,
+        "inputs['o']: split() needs a tensor, got ReprRaises <ReprRaises object at 0x",
+    ),
+    "scatter: a prefix layout lacks the key": (
+        lambda: tg.scatter({KEY: torch.zeros(4), "a": torch.zeros(4)}, CPU2, {"a": 0}),
+        tg.LayoutError,
+        f"inputs: the layout lacks key(s) {SHOWN_KEY}",
+    ),
+    "scatter: the layout value": (
+        lambda: tg.scatter({"a": torch.zeros(4)}, CPU2, {"a": ReprRaises()}),
+        tg.LayoutError,
+        "layout at inputs['a']: <ReprRaises object at 0x",
+    ),
+    "gather: a replica lacks the key": (
+        lambda: tg.gather(
+            [{KEY: torch.zeros(2), "a": torch.zeros(2)}, {"a": torch.zeros(2)}], "cpu"
+        ),
+        tg.StructureMismatchError,
+        f"outputs: replica 1 lacks key(s) {SHOWN_KEY}",
+    ),
+    "gather: static fields differ": (
+        lambda: tg.gather(
+            [WithMeta(torch.zeros(2), ReprRaises())] * 1 + [WithMeta(torch.zeros(2), ReprRaises())],
+            "cpu",
+        ),
+        tg.StructureMismatchError,
+        "outputs: replica 1's static fields/metadata (<ReprRaises object at 0x",
+    ),
+    "gather: shapes differ under the key": (
+        lambda: tg.gather([{KEY: torch.zeros(2, 3)}, {KEY: torch.zeros(2, 4)}], "cpu"),
+        tg.ShapeMismatchError,
+        f"outputs[{SHOWN_KEY}]: cat(dim=0) needs equal sizes",
+    ),
+    "gather: sizes": (
+        lambda: tg.gather([torch.zeros(1)], "cpu", sizes=[ReprRaises()]),
+        tg.ArgumentTypeError,
+        "sizes[0] must be an int (the rows replica 0 got), got ReprRaises <ReprRaises object at",
+    ),
+    "scatter: a device": (
+        lambda: tg.scatter(torch.zeros(4), [ReprRaises()]),
+        tg.ArgumentTypeError,
+        "not a device: <ReprRaises object at 0x",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ODD_CASES))
+def test_a_value_whose_repr_raises_leaves_the_error_typed(name: str) -> None:
+    """A leaf, dict key, static field or argument whose repr raises is written
+    ``<Foo object at 0x...>`` in the message: the error is the one about the user's problem,
+    naming the path. Before, the repr's own RuntimeError replaced it."""
+    call, error, fragment = ODD_CASES[name]
+    for _ in range(2):  # cold, and with the structure seen before
+        with pytest.raises(error) as info:
+            call()
+        assert fragment in str(info.value)
+
+
+def test_explain_works_on_a_valid_tree_whose_reprs_raise_or_are_huge() -> None:
+    tree = {KEY: torch.zeros(4), "o": ReprRaises(), "h": HugeRepr()}
+    for layout in (None, tg.by_path({"*": "broadcast"}), {KEY: 0, "o": None, "h": None}):
+        text = str(tg.explain(tree, layout, devices=CPU2))
+        assert f"inputs[{SHOWN_KEY}]" in text and "<ReprRaises object at 0x" in text
+        assert len(text) < 2000
+    gathered = str(tg.explain(tree, way="gather"))
+    assert f"outputs[{SHOWN_KEY}]" in gathered
+
+
+def test_a_huge_repr_is_cut_in_messages() -> None:
+    """A 10-million-character static field makes a message of a few hundred characters."""
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather(
+            [WithMeta(torch.zeros(2), HugeRepr()), WithMeta(torch.zeros(2), HugeRepr())], "cpu"
+        )
+    assert "static fields/metadata (HHHH" in str(info.value)
+    assert len(str(info.value)) < 1000

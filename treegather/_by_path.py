@@ -15,11 +15,23 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from ._caches import typed_key
-from ._errors import ArgumentTypeError, LayoutError, bullet_list, layout_error
+from ._errors import ArgumentTypeError, LayoutError, bullet_list, layout_error, safe_repr
 from ._rules import Rule, to_rule
 from ._tree import INPUT_AND_KWARGS, Node, display_path, is_call_root
 
-__all__ = ["ByPath", "by_path", "Patterns", "RuleSource", "assign_by_path", "writable_path"]
+__all__ = [
+    "PATTERN_LIMIT",
+    "ByPath",
+    "by_path",
+    "Patterns",
+    "RuleSource",
+    "assign_by_path",
+    "path_text",
+    "writable_path",
+]
+
+PATTERN_LIMIT = 200
+"""The most characters of one pattern or path a message shows (a tuple path holds keys)."""
 
 
 _SPECIALS = "*?["
@@ -45,7 +57,9 @@ class ByPath:
         self, patterns: Patterns, default: Any = None, optional: Iterable[Pattern] = ()
     ) -> None:
         if not isinstance(patterns, Mapping):
-            raise TypeError(f"by_path expects a mapping of patterns to rules, got {patterns!r}")
+            raise TypeError(
+                f"by_path expects a mapping of patterns to rules, got {safe_repr(patterns)}"
+            )
         items = []
         for pattern, rule in patterns.items():
             segments: tuple[Any, ...]
@@ -62,9 +76,10 @@ class ByPath:
                     raise LayoutError("by_path path () is empty: an exact path names a key")
                 segments = pattern
             else:
+                shown = safe_repr(pattern)
                 raise LayoutError(
-                    f"by_path pattern {pattern!r} is not a string (a dotted pattern) or a tuple "
-                    f"(an exact path such as {(pattern,)!r})"
+                    f"by_path pattern {shown} is not a string (a dotted pattern) or a tuple "
+                    f"(an exact path such as ({shown},))"
                 )
             items.append((pattern, segments, rule))
         self.patterns: tuple[tuple[str | tuple[Any, ...], tuple[Any, ...], Any], ...] = tuple(items)
@@ -89,16 +104,16 @@ class ByPath:
         object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{p!r}: {r!r}" for p, _, r in self.patterns)
-        optional = f", optional={self.optional!r}" if self.optional else ""
-        return f"by_path({{{inner}}}, default={self.default!r}{optional})"
+        inner = ", ".join(f"{path_text(p)}: {safe_repr(r, None)}" for p, _, r in self.patterns)
+        optional = f", optional={safe_repr(self.optional, None)}" if self.optional else ""
+        return f"by_path({{{inner}}}, default={safe_repr(self.default, None)}{optional})"
 
 
 def _optional_flags(patterns: list[Pattern], optional: Iterable[Pattern]) -> tuple[bool, ...]:
     """Per pattern, whether ``optional`` names it (type-aware: ``(1,)`` is not ``(True,)``)."""
     if isinstance(optional, (str, bytes)) or not isinstance(optional, Iterable):
         raise ArgumentTypeError(
-            f"by_path(optional={optional!r}): optional is a collection of the layout's patterns, "
+            f"by_path(optional={safe_repr(optional)}): optional is a collection of the layout's patterns, "
             f"such as optional=('loss',)"
         )
     keys = [typed_key(p) for p in patterns]
@@ -112,9 +127,9 @@ def _optional_flags(patterns: list[Pattern], optional: Iterable[Pattern]) -> tup
             unknown.append(entry)
     if unknown:
         raise LayoutError(
-            f"by_path optional names {', '.join(map(repr, unknown))}, which "
+            f"by_path optional names {', '.join(map(path_text, unknown))}, which "
             f"{'is' if len(unknown) == 1 else 'are'} not among the layout's patterns "
-            f"({', '.join(map(repr, patterns)) or 'none'}); optional lists patterns exactly as "
+            f"({', '.join(map(path_text, patterns)) or 'none'}); optional lists patterns exactly as "
             "written in the mapping (a dotted string, or an exact path as a tuple)"
         )
     return tuple(flags)
@@ -205,7 +220,8 @@ def _levels(all_nodes: list[Node], root: str | None) -> list[tuple[Node, tuple[_
         if not nd.raw:
             continue
         (entry, style), raw = nd.path[-1], nd.raw[-1]
-        names: tuple[str, ...] = (str(entry),) if str(entry) == str(raw) else (str(entry), str(raw))
+        name, raw_name = _name(entry), _name(raw)
+        names: tuple[str, ...] = (name,) if name == raw_name else (name, raw_name)
         keys = (entry,) if type(entry) is type(raw) and entry == raw else (entry, raw)
         index = style == "index" and isinstance(entry, int) and not isinstance(entry, bool)
         own[nd.raw] = (names, keys, index)
@@ -299,9 +315,24 @@ def writable_path(node: Node, root: str | None) -> str:
     ["('a.b',)", 'c', 'c.0']
     """
     steps = node.path[1:] if is_call_root(root) else node.path
-    if all(_spellable(str(entry)) for entry, _ in steps):
-        return ".".join(str(entry) for entry, _ in steps)
-    return repr(tuple(entry for entry, _ in steps))
+    names = [_name(entry) for entry, _ in steps]
+    if all(map(_spellable, names)):
+        return ".".join(names)
+    return path_text(tuple(entry for entry, _ in steps))
+
+
+def _name(entry: Any) -> str:
+    """How a dotted pattern spells one step: the entry's ``str`` (never raising)."""
+    return entry if type(entry) is str else safe_repr(entry, None, text=str)
+
+
+def path_text(pattern: Any) -> str:
+    """A pattern or exact path as a message shows it: its repr, each key's never raising and
+    each cut to :data:`PATTERN_LIMIT` characters."""
+    if not isinstance(pattern, tuple):
+        return safe_repr(pattern, PATTERN_LIMIT)
+    items = [safe_repr(p, PATTERN_LIMIT) for p in pattern]
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 def _score(
@@ -316,7 +347,7 @@ def _close_paths(
     pattern: str | tuple[Any, ...], seg_of: list[tuple[Node, tuple[_Level, ...]]], root: str | None
 ) -> list[str]:
     """Up to three paths close to ``pattern``, each written as by_path would take it."""
-    typed = pattern if isinstance(pattern, str) else ".".join(str(s) for s in pattern)
+    typed = pattern if isinstance(pattern, str) else ".".join(map(_name, pattern))
     spelled: dict[str, list[Node]] = {}
     for nd, levels in seg_of:
         spelled.setdefault(".".join(lv.names[0] for lv in levels), []).append(nd)
@@ -379,15 +410,15 @@ def assign_by_path(
                 continue
             close = _close_paths(pattern, seg_of, root)
             hint = f"; close paths: {', '.join(close)}" if close else ""
-            problems.append(f"by_path {kind} {pattern!r} matches nothing{hint}")
+            problems.append(f"by_path {kind} {path_text(pattern)} matches nothing{hint}")
             continue
         if root == INPUT_AND_KWARGS:
             meanings = _two_meanings(pattern, pat_segs, hit, root)
             if meanings:
                 two_ways += 1
-                problems.append(f"by_path {kind} {pattern!r} could mean {meanings}")
+                problems.append(f"by_path {kind} {path_text(pattern)} could mean {meanings}")
                 continue
-        rule = to_rule(value, phase, dim, f"by_path pattern {pattern!r}")
+        rule = to_rule(value, phase, dim, f"by_path pattern {path_text(pattern)}")
         matches.extend((_score(pattern, pat_segs, c), pattern, nd, rule) for nd, c in hit)
         if optional:
             optional_hit.add(typed_key(pattern))
@@ -427,7 +458,7 @@ def assign_by_path(
     if ties:
         problems = [
             f"{display_path(leaf_nodes[i], root)} is matched equally well by "
-            + " and ".join(repr(p) for p in dict.fromkeys(pats))
+            + " and ".join(path_text(p) for p in dict.fromkeys(pats))
             for i, pats in sorted(ties.items())
         ]
         raise layout_error(bullet_list(problems, "make one pattern more specific"))
@@ -453,9 +484,10 @@ def assign_by_path(
                 other = next(m for m in stray if m is not None) if any(stray) else None
                 where = display_path(node, root)
                 raise layout_error(
-                    f"{rule.describe()} on {where} (pattern {pattern!r}) takes the subtree whole, "
+                    f"{rule.describe()} on {where} (pattern {path_text(pattern)}) takes the "
+                    "subtree whole, "
                     + (
-                        f"but pattern {other[1]!r} sets a rule inside it"
+                        f"but pattern {path_text(other[1])} sets a rule inside it"
                         if other
                         else "but part of it is matched elsewhere"
                     )

@@ -8,7 +8,7 @@ from typing import Union
 import torch
 
 from ._caches import LRU
-from ._errors import ArgumentTypeError, DeviceError
+from ._errors import ArgumentTypeError, DeviceError, safe_repr
 
 __all__ = ["DeviceLike", "as_device", "as_devices", "accelerator_tensors_possible"]
 
@@ -58,7 +58,8 @@ def _normalise(device: object) -> torch.device:
         out = device
     elif isinstance(device, bool) or not isinstance(device, (int, str)):
         raise ArgumentTypeError(
-            f"not a device: {device!r} ({type(device).__name__}; expected an int, a string such "
+            f"not a device: {safe_repr(device)} ({type(device).__name__}; expected an int, a "
+            "string such "
             "as 'cuda:0' or 'cpu', or a torch.device)"
         )
     elif isinstance(device, int):

@@ -27,6 +27,7 @@ from treegather._errors import (
     LeafTypeError,
     ShapeMismatchError,
     StructureMismatchError,
+    TreeDepthError,
     TreegatherError,
 )
 
@@ -52,6 +53,7 @@ ERROR_CLASSES: dict[str, type[TreegatherError]] = {
         LeafTypeError,
         ShapeMismatchError,
         StructureMismatchError,
+        TreeDepthError,
         TreegatherError,
     )
 }

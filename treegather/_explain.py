@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ._devices import DeviceLike, as_devices
-from ._errors import BatchSizeError, LayoutError, LeafTypeError
+from ._errors import BatchSizeError, LayoutError, LeafTypeError, safe_repr
 from ._explain_text import _dtype, _shape_text, _strip, _times, _value_text, _why
 from ._explanation import ExplainedLeaf, Explanation
 from ._layout import EXPLAIN_POINTER, Plan, RuleSource, display_path
@@ -98,16 +98,16 @@ def explain(
     outputs['tag']     str 't'               first()  prefix layout at outputs['tag']     replica 0's value
     """
     if way not in _ROOTS:
-        raise ValueError(f"explain(way={way!r}): way is 'scatter' or 'gather'")
+        raise ValueError(f"explain(way={safe_repr(way)}): way is 'scatter' or 'gather'")
     if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"explain(dim={dim!r}): dim is an int")
+        raise TypeError(f"explain(dim={safe_repr(dim)}): dim is an int")
     devs = None if devices is None else as_devices(devices)
     root: str | None = _ROOTS[way]
     if module_kwargs is not None:
         if way != "scatter":
             raise ValueError("explain(module_kwargs=...) explains a call's scatter: way='scatter'")
         tree, root = call_tree(tree, module_kwargs)
-    leaves, spec = flatten(tree)
+    leaves, spec = flatten(tree, root)
     unmatched: list[Any] = []
     try:
         plan, sources = _resolve_sources(spec, layout, way, dim, root, unmatched)

@@ -23,6 +23,7 @@ from ._errors import (
     ShapeMismatchError,
     StructureMismatchError,
     check_dim,
+    safe_repr,
 )
 from ._layout import Plan, resolve
 from ._mismatch import ROOT, diagnose, structure_error
@@ -100,7 +101,7 @@ def _check_sizes(sizes: Sequence[int], k: int) -> tuple[int, ...]:
         items = None
     if items is None:
         raise ArgumentTypeError(
-            f"gather: sizes must be a sequence of ints (rows per replica), got {sizes!r}"
+            f"gather: sizes must be a sequence of ints (rows per replica), got {safe_repr(sizes)}"
         )
     out: list[int] = []
     for r, s in enumerate(items):
@@ -111,7 +112,7 @@ def _check_sizes(sizes: Sequence[int], k: int) -> tuple[int, ...]:
         except TypeError:
             raise ArgumentTypeError(
                 f"gather: sizes[{r}] must be an int (the rows replica {r} got), "
-                f"got {type(s).__name__} {s!r}"
+                f"got {type(s).__name__} {safe_repr(s)}"
             ) from None
         if n < 0:
             raise ValueError(f"gather: sizes[{r}] must be >= 0 (rows of replica {r}), got {n}")
@@ -129,7 +130,7 @@ def gather_reference(
     sizes: tuple[int, ...] | None,
 ) -> Any:
     """The definition of :func:`gather` (arguments already checked). No cache."""
-    leaves0, spec0 = flatten(outputs[0])
+    leaves0, spec0 = flatten(outputs[0], ROOT)
     plan = resolve(spec0, layout, "gather", dim, ROOT)
     return gather_from(outputs, leaves0, plan, target, dim, sizes)
 
@@ -152,8 +153,8 @@ def replica_leaves(outputs: list[Any], leaves0: list[Any], plan: Plan) -> list[l
     any replica's structure differs from replica 0's (dict keys may come in another order)."""
     if plan.up_spec is plan.spec:
         per_replica = [leaves0]
-        for out in outputs[1:]:
-            leaves, spec = flatten(out)
+        for r, out in enumerate(outputs[1:], start=1):
+            leaves, spec = flatten(out, ROOT, f"replica {r}: ")
             if spec != plan.spec:
                 raise structure_error(outputs, plan)
             per_replica.append(leaves)

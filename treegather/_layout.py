@@ -22,9 +22,9 @@ from typing import Any, cast
 import optree
 from optree import PyTreeSpec
 
-from ._by_path import ByPath, RuleSource, assign_by_path, by_path, writable_path
+from ._by_path import ByPath, RuleSource, assign_by_path, by_path, path_text, writable_path
 from ._caches import typed_key
-from ._errors import EXPLAIN_POINTER, bullet_list, layout_error
+from ._errors import EXPLAIN_POINTER, bullet_list, layout_error, safe_repr
 from ._rules import Rule, to_rule
 from ._tree import INPUT_AND_KWARGS, NAMESPACE, Node, child_styles, display_path, leaf_nodes, nodes
 
@@ -38,6 +38,7 @@ __all__ = [
     "describe_source",
     "display_path",
     "layout_key",
+    "rebase",
     "writable_path",
     "EXPLAIN_POINTER",
     "to_rule",
@@ -140,7 +141,8 @@ def describe_source(source: RuleSource, root: str | None) -> str:
     """
     if source.kind == "pattern":
         kind = "path" if isinstance(source.pattern, tuple) else "pattern"
-        return f"by_path {kind} {source.pattern!r}" + (" (optional)" if source.optional else "")
+        shown = f"by_path {kind} {path_text(source.pattern)}"
+        return shown + (" (optional)" if source.optional else "")
     if source.kind == "prefix" and source.node is not None:
         return f"prefix layout at {display_path(source.node, root)}"
     return {
@@ -195,6 +197,21 @@ def _build(
     if not whole:
         return Plan(spec, spec, leaf_rules, [None] * n, leaf_nodes.__getitem__)
     return _with_groups(spec, all_nodes, leaf_nodes, leaf_rules, whole)
+
+
+def rebase(plan: Plan, spec: PyTreeSpec) -> Plan:
+    """``plan`` for ``spec``: a structure equal to ``plan.spec`` whose dict keys and node metadata
+    are other objects (another call's). The same rules; trees are rebuilt, and messages name
+    paths, from ``spec``. Only for a plan without whole-value groups (``up_spec is spec``).
+
+    >>> import optree
+    >>> old, new = optree.tree_structure({"a": 1}), optree.tree_structure({"a": 2})
+    >>> rebase(resolve(old, None, "gather", 0, "outputs"), new).up_spec is new
+    True
+    """
+    if plan.up_spec is not plan.spec:
+        raise ValueError("rebase: a plan with whole-value groups is resolved again instead")
+    return Plan(spec, spec, plan.rules, plan.groups, _lazy_leaf_nodes(spec))
 
 
 def _lazy_leaf_nodes(spec: PyTreeSpec) -> Callable[[int], Node]:
@@ -282,9 +299,9 @@ def _assign_prefix(
     skeleton = target.unflatten(range(target.num_leaves))
     try:
         lspec.flatten_up_to(skeleton)
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # (optree's message reprs the tree: a key's repr may raise there)
         problems = _prefix_problems(layout, target, "inputs" if single_input else root) or [
-            str(exc)
+            safe_repr(str(exc), None, text=str)
         ]
         name = "(args, kwargs)" if root is None else "inputs" if single_input else root
         hint = (
@@ -313,7 +330,10 @@ def _assign_prefix(
 
 
 def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[str]:
-    """Where a prefix-tree layout departs from the data's structure, as the user would read it."""
+    """Where a prefix-tree layout departs from the data's structure, as the user would read it.
+
+    Iterative (a stack of pending nodes, in pre-order): a layout as deep as the data is fine.
+    """
     problems: list[str] = []
 
     def is_rule(x: Any) -> bool:
@@ -322,24 +342,27 @@ def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[st
     def name(t: Any) -> str:
         return "None" if t is type(None) else f"a {t.__qualname__}"
 
-    def walk(
-        lay: Any, node: PyTreeSpec, path: tuple[tuple[Any, str], ...], raw: tuple[Any, ...]
-    ) -> None:
-        if len(problems) >= 20 or is_rule(lay):
-            return
+    Pending = tuple[Any, PyTreeSpec, tuple[tuple[Any, str], ...], tuple[Any, ...]]
+    stack: list[Pending] = [(layout, spec, (), ())]
+    while stack and len(problems) < 20:
+        lay, node, path, raw = stack.pop()
+        if is_rule(lay):
+            continue
         where = display_path(Node(path, raw, 0, 0, node), root)
         if node.is_leaf():
             problems.append(f"{where}: the layout has {name(type(lay))} where the data has a leaf")
-            return
+            continue
         if type(lay) is not node.type:
             problems.append(
                 f"{where}: the layout has {name(type(lay))} where the data has {name(node.type)}"
             )
-            return
+            continue
         children, _, entries, _ = optree.tree_flatten_one_level(
             cast(Any, lay), none_is_leaf=True, namespace=NAMESPACE
         )
         data_entries = list(node.entries())
+        styled = dict(zip(data_entries, child_styles(node)))
+        below: list[Pending] = []
         if list(entries) != data_entries:
             if isinstance(lay, Mapping):
                 common = [k for k in entries if k in data_entries]
@@ -347,27 +370,28 @@ def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[st
                 extra = [k for k in entries if k not in data_entries]
                 parts = []
                 if lacks:
-                    parts.append(f"lacks key(s) {', '.join(map(repr, lacks))}")
+                    parts.append(f"lacks key(s) {', '.join(map(safe_repr, lacks))}")
                 if extra:
-                    parts.append(f"has key(s) {', '.join(map(repr, extra))} the data does not")
+                    parts.append(f"has key(s) {', '.join(map(safe_repr, extra))} the data does not")
                 problems.append(f"{where}: the layout {' and '.join(parts)}")
-                styled = dict(zip(data_entries, child_styles(node)))
-                for key in common:
-                    walk(
+                below = [
+                    (
                         lay[key],
                         node.children()[data_entries.index(key)],
                         (*path, styled[key]),
                         (*raw, key),
                     )
+                    for key in common
+                ]
             else:
                 problems.append(
                     f"{where}: the layout has {len(entries)} item(s) where the data has "
                     f"{len(data_entries)}"
                 )
-            return
-        styled = dict(zip(data_entries, child_styles(node)))
-        for entry, child_lay, child in zip(entries, children, node.children()):
-            walk(child_lay, child, (*path, styled[entry]), (*raw, entry))
-
-    walk(layout, spec, (), ())
+        else:
+            below = [
+                (child_lay, child, (*path, styled[entry]), (*raw, entry))
+                for entry, child_lay, child in zip(entries, children, node.children())
+            ]
+        stack.extend(reversed(below))
     return problems

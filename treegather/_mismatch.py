@@ -20,6 +20,7 @@ from ._errors import (
     ShapeMismatchError,
     StructureMismatchError,
     bullet_list,
+    safe_repr,
 )
 from ._layout import Plan, display_path
 from ._rules import Cat, CatItems, First, Mean, Pad, Stack, Sum, fill_fits
@@ -87,8 +88,8 @@ def _diff_node(
     if isinstance(a, dict):
         ka, kb = set(a), set(b)
         if ka != kb:
-            missing = sorted(map(repr, ka - kb))
-            extra = sorted(map(repr, kb - ka))
+            missing = sorted(map(safe_repr, ka - kb))
+            extra = sorted(map(safe_repr, kb - ka))
             parts = []
             if missing:
                 parts.append(f"lacks key(s) {', '.join(missing)}")
@@ -99,7 +100,10 @@ def _diff_node(
     if len(ca) != len(cb):
         return f"{here}: replica 0 has {_describe_node(a)}, replica {r} has {_describe_node(b)}"
     if ma != mb:
-        return f"{here}: replica {r}'s static fields/metadata {mb!r} differ from replica 0's {ma!r}"
+        return (
+            f"{here}: replica {r}'s static fields/metadata {safe_repr(mb)} differ from replica "
+            f"0's {safe_repr(ma)}"
+        )
     return [(x, y, (*path, e)) for e, x, y in zip(_styles_for(a, ea), ca, cb)]
 
 
@@ -230,7 +234,7 @@ def diagnose(
             continue
         if isinstance(rule, Pad) and not fill_fits(rule.fill, dtypes[0]):
             problems.append(
-                f"{where}: {rule_name}: fill {rule.fill!r} cannot be stored in {dtypes[0]} "
+                f"{where}: {rule_name}: fill {safe_repr(rule.fill)} cannot be stored in {dtypes[0]} "
                 "(padding would look like data, or be cut); pick a fill the dtype holds"
             )
             type_problem = True

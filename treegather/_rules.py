@@ -20,7 +20,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ._errors import layout_error
+from ._errors import layout_error, safe_repr
 
 __all__ = [
     "Rule",
@@ -65,7 +65,7 @@ class Rule:
     def describe(self) -> str:
         fields = dataclasses.fields(self)  # type: ignore[arg-type]
         args = ", ".join(
-            f"{f.name}={getattr(self, f.name)!r}"
+            f"{f.name}={safe_repr(getattr(self, f.name))}"
             for f in fields
             if getattr(self, f.name) != f.default
         )
@@ -162,7 +162,7 @@ class Custom(GatherRule):
     whole = True
 
     def describe(self) -> str:
-        return f"custom rule {getattr(self.fn, '__qualname__', self.fn)!r}"
+        return f"custom rule {safe_repr(getattr(self.fn, '__qualname__', self.fn))}"
 
 
 class Padded(NamedTuple):
@@ -414,7 +414,7 @@ def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
     if value is None:
         return Broadcast() if phase == "scatter" else First()
     if isinstance(value, bool):
-        raise layout_error(f"{where}: {value!r} is not a rule")
+        raise layout_error(f"{where}: {safe_repr(value)} is not a rule")
     if isinstance(value, int):
         return Split(value) if phase == "scatter" else Cat(value)
     if isinstance(value, str):
@@ -442,4 +442,6 @@ def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
         if phase != "gather":
             raise layout_error(f"{where}: custom callables are gather rules, not scatter rules")
         return Custom(value)
-    raise layout_error(f"{where}: {value!r} is not a rule (expected a rule, int, None or string)")
+    raise layout_error(
+        f"{where}: {safe_repr(value)} is not a rule (expected a rule, int, None or string)"
+    )

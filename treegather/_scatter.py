@@ -190,7 +190,7 @@ def scatter_reference(
     inputs: Any, devs: tuple[torch.device, ...], layout: Any, dim: int, root: str | None
 ) -> Shards:
     """The definition of :func:`scatter`: flatten, resolve, then :func:`place`. No cache."""
-    leaves, spec = flatten(inputs)
+    leaves, spec = flatten(inputs, root)
     return place(inputs, leaves, resolve(spec, layout, "scatter", dim, root), devs, dim, root)
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import keyword
 import sys
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar, overload
 
@@ -23,6 +24,7 @@ import torch.utils._pytree as _torch_pytree
 from optree import PyTreeKind, PyTreeSpec
 
 from ._caches import clear_tree_caches
+from ._errors import TreeDepthError, safe_repr
 
 __all__ = [
     "NAMESPACE",
@@ -65,6 +67,7 @@ def _invalidate() -> None:
     """Every cached structure may depend on which classes are nodes: start cold."""
     global _version
     _version += 1
+    _note_optree_registry()  # (a registration through treegather is accounted for here)
     clear_tree_caches()
 
 
@@ -213,7 +216,8 @@ class _Context:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        self._key = repr(value)
+        # (process-independent, and the same for equal contexts whose repr fails)
+        self._key = safe_repr(value, None, stable=True)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Context) and bool(self.value == other.value)
@@ -299,23 +303,167 @@ def _sync_torch_registry() -> None:
     _invalidate()
 
 
+# -------------------------------------------------------------------- optree's own registry
+
+# A class may also be registered (or unregistered) with optree directly, in treegather's
+# namespace or in optree's global one, which applies to every namespace. optree keeps every
+# registration in one dict, keyed by the class (global) or by (namespace, class): a
+# registration appends an entry, an unregistration removes one, so any change changes its
+# length or its last entry. Both are read per call (the entry is held, so that its identity is
+# never reused); only when they changed are the entries that apply to treegather's namespace
+# compared with those seen last, and a difference makes every cached structure stale.
+_OPTREE_REGISTRY: dict[Any, Any] | None = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
+if not isinstance(_OPTREE_REGISTRY, dict):  # another optree: its registry size, per call
+    _OPTREE_REGISTRY = None
+_optree_size = getattr(getattr(optree, "_C", None), "get_registry_size", None)
+_optree_len = -1
+_optree_last: Any = None
+_optree_ours: dict[Any, Any] = {}
+
+
+def _optree_changed() -> bool:
+    """Whether optree's registry may have changed since :func:`_note_optree_registry` (cheap)."""
+    registry = _OPTREE_REGISTRY
+    if registry is None:
+        return _optree_size is not None and _optree_size(NAMESPACE) != _optree_len
+    if len(registry) != _optree_len:
+        return True
+    try:
+        return next(reversed(registry.values())) is not _optree_last
+    except (StopIteration, RuntimeError):  # empty, or changed while read
+        return True
+
+
+def _note_optree_registry() -> bool:
+    """Record optree's registry as it is now; whether its entries for treegather changed."""
+    global _optree_len, _optree_last, _optree_ours
+    registry = _OPTREE_REGISTRY
+    if registry is None:
+        size = -1 if _optree_size is None else _optree_size(NAMESPACE)
+        changed, _optree_len = size != _optree_len, size
+        return changed
+    items = list(registry.items())  # (one C call: a registration in another thread waits)
+    ours = {k: v for k, v in items if type(k) is not tuple or k[:1] == (NAMESPACE,)}
+    changed = ours.keys() != _optree_ours.keys() or any(
+        v is not _optree_ours[k] for k, v in ours.items()
+    )
+    _optree_len, _optree_last, _optree_ours = len(items), items[-1][1] if items else None, ours
+    return changed
+
+
+def _sync_optree_registry() -> None:
+    """Make cached structures stale when a class was (un)registered with optree directly."""
+    if _note_optree_registry():
+        _invalidate()
+
+
+_note_optree_registry()
+
+
 # ------------------------------------------------------------------------------- flattening
 
 
-def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+def flatten(tree: Any, root: str | None = "tree", where: str = "") -> tuple[list[Any], PyTreeSpec]:
     """Flatten ``tree`` in treegather's namespace (``None`` is an empty node).
 
     The plain definition: one ``optree.tree_flatten``, no cache (the compiled layer,
-    :mod:`treegather._compiled`, recognises structures it has seen before without it).
+    :mod:`treegather._compiled`, recognises structures it has seen before without it). A tree
+    that contains itself, or is deeper than optree flattens, is a :class:`TreeDepthError`
+    naming the path (from ``root``, as :func:`display_path` writes it; ``where`` starts the
+    message, e.g. ``"replica 1: "``), not optree's bare ``RecursionError``.
 
     >>> leaves, spec = flatten({"b": 1, "a": (2, None)})
     >>> leaves, spec.unflatten(leaves)
     ([2, 1], {'b': 1, 'a': (2, None)})
+    >>> d = {"x": 1}; d["self"] = d
+    >>> flatten(d, "inputs")
+    Traceback (most recent call last):
+    ...
+    treegather.TreeDepthError: inputs['self'] is inputs itself: the tree contains itself ...
     """
     if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
         _sync_torch_registry()
-    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    try:
+        leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    except RecursionError:
+        raise depth_error(tree, root, where) from None
     return leaves, spec
+
+
+MAX_DEPTH: int = getattr(getattr(optree, "_C", None), "MAX_RECURSION_DEPTH", 1000)
+"""How deep a tree optree flattens."""
+_WALK_BUDGET = 1_000_000  # nodes depth_error visits at most (a DAG may share subtrees)
+
+
+def depth_error(tree: Any, root: str | None = "tree", where: str = "") -> TreeDepthError:
+    """Why ``tree`` cannot be flattened: the path where it contains itself (a container that
+    is its own ancestor), or the path where it passes :data:`MAX_DEPTH` levels. Iterative."""
+    ancestors: list[int] = []  # ids of the containers from the root down to the current node
+    depth_of: dict[int, int] = {}
+    stack: list[tuple[Any, tuple[tuple[Any, str], ...], tuple[Any, ...]]] = [(tree, (), ())]
+    budget = _WALK_BUDGET
+    while stack and budget:
+        budget -= 1
+        node, path, raw = stack.pop()
+        while len(ancestors) > len(path):
+            depth_of.pop(ancestors.pop(), None)
+        if node is None or optree.tree_is_leaf(node, namespace=NAMESPACE):
+            continue
+        seen = depth_of.get(id(node))
+        if seen is not None:
+            here = _shown_path(root, path, raw)
+            return TreeDepthError(
+                f"{where}{here} is {_shown_path(root, path[:seen], raw[:seen])} itself: the "
+                "tree contains itself (a cycle), so it has no end to flatten\n"
+                "Hint: a container must not hold itself or one of its ancestors; keep such a "
+                "reference out of the tree (e.g. in a static field, or as a plain id)"
+            )
+        if len(path) >= MAX_DEPTH:
+            return TreeDepthError(
+                f"{where}{_shown_path(root, path, raw)}: the tree is nested deeper than "
+                f"{MAX_DEPTH} levels, the most optree flattens\n"
+                "Hint: flatten the nesting (e.g. a list of layers instead of a chain of dicts)"
+            )
+        depth_of[id(node)] = len(ancestors)
+        ancestors.append(id(node))
+        children, _, entries, _ = optree.tree_flatten_one_level(node, namespace=NAMESPACE)
+        steps = zip(_styles_of(node, entries), entries, children)
+        stack.extend(
+            (child, (*path, styled), (*raw, entry))
+            for styled, entry, child in reversed(list(steps))
+        )
+    return TreeDepthError(
+        f"{where}{'(args, kwargs)' if root is None else root}: the tree is too deep to flatten "
+        "(optree raised RecursionError)"
+    )
+
+
+def _styles_of(node: Any, entries: Sequence[Any]) -> list[tuple[Any, str]]:
+    """:func:`child_styles` for a container itself (one level, from its optree entries)."""
+    if type(node) in (dict, OrderedDict, defaultdict):
+        return [(k, "key") for k in entries]
+    if optree.is_namedtuple(node):
+        return [(f, "attr") for f in type(node)._fields]
+    if optree.is_structseq(node):
+        return [(f, "attr") for f in optree.structseq_fields(node)]
+    if type(node) in (list, tuple, deque):
+        return [(i, "index") for i in range(len(entries))]
+    return [
+        (e, "attr")
+        if isinstance(e, str) and e.isidentifier() and not keyword.iskeyword(e)
+        else (e, "index" if isinstance(e, int) else "key")
+        for e in entries
+    ]
+
+
+def _shown_path(root: str | None, path: tuple[tuple[Any, str], ...], raw: tuple[Any, ...]) -> str:
+    """:func:`display_path` for a path of any length: a long one keeps its ends."""
+    node = Node(path, raw, 0, 0, None)  # type: ignore[arg-type]
+    if len(path) <= 24:
+        return display_path(node, root)
+    head = display_path(Node(path[:12], raw[:12], 0, 0, None), root)  # type: ignore[arg-type]
+    tail = format_path("", path[-8:])
+    return f"{head}...{tail} ({len(path)} levels)"
 
 
 def is_leaf(value: Any) -> bool:
@@ -332,10 +480,14 @@ def is_leaf(value: Any) -> bool:
 def registry_version() -> int:
     """A number that changes whenever treegather's idea of which classes are nodes changes.
 
-    Cached structures record it; a registration (here or with torch's pytree) makes them stale.
+    Cached structures record it; a registration (here, with torch's pytree, or with optree
+    directly in treegather's namespace or the global one) makes them stale. Per call: two
+    length checks and one identity check.
     """
     if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
         _sync_torch_registry()
+    if _optree_changed():
+        _sync_optree_registry()
     return _version
 
 
@@ -462,20 +614,18 @@ def format_path(root: str, path: Sequence[tuple[Any, str]]) -> str:
         elif style == "index":
             parts.append(f"[{entry}]")
         else:
-            parts.append(f"[{entry!r}]")
+            parts.append(f"[{safe_repr(entry)}]")
     return "".join(parts)
 
 
 def describe(value: Any) -> str:
-    """A short description of a leaf for error messages: shape/dtype/device or type."""
+    """A short description of a leaf for error messages: shape/dtype/device or type, and a
+    ``repr`` cut to 60 characters that never raises (:func:`treegather._errors.safe_repr`)."""
     if isinstance(value, torch.Tensor):
         if value.is_nested:  # a nested tensor has no single shape
             return f"nested Tensor(dtype={value.dtype}, device={value.device})"
         return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{type(value).__qualname__} {text}"
+    return f"{type(value).__qualname__} {safe_repr(value, 60)}"
 
 
 _sync_transformers()  # transformers imported before treegather: its caches are nodes from now on
