@@ -23,6 +23,7 @@ from ._errors import (
     LayoutError,
     LeafTypeError,
     ShapeMismatchError,
+    StateError,
     StructureMismatchError,
     TreegatherError,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "ShapeMismatchError",
     "DeviceError",
     "ArgumentTypeError",
+    "StateError",
     # replicate, apply and the data-parallel entry points (issue 3)
     "replicate",
     "parallel_apply",

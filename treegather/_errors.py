@@ -19,6 +19,7 @@ __all__ = [
     "ShapeMismatchError",
     "DeviceError",
     "ArgumentTypeError",
+    "StateError",
     "check_dim",
 ]
 
@@ -57,7 +58,13 @@ class ArgumentTypeError(TreegatherError, TypeError):
     given as ``True``, ``1.0`` or ``None`` (a device is an int, a string or a ``torch.device``)."""
 
 
+class StateError(TreegatherError, RuntimeError):
+    """An object is used out of order: a :class:`treegather.distributed.Collector` added to
+    or exchanged again after its exchange, without ``reset()``."""
+
+
 for _cls in (
+    StateError,
     TreegatherError,
     LayoutError,
     StructureMismatchError,

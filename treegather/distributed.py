@@ -57,6 +57,7 @@ Security:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,10 +73,11 @@ from treegather import (
     _wireplan,
 )
 from treegather import _dist_preamble as _pre
+from treegather._collector import Collector
 from treegather._dist_group import Group
 from treegather._errors import TreegatherError
 
-__all__ = ["all_gather", "gather", "broadcast"]
+__all__ = ["Collector", "all_gather", "gather", "broadcast"]
 
 _FAST_PATH = True  # tests turn it off to run every case through the full exchange
 
@@ -247,15 +249,29 @@ def gather(
         {'logits': tensor([[1., 1.], [1., 1.], [1., 1.]]), 'ids': ['a', 'b', 'c']}
         >>> dist.destroy_process_group()
     """
+    return _gather(tree, dst, layout, group, dim, sizes)
+
+
+def _gather(
+    tree: Any,
+    dst: int,
+    layout: Any,
+    group: Any,
+    dim: int,
+    sizes: int | None,
+    finish: Callable[[Any], Any] | None = None,
+) -> Any:
+    """:func:`gather`; ``dst`` applies ``finish`` to the result, within the outcome it sends
+    (an error there raises on every rank)."""
     g = _dist_group.group(group)
     root = _dist_group.root_rank(g, dst, "dst")
     if not _FAST_PATH:
-        return _full_gather(g, dst, root, tree, layout, dim, sizes)
+        return _full_gather(g, dst, root, tree, layout, dim, sizes, finish=finish)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
-        return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False)
+        return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False, finish=finish)
     if opening.inline:
         device, payloads = g.device, opening.payloads
     else:
@@ -265,8 +281,14 @@ def gather(
         g,
         dst,
         root,
-        lambda: _dist_combine.fast(g.ranks, fast, payloads, nbytes, device, layout, dim),
+        _then(
+            finish, lambda: _dist_combine.fast(g.ranks, fast, payloads, nbytes, device, layout, dim)
+        ),
     )
+
+
+def _then(finish: Callable[[Any], Any] | None, combine: Callable[[], Any]) -> Callable[[], Any]:
+    return combine if finish is None else lambda: finish(combine())
 
 
 def _gather_payloads(
@@ -293,6 +315,7 @@ def _full_gather(
     sizes: int | None,
     *,
     first: bool = True,
+    finish: Callable[[Any], Any] | None = None,
 ) -> Any:
     local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
     lengths = (len(local.header), local.nbytes)
@@ -314,7 +337,11 @@ def _full_gather(
         return _dist_combine.full(g.ranks, headers, received, rows, local, device, layout, dim)
 
     return _dist_outcome.finish_gather(
-        g, dst, root, combine, lambda: _dist_errors.name_differences(_all_gather_into, g, local)
+        g,
+        dst,
+        root,
+        _then(finish, combine),
+        lambda: _dist_errors.name_differences(_all_gather_into, g, local),
     )
 
 
