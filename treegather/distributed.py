@@ -100,6 +100,7 @@ def all_gather(
     group: Any = None,
     dim: int = 0,
     sizes: int | None = None,
+    sync_grads: bool = False,
 ) -> Any:
     """Gather every rank's ``tree`` onto every rank, combined leaf by leaf with ``layout``.
 
@@ -125,9 +126,16 @@ def all_gather(
         dim: The dimension ``cat`` and ``stack`` work along.
         sizes: This rank's weight for ``mean()`` (e.g. its batch size); exchanged with the
             others. Pass it on every rank or on none.
+        sync_grads: Make the result differentiable: result tensors built from tensors that
+            require grad pass gradients back to every rank's contribution, under any rule.
+            The backward gives each rank the gradient of the sum of every rank's loss with
+            respect to its own tensors (as ``torch.distributed.nn.functional.all_gather``),
+            in one all-reduce for the whole tree; every rank must run it. No extra collective
+            in the forward. Pass the same value on every rank.
 
     Returns:
-        The combined tree, identical on every rank, on the device of this rank's tensors.
+        The combined tree, identical on every rank, on the device of this rank's tensors
+        (new tensors, detached from autograd unless ``sync_grads``).
 
     Raises:
         StructureMismatchError: The ranks' trees differ in structure (the message names the
@@ -150,15 +158,16 @@ def all_gather(
         >>> dist.destroy_process_group()
     """
     g = _dist_group.group(group)
+    sync = bool(sync_grads)
     if not _FAST_PATH:
-        return _full_all_gather(g, tree, layout, dim, sizes)
-    fast = _wireplan.prepare(tree, layout, dim, sizes)
+        return _full_all_gather(g, tree, layout, dim, sizes, sync=sync)
+    fast = _wireplan.prepare(tree, layout, dim, sizes, sync)
     opening = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
-        return _full_all_gather(g, tree, layout, dim, sizes, first=False)
+        return _full_all_gather(g, tree, layout, dim, sizes, first=False, sync=sync)
     if opening.inline:
-        return _dist_combine.fast(g.ranks, fast, opening.payloads, nbytes, g.device, layout, dim)
+        return _dist_combine.fast(g, fast, opening.payloads, nbytes, g.device, layout, dim)
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in opening.rows])
     stride = _wireplan.padded(max(nbytes))
     keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
@@ -168,14 +177,21 @@ def all_gather(
     _dist_payload.send(fast, stride, device, mine)
     _all_gather_into(out, mine, g.handle)
     payloads = _dist_payload.Payloads(out, 0, stride)
-    return _dist_combine.fast(g.ranks, fast, payloads, nbytes, device, layout, dim)
+    return _dist_combine.fast(g, fast, payloads, nbytes, device, layout, dim)
 
 
 def _full_all_gather(
-    g: Group, tree: Any, layout: Any, dim: int, sizes: int | None, *, first: bool = True
+    g: Group,
+    tree: Any,
+    layout: Any,
+    dim: int,
+    sizes: int | None,
+    *,
+    first: bool = True,
+    sync: bool = False,
 ) -> Any:
     """The full exchange: one header and bytes per rank, every check; the definition."""
-    local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
+    local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0, sync=sync)
     lengths = (len(local.header), local.nbytes)
     rows = _pre.exchange(
         _all_gather_into, g, _pre.ALL_GATHER, -1, lengths, local.devices, first=first
@@ -190,7 +206,7 @@ def _full_all_gather(
         _dist_errors.check(g.ranks, headers, local)
     except _dist_errors.StructuresDiffer:
         _dist_errors.name_differences(_all_gather_into, g, local)
-    return _dist_combine.full(g.ranks, headers, buffers, rows, local, device, layout, dim)
+    return _dist_combine.full(g, headers, buffers, rows, local, device, layout, dim, tree)
 
 
 # ------------------------------------------------------------------------------- fast path
@@ -281,9 +297,7 @@ def _gather(
         g,
         dst,
         root,
-        _then(
-            finish, lambda: _dist_combine.fast(g.ranks, fast, payloads, nbytes, device, layout, dim)
-        ),
+        _then(finish, lambda: _dist_combine.fast(g, fast, payloads, nbytes, device, layout, dim)),
     )
 
 
@@ -334,7 +348,7 @@ def _full_gather(
         assert received is not None
         headers = _wire.read_headers(received, [r[_pre.HEADER] for r in rows])
         _dist_errors.check(g.ranks, headers, local)
-        return _dist_combine.full(g.ranks, headers, received, rows, local, device, layout, dim)
+        return _dist_combine.full(g, headers, received, rows, local, device, layout, dim)
 
     return _dist_outcome.finish_gather(
         g,
