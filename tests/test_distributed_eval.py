@@ -423,7 +423,7 @@ def test_every_sample_once_in_dataset_order(ranks: Any) -> None:
 
 
 def test_a_problem_on_one_rank_raises_on_every_rank(ranks: Any) -> None:
-    world, results = ranks
+    _, results = ranks
     for res in results:
         status, name, message, _ = res["collector"]["rows_on_one_rank"]
         assert (status, name) == ("raised", "BatchSizeError"), message
