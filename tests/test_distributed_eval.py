@@ -181,12 +181,15 @@ def test_nothing_added_gives_none() -> None:
     assert col.indices is not None and col.indices.numel() == 0
 
 
-def test_add_is_cheap() -> None:
-    """No communication and no copy in add: it keeps the values it was given."""
+def test_add_keeps_what_it_was_given_under_no_grad() -> None:
+    """No communication, no flatten and no copy in add under no_grad (without device=)."""
     col = tgd.Collector(range(1000))
-    x = torch.zeros(4, 3)
-    col.add({"x": x})
-    assert col._adds[0][0][0] is x  # kept as it was: nothing is copied without device=
+    outputs = {"x": torch.zeros(4, 3)}
+    with torch.no_grad():
+        col.add(outputs)
+    assert col._adds[0][0] is outputs
+    col.add({"x": torch.zeros(2, 3, requires_grad=True) * 2})  # grad mode: detached
+    assert not col._adds[1][0]["x"].requires_grad
 
 
 # ------------------------------------------------------------------------ across ranks

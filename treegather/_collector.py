@@ -11,16 +11,20 @@ of the existing machinery: every dataset sample exactly once, in index order.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from . import _errors
+from ._combine import _pad as rule_pad
+from ._compiled.structure import recognise
 from ._devices import DeviceLike, as_device
 from ._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from ._layout import Plan, resolve
 from ._rules import AsList, Cat, CatItems, Pad, Rule
-from ._tree import display_path, flatten
+from ._tree import NAMESPACE, display_path
 
 __all__ = ["Collector"]
 
@@ -107,7 +111,7 @@ class Collector:
         self._sampler = getattr(sampler, "sampler", sampler) if _is_loader(sampler) else sampler
         self._device = None if device is None else as_device(device)
         self._group = group
-        self._adds: list[tuple[list[Any], Any, Tensor | None]] = []
+        self._adds: list[tuple[Any, Sequence[int] | Tensor | None]] = []
         self._order: list[int] | None = None
         self._done = False
         self.indices: Tensor | None = None
@@ -127,9 +131,11 @@ class Collector:
     def add(self, outputs: Any, indices: Sequence[int] | Tensor | None = None) -> None:
         """Keep one batch's ``outputs`` (no communication).
 
-        Tensors are detached (and moved to the Collector's ``device``); the rows of the
-        per-sample leaves are matched to ``indices`` (this batch's dataset indices) or, without
-        them, to the next indices of the sampler.
+        The rows of the per-sample leaves are matched to ``indices`` (this batch's dataset
+        indices) or, without them, to the next indices of the sampler. With the Collector's
+        ``device``, tensors are moved there (detached); without it they are kept as they are
+        (detached when grad mode is on: evaluate under ``torch.no_grad()`` and nothing is
+        copied or flattened here).
 
         Raises:
             StateError: the Collector was exchanged already; call :meth:`reset` first.
@@ -139,21 +145,13 @@ class Collector:
                 "Collector.add after all_gather()/gather(): the outputs collected so far were "
                 "exchanged; call reset() to start the next evaluation"
             )
-        leaves, spec = flatten(outputs)
-        device = self._device
-        for i, x in enumerate(leaves):
-            if type(x) is Tensor or isinstance(x, Tensor):
-                if x.requires_grad:
-                    x = x.detach()
-                if device is not None and x.device != device:
-                    x = x.to(device)
-                leaves[i] = x
-        idx = None
-        if indices is not None:
-            idx = torch.as_tensor(indices, dtype=torch.int64, device="cpu").reshape(-1)
-        elif self._order is None and self._sampler is not None:
+        if self._device is not None:
+            outputs = _moved(outputs, self._device)
+        elif torch.is_grad_enabled():
+            outputs = _moved(outputs, None)
+        if indices is None and self._order is None and self._sampler is not None:
             self._order = _read_order(self._sampler)
-        self._adds.append((leaves, spec, idx))
+        self._adds.append((outputs, indices))
 
     def all_gather(self, layout: Any = None) -> Any:
         """Every rank's adds, combined on every rank: each sample once, in index order.
@@ -177,35 +175,63 @@ class Collector:
                 "all_gather()/gather()"
             )
         self._done = True
+        plans: dict[Any, tuple[Plan, list[int]]] = {}
         try:
-            local: Any = self._local(layout)
+            local: Any = self._local(layout, plans)
         except TreegatherError as exc:  # raised on every rank, after the exchange
             local = _Problem(type(exc).__name__, str(exc))
 
         def finish(payloads: list[Any]) -> Any:
-            return self._combine(payloads, layout)
+            return self._combine(payloads, layout, plans)
 
         return _exchange(local, dst, self._group, finish)
 
-    def _local(self, layout: Any) -> _Payload | None:
+    def _local(self, layout: Any, plans: dict[Any, Any]) -> _Payload | None:
         """This rank's adds concatenated: per-sample leaves in one piece, the others listed."""
         if not self._adds:
             return None
-        leaves0, spec0, _ = self._adds[0]
-        plan, kinds = _plan(spec0, leaves0, layout)
-        trees = [spec.unflatten(leaves) for leaves, spec, _ in self._adds]
-        rows = _rows_per_add(trees, plan, kinds)
+        trees = [tree for tree, _ in self._adds]
+        plan, kinds, spec0 = _plan_of(trees[0], layout)
+        plans[spec0] = (plan, kinds)
+        up = plan.up_spec
+        values = []
+        for a, tree in enumerate(trees):
+            try:
+                values.append(up.flatten_up_to(tree))
+            except (ValueError, TypeError):
+                raise StructureMismatchError(
+                    f"add #{a} has another structure than add #0 (outputs of every batch must "
+                    "have the same keys, fields and lengths; per-sample lists go under "
+                    "cat_items())"
+                ) from None
+        rows = _rows_per_add(values, plan, kinds)
         idx = self._indices(rows)
-        local = _combine_adds(trees, plan, kinds, self._target(), rows)
-        return _Payload(idx, torch.tensor(rows, dtype=torch.int64), local, spec0, tuple(kinds))
+        device = self._target(values)
+        rules = _rules(plan)
+
+        def reference() -> list[Any]:  # the definition: gather over the adds
+            adds = up.unflatten(
+                [AsList() if k == _PER_ADD else _CROSS[k](r) for k, r in zip(kinds, rules)]
+            )
+            return up.flatten_up_to(
+                _gather_noted(trees, device, adds, rows, "add #{i} of this rank")
+            )
+
+        combined = _join(list(zip(*values)), kinds, rules, device, reference, per_add=True)
+        wrapped = tuple(_Opaque(v) if k != _SAMPLES else v for k, v in zip(kinds, combined))
+        return _Payload(idx, torch.tensor(rows), wrapped, _Opaque((spec0, tuple(kinds))))
 
     def _indices(self, rows: list[int]) -> Tensor:
-        explicit = [i for _, _, i in self._adds]
+        order = self._order
+        total = sum(rows)
+        if order is not None and total <= len(order) and all(i is None for _, i in self._adds):
+            # Every add took the sampler's next indices: one slice of them.
+            return torch.tensor(order[:total], dtype=torch.int64)
         parts: list[Tensor] = []
         taken = 0
-        order = self._order
-        for a, (n, idx) in enumerate(zip(rows, explicit)):
-            if idx is not None:
+        for a, (n, (_, given)) in enumerate(zip(rows, self._adds)):
+            if given is not None:
+                idx = torch.as_tensor(given, dtype=torch.int64).reshape(-1).cpu()
                 if idx.numel() != n:
                     raise BatchSizeError(
                         f"add #{a}: indices= has {idx.numel()} index(es) for {n} row(s) of "
@@ -229,20 +255,18 @@ class Collector:
             taken += n
         return torch.cat(parts) if len(parts) != 1 else parts[0]
 
-    def _target(self) -> torch.device:
+    def _target(self, values: list[list[Any]] | None = None) -> torch.device:
         if self._device is not None:
             return self._device
-        for leaves, _, _ in self._adds:
-            for x in leaves:
+        for row in values or ():
+            for x in row:
                 if isinstance(x, Tensor):
                     return x.device
         return torch.device("cpu")
 
-    def _combine(self, payloads: list[Any], layout: Any) -> Any:
+    def _combine(self, payloads: list[Any], layout: Any, plans: dict[Any, Any]) -> Any:
         """Every rank's payload -> one tree, each sample once, in index order (the same on
         every rank: it depends on the payloads alone, in rank order)."""
-        from ._gather import gather
-
         ranks = _ranks(self._group)
         problems = [(r, p) for r, p in zip(ranks, payloads) if isinstance(p, _Problem)]
         if problems:
@@ -251,31 +275,42 @@ class Collector:
         if not present:
             self.indices = torch.zeros(0, dtype=torch.int64)
             return None
-        first = present[0][1]
-        plan, kinds = _plan(first.spec, None, layout, first.kinds)
-        other = [r for r, p in present if p.kinds != first.kinds or p.spec != first.spec]
+        spec, kinds = present[0][1].shape.value
+        other = [r for r, p in present[1:] if p.shape.value != (spec, kinds)]
         if other:
             raise StructureMismatchError(
                 f"the ranks' outputs differ from rank {present[0][0]}'s in structure, or in which "
-                f"leaves have a batch dim, on rank(s) {', '.join(map(str, other))}"
-                "\nHint: every rank must add outputs of the same structure and dtypes"
+                f"leaves are per sample, on rank(s) {', '.join(map(str, other))}"
+                "\nHint: every rank must add outputs of the same structure"
             )
+        found = plans.get(spec)
+        plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
         device = self._target()
         rules = _rules(plan)
         idx = torch.cat([p.indices for _, p in present])
         rows = torch.cat([p.rows for _, p in present]).tolist()
-        trees = [p.local for _, p in present]
-        if len(trees) > 1:
-            cross = plan.up_spec.unflatten([_CROSS[k](r) for k, r in zip(kinds, rules)])
-            combined = gather(trees, device, cross)
+        up = plan.up_spec
+        per_rank = [
+            [v.value if isinstance(v, _Opaque) else v for v in p.values] for _, p in present
+        ]
+        if len(per_rank) > 1:
+
+            def reference() -> list[Any]:  # the definition: gather over the ranks
+                cross = up.unflatten([_CROSS[k](r) for k, r in zip(kinds, rules)])
+                trees = [up.unflatten(v) for v in per_rank]
+                names = [r for r, _ in present]
+                return up.flatten_up_to(
+                    _gather_noted(trees, device, cross, None, "rank {r}", names)
+                )
+
+            values = _join(list(zip(*per_rank)), kinds, rules, device, reference)
         else:
-            combined = trees[0]
-        values = plan.up_spec.flatten_up_to(combined)
+            values = per_rank[0]
         perm, kept = _order(idx)
         out: list[Any] = []
         for kind, rule, value in zip(kinds, rules, values):
             if kind == _PER_ADD:
-                out.append(gather(list(value), device, rule, sizes=rows))
+                out.append(_gather_noted(value, device, rule, rows, "add #{i}"))
             elif perm is None:
                 out.append(value)
             elif isinstance(value, Tensor):
@@ -284,7 +319,22 @@ class Collector:
                 items = [value[i] for i in perm.tolist()]
                 out.append(tuple(items) if isinstance(value, tuple) else items)
         self.indices = kept
-        return plan.up_spec.unflatten(out)
+        return up.unflatten(out)
+
+
+class _Opaque:
+    """A value that travels whole (one pickled object), not as the leaves of a tree."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __getstate__(self) -> Any:
+        return self.value
+
+    def __setstate__(self, value: Any) -> None:
+        self.value = value
 
 
 class _Payload(NamedTuple):
@@ -292,9 +342,8 @@ class _Payload(NamedTuple):
 
     indices: Tensor  # the dataset index of every row, in add order
     rows: Tensor  # rows per add
-    local: Any  # per-sample leaves concatenated, the others a list of per-add values
-    spec: Any  # the structure of the rank's first add
-    kinds: tuple[int, ...]  # what each plan position is (_SAMPLES, _ITEMS, _PER_ADD)
+    values: tuple[Any, ...]  # per plan position: per-sample tensors whole, lists opaque
+    shape: _Opaque  # (the structure of the rank's first add, what each position is)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -312,32 +361,29 @@ def _rules(plan: Plan) -> list[Rule | None]:
     return [g[2] if g is not None else r for r, g in zip(plan.rules, plan.groups)]
 
 
-def _plan(
-    spec: Any, leaves: list[Any] | None, layout: Any, kinds: tuple[int, ...] | None = None
-) -> tuple[Plan, list[int]]:
-    """The gather plan of one add's structure, and what each of its positions is (read from
-    the add's ``leaves``, or given)."""
-    plan = resolve(spec, layout, "gather", 0, ROOT)
-    if kinds is not None:
-        return plan, list(kinds)
-    assert leaves is not None
-    values = leaves if plan.up_spec is spec else plan.up_spec.flatten_up_to(spec.unflatten(leaves))
-    found = []
+def _plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
+    """The gather plan of one add's structure (kept per structure, as gather keeps it), what
+    each of its positions is, and the structure."""
+    leaves, structure, spec = recognise(tree)
+    found = None if structure is None else structure.plan(layout, "gather", 0, ROOT, leaves)
+    plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
+    values = leaves if plan.up_spec is spec else plan.up_spec.flatten_up_to(tree)
+    kinds = []
     for rule, value in zip(_rules(plan), values):
         if isinstance(rule, CatItems):
-            found.append(_ITEMS)
+            kinds.append(_ITEMS)
         elif (
             (rule is None or (isinstance(rule, (Cat, Pad)) and rule.dim == 0))
             and isinstance(value, Tensor)
             and value.dim() > 0
         ):
-            found.append(_SAMPLES)
+            kinds.append(_SAMPLES)
         else:
-            found.append(_PER_ADD)
-    return plan, found
+            kinds.append(_PER_ADD)
+    return plan, kinds, spec
 
 
-def _rows_per_add(trees: list[Any], plan: Plan, kinds: list[int]) -> list[int]:
+def _rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[int]:
     """Each add's rows, from its per-sample leaves (which must agree within the add)."""
     if _SAMPLES not in kinds and _ITEMS not in kinds:
         raise BatchSizeError(
@@ -345,35 +391,23 @@ def _rows_per_add(trees: list[Any], plan: Plan, kinds: list[int]) -> list[int]:
             "first under cat(), or a per-sample list under cat_items()): it cannot match rows "
             "to samples"
         )
+    sample = [p for p, k in enumerate(kinds) if k != _PER_ADD]
     rows: list[int] = []
     problems: list[str] = []
-    up = plan.up_spec
-    for a, tree in enumerate(trees):
-        try:
-            values = up.flatten_up_to(tree)
-        except (ValueError, TypeError):
-            raise StructureMismatchError(
-                f"add #{a} has another structure than add #0 (outputs of every batch must have "
-                "the same keys, fields and lengths; per-sample lists go under cat_items())"
-            ) from None
-        seen: dict[int, list[int]] = {}
-        for pos, (kind, value) in enumerate(zip(kinds, values)):
-            if kind == _SAMPLES:
-                n = value.shape[0] if isinstance(value, Tensor) and value.dim() > 0 else -1
-            elif kind == _ITEMS:
-                n = len(value) if isinstance(value, (list, tuple)) else -1
-            else:
-                continue
-            seen.setdefault(n, []).append(pos)
-        if len(seen) > 1 or -1 in seen:
-            parts = "; ".join(
-                f"{'no rows' if n < 0 else f'{n} row(s)'} at "
-                + ", ".join(display_path(plan.node_of(p), ROOT) for p in ps[:3])
-                for n, ps in seen.items()
-            )
-            problems.append(f"add #{a}: per-sample leaves disagree on the rows: {parts}")
+    for a, row in enumerate(values):
+        counts = [_count(row[p]) for p in sample]
+        if len(set(counts)) == 1 and counts[0] >= 0:
+            rows.append(counts[0])
             continue
-        rows.append(next(iter(seen)))
+        seen: dict[int, list[int]] = {}
+        for p, n in zip(sample, counts):
+            seen.setdefault(n, []).append(p)
+        parts = "; ".join(
+            f"{'no rows' if n < 0 else f'{n} row(s)'} at "
+            + ", ".join(display_path(plan.node_of(p), ROOT) for p in ps[:3])
+            for n, ps in seen.items()
+        )
+        problems.append(f"add #{a}: per-sample leaves disagree on the rows: {parts}")
     if problems:
         shown = problems[:10] + (
             [f"... and {len(problems) - 10} more"] if len(problems) > 10 else []
@@ -386,17 +420,84 @@ def _rows_per_add(trees: list[Any], plan: Plan, kinds: list[int]) -> list[int]:
     return rows
 
 
-def _combine_adds(
-    trees: list[Any], plan: Plan, kinds: list[int], device: torch.device, rows: list[int]
+def _count(value: Any) -> int:
+    """Rows of a per-sample value (-1: it has none)."""
+    if isinstance(value, Tensor):
+        return value.shape[0] if value.dim() > 0 else -1
+    return len(value) if isinstance(value, (list, tuple)) else -1
+
+
+def _gather_noted(
+    values: list[Any],
+    device: torch.device,
+    layout: Any,
+    sizes: list[int] | None,
+    replica: str,
+    names: list[int] | None = None,
 ) -> Any:
-    """This rank's adds in one tree: per-sample leaves concatenated, the others as lists."""
+    """:func:`treegather.gather` of the adds' (or ranks') values; its errors say what a
+    replica is here."""
     from ._gather import gather
 
-    rules = _rules(plan)
-    local = plan.up_spec.unflatten(
-        [AsList() if kind == _PER_ADD else _CROSS[kind](rule) for kind, rule in zip(kinds, rules)]
-    )
-    return gather(trees, device, local, sizes=rows)
+    try:
+        return gather(values, device, layout, sizes=sizes)
+    except TreegatherError as exc:
+        shown = ", ".join(
+            f"replica {i} is {replica.format(i=i, r=(names or [])[i] if names else i)}"
+            for i in range(min(len(values), 4))
+        )
+        raise type(exc)(f"{exc}\n({shown}{', ...' if len(values) > 4 else ''})") from None
+
+
+def _join(
+    columns: list[tuple[Any, ...]],
+    kinds: list[int],
+    rules: list[Rule | None],
+    device: torch.device,
+    reference: Callable[[], list[Any]],
+    *,
+    per_add: bool = False,
+) -> list[Any]:
+    """Each position's values (one per add, or one per rank) joined as its rule joins them:
+    tensors concatenated (``cat``) or padded (``pad``), lists one after the other. Anything
+    unusual (a dtype, shape or device that differs, a value of another kind, tensors among
+    list items) takes ``reference`` instead, :func:`treegather.gather` with the same rules,
+    which gives the same result or names the problem.
+    """
+    out: list[Any] = []
+    with torch.no_grad():  # results are detached
+        for kind, rule, col in zip(kinds, rules, columns):
+            if kind == _SAMPLES:
+                if not _alike(col, device, same_tail=not isinstance(rule, Pad)):
+                    return reference()
+                if isinstance(rule, Pad):
+                    out.append(rule_pad(rule, col, device))
+                else:
+                    out.append(torch.cat(col) if len(col) > 1 else col[0])
+            elif kind == _PER_ADD and per_add:
+                out.append(list(col))
+            else:
+                if not all(type(v) in (list, tuple) for v in col):
+                    return reference()
+                items = list(chain.from_iterable(col))
+                if Tensor in set(map(type, items)):  # tensors among the items: moved there
+                    return reference()
+                out.append(tuple(items) if type(col[0]) is tuple else items)
+    return out
+
+
+def _alike(col: tuple[Any, ...], device: torch.device, *, same_tail: bool) -> bool:
+    """Tensors of >= 1 dim, of one dtype, on ``device`` (and of one shape past the first dim)."""
+    first = col[0]
+    if type(first) is not Tensor or first.dim() == 0 or first.device != device:
+        return False
+    dtype, tail, ndim = first.dtype, first.shape[1:], first.dim()
+    for v in col:
+        if type(v) is not Tensor or v.dtype != dtype or v.device != first.device:
+            return False
+        if (v.shape[1:] != tail) if same_tail else (v.dim() != ndim):
+            return False
+    return True
 
 
 def _order(idx: Tensor) -> tuple[Tensor | None, Tensor]:
@@ -409,6 +510,18 @@ def _order(idx: Tensor) -> tuple[Tensor | None, Tensor]:
     return perm[first], ordered[first]
 
 
+def _moved(tree: Any, device: torch.device | None) -> Any:
+    """``tree`` with its tensors detached (and on ``device``)."""
+
+    def move(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            x = x.detach()
+            return x if device is None or x.device == device else x.to(device)
+        return x
+
+    return optree.tree_map(move, tree, namespace=NAMESPACE)
+
+
 def _is_loader(obj: Any) -> bool:
     loader = getattr(torch.utils.data, "DataLoader", None)
     return loader is not None and isinstance(obj, loader)
@@ -416,13 +529,10 @@ def _is_loader(obj: Any) -> bool:
 
 def _read_order(sampler: Iterable[Any]) -> list[int]:
     """This epoch's indices of ``sampler`` (a batch sampler's batches flattened)."""
-    out: list[int] = []
-    for item in sampler:
-        if isinstance(item, (list, tuple)):
-            out.extend(int(i) for i in item)
-        else:
-            out.append(int(item))
-    return out
+    items = list(sampler)
+    if items and isinstance(items[0], (list, tuple)):
+        return [int(i) for batch in items for i in batch]
+    return items
 
 
 def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[Any]], Any]) -> Any:
