@@ -1095,12 +1095,12 @@ def test_all_gather_returns_rank_0_key_order(group_results: Any) -> None:
                 assert list(out) == ["b", "a", "c"] and list(out["c"]) == ["y", "x"], out
 
 
-def test_ddp_eval_example_runs_under_torchrun() -> None:
-    """notebooks/ddp_eval.py, as the README launches it (``--standalone`` picks a free port)."""
+def _torchrun(script: str, nproc: int = 2) -> str:
+    """Run ``notebooks/<script>`` as the README launches it (``--standalone``: a free port)."""
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     proc = subprocess.Popen(
-        [*cmd, str(root / "notebooks" / "ddp_eval.py")],
+        [*cmd, "--nproc-per-node", str(nproc), str(root / "notebooks" / script)],
         cwd=root,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -1114,7 +1114,20 @@ def test_ddp_eval_example_runs_under_torchrun() -> None:
         proc.communicate()
         raise
     assert proc.returncode == 0, err[-3000:]
-    assert "gathered 21 samples: [10, 11] per rank" in out, out
+    return out
+
+
+def test_ddp_eval_example_runs_under_torchrun() -> None:
+    """notebooks/ddp_eval.py: DistributedSampler (padded, shuffled) and a Collector."""
+    out = _torchrun("ddp_eval.py")
+    assert "each rank saw 11 samples (the sampler pads to 22)" in out, out
+    assert "gathered 21 samples, each once, in dataset order" in out, out
+
+
+def test_contrastive_example_runs_under_torchrun() -> None:
+    """notebooks/contrastive.py: a CLIP-style loss with all_gather(sync_grads=True) under DDP."""
+    out = _torchrun("contrastive.py")
+    assert "every parameter's gradient equals one process" in out, out
 
 
 def test_dim_and_subgroups(group_results: Any) -> None:

@@ -23,6 +23,7 @@ from ._errors import (
     LayoutError,
     LeafTypeError,
     ShapeMismatchError,
+    StateError,
     StructureMismatchError,
     TreeDepthError,
     TreegatherError,
@@ -99,6 +100,7 @@ __all__ = [
     "ArgumentTypeError",
     "UninitializedModuleError",
     "TreeDepthError",
+    "StateError",
     # replicate, apply and the data-parallel entry points (issue 3)
     "replicate",
     "parallel_apply",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from treegather import _dist_group, _dist_payload, _wire, _wireplan
+from treegather import _dist_grads, _dist_group, _dist_payload, _tree, _wire, _wireplan
 from treegather._dist_preamble import HEADER
 from treegather._errors import TreegatherError
 from treegather._gather import gather as _gather_local
@@ -23,7 +23,7 @@ __all__ = ["fast", "full", "rules"]
 
 
 def fast(
-    ranks: Sequence[int],
+    g: _dist_group.Group,
     local: _wireplan.Local,
     payloads: _dist_payload.Payloads,
     nbytes: list[int],
@@ -32,19 +32,24 @@ def fast(
     dim: int,
 ) -> Any:
     """Combine the ranks' payloads: vectorised for the default rules, else the rules as usual."""
+    ranks = g.ranks
     plan = local.plan
     target = _dist_group.target(local.devices, carrier)
     received = _dist_payload.parse(plan, payloads, nbytes, target)
     spec = plan.spec if local.spec is None else local.spec  # this call's dict keys, statics
     if plan.vectorised:
         return _dist_payload.unpack(plan, received, spec)
-    trees = [spec.unflatten(leaves) for leaves in _dist_payload.rank_leaves(plan, received)]
+    per_rank = _dist_payload.rank_leaves(plan, received)
+    if plan.grads:  # sync_grads: the same positions on every rank (the digest says so)
+        own = [local.leaves[i] for i in plan.grads]
+        _dist_grads.connect(per_rank, [plan.grads] * len(ranks), own, g.rank, g.handle, g.device)
+    trees = [spec.unflatten(leaves) for leaves in per_rank]
     sizes: list[Any] = received.sizes if received.sizes is not None else [None]
     return rules(ranks, trees, target, layout, dim, sizes)
 
 
 def full(
-    ranks: Sequence[int],
+    g: _dist_group.Group,
     headers: list[dict[str, Any]],
     buffers: Sequence[torch.Tensor],
     rows: Sequence[Sequence[int]],
@@ -52,13 +57,23 @@ def full(
     carrier: torch.device,
     layout: Any,
     dim: int,
+    tree: Any = None,
 ) -> Any:
-    """Every rank's tree from its header and bytes (checked already), combined by the rules."""
+    """Every rank's tree from its header and bytes (checked already), combined by the rules.
+
+    ``tree`` is this rank's own tree (for ``sync_grads``: its leaves that require grad).
+    """
+    ranks = g.ranks
     up_spec = _wire.agreed_up_spec(headers, local)
-    trees = [
-        _wire.rank_tree(up_spec, h, _wire.decode(h, buf[_wire.padded(r[HEADER]) :]))
-        for h, buf, r in zip(headers, buffers, rows)
+    per_rank = [
+        _wire.decode(h, buf[_wire.padded(r[HEADER]) :]) for h, buf, r in zip(headers, buffers, rows)
     ]
+    grads = [h.get("grads") or () for h in headers]
+    if any(grads):
+        leaves = _tree.flatten(tree)[0]
+        own = [leaves[i] for i in grads[g.rank]]
+        _dist_grads.connect(per_rank, grads, own, g.rank, g.handle, g.device)
+    trees = [_wire.rank_tree(up_spec, h, leaves) for h, leaves in zip(headers, per_rank)]
     target = _dist_group.target(local.devices, carrier)
     return rules(ranks, trees, target, layout, dim, [h["sizes"] for h in headers])
 

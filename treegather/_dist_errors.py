@@ -75,7 +75,8 @@ def check(ranks: Sequence[int], headers: list[dict[str, Any]], local: _wire.Pack
     if len({key for key, _ in layouts}) > 1:
         raise LayoutError(
             _wire.format_problems(
-                "the ranks passed different layouts or dims (each rank would combine the trees "
+                "the ranks passed different layouts, dims or sync_grads (each rank would combine "
+                "the trees "
                 "with other rules)",
                 [f"{shown} on {_ranks_text(ranks, rs)}" for shown, rs in _group_by(layouts)],
                 "pass the same layout= and dim= on every rank",

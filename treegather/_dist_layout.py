@@ -64,8 +64,9 @@ def _describe_rule(value: Any) -> tuple[str, str]:
     return f"object:{type(value).__module__}.{type(value).__qualname__}", type(value).__qualname__
 
 
-def layout_text(layout: Any, dim: Any) -> tuple[str, str]:
-    """``(key, shown)`` for a layout and ``dim``: equal keys iff the ranks combine alike.
+def layout_text(layout: Any, dim: Any, sync: bool = False) -> tuple[str, str]:
+    """``(key, shown)`` for a layout and ``dim`` (and ``sync_grads``): equal keys iff the ranks
+    combine alike.
 
     The key is type-aware (``1`` and ``True`` differ), ignores dict insertion order, and names
     callables by module and qualified name (process-independent); ``shown`` is for messages.
@@ -78,6 +79,9 @@ def layout_text(layout: Any, dim: Any) -> tuple[str, str]:
     """
     atoms = (bool, int, float, str, type(None))
     dim_key = f"{type(dim).__name__}:{dim!r}" if type(dim) in atoms else f"?{type(dim)}"
+    if sync:
+        plain = layout_text(layout, dim)
+        return f"{plain[0]};sync_grads", f"{plain[1]}, sync_grads=True"
     if layout is None:
         return f"None;{dim_key}", f"layout None, dim={safe_repr(dim)}"
     leaves, spec = optree.tree_flatten(layout, none_is_leaf=True, namespace=_tree.NAMESPACE)

@@ -143,16 +143,18 @@ def encode(
     *,
     with_spec: bool = False,
     order: bool = False,
+    sync: bool = False,
 ) -> Packed:
     """Flatten ``tree`` into a pickled header and one byte buffer of all its tensor leaves.
 
     Problems found here become an error header instead of an exception, so that every rank
     learns of them after the exchange and raises the same error instead of leaving the other
     ranks waiting in a collective. With ``order`` (rank 0), the header also carries the pickled
-    up-structure, so that every rank rebuilds the trees with rank 0's dict key order.
+    up-structure, so that every rank rebuilds the trees with rank 0's dict key order. With
+    ``sync``, the header also lists the tensor leaves that require grad (``sync_grads``).
     """
     try:
-        return _encode(tree, sizes, layout, dim, with_spec, order)
+        return _encode(tree, sizes, layout, dim, with_spec, order, sync)
     except TreegatherError as exc:  # (a tree that contains itself): the same error everywhere
         return Packed(None, error_header(type(exc), str(exc)))
     except Exception as exc:  # a node's flatten function failed, say: still tell the others
@@ -160,7 +162,9 @@ def encode(
         return Packed(None, error_header(TreegatherError, message))
 
 
-def _encode(tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool, order: bool) -> Packed:
+def _encode(
+    tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool, order: bool, sync: bool
+) -> Packed:
     if sizes is not None and (isinstance(sizes, bool) or not isinstance(sizes, int) or sizes < 0):
         message = (
             "sizes must be this rank's non-negative int (e.g. its batch size), got "
@@ -226,7 +230,8 @@ def _encode(tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool, order
             order_bytes = None
     content = {
         "fingerprint": fingerprint,
-        "layout": layout_text(layout, dim),
+        "layout": layout_text(layout, dim, sync),
+        "grads": grad_positions(leaves) if sync else None,
         "meta": meta,
         "objects": objects,
         "groups": groups,
@@ -242,6 +247,13 @@ def _encode(tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool, order
         chunks = tuple(_flat_bytes([leaves[i] for i in idx]) for idx in pack_order(meta))
     nbytes = sum(c.numel() for c in chunks)
     return Packed(spec, header, chunks, nbytes, frozenset(devices), up_spec)
+
+
+def grad_positions(leaves: Sequence[Any]) -> tuple[int, ...]:
+    """The positions of the tensor leaves that require grad (what ``sync_grads`` connects)."""
+    if not torch.is_grad_enabled():
+        return ()
+    return tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad)
 
 
 def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:

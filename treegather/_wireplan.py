@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from treegather import _layout
+from treegather import _layout, _wire
 from treegather._caches import LRU
 from treegather._compiled import structure as _structure
 from treegather._dist_layout import layout_text
@@ -103,6 +103,7 @@ class WirePlan:
     row_positions: tuple[int, ...]  # the leaves whose first dim the rows vector holds
     sizes_given: bool
     vectorised: bool  # default rules only: every result region in one cat
+    grads: tuple[int, ...] | None = None  # sync_grads: the leaves that require grad
     # The status, one row count per row-bearing leaf, and ``sizes`` when given; their bytes.
     head_ints: int = dataclasses.field(init=False)
     head_bytes: int = dataclasses.field(init=False)
@@ -211,7 +212,7 @@ class _Seen:
         self.refuted = False
 
 
-def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
+def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) -> Local | None:
     """This rank's call as a :class:`Local`, or ``None`` when only the full exchange will do.
 
     ``None`` (this rank sends a zero digest, and every rank takes the full exchange) for bad
@@ -226,23 +227,27 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
     shape, since ``cat`` refuses leaves whose dims past the first differ from the first leaf's,
     and equal counts then mean equal rows. A rank whose packing fails sends no plan, and
     :func:`checked` reads the shapes before a payload that is packed after the ranks agreed.
+
+    With ``sync`` (``sync_grads``), which leaves require grad is part of the plan (and of its
+    digest), so the ranks agree on it, and every call reads its leaves' shapes.
     """
     if sizes is not None and (type(sizes) is not int or sizes < 0):
         return None
     sizes_given = sizes is not None
     try:
         leaves, structure, spec = _structure.recognise(tree, "outputs")
-        text = layout_text(layout, dim)[0]
-        key = None if structure is None else (structure, text, sizes_given)
+        text = layout_text(layout, dim, sync)[0]
+        grads = _wire.grad_positions(leaves) if sync else None
+        key = None if structure is None else (structure, text, sizes_given, grads)
         last = None if key is None else _LAST.get(key)
         assumed = None
-        if last is not None and _same_counts(last, leaves):  # tensors only
+        if last is not None and not sync and _same_counts(last, leaves):  # tensors only
             seen: _Seen | None = last
             assumed = last
             first = leaves[0] if leaves else None
         else:
             shapes, dtypes, objects = _signature(leaves)
-            seen = _seen(key, last, spec, dtypes, shapes, text, layout, dim, sizes_given)
+            seen = _seen(key, last, spec, dtypes, shapes, text, layout, dim, sizes_given, grads)
             if objects:
                 first = next((leaves[i] for i, d in enumerate(dtypes) if d is not None), None)
             else:
@@ -315,6 +320,7 @@ def _seen(
     layout: Any,
     dim: Any,
     sizes_given: bool,
+    grads: tuple[int, ...] | None = None,
 ) -> _Seen | None:
     """The plan for this call, from ``last`` (the last call with its ``key``) when it can be."""
     if last is not None and last.shapes == shapes and last.dtypes == dtypes:
@@ -327,7 +333,7 @@ def _seen(
         )
     except Exception:
         return None
-    plan = _plan_for(spec, spec_bytes, dtypes, shapes, text, layout, dim, sizes_given)
+    plan = _plan_for(spec, spec_bytes, dtypes, shapes, text, layout, dim, sizes_given, grads)
     rows: list[int] = []
     nbytes = 0
     if plan is not None:
@@ -352,16 +358,17 @@ def _plan_for(
     layout: Any,
     dim: Any,
     sizes_given: bool,
+    grads: tuple[int, ...] | None = None,
 ) -> WirePlan | None:
     """The plan for these shapes whatever their rows: keyed by dims and trailing shapes."""
     # Each leaf's number of dims (-1: not a tensor) and its shape after the first dim.
     ndims = tuple(-1 if s is None else len(s) for s in shapes)
     trailing = tuple(None if s is None else s[1:] for s in shapes)
-    key = (spec_bytes, tuple(dtypes), ndims, trailing, text, sizes_given)
+    key = (spec_bytes, tuple(dtypes), ndims, trailing, text, sizes_given, grads)
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         tails = [t if n > 0 else None for n, t in zip(ndims, trailing)]
-        plan = _build(spec, spec_bytes, dtypes, tails, layout, dim, sizes_given)
+        plan = _build(spec, spec_bytes, dtypes, tails, layout, dim, sizes_given, grads)
         _PLANS.put(key, plan)
     return plan
 
@@ -391,6 +398,7 @@ def _build(
     layout: Any,
     dim: Any,
     sizes_given: bool,
+    grads: tuple[int, ...] | None = None,
 ) -> WirePlan | None:
     """The plan for one key (a cache miss: about what one full-exchange call costs locally)."""
     if any(d is not None and d not in _PACKABLE for d in dtypes):
@@ -419,18 +427,30 @@ def _build(
             Region(dtype, trail, tuple(positions), slice(start, len(row_positions)), row_bytes)
         )
     objects = tuple(i for i, d in enumerate(dtypes) if d is None)
-    vectorised = resolved.up_spec is spec and all(
-        _default_cat(rule, dtypes[i], trailing[i], dim) for i, rule in enumerate(resolved.rules)
+    vectorised = (
+        not grads
+        and resolved.up_spec is spec
+        and all(
+            _default_cat(rule, dtypes[i], trailing[i], dim) for i, rule in enumerate(resolved.rules)
+        )
     )
     h = hashlib.blake2b(spec_bytes, digest_size=16)
     h.update(repr([(str(d), t) for d, t in zip(dtypes, trailing)]).encode())
-    h.update(f"{layout_text(layout, dim)[0]};sizes={sizes_given}".encode())
+    h.update(f"{layout_text(layout, dim, grads is not None)[0]};sizes={sizes_given}".encode())
+    h.update(repr(grads).encode())
     digest = h.digest()
     # Two signed int64 for the preamble; (0, 0) is reserved for "no plan on this rank".
     d0 = int.from_bytes(digest[:8], "little", signed=True) or 1
     d1 = int.from_bytes(digest[8:], "little", signed=True)
     return WirePlan(
-        (d0, d1), spec, tuple(regions), objects, tuple(row_positions), sizes_given, vectorised
+        (d0, d1),
+        spec,
+        tuple(regions),
+        objects,
+        tuple(row_positions),
+        sizes_given,
+        vectorised,
+        grads,
     )
 
 

@@ -58,6 +58,7 @@ Security:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,10 +74,11 @@ from treegather import (
     _wireplan,
 )
 from treegather import _dist_preamble as _pre
+from treegather._collector import Collector
 from treegather._dist_group import Group
 from treegather._errors import ArgumentTypeError, TreegatherError, check_dim
 
-__all__ = ["all_gather", "gather", "broadcast"]
+__all__ = ["Collector", "all_gather", "gather", "broadcast"]
 
 _FAST_PATH = True  # tests turn it off to run every case through the full exchange
 
@@ -99,6 +101,7 @@ def all_gather(
     group: Any = None,
     dim: int = 0,
     sizes: int | None = None,
+    sync_grads: bool = False,
 ) -> Any:
     """Gather every rank's ``tree`` onto every rank, combined leaf by leaf with ``layout``.
 
@@ -124,9 +127,16 @@ def all_gather(
         dim: The dimension ``cat`` and ``stack`` work along.
         sizes: This rank's weight for ``mean()`` (e.g. its batch size); exchanged with the
             others. Pass it on every rank or on none.
+        sync_grads: Make the result differentiable: result tensors built from tensors that
+            require grad pass gradients back to every rank's contribution, under any rule.
+            The backward gives each rank the gradient of the sum of every rank's loss with
+            respect to its own tensors (as ``torch.distributed.nn.functional.all_gather``),
+            in one all-reduce for the whole tree; every rank must run it. No extra collective
+            in the forward. Pass the same value on every rank.
 
     Returns:
-        The combined tree, identical on every rank, on the device of this rank's tensors.
+        The combined tree, identical on every rank, on the device of this rank's tensors
+        (new tensors, detached from autograd unless ``sync_grads``).
 
     Raises:
         StructureMismatchError: The ranks' trees differ in structure (the message names the
@@ -149,16 +159,17 @@ def all_gather(
         >>> dist.destroy_process_group()
     """
     g = _dist_group.group(group)
+    sync = bool(sync_grads)
     dim, problem = _checked_dim(dim)  # a bad dim travels in the first exchange
     if not _FAST_PATH or problem is not None:
-        return _full_all_gather(g, tree, layout, dim, sizes, problem=problem)
-    fast = _wireplan.prepare(tree, layout, dim, sizes)
+        return _full_all_gather(g, tree, layout, dim, sizes, problem=problem, sync=sync)
+    fast = _wireplan.prepare(tree, layout, dim, sizes, sync)
     opening = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
-        return _full_all_gather(g, tree, layout, dim, sizes, first=False)
+        return _full_all_gather(g, tree, layout, dim, sizes, first=False, sync=sync)
     if opening.inline:
-        return _dist_combine.fast(g.ranks, fast, opening.payloads, nbytes, g.device, layout, dim)
+        return _dist_combine.fast(g, fast, opening.payloads, nbytes, g.device, layout, dim)
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in opening.rows])
     stride = _wireplan.padded(max(nbytes))
     keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
@@ -168,7 +179,7 @@ def all_gather(
     _dist_payload.send(fast, stride, device, mine)
     _all_gather_into(out, mine, g.handle)
     payloads = _dist_payload.Payloads(out, 0, stride)
-    return _dist_combine.fast(g.ranks, fast, payloads, nbytes, device, layout, dim)
+    return _dist_combine.fast(g, fast, payloads, nbytes, device, layout, dim)
 
 
 def _full_all_gather(
@@ -180,12 +191,13 @@ def _full_all_gather(
     *,
     first: bool = True,
     problem: _dist_group.Problem | None = None,
+    sync: bool = False,
 ) -> Any:
     """The full exchange: one header and bytes per rank, every check; the definition."""
     if problem is not None:  # the first exchange raises it on every rank
         local = _wire.Packed(None, b"")
     else:
-        local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
+        local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0, sync=sync)
     lengths = (len(local.header), local.nbytes)
     rows = _pre.exchange(
         _all_gather_into,
@@ -207,7 +219,7 @@ def _full_all_gather(
         _dist_errors.check(g.ranks, headers, local)
     except _dist_errors.StructuresDiffer:
         _dist_errors.name_differences(_all_gather_into, g, local)
-    return _dist_combine.full(g.ranks, headers, buffers, rows, local, device, layout, dim)
+    return _dist_combine.full(g, headers, buffers, rows, local, device, layout, dim, tree)
 
 
 # ------------------------------------------------------------------------------- fast path
@@ -288,6 +300,20 @@ def gather(
         {'logits': tensor([[1., 1.], [1., 1.], [1., 1.]]), 'ids': ['a', 'b', 'c']}
         >>> dist.destroy_process_group()
     """
+    return _gather(tree, dst, layout, group, dim, sizes)
+
+
+def _gather(
+    tree: Any,
+    dst: int,
+    layout: Any,
+    group: Any,
+    dim: int,
+    sizes: int | None,
+    finish: Callable[[Any], Any] | None = None,
+) -> Any:
+    """:func:`gather`; ``dst`` applies ``finish`` to the result, within the outcome it sends
+    (an error there raises on every rank)."""
     g = _dist_group.group(group)
     # A dst that names no rank (or a bad dim) travels in the first exchange: every rank
     # raises, none waits.
@@ -297,12 +323,12 @@ def gather(
     dim, bad_dim = _checked_dim(dim)
     problem = _either(bad_root, bad_dim)
     if not _FAST_PATH or problem is not None:
-        return _full_gather(g, dst, root, tree, layout, dim, sizes, problem=problem)
+        return _full_gather(g, dst, root, tree, layout, dim, sizes, problem=problem, finish=finish)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
-        return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False)
+        return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False, finish=finish)
     if opening.inline:
         device, payloads = g.device, opening.payloads
     else:
@@ -312,8 +338,12 @@ def gather(
         g,
         dst,
         root,
-        lambda: _dist_combine.fast(g.ranks, fast, payloads, nbytes, device, layout, dim),
+        _then(finish, lambda: _dist_combine.fast(g, fast, payloads, nbytes, device, layout, dim)),
     )
+
+
+def _then(finish: Callable[[Any], Any] | None, combine: Callable[[], Any]) -> Callable[[], Any]:
+    return combine if finish is None else lambda: finish(combine())
 
 
 def _gather_payloads(
@@ -341,6 +371,7 @@ def _full_gather(
     *,
     first: bool = True,
     problem: _dist_group.Problem | None = None,
+    finish: Callable[[Any], Any] | None = None,
 ) -> Any:
     if problem is not None:  # the first exchange raises it on every rank
         local = _wire.Packed(None, b"")
@@ -362,10 +393,14 @@ def _full_gather(
         assert received is not None
         headers = _wire.read_headers(received, [r[_pre.HEADER] for r in rows])
         _dist_errors.check(g.ranks, headers, local)
-        return _dist_combine.full(g.ranks, headers, received, rows, local, device, layout, dim)
+        return _dist_combine.full(g, headers, received, rows, local, device, layout, dim)
 
     return _dist_outcome.finish_gather(
-        g, dst, root, combine, lambda: _dist_errors.name_differences(_all_gather_into, g, local)
+        g,
+        dst,
+        root,
+        _then(finish, combine),
+        lambda: _dist_errors.name_differences(_all_gather_into, g, local),
     )
 
 
