@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import treegather as tg
 from treegather import _tree
+from treegather._caches import FAST_PATHS, reference_only
 
 pytestmark = pytest.mark.distributed
 
@@ -348,10 +349,9 @@ def _bad_rank_waits(rank: int, world: int, bad: int, call: Callable[[], Any]) ->
     collective until every other rank is done with its call, as a rank that raised and went on
     with other work would: the others must not wait for it (they used to, until the process
     group's timeout)."""
-    import treegather.distributed as tgd
 
     store = dist.distributed_c10d._get_default_store()
-    key = f"{call.__qualname__}:{tgd._FAST_PATH}:done"
+    key = f"{call.__qualname__}:{FAST_PATHS.on}:done"
     try:
         return call()
     finally:
@@ -778,7 +778,11 @@ def _checks(rank: int, world: int, fast: bool) -> dict[Any, Any]:
     """Every check of one group, with the cached wire plan (``fast``) or the full exchange only."""
     import treegather.distributed as tgd
 
-    tgd._FAST_PATH = fast
+    with contextlib.nullcontext() if fast else reference_only():
+        return _checks_in_mode(rank, world, fast, tgd)
+
+
+def _checks_in_mode(rank: int, world: int, fast: bool, tgd: Any) -> dict[Any, Any]:
     results: dict[Any, Any] = {}
     for name in CASES:
         for op in OPS:

@@ -679,7 +679,7 @@ def test_caches_are_nodes_only_once_transformers_is_in_use(order: str) -> None:
 
 
 def test_caches_scatter_and_gather_alike_on_the_compiled_and_reference_paths() -> None:
-    from treegather._compiled import reference_only
+    from treegather._caches import reference_only
     from treegather._compiled.structure import find
 
     _, cache, _ = _mistral_cache()

@@ -74,13 +74,12 @@ from treegather import (
     _wireplan,
 )
 from treegather import _dist_preamble as _pre
+from treegather._caches import FAST_PATHS
 from treegather._collector import Collector
 from treegather._dist_group import Group
 from treegather._errors import ArgumentTypeError, TreegatherError, check_dim
 
 __all__ = ["Collector", "all_gather", "gather", "broadcast"]
-
-_FAST_PATH = True  # tests turn it off to run every case through the full exchange
 
 
 # -------------------------------------------------------------------------------- collectives
@@ -161,7 +160,7 @@ def all_gather(
     g = _dist_group.group(group)
     sync = bool(sync_grads)
     dim, problem = _checked_dim(dim)  # a bad dim travels in the first exchange
-    if not _FAST_PATH or problem is not None:
+    if not FAST_PATHS.on or problem is not None:
         return _full_all_gather(g, tree, layout, dim, sizes, problem=problem, sync=sync)
     fast = _wireplan.prepare(tree, layout, dim, sizes, sync)
     opening = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
@@ -322,7 +321,7 @@ def _gather(
         dst = g.ranks[root]
     dim, bad_dim = _checked_dim(dim)
     problem = _either(bad_root, bad_dim)
-    if not _FAST_PATH or problem is not None:
+    if not FAST_PATHS.on or problem is not None:
         return _full_gather(g, dst, root, tree, layout, dim, sizes, problem=problem, finish=finish)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)

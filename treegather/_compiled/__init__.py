@@ -22,10 +22,7 @@ registering a tree node clears them.
 
 from __future__ import annotations
 
-import contextlib
 import operator
-import threading
-from collections.abc import Iterator
 from itertools import chain, repeat
 from typing import Any
 
@@ -33,22 +30,18 @@ import torch
 
 from .. import _gather as _g
 from .. import _scatter as _s
+from .._caches import FAST_PATHS
 from .._devices import accelerator_tensors_possible
 from .._layout import resolve
 from .._tree import flatten as _flatten
 from .structure import COMPILE_AFTER, Structure, find_columns, recognise
 from .transfer import coalesced_to
 
-__all__ = ["COMPILE_AFTER", "Structure", "gather", "recognise", "reference_only", "scatter"]
+__all__ = ["COMPILE_AFTER", "Structure", "gather", "recognise", "scatter"]
 
 Tensor = torch.Tensor
 
 
-class _Local(threading.local):
-    off = False  # reference_only() in this thread
-
-
-_LOCAL = _Local()
 # len() of a tensor without the Python-level Tensor.__len__ wrapper (same result, torch function
 # modes still honoured; 0 for a 0-dim tensor): about 40% cheaper than reading .shape.
 _TENSOR_LEN = getattr(getattr(torch._C, "TensorBase", None), "__len__", None)
@@ -59,20 +52,6 @@ _FIRST = operator.itemgetter(0)
 _GATHER = "gather"  # the phase
 
 
-@contextlib.contextmanager
-def reference_only() -> Iterator[None]:
-    """Within this block (in this thread) scatter and gather run the plain path only.
-
-    For differential tests: the same call with and without the compiled layer.
-    """
-    before = _LOCAL.off
-    _LOCAL.off = True
-    try:
-        yield
-    finally:
-        _LOCAL.off = before
-
-
 # --------------------------------------------------------------------------------- scatter
 
 
@@ -80,7 +59,7 @@ def scatter(
     inputs: Any, devs: tuple[torch.device, ...], layout: Any, dim: int, root: str | None
 ) -> Any:
     """:func:`treegather.scatter` for a structure seen before; the reference steps otherwise."""
-    if _LOCAL.off:
+    if not FAST_PATHS.on:
         return _s.scatter_reference(inputs, devs, layout, dim, root)
     leaves, st, spec = recognise(inputs, root)
     if st is None:
@@ -164,7 +143,7 @@ def gather(
     sizes: tuple[int, ...] | None,
 ) -> Any:
     """:func:`treegather.gather` for a structure seen before; the reference steps otherwise."""
-    if _LOCAL.off:
+    if not FAST_PATHS.on:
         return _g.gather_reference(outputs, target, layout, dim, sizes)
     found = find_columns(outputs)
     if found is not None:
