@@ -18,12 +18,11 @@ import optree
 import torch
 
 from . import _errors
-from ._combine import _pad as rule_pad
 from ._compiled.structure import recognise
 from ._devices import DeviceLike, as_device
 from ._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from ._layout import Plan, resolve
-from ._rules import AsList, Cat, CatItems, Pad, Rule
+from ._rules import AsList, Cat, CatItems, Combining, Pad, Rule
 from ._tree import NAMESPACE, display_path
 
 __all__ = ["Collector"]
@@ -471,7 +470,7 @@ def _join(
                 if not _alike(col, device, same_tail=not isinstance(rule, Pad)):
                     return reference()
                 if isinstance(rule, Pad):
-                    out.append(rule_pad(rule, col, device))
+                    out.append(rule.combine(col, Combining(device, True, None, 0)))
                 else:
                     out.append(torch.cat(col) if len(col) > 1 else col[0])
             elif kind == _PER_ADD and per_add:

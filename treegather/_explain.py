@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ._devices import DeviceLike, as_devices
 from ._errors import BatchSizeError, LayoutError, LeafTypeError, safe_repr
-from ._explain_text import _dtype, _shape_text, _strip, _times, _value_text, _why
+from ._explain_text import _strip, _value_text, _why
 from ._explanation import ExplainedLeaf, Explanation
 from ._layout import EXPLAIN_POINTER, Plan, RuleSource, display_path
 from ._layout import resolve_sources as _resolve_sources
-from ._rules import AsList, Cat, CatItems, Custom, First, Mean, Pad, Rule, Stack, Sum
-from ._scatter import _ARRAY, _classify, _Cuts, _shard_sizes, _validate, call_tree
+from ._rules import Cut, GatherRule, Problem, ScatterRule, Split, default_rule
+from ._scatter import _shard_sizes, _validate, call_tree, survey
 from ._tree import flatten
 
 __all__ = ["explain"]
@@ -142,28 +142,16 @@ def _explain_scatter(
     dim: int,
     root: str | None,
 ) -> Explanation:
-    cuts = _Cuts([], [], {}, {})
-    problems: list[str | None] = []
     targets = devs if devs is not None else (torch.device("cpu"),)
-    meta_ok = all(d.type == "meta" for d in targets)
-    arrays: list[int] = []
-    for pos, x in enumerate(up):
-        found = _classify(pos, x, plan, dim, root, cuts, meta_ok)
-        if found is _ARRAY:
-            arrays.append(pos)
-            problems.append(None)
-        elif found is not None:
-            # scatter's messages start with the path, which the row already shows
-            path = display_path(plan.node_of(pos), root)
-            problems.append(found[0].removeprefix(f"{path}: "))
-        else:
-            problems.append(None)
+    cuts, found = survey(up, plan, dim, targets)
+    problems: list[str | None] = [p.text if isinstance(p, Problem) else None for p in found]
     if cuts.lengths:
-        for pos in arrays:
-            problems[pos] = (
-                "would be sent whole to every device while the batch is split; convert it with "
-                "torch.as_tensor or mark it broadcast()"
-            )
+        for pos, cut in enumerate(found):
+            if isinstance(cut, Cut) and cut.kind == "array":
+                problems[pos] = (
+                    "would be sent whole to every device while the batch is split; convert it "
+                    "with torch.as_tensor or mark it broadcast()"
+                )
     error = None
     try:
         _validate(up, plan, dim, root, targets)
@@ -183,29 +171,17 @@ def _explain_scatter(
                     problems[p] = problems[p] or (
                         f"batch size {n}, where the other split leaves have {common}"
                     )
-    split_dim = dict(cuts.splits)
-    items = set(cuts.items)
     # Shards made: one per size, or one per device when nothing is split.
     k = None if devs is None else (len(devs) if sizes is None else len(sizes))
     rows = []
-    for pos, x in enumerate(up):
-        node = plan.node_of(pos)
+    for pos, (x, cut) in enumerate(zip(up, found)):
         group = plan.groups[pos]
-        rule: Rule | None = group[2] if group is not None else plan.rules[pos]
-        shown = _scatter_rule(rule, x, dim)
+        rule = group[2] if group is not None else plan.rules[pos]
+        shown = rule.describe() if rule is not None else _default_name(x, dim)
         per_device: tuple[str, ...] | None = None
-        if pos in items:
-            result = f"split_items: {len(x)} item(s) cut like the batch"
-            if sizes is not None:
-                per_device = tuple(f"{s} item(s)" for s in sizes)
-        elif pos in split_dim:
-            d = split_dim[pos]
-            result = f"split along dim {d}: {x.shape[d]} rows"
-            if sizes is not None:
-                shapes = [list(x.shape) for _ in sizes]
-                for shape, s in zip(shapes, sizes):
-                    shape[d] = s
-                per_device = tuple(_shape_text(s) for s in shapes)
+        if isinstance(cut, Cut) and cut.kind in ("split", "items"):
+            shows = rule if rule is not None else Split(cut.dim)
+            result, per_device = cast(ScatterRule, shows).explain(x, cut, sizes)
         elif problems[pos] is not None:
             result = "fails (see problems)"
         else:
@@ -214,7 +190,7 @@ def _explain_scatter(
                 per_device = ("whole",) * k
         rows.append(
             ExplainedLeaf(
-                display_path(node, root),
+                display_path(plan.node_of(pos), root),
                 _value_text(x, group is not None),
                 shown,
                 _why(sources[pos], x, root),
@@ -226,9 +202,7 @@ def _explain_scatter(
     return Explanation("scatter", tuple(rows), devs, sizes, error)
 
 
-def _scatter_rule(rule: Rule | None, x: Any, dim: int) -> str:
-    if rule is not None:
-        return rule.describe()
+def _default_name(x: Any, dim: int) -> str:
     if isinstance(x, Tensor) and x.dim() > 0:
         return "split()" if dim == 0 else f"split(dim={dim})"
     return "broadcast()"
@@ -249,10 +223,10 @@ def _explain_gather(
     rows = []
     for pos, x in enumerate(up):
         group = plan.groups[pos]
-        rule: Rule | None = group[2] if group is not None else plan.rules[pos]
+        rule = group[2] if group is not None else plan.rules[pos]
         if rule is None:
-            rule = Cat(dim) if isinstance(x, Tensor) else AsList()
-        result, problem = _becomes(rule, x, k)
+            rule = default_rule(x, dim)[0]
+        result, problem = cast(GatherRule, rule).becomes(x, k)
         rows.append(
             ExplainedLeaf(
                 display_path(plan.node_of(pos), root),
@@ -265,60 +239,3 @@ def _explain_gather(
             )
         )
     return Explanation("gather", tuple(rows), devs)
-
-
-def _becomes(rule: Rule, x: Any, k: int | None) -> tuple[str, str | None]:
-    """What ``k`` replicas' values like ``x`` become under ``rule`` (text), and a problem."""
-    kk = "k" if k is None else str(k)
-    name = rule.describe()
-    if isinstance(rule, AsList):
-        return f"list of {kk} per-replica values", None
-    if isinstance(rule, First):
-        return "replica 0's value" + (
-            " (checked equal in every replica)" if rule.check else ""
-        ), None
-    if isinstance(rule, CatItems):
-        if not isinstance(x, (list, tuple)):
-            return "-", f"{name} needs a list or tuple, got {type(x).__qualname__}"
-        n = f"{k * len(x)}" if k is not None else f"k*{len(x)}"
-        return f"{type(x).__qualname__} of {n} item(s) (if every replica has {len(x)})", None
-    if isinstance(rule, Custom):
-        return f"what {getattr(rule.fn, '__qualname__', rule.fn)!s} returns", None
-    if isinstance(rule, (Mean, Sum)):
-        if isinstance(x, Tensor):
-            dtype = x.dtype
-            if isinstance(rule, Mean) and not (x.is_floating_point() or x.is_complex()):
-                dtype = torch.get_default_dtype()
-            weighted = " (weighted by sizes when given)" if isinstance(rule, Mean) else ""
-            return f"Tensor{_shape_text(list(x.shape))} {_dtype(dtype)}{weighted}", None
-        if isinstance(x, (int, float, complex)) and not isinstance(x, bool):
-            return ("float" if isinstance(rule, Mean) else type(x).__qualname__), None
-        return "-", f"{name} needs a tensor or a number, got {type(x).__qualname__}"
-    if not isinstance(x, Tensor):
-        return "-", f"{name} needs a tensor, got {type(x).__qualname__}"
-    shape: list[Any] = list(x.shape)
-    nd = len(shape)
-    if isinstance(rule, Cat):
-        if nd == 0:
-            return f"Tensor({kk},) {_dtype(x.dtype)} (0-dim values stacked)", None
-        if not -nd <= rule.dim < nd:
-            return "-", f"{name}: dim {rule.dim} is out of range for {nd}-dim tensors"
-        d = rule.dim % nd
-        shape[d] = _times(shape[d], k)
-        return f"Tensor{_shape_text(shape)} {_dtype(x.dtype)} (if every replica is alike)", None
-    if isinstance(rule, Stack):
-        if not -(nd + 1) <= rule.dim <= nd:
-            return "-", f"{name}: dim {rule.dim} is out of range for {nd}-dim tensors"
-        shape.insert(rule.dim % (nd + 1), kk)
-        return f"Tensor{_shape_text(shape)} {_dtype(x.dtype)}", None
-    if isinstance(rule, Pad):
-        if nd == 0 or not -nd <= rule.dim < nd:
-            return "-", f"{name} needs tensors of at least {max(1, rule.dim + 1)} dim(s)"
-        d = rule.dim % nd
-        shape[d] = _times(shape[d], k)
-        data = f"Tensor{_shape_text(shape)} {_dtype(x.dtype)}"
-        others = " (other dims padded to the largest replica)"
-        if rule.lengths:
-            return f"Padded(data={data}, lengths=Tensor({kk}, {nd}) int64){others}", None
-        return data + others, None
-    return "-", f"{name} is not a gather rule"

@@ -19,10 +19,9 @@ import optree
 import torch
 
 from .._caches import typed_key
-from .._combine import _pad
 from .._errors import LayoutError, LeafTypeError, ShapeMismatchError
 from .._layout import by_path, display_path
-from .._rules import Pad
+from .._rules import Combining, Pad
 from .._tree import NAMESPACE, flatten, nodes
 from ._jactorch_spec import (
     _WITH_LENGTH,
@@ -184,11 +183,12 @@ class _LengthRule:
         self._check(values)
         kind = self.spec.type
         rule = Pad(0, self.spec.fill)
+        ctx = Combining(device, True, None, 0)
         if kind == "concat":  # equal sizes after dim 0: the core's pad is a plain concatenation
-            data = _pad(rule, tuple(values), device)
+            data = rule.combine(tuple(values), ctx)
             lengths = [[v.shape[0]] for v in values]
         else:
-            data = _pad(rule, tuple(v.unsqueeze(0) for v in values), device).flatten(0, 1)
+            data = rule.combine(tuple(v.unsqueeze(0) for v in values), ctx).flatten(0, 1)
             axes = {"pad": (0,), "pad2d": (0, 1), "padimage": (1, 2)}[kind]
             lengths = [[v.shape[a] for a in axes] for v in values]
         # On the CPU, as the seed's torch.LongTensor (pack_padded_sequence wants CPU lengths).
