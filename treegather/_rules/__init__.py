@@ -2,10 +2,10 @@
 
 A rule is a small frozen object whose class owns its meaning (:mod:`.base`). Scatter rules
 (:mod:`.scatter`: :func:`split`, :func:`broadcast`, :func:`split_items`) say how an input is
-divided over devices; gather rules say how per-replica outputs become one: leaf by leaf
-(:mod:`.leafwise`: :func:`cat`, :func:`stack`, :func:`mean`, :func:`sum`, :func:`pad`) or taking a
-subtree whole (:mod:`.whole`: :func:`as_list`, :func:`first`, :func:`cat_items`, any callable
-``f(values, device)``).
+divided over devices; gather rules say how per-replica outputs become one, leaf by leaf
+(:mod:`.leafwise`: :func:`cat`, :func:`stack`, :func:`pad`; :mod:`.reductions`: :func:`mean`,
+:func:`sum`) or taking a subtree whole (:mod:`.whole`: :func:`as_list`, :func:`first`,
+:func:`cat_items`, any callable ``f(values, device)``).
 """
 
 from __future__ import annotations
@@ -24,21 +24,8 @@ from .base import (
     rule_named,
     to_rule,
 )
-from .leafwise import (
-    Cat,
-    LeafRule,
-    Mean,
-    Pad,
-    Padded,
-    Stack,
-    Sum,
-    cat,
-    fill_fits,
-    mean,
-    pad,
-    stack,
-    sum,
-)
+from .leafwise import Cat, LeafRule, Pad, Padded, Stack, cat, fill_fits, pad, stack
+from .reductions import Mean, Sum, mean, sum
 from .scatter import Broadcast, Split, SplitItems, broadcast, default_cut, split, split_items
 from .whole import (
     LEAF_AS_LIST,
