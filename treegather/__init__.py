@@ -50,7 +50,8 @@ from ._rules import (
     stack,
     sum,
 )
-from ._scatter import Shards, scatter, scatter_kwargs
+from ._scatter import scatter, scatter_kwargs
+from ._shards import Shards
 from ._tree import NAMESPACE, register_dataclass, register_node
 
 __version__ = "0.1.0.dev0"

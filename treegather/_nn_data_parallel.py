@@ -20,7 +20,8 @@ from ._devices import DeviceLike, as_device, as_devices
 from ._gather import gather
 from ._kept import Kept, give_back
 from ._replicate import replicate
-from ._scatter import Shards, scatter_kwargs
+from ._scatter import scatter_kwargs
+from ._shards import Shards
 from ._step import _check_module_device, _replicas_for_step, _trim_unsplit
 
 __all__ = ["DataParallel", "patch"]

@@ -8,15 +8,17 @@ every leaf, cut, place on devices. The public :func:`scatter` asks the compiled 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from . import _compiled
+from ._caches import FAST_PATHS
 from ._devices import DeviceLike, as_devices
 from ._errors import EXPLAIN_POINTER, BatchSizeError, LeafTypeError, bullet_list, check_dim
 from ._layout import Plan, display_path, resolve
 from ._rules import Cut, Problem, default_cut
+from ._shards import Shards, balanced
 from ._tree import INPUT_AND_KWARGS, describe, flatten, move_tree
 
 __all__ = [
@@ -31,32 +33,6 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-
-
-class Shards(list[Any]):
-    """The per-device trees :func:`scatter` returns: a list, plus what gather needs to know.
-
-    Attributes:
-        sizes: rows in each shard (``None`` when nothing was split); pass them to
-            :func:`gather` so that :func:`mean` is weighted exactly.
-        devices: the device of each shard, in order.
-    """
-
-    sizes: tuple[int, ...] | None
-    devices: tuple[torch.device, ...]
-
-    def __init__(
-        self,
-        trees: Sequence[Any] = (),
-        sizes: tuple[int, ...] | None = None,
-        devices: tuple[torch.device, ...] = (),
-    ) -> None:
-        super().__init__(trees)
-        self.sizes = sizes
-        self.devices = devices
-
-    def __repr__(self) -> str:
-        return f"Shards({list.__repr__(self)}, sizes={self.sizes}, devices={list(map(str, self.devices))})"
 
 
 def scatter(
@@ -94,9 +70,7 @@ def scatter(
     >>> [s["x"].tolist() for s in shards], shards.sizes, shards[3]["scale"]
     ([[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]], (3, 3, 2, 2), 2.0)
     """
-    return _compiled.scatter(
-        inputs, as_devices(devices), layout, check_dim(dim, "scatter"), "inputs"
-    )
+    return _scatter(inputs, as_devices(devices), layout, check_dim(dim, "scatter"), "inputs")
 
 
 def scatter_kwargs(
@@ -125,7 +99,7 @@ def scatter_kwargs(
         args = tuple(args)
     kw = {} if kwargs is None else dict(kwargs)
     dim = check_dim(dim, "scatter_kwargs")
-    shards = _compiled.scatter((args, kw), as_devices(devices), layout, dim, None)
+    shards = _scatter((args, kw), as_devices(devices), layout, dim, None)
     return (
         Shards([s[0] for s in shards], shards.sizes, shards.devices),
         Shards([s[1] for s in shards], shards.sizes, shards.devices),
@@ -154,7 +128,7 @@ def scatter_call(
     ([['a', 'b'], ['c', 'd']], Shards([{}, {}], sizes=(2, 2), devices=['cpu', 'cpu']))
     """
     tree, root = call_tree(inputs, kwargs)
-    shards = _compiled.scatter(tree, devs, layout, dim, root)
+    shards = _scatter(tree, devs, layout, dim, root)
     if root is None:
         return (
             Shards([s[0] for s in shards], shards.sizes, shards.devices),
@@ -175,14 +149,20 @@ def call_tree(inputs: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, str |
     return (inputs, kw), INPUT_AND_KWARGS
 
 
-def balanced(n: int, k: int) -> tuple[int, ...]:
-    """Rows per shard when ``n`` rows are split ``k`` ways, in ``torch.tensor_split`` order.
-
-    >>> balanced(10, 4)
-    (3, 3, 2, 2)
-    """
-    base, extra = divmod(n, k)
-    return (base + 1,) * extra + (base,) * (k - extra)
+def _scatter(
+    inputs: Any, devs: tuple[torch.device, ...], layout: Any, dim: int, root: str | None
+) -> Shards:
+    """The scatter step (arguments checked): the compiled layer does it, for a structure it
+    has seen, or declines with what it found (the leaves and the plan), and :func:`place`
+    does the rest; with every fast path off (:func:`treegather._caches.reference_only`), the
+    reference steps alone."""
+    if not FAST_PATHS.on:
+        return scatter_reference(inputs, devs, layout, dim, root)
+    done = _compiled.scatter(inputs, devs, layout, dim, root)
+    if type(done) is Shards:
+        return done
+    known = cast(_compiled.Known, done)
+    return place(inputs, cast(list, known.leaves), cast(Plan, known.plan), devs, dim, root)
 
 
 def scatter_reference(

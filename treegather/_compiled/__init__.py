@@ -24,20 +24,19 @@ from __future__ import annotations
 
 import operator
 from itertools import chain, repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from .. import _gather as _g
-from .. import _scatter as _s
-from .._caches import FAST_PATHS
 from .._devices import accelerator_tensors_possible
-from .._layout import resolve
+from .._layout import Plan, resolve
+from .._rules import ROOT
+from .._shards import Shards, balanced
 from .._tree import flatten as _flatten
 from .structure import COMPILE_AFTER, Structure, find_columns, recognise
 from .transfer import coalesced_to
 
-__all__ = ["COMPILE_AFTER", "Structure", "gather", "recognise", "scatter"]
+__all__ = ["COMPILE_AFTER", "DECLINED", "Known", "Structure", "gather", "recognise", "scatter"]
 
 Tensor = torch.Tensor
 
@@ -55,28 +54,40 @@ _GATHER = "gather"  # the phase
 # --------------------------------------------------------------------------------- scatter
 
 
+class Known(NamedTuple):
+    """The compiled layer declined the whole step, and says what it found on the way: the
+    tree's leaves (gather: replica 0's) and the plan, and for gather every replica's leaves by
+    position when it read them. ``plan`` is ``None`` when it found nothing to go on."""
+
+    leaves: list[Any] | None
+    plan: Plan | None
+    columns: list[tuple[Any, ...]] | None = None
+
+
+DECLINED = Known(None, None)
+
+
 def scatter(
     inputs: Any, devs: tuple[torch.device, ...], layout: Any, dim: int, root: str | None
-) -> Any:
-    """:func:`treegather.scatter` for a structure seen before; the reference steps otherwise."""
-    if not FAST_PATHS.on:
-        return _s.scatter_reference(inputs, devs, layout, dim, root)
+) -> Shards | Known:
+    """The whole scatter step for the per-step case (default rules, every leaf a tensor with
+    one batch size, devices of one kind); otherwise the input's leaves and plan, for
+    :func:`treegather._scatter.place` to finish with."""
     leaves, st, spec = recognise(inputs, root)
     if st is None:
-        plan = resolve(spec, layout, "scatter", dim, root)
-    else:
-        plan = st.plan(layout, "scatter", dim, root, leaves, spec)[0]  # type: ignore[index]
-        if plan.default_only:
-            kinds = [d.type for d in devs]
-            if kinds.count("cpu") == len(devs):
-                fast = _scatter_cpu_tensors(leaves, st, devs, dim, spec=spec)
-            elif kinds.count("cuda") == len(devs):  # a CPU batch to the GPUs: coalesced copies
-                fast = _scatter_cpu_tensors(leaves, st, devs, dim, move=True, spec=spec)
-            else:
-                fast = None
-            if fast is not None:
-                return fast
-    return _s.place(inputs, leaves, plan, devs, dim, root)
+        return Known(leaves, resolve(spec, layout, "scatter", dim, root))
+    plan = st.plan(layout, "scatter", dim, root, leaves, spec)[0]  # type: ignore[index]
+    if plan.default_only:
+        kinds = [d.type for d in devs]
+        if kinds.count("cpu") == len(devs):
+            fast = _scatter_cpu_tensors(leaves, st, devs, dim, spec=spec)
+        elif kinds.count("cuda") == len(devs):  # a CPU batch to the GPUs: coalesced copies
+            fast = _scatter_cpu_tensors(leaves, st, devs, dim, move=True, spec=spec)
+        else:
+            fast = None
+        if fast is not None:
+            return fast
+    return Known(leaves, plan)
 
 
 def _scatter_cpu_tensors(
@@ -86,7 +97,7 @@ def _scatter_cpu_tensors(
     dim: int,
     move: bool = False,
     spec: Any = None,
-) -> _s.Shards | None:
+) -> Shards | None:
     """Default rules, every leaf a CPU tensor of >= 1 dim with one batch size: split in C;
     with ``move``, each device's pieces are then copied there with :func:`coalesced_to` (one
     copy per dtype for the small ones). The trees are built with ``spec``'s containers (the
@@ -129,7 +140,7 @@ def _scatter_cpu_tensors(
     else:
         unflatten = spec.unflatten
         trees = [unflatten(c) for c in zip(*columns)]
-    return _s.Shards(trees, _s.balanced(n, k), devs[:k])
+    return Shards(trees, balanced(n, k), devs[:k])
 
 
 # ---------------------------------------------------------------------------------- gather
@@ -142,20 +153,19 @@ def gather(
     dim: int,
     sizes: tuple[int, ...] | None,
 ) -> Any:
-    """:func:`treegather.gather` for a structure seen before; the reference steps otherwise."""
-    if not FAST_PATHS.on:
-        return _g.gather_reference(outputs, target, layout, dim, sizes)
+    """The whole gather step for the per-step case (default rules, every leaf a CPU tensor, or
+    one on a GPU gathered to the host); otherwise :class:`Known` (replica 0's leaves and the
+    plan, and the columns when every replica had the structure), for the reference steps to
+    finish with, or :data:`DECLINED`."""
     found = find_columns(outputs)
     if found is not None:
-        return _gather_seen(found[0], outputs, found[1], found[2], target, layout, dim, sizes)
+        return _gather_seen(found[0], outputs, found[1], found[2], target, layout, dim)
     # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
-    # mismatch), or a structure not seen before: the reference steps.
-    leaves0, seen, spec0 = recognise(outputs[0], _g.ROOT)
+    # mismatch), or a structure not seen before: replica 0's leaves and the plan.
+    leaves0, seen, spec0 = recognise(outputs[0], ROOT)
     if seen is None:
-        plan = resolve(spec0, layout, _GATHER, dim, _g.ROOT)
-    else:
-        plan = seen.plan(layout, _GATHER, dim, _g.ROOT, leaves0, spec0)[0]  # type: ignore[index]
-    return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
+        return Known(leaves0, resolve(spec0, layout, _GATHER, dim, ROOT))
+    return Known(leaves0, seen.plan(layout, _GATHER, dim, ROOT, leaves0, spec0)[0])  # type: ignore[index]
 
 
 def _gather_seen(
@@ -166,30 +176,27 @@ def _gather_seen(
     target: torch.device,
     layout: Any,
     dim: int,
-    sizes: tuple[int, ...] | None,
 ) -> Any:
     """Every replica has ``st``'s structure; ``columns[i]`` holds leaf i of each replica, and
     ``same_dtypes`` says each column was found to have one dtype.
 
     The result is rebuilt with ``st.spec``'s containers when ``st`` is exact, else with replica
     0's own structure (its dict keys and static fields), as the reference does."""
-    spec0 = st.spec if st.exact else _flatten(outputs[0], _g.ROOT)[1]
-    found = st.cached_plan(layout, _GATHER, dim, _g.ROOT, spec0)
+    spec0 = st.spec if st.exact else _flatten(outputs[0], ROOT)[1]
+    found = st.cached_plan(layout, _GATHER, dim, ROOT, spec0)
     if found is None:
-        found = st.plan(layout, _GATHER, dim, _g.ROOT, list(map(_FIRST, columns)), spec0)
+        found = st.plan(layout, _GATHER, dim, ROOT, list(map(_FIRST, columns)), spec0)
         if found is None:
-            return _g.gather_reference(outputs, target, layout, dim, sizes)
+            return DECLINED
     plan, per_step = found
-    rebuild = st.rebuild if spec0 is st.spec else spec0.unflatten
     if plan.up_spec is not spec0:  # whole-value groups: the reference steps take them
         row0 = list(map(_FIRST, columns))
-        if not st.leaves_ok(row0):
-            return _g.gather_reference(outputs, target, layout, dim, sizes)
-        return _g.gather_from(outputs, row0, plan, target, dim, sizes)
+        return Known(row0, plan) if st.leaves_ok(row0) else DECLINED
     if per_step and target.type == "cpu":
         # The per-step case: default rules, all tensors (replica 0's, when the plan was made).
         # torch.cat refuses anything but tensors and mismatched shapes; then the reference
-        # steps below explain the problem.
+        # steps explain the problem.
+        rebuild = st.rebuild if spec0 is st.spec else spec0.unflatten
         try:
             # One dtype per leaf across replicas (torch.cat would promote silently); a value
             # without a dtype (a subtree or None where a leaf should be) stops here.
@@ -207,10 +214,10 @@ def _gather_seen(
                 elif accelerator_tensors_possible():  # replicas on GPUs
                     return rebuild(_cat_on_host(columns, target, dim))
         except (TypeError, RuntimeError, AttributeError, IndexError):
-            pass  # the reference steps below explain it
+            pass  # the reference steps explain it
     if not st.leaves_ok(list(chain.from_iterable(columns))):  # a subtree where a leaf is
-        return _g.gather_reference(outputs, target, layout, dim, sizes)
-    return _g.combine(outputs, columns, plan, target, dim, sizes)
+        return DECLINED
+    return Known(None, plan, columns)
 
 
 def _one_dtype_per_leaf(columns: list[tuple[Any, ...]], k: int) -> bool:

@@ -20,7 +20,8 @@ from .._gather import gather
 from .._kept import give_back, reusable, take
 from .._nn_data_parallel import DataParallel
 from .._rules import broadcast
-from .._scatter import Shards, scatter
+from .._scatter import scatter
+from .._shards import Shards
 from .._tree import NAMESPACE
 from ._jactorch_layout import (
     DataLayout,
