@@ -28,12 +28,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._devices import accelerator_tensors_possible
+from .._devices import accelerator_tensors_possible, kind
 from .._layout import Plan, resolve
 from .._rules import ROOT
 from .._shards import Shards, balanced
 from .._tree import flatten as _flatten
-from .structure import COMPILE_AFTER, Structure, find_columns, recognise
+from .structure import COMPILE_AFTER, Structure, find, find_columns, recognise
 from .transfer import coalesced_to
 
 __all__ = ["COMPILE_AFTER", "DECLINED", "Known", "Structure", "gather", "recognise", "scatter"]
@@ -73,15 +73,29 @@ def scatter(
     """The whole scatter step for the per-step case (default rules, every leaf a tensor with
     one batch size, devices of one kind); otherwise the input's leaves and plan, for
     :func:`treegather._scatter.place` to finish with."""
-    leaves, st, spec = recognise(inputs, root)
-    if st is None:
-        return Known(leaves, resolve(spec, layout, "scatter", dim, root))
+    found = find(inputs)
+    if found is None:  # a structure not seen before (or not this one): the plain flatten
+        leaves, st, spec = recognise(inputs, root)
+        if st is None:
+            return Known(leaves, resolve(spec, layout, "scatter", dim, root))
+        tensors = False
+    else:
+        st, leaves = found
+        types = list(map(type, leaves))
+        tensors = types.count(Tensor) == len(types)
+        if not tensors and not st.types_ok(types, leaves):  # a subtree where a leaf is
+            leaves, spec = _flatten(inputs, root)
+            return Known(leaves, resolve(spec, layout, "scatter", dim, root))
+        st.seen()
+        spec = st.spec
+        if not st.exact:  # results are rebuilt from this tree's own structure
+            leaves, spec = _flatten(inputs, root)
     plan = st.plan(layout, "scatter", dim, root, leaves, spec)[0]  # type: ignore[index]
-    if plan.default_only:
-        kinds = [d.type for d in devs]
-        if kinds.count("cpu") == len(devs):
+    if plan.default_only and tensors:
+        devices = kind(devs)
+        if devices == "cpu":
             fast = _scatter_cpu_tensors(leaves, st, devs, dim, spec=spec)
-        elif kinds.count("cuda") == len(devs):  # a CPU batch to the GPUs: coalesced copies
+        elif devices == "cuda":  # a CPU batch to the GPUs: coalesced copies
             fast = _scatter_cpu_tensors(leaves, st, devs, dim, move=True, spec=spec)
         else:
             fast = None
@@ -105,10 +119,8 @@ def _scatter_cpu_tensors(
 
     ``None`` (not applicable) for anything else: the reference steps handle and report it.
     """
-    count = len(leaves)
-    if not count or list(map(type, leaves)).count(Tensor) != count:
-        return None
-    if not all(map(_IS_CPU, leaves)):  # (a meta tensor is not on the CPU either)
+    count = len(leaves)  # (every leaf a Tensor: the caller checked)
+    if not count or not all(map(_IS_CPU, leaves)):  # (a meta tensor is not on the CPU either)
         return None
     try:
         if dim == 0 and _TENSOR_LEN is not None:
