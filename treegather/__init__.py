@@ -30,7 +30,7 @@ from ._errors import (
     UninitializedModuleError,
 )
 from ._explain import explain
-from ._explanation import ExplainedLeaf, Explanation
+from ._explain.table import ExplainedLeaf, Explanation
 from ._gather import gather
 from ._layout import ByPath, by_path
 from ._nn_data_parallel import DataParallel, patch

@@ -43,6 +43,8 @@ __all__ = [
     "format_path",
     "display_path",
     "describe",
+    "dtype_text",
+    "shape_text",
     "move_tree",
 ]
 
@@ -616,6 +618,20 @@ def format_path(root: str, path: Sequence[tuple[Any, str]]) -> str:
         else:
             parts.append(f"[{safe_repr(entry)}]")
     return "".join(parts)
+
+
+def shape_text(shape: Sequence[Any]) -> str:
+    """A shape as tables and messages write it: ``(3,)``, ``(2, 4)``, ``()``.
+
+    >>> shape_text([3]), shape_text([2, "k*4"]), shape_text([])
+    ('(3,)', '(2, k*4)', '()')
+    """
+    return f"({shape[0]},)" if len(shape) == 1 else "(" + ", ".join(map(str, shape)) + ")"
+
+
+def dtype_text(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def describe(value: Any) -> str:

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from .._errors import safe_repr
-from .._tree import describe
+from .._tree import describe, dtype_text, shape_text
 from .base import Combining, GatherRule, Problem, by_replica, constructor, is_number
 
 __all__ = [
@@ -54,14 +54,6 @@ def one_dtype(col: Sequence[Tensor]) -> None:
 def to_target(values: Sequence[Tensor], target: torch.device) -> list[Tensor]:
     nb = target.type == "cuda"
     return [v if v.device == target else v.to(target, non_blocking=nb) for v in values]
-
-
-def _dtype_text(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _shape_text(shape: Sequence[Any]) -> str:
-    return f"({shape[0]},)" if len(shape) == 1 else "(" + ", ".join(map(str, shape)) + ")"
 
 
 def _times(n: int, k: int | None) -> int | str:
@@ -163,12 +155,12 @@ class Cat(LeafRule, name="cat"):
         nd = len(shape)
         if nd == 0:
             kk = "k" if k is None else str(k)
-            return f"Tensor({kk},) {_dtype_text(x.dtype)} (0-dim values stacked)", None
+            return f"Tensor({kk},) {dtype_text(x.dtype)} (0-dim values stacked)", None
         if not -nd <= self.dim < nd:
             return "-", f"{self.describe()}: dim {self.dim} is out of range for {nd}-dim tensors"
         shape[self.dim % nd] = _times(shape[self.dim % nd], k)
         return (
-            f"Tensor{_shape_text(shape)} {_dtype_text(x.dtype)} (if every replica is alike)",
+            f"Tensor{shape_text(shape)} {dtype_text(x.dtype)} (if every replica is alike)",
             None,
         )
 
@@ -221,7 +213,7 @@ class Stack(LeafRule, name="stack"):
         if not -(nd + 1) <= self.dim <= nd:
             return "-", f"{self.describe()}: dim {self.dim} is out of range for {nd}-dim tensors"
         shape.insert(self.dim % (nd + 1), "k" if k is None else str(k))
-        return f"Tensor{_shape_text(shape)} {_dtype_text(x.dtype)}", None
+        return f"Tensor{shape_text(shape)} {dtype_text(x.dtype)}", None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +281,7 @@ class Pad(LeafRule, name="pad"):
         if nd == 0 or not -nd <= self.dim < nd:
             return "-", f"{self.describe()} needs tensors of at least {max(1, self.dim + 1)} dim(s)"
         shape[self.dim % nd] = _times(shape[self.dim % nd], k)
-        data = f"Tensor{_shape_text(shape)} {_dtype_text(x.dtype)}"
+        data = f"Tensor{shape_text(shape)} {dtype_text(x.dtype)}"
         others = " (other dims padded to the largest replica)"
         if self.lengths:
             kk = "k" if k is None else str(k)

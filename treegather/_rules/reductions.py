@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from .._tree import dtype_text, shape_text
 from .base import Combining, Problem, by_replica, constructor, is_number
-from .leafwise import LeafRule, _dtype_text, _shape_text, one_dtype, to_target
+from .leafwise import LeafRule, one_dtype, to_target
 
 __all__ = ["Mean", "Sum", "mean", "sum"]
 
@@ -39,7 +40,7 @@ class _Reduction(LeafRule):
             if mean and not (x.is_floating_point() or x.is_complex()):
                 dtype = torch.get_default_dtype()
             weighted = " (weighted by sizes when given)" if mean else ""
-            return f"Tensor{_shape_text(list(x.shape))} {_dtype_text(dtype)}{weighted}", None
+            return f"Tensor{shape_text(list(x.shape))} {dtype_text(dtype)}{weighted}", None
         if is_number(x):
             return ("float" if mean else type(x).__qualname__), None
         return "-", f"{self.describe()} needs a tensor or a number, got {type(x).__qualname__}"

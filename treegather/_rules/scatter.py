@@ -17,16 +17,12 @@ from typing import Any
 
 import torch
 
-from .._tree import Opaque, describe
+from .._tree import Opaque, describe, shape_text
 from .base import WHOLE, Cut, Problem, ScatterRule, constructor
 
 __all__ = ["Broadcast", "Split", "SplitItems", "broadcast", "default_cut", "split", "split_items"]
 
 Tensor = torch.Tensor
-
-
-def _shape_text(shape: Sequence[Any]) -> str:
-    return f"({shape[0]},)" if len(shape) == 1 else "(" + ", ".join(map(str, shape)) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +55,7 @@ class Split(ScatterRule, name="split"):
         shapes = [list(x.shape) for _ in sizes]
         for shape, s in zip(shapes, sizes):
             shape[cut.dim] = s
-        return result, tuple(_shape_text(s) for s in shapes)
+        return result, tuple(shape_text(s) for s in shapes)
 
 
 def _split_cut(x: Tensor, d: int, sizes: tuple[int, ...] | None = None) -> Cut | Problem:

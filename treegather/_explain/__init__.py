@@ -4,8 +4,7 @@
 (:func:`treegather._layout.resolve_sources`, which also says *why* each leaf got its rule),
 classifies each scatter position with scatter's own first pass (nothing is split or moved), and
 works out the per-device sizes and gathered shapes arithmetically. The rows it returns, and
-their rendering, are :mod:`treegather._explanation`'s; the text of each cell comes from
-:mod:`treegather._explain_text`.
+their rendering, are :mod:`.table`'s; the text of each cell comes from :mod:`.text`.
 """
 
 from __future__ import annotations
@@ -16,15 +15,15 @@ from typing import Any, cast
 
 import torch
 
-from ._devices import DeviceLike, as_devices
-from ._errors import BatchSizeError, LayoutError, LeafTypeError, safe_repr
-from ._explain_text import _strip, _value_text, _why
-from ._explanation import ExplainedLeaf, Explanation
-from ._layout import EXPLAIN_POINTER, Plan, RuleSource, display_path
-from ._layout import resolve_sources as _resolve_sources
-from ._rules import Cut, GatherRule, Problem, ScatterRule, Split, default_rule
-from ._scatter import _shard_sizes, _validate, call_tree, survey
-from ._tree import flatten
+from .._devices import DeviceLike, as_devices
+from .._errors import BatchSizeError, LayoutError, LeafTypeError, safe_repr
+from .._layout import EXPLAIN_POINTER, Plan, RuleSource, display_path
+from .._layout import resolve_sources as _resolve_sources
+from .._rules import Cut, GatherRule, Problem, ScatterRule, Split, default_rule
+from .._scatter import _shard_sizes, _validate, call_tree, survey
+from .._tree import flatten
+from .table import ExplainedLeaf, Explanation
+from .text import _strip, _value_text, _why
 
 __all__ = ["explain"]
 

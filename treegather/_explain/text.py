@@ -1,20 +1,19 @@
 """Text for explain's tables: shapes, values, dtypes, devices and why a leaf got its rule.
 
-Small formatting helpers shared by :mod:`treegather._explain` (which works out each row) and
-:mod:`treegather._explanation` (which renders the rows as a table).
+Small formatting helpers shared by :mod:`treegather._explain` (which works out each row) and :mod:`.table` (which renders the
+rows as a table).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import optree
 import torch
 
-from ._errors import safe_repr
-from ._layout import EXPLAIN_POINTER, RuleSource, describe_source
-from ._tree import NAMESPACE
+from .._errors import safe_repr
+from .._layout import EXPLAIN_POINTER, RuleSource, describe_source
+from .._tree import NAMESPACE, dtype_text, shape_text
 
 Tensor = torch.Tensor
 
@@ -24,24 +23,10 @@ def _strip(text: str) -> str:
     return text.removesuffix("\n" + EXPLAIN_POINTER)
 
 
-def _times(n: int, k: int | None) -> int | str:
-    return n * k if k is not None else f"k*{n}"
-
-
-def _shape_text(shape: Sequence[Any]) -> str:
-    if len(shape) == 1:
-        return f"({shape[0]},)"
-    return "(" + ", ".join(str(s) for s in shape) + ")"
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _value_text(x: Any, whole: bool) -> str:
     if isinstance(x, Tensor):
         where = "" if x.device.type == "cpu" else f" on {x.device}"
-        return f"Tensor{_shape_text(list(x.shape))} {_dtype(x.dtype)}{where}"
+        return f"Tensor{shape_text(list(x.shape))} {dtype_text(x.dtype)}{where}"
     if whole and x is not None:
         try:
             children = optree.tree_flatten_one_level(x, namespace=NAMESPACE)[0]

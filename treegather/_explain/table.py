@@ -13,7 +13,7 @@ from typing import overload
 
 import torch
 
-from ._explain_text import _compress, _devices_text
+from .text import _compress, _devices_text
 
 __all__ = ["Explanation", "ExplainedLeaf"]
 
