@@ -479,7 +479,7 @@ def test_v2_dotted_seed_key_names_a_dotted_key_and_a_nested_one_alike() -> None:
 
 
 def test_v2_translation_is_exact_paths_with_no_glob_escaping_and_no_cache() -> None:
-    from treegather.compat import _jactorch_layout as impl
+    from treegather.compat.jactorch import layout as impl
 
     for gone in ("translate", "_escape", "_check_dotted_keys", "_CACHE"):
         assert not hasattr(impl, gone), gone

@@ -2,7 +2,7 @@
 
 Same names and signatures as the seed. :func:`dict_gather_v1` is :func:`treegather.gather`
 with its default rules; :func:`dict_gather_v2` turns the seed's layout into treegather rules
-(see :mod:`treegather.compat._jactorch_layout`). Unlike the seed, replicas whose outputs
+(see :mod:`treegather.compat.jactorch.layout`). Unlike the seed, replicas whose outputs
 differ in length or keys raise :class:`treegather.StructureMismatchError` instead of being
 truncated, and everything runs on the CPU too.
 """
@@ -15,15 +15,15 @@ from typing import Any
 import optree
 import torch
 
-from .._devices import DeviceLike, as_device, as_devices
-from .._gather import gather
-from .._kept import give_back, reusable, take
-from .._nn_data_parallel import DataParallel
-from .._rules import broadcast
-from .._scatter import scatter
-from .._shards import Shards
-from .._tree import NAMESPACE
-from ._jactorch_layout import (
+from ..._devices import DeviceLike, as_device, as_devices
+from ..._gather import gather
+from ..._kept import give_back, reusable, take
+from ..._nn_data_parallel import DataParallel
+from ..._rules import broadcast
+from ..._scatter import scatter
+from ..._shards import Shards
+from ..._tree import NAMESPACE
+from .layout import (
     DataLayout,
     DataLayoutSpec,
     LayoutLike,

@@ -18,12 +18,12 @@ from typing import Any, cast
 import optree
 import torch
 
-from .._caches import typed_key
-from .._errors import LayoutError, LeafTypeError, ShapeMismatchError
-from .._layout import by_path, display_path
-from .._rules import Combining, Pad
-from .._tree import NAMESPACE, flatten, nodes
-from ._jactorch_spec import (
+from ..._caches import typed_key
+from ..._errors import LayoutError, LeafTypeError, ShapeMismatchError
+from ..._layout import by_path, display_path
+from ..._rules import Combining, Pad
+from ..._tree import NAMESPACE, flatten, nodes
+from .spec import (
     _WITH_LENGTH,
     DataLayout,
     DataLayoutSpec,

@@ -1,6 +1,6 @@
 """The seed's layout specs (jactorch.data.layout): ``DataLayoutSpec``, its constructors
 (``skip``, ``stack``, ``concat``, ``pad``, ``pad2d``, ``padimage``) and ``DataLayout``, the
-mapping of dotted keys to specs. :mod:`treegather.compat._jactorch_layout` translates them into
+mapping of dotted keys to specs. :mod:`treegather.compat.jactorch.layout` translates them into
 treegather gather rules.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .._errors import LayoutError
+from ..._errors import LayoutError
 
 __all__ = [
     "DataLayout",
