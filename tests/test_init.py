@@ -45,7 +45,7 @@ def test_every_public_name_is_documented(name: str) -> None:
         assert own and own.strip(), f"treegather.{name} has no docstring of its own"
         return
     # A constant: documented by a string literal after its assignment in some module.
-    docs = [_assigned_docstring(p, name) for p in (ROOT / "treegather").glob("_*.py")]
+    docs = [_assigned_docstring(p, name) for p in (ROOT / "treegather").rglob("*.py")]
     assert any(docs), f"treegather.{name} has no attribute docstring"
 
 

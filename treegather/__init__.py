@@ -13,6 +13,7 @@ stack, mean, sum, pad, as_list, first, cat_items or any callable on the way out.
 
 from __future__ import annotations
 
+from . import _transformers  # noqa: F401  (registers transformers' caches once it is in use)
 from ._apply import parallel_apply, parallel_apply_async
 from ._caches import clear_caches
 from ._data_parallel import data_parallel
