@@ -14,10 +14,10 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from ._caches import typed_key
-from ._errors import ArgumentTypeError, LayoutError, bullet_list, layout_error, safe_repr
-from ._rules import Rule, to_rule
-from ._tree import INPUT_AND_KWARGS, Node, display_path, is_call_root
+from .._caches import typed_key
+from .._errors import ArgumentTypeError, LayoutError, bullet_list, layout_error, safe_repr
+from .._rules import Rule, to_rule
+from .._tree import INPUT_AND_KWARGS, Node, display_path, is_call_root
 
 __all__ = [
     "PATTERN_LIMIT",
