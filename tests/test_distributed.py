@@ -797,7 +797,7 @@ def _checks_in_mode(rank: int, world: int, fast: bool, tgd: Any) -> dict[Any, An
     results["dim1"] = _capture(lambda: _dim1(rank, world))
     results["same_counts"] = _capture(lambda: _same_counts_checks(rank, world))
     results["alternating"] = _capture(lambda: _alternating(rank, world))
-    results["capacity"] = tgd._dist_group.group(None).state.capacity
+    results["capacity"] = tgd.group.group(None).state.capacity
     sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
     if rank in (0, world - 1):
         results["subgroup"] = _capture(lambda: _subgroup(sub, rank, world))
@@ -1220,21 +1220,21 @@ def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:
     branch that packs where the tensors live, moves the whole payload in one copy and moves the
     received bytes to the target in one copy per rank runs here; on a GPU it is the same code.
     """
-    from treegather import _dist_payload, _wireplan
+    from treegather.distributed import payload, plan
 
     tree = {"x": torch.arange(12.0).view(6, 2), "n": torch.tensor(3), "s": "a", "b": [True]}
-    local = _wireplan.prepare(tree, None, 0, None)
+    local = plan.prepare(tree, None, 0, None)
     assert local is not None
-    stride = _wireplan.padded(local.nbytes)
+    stride = plan.padded(local.nbytes)
     direct = torch.empty(stride, dtype=torch.uint8)
-    assert _dist_payload.send(local, stride, torch.device("cpu"), direct)
+    assert payload.send(local, stride, torch.device("cpu"), direct)
     elsewhere = local._replace(devices=frozenset({torch.device("cpu", 0)}))
     staged = torch.empty(stride, dtype=torch.uint8)
-    assert _dist_payload.send(elsewhere, stride, torch.device("cpu"), staged)
+    assert payload.send(elsewhere, stride, torch.device("cpu"), staged)
     assert torch.equal(direct, staged)
-    payloads = _dist_payload.Payloads(staged, 0, stride)
-    received = _dist_payload.parse(local.plan, payloads, [local.nbytes], torch.device("cpu", 0))
-    assert_tree_equal(_dist_payload.unpack(local.plan, received), tg.gather([tree], "cpu"))
+    payloads = payload.Payloads(staged, 0, stride)
+    received = payload.parse(local.plan, payloads, [local.nbytes], torch.device("cpu", 0))
+    assert_tree_equal(payload.unpack(local.plan, received), tg.gather([tree], "cpu"))
 
 
 @tg.register_dataclass(static=["flag"])
@@ -1249,18 +1249,18 @@ class Flagged:
 def test_wire_plans_are_type_aware_and_cleared(world_of_one: None) -> None:
     """True, 1 and 1.0 as static metadata, and key orders, each get their own plan."""
     import treegather.distributed as tgd
-    from treegather import _wireplan
+    from treegather.distributed import plan
 
     tg.clear_caches()
-    assert _wireplan.plan_count() == 0
+    assert plan.plan_count() == 0
     for flag in (1, True, 1.0, True):
         out = tgd.all_gather({"m": Flagged(torch.ones(2), flag)})
         assert type(out["m"].flag) is type(flag)
     for keys in (("a", "b"), ("b", "a")):
         assert tuple(tgd.all_gather({k: torch.ones(1) for k in keys})) == keys
-    assert _wireplan.plan_count() == 5
+    assert plan.plan_count() == 5
     tg.clear_caches()
-    assert _wireplan.plan_count() == 0
+    assert plan.plan_count() == 0
 
 
 def test_results_are_built_from_the_calls_own_objects(world_of_one: None) -> None:
@@ -1326,19 +1326,19 @@ def test_kept_receive_buffer(world_of_one: None) -> None:
     """A large wire-plan payload is received into a buffer the group keeps for its next call;
     results never alias it, other layouts never use it, clear_caches() releases it."""
     import treegather.distributed as tgd
-    from treegather import _dist_group
+    from treegather.distributed import group
 
     tg.clear_caches()
     first = tgd.all_gather(_wide(0, 1))
     second = tgd.all_gather(_wide(0, 2))
-    assert len(_dist_group._KEPT) == 1
+    assert len(group._KEPT) == 1
     assert_tree_equal(first, tg.gather([_wide(0, 1)], "cpu"))
     assert_tree_equal(second, tg.gather([_wide(0, 2)], "cpu"))
     tg.clear_caches()
-    assert len(_dist_group._KEPT) == 0
+    assert len(group._KEPT) == 0
     views = tgd.all_gather(_wide(0, 3), tg.first())  # may return views of the received bytes
     tgd.all_gather(_wide(0, 4), tg.first())
-    assert len(_dist_group._KEPT) == 0
+    assert len(group._KEPT) == 0
     assert_tree_equal(views, _wide(0, 3))
 
 
@@ -1475,10 +1475,10 @@ def test_layouts_past_the_first_leaf_fall_back(world_of_one: None) -> None:
     """The wire plan looks at the first tensor only; packing (inline) or the check before a
     separate payload finds a sparse leaf after it, and the full exchange reports it."""
     import treegather.distributed as tgd
-    from treegather import _dist_group
+    from treegather.distributed import group
 
     tree = {"a": torch.ones(2), "s": torch.eye(2).to_sparse()}
-    state = _dist_group.group(None).state
+    state = group.group(None).state
     for capacity in (0, 4096):  # a separate payload, then one inline with the row
         state.capacity = capacity
         with pytest.raises(tg.LeafTypeError, match=r"(?s)cannot send sparse.*outputs\['s'\]"):

@@ -17,14 +17,14 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from . import _errors
-from ._combine import _pad as rule_pad
-from ._compiled.structure import recognise
-from ._devices import DeviceLike, as_device
-from ._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
-from ._layout import Plan, resolve
-from ._rules import AsList, Cat, CatItems, Pad, Rule
-from ._tree import NAMESPACE, display_path
+from .. import _errors
+from .._combine import _pad as rule_pad
+from .._compiled.structure import recognise
+from .._devices import DeviceLike, as_device
+from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
+from .._layout import Plan, resolve
+from .._rules import AsList, Cat, CatItems, Pad, Rule
+from .._tree import NAMESPACE, display_path
 
 __all__ = ["Collector"]
 
@@ -437,7 +437,7 @@ def _gather_noted(
 ) -> Any:
     """:func:`treegather.gather` of the adds' (or ranks') values; its errors say what a
     replica is here."""
-    from ._gather import gather
+    from .._gather import gather
 
     try:
         return gather(values, device, layout, sizes=sizes)
@@ -544,7 +544,7 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
         if dst not in (None, 0):
             raise ValueError(f"Collector.gather(dst={dst}): without a process group dst is 0")
         return finish([local])
-    from . import distributed as tgd
+    from .. import distributed as tgd
 
     if dst is None:
         return finish(tgd.all_gather(local, AsList(), group=group))

@@ -14,11 +14,11 @@ from typing import Any
 
 import optree
 
-from treegather import _tree
-from treegather._by_path import path_text
-from treegather._errors import safe_repr
-from treegather._layout import ByPath
-from treegather._rules import Custom, Rule
+from .. import _tree
+from .._by_path import path_text
+from .._errors import safe_repr
+from .._layout import ByPath
+from .._rules import Custom, Rule
 
 __all__ = ["layout_text"]
 

@@ -4,7 +4,7 @@
 process's rank, the global ranks, the kind of device its object collectives use, the backend
 config) is looked up once per group and kept in a table keyed weakly by the group object, with
 the one piece of *protocol state* the group carries: the size of the inline area of the first
-collective (see :mod:`treegather._dist_preamble`). That size is a function of the rows every rank
+collective (see :mod:`treegather.distributed.preamble`). That size is a function of the rows every rank
 received from earlier calls on the group, so it is the same on every rank; unlike a cache it is
 never cleared (a rank that forgot it would send a first collective of another size, which gloo
 answers by aborting the process).
@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from treegather._caches import WeakCache
-from treegather._errors import ArgumentTypeError
+from .._caches import WeakCache
+from .._errors import ArgumentTypeError
 
 __all__ = [
     "BAD_ROOT",
@@ -193,7 +193,7 @@ def root_rank(g: Group, rank: Any, name: str) -> tuple[int, Problem | None]:
     """Map a global ``dst``/``src`` rank to its rank in the group, or ``(BAD_ROOT, why)``.
 
     Never raises: the other ranks may already wait in the first exchange, which carries the
-    problem, so that every rank raises it (:func:`treegather._dist_preamble.exchange`). Ints
+    problem, so that every rank raises it (:func:`treegather.distributed.preamble.exchange`). Ints
     and integer types with ``__index__`` (``numpy.int64``) are ranks; ``True`` is not.
     """
     if type(rank) is int and rank in g.ranks:

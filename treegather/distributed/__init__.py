@@ -7,24 +7,24 @@ with uneven sizes, ``stack``, ``mean`` weighted by ``sizes``, ``pad``, ``as_list
 custom callables; non-tensor leaves default to ``as_list()``.
 
 The number of collectives does not grow with the number of leaves. A call finds its cached wire
-plan (:mod:`treegather._wireplan`: structure, dict key order and node metadata, each leaf's
+plan (:mod:`treegather.distributed.plan`: structure, dict key order and node metadata, each leaf's
 dtype and trailing shape, ``layout``, ``dim``, whether ``sizes`` was passed, and a digest of it)
 and then:
 
 1. one all-gather of every rank's row (the call, ``dst``/``src``, lengths, the digest) and, in
    the same buffer, its payload when that fits the group's inline capacity
-   (:mod:`treegather._dist_preamble`): the row counts and one region per dtype and trailing
+   (:mod:`treegather.distributed.preamble`): the row counts and one region per dtype and trailing
    shape, each written by one ``torch.cat``, then the pickled non-tensor leaves if there are any
-   (:mod:`treegather._dist_payload`; no header, no pickle for an all-tensor tree). When every
+   (:mod:`treegather.distributed.payload`; no header, no pickle for an all-tensor tree). When every
    rank sent the same digest and its payload inline, that is the whole exchange;
 2. same digests, but a payload did not fit (large tensors, rows that grew): one all-gather
    (``gather``: a gather to ``dst``) of every payload, packed straight into the output. A digest
-   differs: every rank takes the full exchange (:mod:`treegather._wire`), one more length
+   differs: every rank takes the full exchange (:mod:`treegather.distributed.wire`), one more length
    exchange and one buffer per rank holding a pickled header (structure fingerprint, layout and
    dim, per-leaf dtype and shape, the non-tensor leaves, ``sizes``) and the bytes of every tensor
    leaf. The full exchange is the definition of results and errors; the wire plan is a cheaper
    way to the same result;
-3. ``gather`` only: one small broadcast of the outcome from ``dst`` (:mod:`treegather._dist_outcome`).
+3. ``gather`` only: one small broadcast of the outcome from ``dst`` (:mod:`treegather.distributed.outcome`).
 
 So a repeated structure costs one collective (``gather``: two), or two (three) while its payload
 does not fit; digests that differ three (four), and a structure mismatch two more, to name every
@@ -34,7 +34,7 @@ used, which never look at the values: ``bool``, ``bfloat16``, complex and float8
 any backend; conjugate and negative views travel as their values.
 
 Every rank checks every rank's header the same way (``gather``: ``dst`` checks and broadcasts the
-outcome; :mod:`treegather._dist_errors`), so when the trees differ (a missing key, a list against
+outcome; :mod:`treegather.distributed.errors`), so when the trees differ (a missing key, a list against
 a tuple, a tensor against a string, mismatched dtypes or non-cat dims, ``sizes=`` on some ranks
 only, another ``dst``, ``layout`` or ``dim``) every rank raises the same error naming the leaf
 path and the ranks, instead of hanging in a mismatched collective. Problems found before the
@@ -64,20 +64,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treegather import (
-    _dist_combine,
-    _dist_errors,
-    _dist_group,
-    _dist_outcome,
-    _dist_payload,
-    _wire,
-    _wireplan,
-)
-from treegather import _dist_preamble as _pre
-from treegather._caches import FAST_PATHS
-from treegather._collector import Collector
-from treegather._dist_group import Group
-from treegather._errors import ArgumentTypeError, TreegatherError, check_dim
+from .._caches import FAST_PATHS
+from .._errors import ArgumentTypeError, TreegatherError, check_dim
+from . import combine, errors, outcome, payload, plan, preamble, wire
+from .collector import Collector
+from .group import Group, Problem, data_device, receive_buffer, receiving_device, root_rank
+from .group import group as process_group
 
 __all__ = ["Collector", "all_gather", "gather", "broadcast"]
 
@@ -157,28 +149,30 @@ def all_gather(
         {'ids': tensor([0, 1]), 'loss': tensor(0.5000), 'name': 'r0'}
         >>> dist.destroy_process_group()
     """
-    g = _dist_group.group(group)
+    g = process_group(group)
     sync = bool(sync_grads)
     dim, problem = _checked_dim(dim)  # a bad dim travels in the first exchange
     if not FAST_PATHS.on or problem is not None:
         return _full_all_gather(g, tree, layout, dim, sizes, problem=problem, sync=sync)
-    fast = _wireplan.prepare(tree, layout, dim, sizes, sync)
-    opening = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
+    fast = plan.prepare(tree, layout, dim, sizes, sync)
+    opening = preamble.exchange(
+        _all_gather_into, g, preamble.ALL_GATHER, -1, *_fast_lengths(fast), fast
+    )
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
         return _full_all_gather(g, tree, layout, dim, sizes, first=False, sync=sync)
     if opening.inline:
-        return _dist_combine.fast(g, fast, opening.payloads, nbytes, g.device, layout, dim)
-    device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in opening.rows])
-    stride = _wireplan.padded(max(nbytes))
+        return combine.fast(g, fast, opening.payloads, nbytes, g.device, layout, dim)
+    device = data_device(g, [r[preamble.PLACEMENT] for r in opening.rows])
+    stride = plan.padded(max(nbytes))
     keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
-    out = _dist_group.receive_buffer(g, stride * len(g.ranks), device, keep=keep)
+    out = receive_buffer(g, stride * len(g.ranks), device, keep=keep)
     # In place: this rank's payload is packed straight into its own slot of the output.
     mine = out[g.rank * stride : (g.rank + 1) * stride]
-    _dist_payload.send(fast, stride, device, mine)
+    payload.send(fast, stride, device, mine)
     _all_gather_into(out, mine, g.handle)
-    payloads = _dist_payload.Payloads(out, 0, stride)
-    return _dist_combine.fast(g, fast, payloads, nbytes, device, layout, dim)
+    payloads = payload.Payloads(out, 0, stride)
+    return combine.fast(g, fast, payloads, nbytes, device, layout, dim)
 
 
 def _full_all_gather(
@@ -189,42 +183,42 @@ def _full_all_gather(
     sizes: int | None,
     *,
     first: bool = True,
-    problem: _dist_group.Problem | None = None,
+    problem: Problem | None = None,
     sync: bool = False,
 ) -> Any:
     """The full exchange: one header and bytes per rank, every check; the definition."""
     if problem is not None:  # the first exchange raises it on every rank
-        local = _wire.Packed(None, b"")
+        local = wire.Packed(None, b"")
     else:
-        local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0, sync=sync)
+        local = wire.encode(tree, sizes, layout, dim, order=g.rank == 0, sync=sync)
     lengths = (len(local.header), local.nbytes)
-    rows = _pre.exchange(
+    rows = preamble.exchange(
         _all_gather_into,
         g,
-        _pre.ALL_GATHER,
+        preamble.ALL_GATHER,
         -1,
         lengths,
         local.devices,
         first=first,
         problem=problem,
     ).rows
-    device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
-    stride = max(_wire.padded(r[_pre.HEADER]) + _wire.padded(r[_pre.NBYTES]) for r in rows)
+    device = data_device(g, [r[preamble.PLACEMENT] for r in rows])
+    stride = max(wire.padded(r[preamble.HEADER]) + wire.padded(r[preamble.NBYTES]) for r in rows)
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
-    _all_gather_into(out, _wire.message_buffer(local, stride, device), g.handle)
+    _all_gather_into(out, wire.message_buffer(local, stride, device), g.handle)
     buffers = list(out.view(len(g.ranks), stride))
-    headers = _wire.read_headers(buffers, [r[_pre.HEADER] for r in rows])
+    headers = wire.read_headers(buffers, [r[preamble.HEADER] for r in rows])
     try:
-        _dist_errors.check(g.ranks, headers, local)
-    except _dist_errors.StructuresDiffer:
-        _dist_errors.name_differences(_all_gather_into, g, local)
-    return _dist_combine.full(g, headers, buffers, rows, local, device, layout, dim, tree)
+        errors.check(g.ranks, headers, local)
+    except errors.StructuresDiffer:
+        errors.name_differences(_all_gather_into, g, local)
+    return combine.full(g, headers, buffers, rows, local, device, layout, dim, tree)
 
 
 # ------------------------------------------------------------------------------- fast path
 
 
-def _checked_dim(dim: Any) -> tuple[int, _dist_group.Problem | None]:
+def _checked_dim(dim: Any) -> tuple[int, Problem | None]:
     """``dim`` as an int (``numpy.int64`` too), or what is wrong with it. Never raises: the
     problem travels in the first exchange, so that every rank raises it, none waits."""
     if type(dim) is int:
@@ -235,7 +229,7 @@ def _checked_dim(dim: Any) -> tuple[int, _dist_group.Problem | None]:
         return 0, (ArgumentTypeError, str(exc).partition(": ")[2])
 
 
-def _either(*problems: _dist_group.Problem | None) -> _dist_group.Problem | None:
+def _either(*problems: Problem | None) -> Problem | None:
     """This rank's problems as one (``None``: none)."""
     found = [p for p in problems if p is not None]
     if not found:
@@ -245,7 +239,7 @@ def _either(*problems: _dist_group.Problem | None) -> _dist_group.Problem | None
 
 
 def _fast_lengths(
-    fast: _wireplan.Local | None,
+    fast: plan.Local | None,
 ) -> tuple[tuple[int, int], frozenset[torch.device]]:
     """The row's lengths and this rank's devices, for a wire-plan call."""
     return ((0, 0), frozenset()) if fast is None else ((0, fast.nbytes), fast.devices)
@@ -313,31 +307,33 @@ def _gather(
 ) -> Any:
     """:func:`gather`; ``dst`` applies ``finish`` to the result, within the outcome it sends
     (an error there raises on every rank)."""
-    g = _dist_group.group(group)
+    g = process_group(group)
     # A dst that names no rank (or a bad dim) travels in the first exchange: every rank
     # raises, none waits.
-    root, bad_root = _dist_group.root_rank(g, dst, "dst")
+    root, bad_root = root_rank(g, dst, "dst")
     if bad_root is None:
         dst = g.ranks[root]
     dim, bad_dim = _checked_dim(dim)
     problem = _either(bad_root, bad_dim)
     if not FAST_PATHS.on or problem is not None:
         return _full_gather(g, dst, root, tree, layout, dim, sizes, problem=problem, finish=finish)
-    fast = _wireplan.prepare(tree, layout, dim, sizes)
-    opening = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
+    fast = plan.prepare(tree, layout, dim, sizes)
+    opening = preamble.exchange(
+        _all_gather_into, g, preamble.GATHER, root, *_fast_lengths(fast), fast
+    )
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
         return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False, finish=finish)
     if opening.inline:
         device, payloads = g.device, opening.payloads
     else:
-        device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in opening.rows])
-        payloads = _gather_payloads(g, dst, root, fast, _wireplan.padded(max(nbytes)), device)
-    return _dist_outcome.finish_gather(
+        device = data_device(g, [r[preamble.PLACEMENT] for r in opening.rows])
+        payloads = _gather_payloads(g, dst, root, fast, plan.padded(max(nbytes)), device)
+    return outcome.finish_gather(
         g,
         dst,
         root,
-        _then(finish, lambda: _dist_combine.fast(g, fast, payloads, nbytes, device, layout, dim)),
+        _then(finish, lambda: combine.fast(g, fast, payloads, nbytes, device, layout, dim)),
     )
 
 
@@ -346,17 +342,17 @@ def _then(finish: Callable[[Any], Any] | None, combine: Callable[[], Any]) -> Ca
 
 
 def _gather_payloads(
-    g: Group, dst: int, root: int, fast: _wireplan.Local, stride: int, device: torch.device
-) -> _dist_payload.Payloads:
+    g: Group, dst: int, root: int, fast: plan.Local, stride: int, device: torch.device
+) -> payload.Payloads:
     """Gather every rank's payload to ``dst`` (elsewhere, what is returned is not read)."""
     send = torch.empty(stride, dtype=torch.uint8, device=device)
-    _dist_payload.send(fast, stride, device, send)
+    payload.send(fast, stride, device, send)
     if g.rank != root:
         dist.gather(send, None, dst=dst, group=g.handle)
-        return _dist_payload.Payloads(send, 0, stride)
-    buf = _dist_group.receive_buffer(g, stride * len(g.ranks), device, keep=fast.plan.vectorised)
+        return payload.Payloads(send, 0, stride)
+    buf = receive_buffer(g, stride * len(g.ranks), device, keep=fast.plan.vectorised)
     dist.gather(send, list(buf.view(len(g.ranks), stride)), dst=dst, group=g.handle)
-    return _dist_payload.Payloads(buf, 0, stride)
+    return payload.Payloads(buf, 0, stride)
 
 
 def _full_gather(
@@ -369,37 +365,44 @@ def _full_gather(
     sizes: int | None,
     *,
     first: bool = True,
-    problem: _dist_group.Problem | None = None,
+    problem: Problem | None = None,
     finish: Callable[[Any], Any] | None = None,
 ) -> Any:
     if problem is not None:  # the first exchange raises it on every rank
-        local = _wire.Packed(None, b"")
+        local = wire.Packed(None, b"")
     else:
-        local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
+        local = wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
     lengths = (len(local.header), local.nbytes)
-    rows = _pre.exchange(
-        _all_gather_into, g, _pre.GATHER, root, lengths, local.devices, first=first, problem=problem
+    rows = preamble.exchange(
+        _all_gather_into,
+        g,
+        preamble.GATHER,
+        root,
+        lengths,
+        local.devices,
+        first=first,
+        problem=problem,
     ).rows
-    device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
-    stride = max(_wire.padded(r[_pre.HEADER]) + _wire.padded(r[_pre.NBYTES]) for r in rows)
-    send = _wire.message_buffer(local, stride, device)
+    device = data_device(g, [r[preamble.PLACEMENT] for r in rows])
+    stride = max(wire.padded(r[preamble.HEADER]) + wire.padded(r[preamble.NBYTES]) for r in rows)
+    send = wire.message_buffer(local, stride, device)
     received: list[torch.Tensor] | None = None
     if g.rank == root:
         received = list(torch.empty(len(g.ranks), stride, dtype=torch.uint8, device=device))
     dist.gather(send, received, dst=dst, group=g.handle)
 
-    def combine() -> Any:
+    def result() -> Any:
         assert received is not None
-        headers = _wire.read_headers(received, [r[_pre.HEADER] for r in rows])
-        _dist_errors.check(g.ranks, headers, local)
-        return _dist_combine.full(g, headers, received, rows, local, device, layout, dim)
+        headers = wire.read_headers(received, [r[preamble.HEADER] for r in rows])
+        errors.check(g.ranks, headers, local)
+        return combine.full(g, headers, received, rows, local, device, layout, dim)
 
-    return _dist_outcome.finish_gather(
+    return outcome.finish_gather(
         g,
         dst,
         root,
-        _then(finish, combine),
-        lambda: _dist_errors.name_differences(_all_gather_into, g, local),
+        _then(finish, result),
+        lambda: errors.name_differences(_all_gather_into, g, local),
     )
 
 
@@ -434,32 +437,32 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
         {'seed': 1234, 'weights': tensor([0.2500, 0.7500])}
         >>> dist.destroy_process_group()
     """
-    g = _dist_group.group(group)
+    g = process_group(group)
     # A src that names no rank travels in the first exchange: every rank raises, none waits.
-    root, problem = _dist_group.root_rank(g, src, "src")
+    root, problem = root_rank(g, src, "src")
     if problem is None:
         src = g.ranks[root]
-    local = _wire.encode(tree, None, with_spec=True) if g.rank == root else _wire.Packed(None, b"")
+    local = wire.encode(tree, None, with_spec=True) if g.rank == root else wire.Packed(None, b"")
     lengths = (len(local.header), local.nbytes)
-    rows = _pre.exchange(
-        _all_gather_into, g, _pre.BROADCAST, root, lengths, local.devices, problem=problem
+    rows = preamble.exchange(
+        _all_gather_into, g, preamble.BROADCAST, root, lengths, local.devices, problem=problem
     ).rows
-    device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
-    head_len, data_len = rows[root][_pre.HEADER], rows[root][_pre.NBYTES]
-    stride = _wire.padded(head_len) + data_len
+    device = data_device(g, [r[preamble.PLACEMENT] for r in rows])
+    head_len, data_len = rows[root][preamble.HEADER], rows[root][preamble.NBYTES]
+    stride = wire.padded(head_len) + data_len
     if g.rank == root:
-        buf = _wire.message_buffer(local, stride, device)
+        buf = wire.message_buffer(local, stride, device)
     else:
         buf = torch.empty(stride, dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=src, group=g.handle)
-    header = _wire.read_headers([buf], [head_len])[0]
+    header = wire.read_headers([buf], [head_len])[0]
     if "error" in header:
-        cls = _dist_errors.ERROR_CLASSES.get(header["error"][0], TreegatherError)
+        cls = errors.ERROR_CLASSES.get(header["error"][0], TreegatherError)
         raise cls(f"on rank {src}: {header['error'][1]}")
     if g.rank == root:
         return tree
-    leaves = _wire.decode(header, buf[_wire.padded(head_len) :])
+    leaves = wire.decode(header, buf[wire.padded(head_len) :])
     for i, m in enumerate(header["meta"]):
         if m is not None:
-            leaves[i] = leaves[i].to(_dist_group.receiving_device(m[2]), copy=True)
+            leaves[i] = leaves[i].to(receiving_device(m[2]), copy=True)
     return header["spec"].unflatten(leaves)
