@@ -632,17 +632,17 @@ def _counting_full() -> Iterator[list[str]]:
     import treegather.distributed as tgd
 
     full: list[str] = []
-    real = tgd._full_all_gather
+    real = tgd.protocol._full_all_gather
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         full.append("full")
         return real(*args, **kwargs)
 
-    tgd._full_all_gather = counted
+    tgd.protocol._full_all_gather = counted
     try:
         yield full
     finally:
-        tgd._full_all_gather = real
+        tgd.protocol._full_all_gather = real
 
 
 def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
@@ -1379,13 +1379,13 @@ def test_cuda_tensors_one_rank(backend: str, monkeypatch: pytest.MonkeyPatch) ->
 
     torch.cuda.set_device(0)
     carriers: list[torch.device] = []
-    real = tgd._all_gather_into
+    real = tgd.protocol._all_gather_into
 
     def spy(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
         carriers.append(inp.device)
         real(out, inp, group)
 
-    monkeypatch.setattr(tgd, "_all_gather_into", spy)
+    monkeypatch.setattr(tgd.protocol, "_all_gather_into", spy)
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         tree = _cuda_tree(0)

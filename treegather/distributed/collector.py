@@ -25,6 +25,7 @@ from .._errors import BatchSizeError, StateError, StructureMismatchError, Treega
 from .._layout import Plan, resolve
 from .._rules import AsList, Cat, CatItems, Pad, Rule
 from .._tree import NAMESPACE, display_path
+from . import protocol
 
 __all__ = ["Collector"]
 
@@ -544,11 +545,9 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
         if dst not in (None, 0):
             raise ValueError(f"Collector.gather(dst={dst}): without a process group dst is 0")
         return finish([local])
-    from .. import distributed as tgd
-
     if dst is None:
-        return finish(tgd.all_gather(local, AsList(), group=group))
-    return tgd._gather(local, dst, AsList(), group, 0, None, finish)
+        return finish(protocol.all_gather(local, AsList(), group, 0, None, False))
+    return protocol.gather(local, dst, AsList(), group, 0, None, finish)
 
 
 def _ranks(group: Any) -> list[int]:
