@@ -753,6 +753,21 @@ def _dim1(rank: int, world: int) -> Any:
     return tgd.all_gather({"h": torch.full((2, rank + 1), float(rank))}, dim=1)
 
 
+def _cleared_on_one_rank(rank: int, world: int) -> tuple[list[str], int, int]:
+    """clear_caches() on rank 0 only, between two wire-plan calls of one structure."""
+    import treegather.distributed as tgd
+
+    tree = _rows_tree(rank, 1)
+    tgd.all_gather(tree)  # the plan is cached and the inline capacity holds its payload
+    before = tgd.group.group(None).state.capacity
+    if rank == 0:
+        tg.clear_caches()
+    with _counting() as calls:
+        got = tgd.all_gather(tree)
+    assert_tree_equal(got, tg.gather([_rows_tree(r, 1) for r in range(world)], "cpu"))
+    return list(calls), before, tgd.group.group(None).state.capacity
+
+
 def _subgroup(sub: Any, rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
@@ -801,6 +816,8 @@ def _checks_in_mode(rank: int, world: int, fast: bool, tgd: Any) -> dict[Any, An
     sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
     if rank in (0, world - 1):
         results["subgroup"] = _capture(lambda: _subgroup(sub, rank, world))
+    if fast:  # last: the caches of rank 0 differ from the others' after it
+        results["cleared_on_one_rank"] = _capture(lambda: _cleared_on_one_rank(rank, world))
     return results
 
 
@@ -1034,6 +1051,20 @@ def test_inline_capacity_is_the_same_on_every_rank(group_results: Any) -> None:
     assert len(capacities) == 1, capacities
     if "fast" in results[0]:
         assert 0 < capacities.pop() <= 256 << 10
+
+
+def test_clearing_caches_on_one_rank_keeps_the_group_in_step(group_results: Any) -> None:
+    """clear_caches() on rank 0 only: the group's facts and the wire plans are caches that rank 0
+    builds again; the inline capacity is protocol state that it keeps, so the next call is one
+    collective of the same size on every rank (a rank that forgot it would make gloo abort)."""
+    _, results = group_results
+    if "fast" not in results[0]:  # the group that runs everything on the full path
+        return
+    ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    found = [_ok(res["cleared_on_one_rank"]) for res in results]
+    for calls, before, after in found:
+        assert calls == [ag] and before == after > 0, (calls, before, after)
+    assert len({before for _, before, _ in found}) == 1, found
 
 
 def test_repeated_structure_takes_the_fingerprint_path(group_results: Any) -> None:
@@ -1320,6 +1351,28 @@ def test_a_tree_that_contains_itself_is_a_typed_error(world_of_one: None) -> Non
         with pytest.raises(tg.TreeDepthError, match=r"outputs\['self'\] is outputs itself"):
             call()
     assert tgd.all_gather({"x": torch.ones(1)})["x"].tolist() == [1.0]  # the group is in step
+
+
+def test_group_facts_are_a_registered_cache_and_the_capacity_is_not(world_of_one: None) -> None:
+    """A group's fixed facts are a cache that clear_caches() empties (they were kept in a table
+    outside the registry); the inline capacity beside them is protocol state, never cleared."""
+    import treegather.distributed as tgd
+    from treegather._caches import caches
+    from treegather.distributed import group
+
+    tree = {"x": torch.ones(3, 2), "n": torch.arange(3)}
+    for _ in range(2):
+        tgd.all_gather(tree)  # a wire plan, whose payload grows the inline capacity
+    (facts,) = [c for c in caches() if c.name == "distributed.groups"]
+    state = group.group(None).state
+    capacity = state.capacity
+    assert len(facts) == 1 and capacity > 0
+    tg.clear_caches()
+    assert len(facts) == 0
+    assert group.group(None).state is state and state.capacity == capacity
+    assert len(facts) == 1  # looked up again
+    assert_tree_equal(tgd.all_gather(tree), tg.gather([tree], "cpu"))
+    assert state.capacity == capacity
 
 
 def test_kept_receive_buffer(world_of_one: None) -> None:

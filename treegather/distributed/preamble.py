@@ -17,11 +17,12 @@ call (``gather``: plus the outcome): a repeated structure of up to a few hundred
 costs one collective, like a single ``all_gather`` of its bytes. Otherwise the payload (or the
 full exchange) follows in a collective of its own, and the inline bytes are not read.
 
-``capacity`` is part of the process group's state (:class:`treegather.distributed.group.GroupState`):
-every rank computes the next one with :func:`next_capacity` from the rows it just received,
-which are the same on every rank, so every rank's first collective keeps the same size. It
-follows the payloads of repeated structures, with headroom for rows that grow, and shrinks
-when they get much smaller; payloads above ``MAX_INLINE`` always take a second collective.
+``capacity`` is the process group's protocol state
+(:class:`~treegather.distributed.group.ProtocolState`, not a cache): every rank computes the
+next one with :func:`next_capacity` from the rows it just received, which are the same on every
+rank, so every rank's first collective keeps the same size. It follows the payloads of repeated
+structures, with headroom for rows that grow, and shrinks when they get much smaller; payloads
+above ``MAX_INLINE`` always take a second collective.
 """
 
 from __future__ import annotations
