@@ -1,10 +1,12 @@
 """treegather.distributed across real processes: 2 and 3 gloo ranks on localhost.
 
-Each world size is one spawned group (a module-scoped fixture) that runs every check in a row,
-including the error cases (which must leave the group in step for the checks after them), and
-reports its results through a file per rank; the tests below only compare those results with
-the single-process :func:`treegather.gather` of the same per-rank trees. Every group runs under
-a hard deadline and its processes are joined, terminated or killed before the fixture returns.
+Each world size is one spawned group, shared with the other distributed test modules
+(:mod:`spawned_groups`), whose ranks run every check in a row, including the error cases (which
+must leave the group in step for the checks after them), once with the cached wire plan and
+once with the full exchange only, and report their results through a file per rank; the tests
+below only compare those results with the single-process :func:`treegather.gather` of the same
+per-rank trees. Every group runs under a hard deadline and its processes are joined, terminated
+or killed before the fixture returns.
 """
 
 from __future__ import annotations
@@ -13,10 +15,8 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import spawned_groups
 import torch
 import torch.distributed as dist
+from spawned_groups import WORLD_SIZES
 
 import treegather as tg
 from treegather import _tree
@@ -33,8 +35,7 @@ from treegather._caches import FAST_PATHS, reference_only
 
 pytestmark = pytest.mark.distributed
 
-GROUP_DEADLINE_S = 60.0
-WORLD_SIZES = (2, 3)
+GROUP_DEADLINE_S = 60.0  # the checks of one group, both paths; a torchrun example
 
 # ------------------------------------------------------------------------------------ corpus
 
@@ -789,6 +790,17 @@ def _capture(fn: Callable[[], Any]) -> tuple[Any, ...]:
         return ("raised", type(exc).__name__, str(exc), traceback.format_exc())
 
 
+@spawned_groups.register("distributed.fast", budget_s=GROUP_DEADLINE_S / 2)
+def _fast_checks(rank: int, world: int) -> dict[Any, Any]:
+    return _checks(rank, world, fast=True)
+
+
+# The same processes run everything twice (spawning a group costs more than its checks).
+@spawned_groups.register("distributed.full", budget_s=GROUP_DEADLINE_S / 2)
+def _full_checks(rank: int, world: int) -> dict[Any, Any]:
+    return _checks(rank, world, fast=False)
+
+
 def _checks(rank: int, world: int, fast: bool) -> dict[Any, Any]:
     """Every check of one group, with the cached wire plan (``fast``) or the full exchange only."""
     import treegather.distributed as tgd
@@ -821,72 +833,6 @@ def _checks_in_mode(rank: int, world: int, fast: bool, tgd: Any) -> dict[Any, An
     return results
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    # A fresh process that imported treegather (with this module) but not the collectives yet.
-    results: dict[Any, Any] = {"lazy": "treegather.distributed" not in sys.modules}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=30),
-        )
-        # The same processes run everything twice (spawning a group costs more than its checks).
-        results["fast"] = _checks(rank, world, fast=True)
-        results["full"] = _checks(rank, world, fast=False)
-    except Exception:
-        results["fatal"] = traceback.format_exc()
-    finally:
-        torch.save(results, Path(outdir) / f"rank{rank}.pt")
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_group(
-    world: int, outdir: Path, target: Callable[..., None] = _worker
-) -> list[dict[Any, Any]]:
-    """Spawn ``world`` ranks running ``target``; return each rank's results. No process survives."""
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=target, args=(r, world, port, str(outdir)), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + GROUP_DEADLINE_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    stragglers = [p for p in procs if p.is_alive()]
-    for p in stragglers:
-        p.terminate()
-    for p in stragglers:
-        p.join(5)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not any(p.is_alive() for p in procs)
-    assert not stragglers, (
-        f"{len(stragglers)} rank(s) still running after {GROUP_DEADLINE_S}s: killed"
-    )
-    assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
-    results = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        assert "fatal" not in res, f"rank {r}:\n{res['fatal']}"
-    return results
-
-
-_GROUPS: dict[int, list[dict[Any, Any]]] = {}
-
-
 @pytest.fixture(
     scope="module",
     params=[(w, path) for w in WORLD_SIZES for path in ("fast", "full")],
@@ -897,10 +843,8 @@ def group_results(
 ) -> tuple[int, list[dict[Any, Any]]]:
     """Each world size's results with the cached wire plan, and with the full exchange only."""
     world, path = request.param
-    if world not in _GROUPS:
-        _GROUPS.clear()  # one group's results in memory at a time
-        _GROUPS[world] = run_group(world, tmp_path_factory.mktemp(f"dist{world}"))
-    return world, [{"lazy": res["lazy"], **res[path]} for res in _GROUPS[world]]
+    results = spawned_groups.results(world, tmp_path_factory)
+    return world, [{"lazy": res["lazy"], **res[f"distributed.{path}"]} for res in results]
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -1492,7 +1436,7 @@ def _cuda_gloo_worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 @pytest.mark.cuda
 def test_cuda_tensors_two_gloo_ranks(tmp_path: Path) -> None:
-    results = run_group(2, tmp_path, target=_cuda_gloo_worker)
+    results = spawned_groups.run_group(2, tmp_path, _cuda_gloo_worker, deadline_s=GROUP_DEADLINE_S)
     torch.cuda.set_device(0)
     expected = tg.gather([_cuda_tree(0), _cuda_tree(1)], "cuda:0")
     for rank, res in enumerate(results):
