@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import treegather as tg
 import treegather.distributed as tgd
+from treegather._caches import reference_only
 
 GROUP_DEADLINE_S = 90.0  # the checks below, in one group
 N = 11  # samples: uneven over 2 and 3 ranks, so DistributedSampler pads
@@ -188,6 +189,35 @@ def test_add_keeps_what_it_was_given_under_no_grad() -> None:
     assert col._adds[0][0] is outputs
     col.add({"x": torch.zeros(2, 3, requires_grad=True) * 2})  # grad mode: detached
     assert not col._adds[1][0]["x"].requires_grad
+
+
+def test_reference_only_joins_the_adds_with_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the one fast-path switch, Collector joins its adds with treegather.gather (the
+    definition) instead of its own concatenation; the results are the same."""
+    import treegather._gather
+
+    calls: list[int] = []
+    real = treegather._gather.gather
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(treegather._gather, "gather", spy)
+
+    def collect() -> Any:
+        col = tgd.Collector()
+        col.add({"x": torch.arange(4.0).view(2, 2), "tag": ["b", "a"]}, indices=[1, 0])
+        col.add({"x": torch.ones(1, 2), "tag": ["c"]}, indices=[2])
+        return col.all_gather({"x": tg.cat(), "tag": tg.cat_items()})
+
+    fast = collect()
+    assert calls == []  # the Collector's own join
+    with reference_only():
+        reference = collect()
+    assert calls  # the definition
+    assert torch.equal(fast["x"], reference["x"])
+    assert fast["tag"] == reference["tag"] == ["a", "b", "c"]
 
 
 # ------------------------------------------------------------------------ across ranks

@@ -218,7 +218,9 @@ def reference_only() -> Iterator[None]:
     """Within this block (in this thread) every fast path is off, all together: scatter and
     gather run their reference steps (no compiled code, no cached structure or plan), a
     data-parallel step builds fresh replicas instead of re-binding kept ones, and
-    :mod:`treegather.distributed` takes the full exchange instead of a cached wire plan.
+    :mod:`treegather.distributed` takes the full exchange instead of a cached wire plan (and a
+    :class:`~treegather.distributed.Collector` joins its values with :func:`treegather.gather`
+    instead of its own concatenation).
 
     The one switch the differential tests run through: the same call with and without it
     must give the same result, or the same error.

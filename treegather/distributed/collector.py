@@ -18,6 +18,7 @@ import optree
 import torch
 
 from .. import _errors
+from .._caches import FAST_PATHS
 from .._combine import _pad as rule_pad
 from .._compiled.structure import recognise
 from .._devices import DeviceLike, as_device
@@ -463,8 +464,11 @@ def _join(
     tensors concatenated (``cat``) or padded (``pad``), lists one after the other. Anything
     unusual (a dtype, shape or device that differs, a value of another kind, tensors among
     list items) takes ``reference`` instead, :func:`treegather.gather` with the same rules,
-    which gives the same result or names the problem.
+    which gives the same result or names the problem; so does every call under
+    :func:`treegather._caches.reference_only`.
     """
+    if not FAST_PATHS.on:  # the one fast-path switch: the definition only
+        return reference()
     out: list[Any] = []
     with torch.no_grad():  # results are detached
         for kind, rule, col in zip(kinds, rules, columns):
