@@ -1,32 +1,31 @@
 """Evaluation and contrastive losses across ranks: ``Collector`` and ``all_gather(sync_grads=True)``.
 
-Single-process checks run here; the multi-process checks run in spawned gloo groups of 2 and 3
-ranks (each rank writes its results to a file; the tests compare them with one process holding
-every rank's data), under a hard deadline.
+Single-process checks run here; the multi-process checks run in the spawned gloo groups of 2 and
+3 ranks shared with the other distributed test modules (:mod:`spawned_groups`: each rank writes
+its results to a file; the tests compare them with one process holding every rank's data), under
+a hard deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import socket
-import time
 import traceback
 from collections.abc import Callable, Iterator
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
+import spawned_groups
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from spawned_groups import WORLD_SIZES
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import treegather as tg
 import treegather.distributed as tgd
+from treegather._caches import reference_only
 
-GROUP_DEADLINE_S = 90.0
+GROUP_DEADLINE_S = 90.0  # the checks below, in one group
 N = 11  # samples: uneven over 2 and 3 ranks, so DistributedSampler pads
 LAYOUT = tg.by_path({"names": tg.cat_items(), "loss": tg.mean()})
 
@@ -192,9 +191,39 @@ def test_add_keeps_what_it_was_given_under_no_grad() -> None:
     assert not col._adds[1][0]["x"].requires_grad
 
 
+def test_reference_only_joins_the_adds_with_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the one fast-path switch, Collector joins its adds with treegather.gather (the
+    definition) instead of its own concatenation; the results are the same."""
+    import treegather._gather
+
+    calls: list[int] = []
+    real = treegather._gather.gather
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(treegather._gather, "gather", spy)
+
+    def collect() -> Any:
+        col = tgd.Collector()
+        col.add({"x": torch.arange(4.0).view(2, 2), "tag": ["b", "a"]}, indices=[1, 0])
+        col.add({"x": torch.ones(1, 2), "tag": ["c"]}, indices=[2])
+        return col.all_gather({"x": tg.cat(), "tag": tg.cat_items()})
+
+    fast = collect()
+    assert calls == []  # the Collector's own join
+    with reference_only():
+        reference = collect()
+    assert calls  # the definition
+    assert torch.equal(fast["x"], reference["x"])
+    assert fast["tag"] == reference["tag"] == ["a", "b", "c"]
+
+
 # ------------------------------------------------------------------------ across ranks
 
 
+@spawned_groups.register("eval.collector", budget_s=GROUP_DEADLINE_S / 2)
 def _collector_checks(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ds = _dataset()
@@ -255,6 +284,7 @@ def _clip_batches(world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return xs, ys
 
 
+@spawned_groups.register("eval.sync", budget_s=GROUP_DEADLINE_S / 2)
 def _sync_checks(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     xs, ys = _clip_batches(world)
@@ -339,62 +369,16 @@ def _counting() -> Iterator[list[str]]:
             setattr(dist, name, fn)
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    results: dict[str, Any] = {}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=30),
-        )
-        results["collector"] = _collector_checks(rank, world)
-        results["sync"] = _sync_checks(rank, world)
-    except Exception:
-        results["fatal"] = traceback.format_exc()
-    finally:
-        torch.save(results, Path(outdir) / f"rank{rank}.pt")
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run_group(world: int, outdir: Path) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, str(outdir)), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + GROUP_DEADLINE_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    stragglers = [p for p in procs if p.is_alive()]
-    for p in stragglers:
-        p.kill()
-        p.join(5)
-    assert not stragglers, f"{len(stragglers)} rank(s) still running after {GROUP_DEADLINE_S}s"
-    results = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        assert "fatal" not in res, f"rank {r}:\n{res['fatal']}"
-    return results
-
-
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
 def ranks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[int, list[dict[str, Any]]]:
+    """Each world size's results of the checks above, from the session's shared group."""
     world = request.param
-    return world, _run_group(world, tmp_path_factory.mktemp(f"eval{world}"))
+    results = spawned_groups.results(world, tmp_path_factory)
+    return world, [
+        {"collector": res["eval.collector"], "sync": res["eval.sync"]} for res in results
+    ]
 
 
 pytestmark = pytest.mark.distributed

@@ -336,7 +336,7 @@ def test_by_path_optional_is_part_of_the_layouts_value() -> None:
     # the cached plan of one is never the other's: a warm optional layout does not hide the
     # plain one's error, in either order and on both paths
     from treegather._caches import reference_only
-    from treegather._dist_layout import layout_text
+    from treegather.distributed.layout import layout_text
 
     label_free = [{k: v for k, v in o.items() if k != "loss"} for o in replica_outputs()]
     tg.clear_caches()

@@ -12,6 +12,14 @@ object it describes) created through this module, so that
 
 A cache lookup never formats, hashes or ``repr``\\ s user data it was not given as a key.
 
+One table is deliberately not a cache, and so not registered: the inline capacity of each
+:mod:`treegather.distributed` process group (``treegather.distributed.group.ProtocolState``),
+the one piece of protocol state treegather keeps. Every rank of a group must hold the same
+value (it sizes every call's first collective); clearing it on one rank would make that rank's
+next first collective another size, which gloo answers by aborting. What the group's calls
+cache beside it (the group's fixed facts, the wire plans and payload geometries, the kept
+receive buffer) is registered here.
+
 >>> cache = LRU("example", maxsize=2)
 >>> cache.put(typed_key(1), "int"); cache.put(typed_key(True), "bool")
 >>> cache.get(typed_key(1)), cache.get(typed_key(True)), cache.get(typed_key(1.0))
@@ -210,7 +218,9 @@ def reference_only() -> Iterator[None]:
     """Within this block (in this thread) every fast path is off, all together: scatter and
     gather run their reference steps (no compiled code, no cached structure or plan), a
     data-parallel step builds fresh replicas instead of re-binding kept ones, and
-    :mod:`treegather.distributed` takes the full exchange instead of a cached wire plan.
+    :mod:`treegather.distributed` takes the full exchange instead of a cached wire plan (and a
+    :class:`~treegather.distributed.Collector` joins its values with :func:`treegather.gather`
+    instead of its own concatenation).
 
     The one switch the differential tests run through: the same call with and without it
     must give the same result, or the same error.

@@ -232,8 +232,10 @@ def _row(
 
 
 def _collectives(tgd: Any, tree: Any) -> int:
-    """How many collectives one more (repeated) call makes: each goes through _all_gather_into."""
-    real = tgd._all_gather_into
+    """How many collectives one more (repeated) call makes: each goes through
+    ``treegather.distributed.protocol._all_gather_into``."""
+    protocol = tgd.protocol
+    real = protocol._all_gather_into
     count = 0
 
     def counted(*args: Any) -> None:
@@ -241,11 +243,11 @@ def _collectives(tgd: Any, tree: Any) -> int:
         count += 1
         real(*args)
 
-    tgd._all_gather_into = counted
+    protocol._all_gather_into = counted
     try:
         tgd.all_gather(tree)
     finally:
-        tgd._all_gather_into = real
+        protocol._all_gather_into = real
     return count
 
 

@@ -1,9 +1,9 @@
 """The result of a :mod:`treegather.distributed` call, from every rank's received bytes.
 
-:func:`fast` reads the ranks' wire-plan payloads (:mod:`treegather._dist_payload`): vectorised
-for the default rules, else each rank's tree rebuilt from views of the bytes; :func:`full`
-rebuilds each rank's tree from its header and bytes (:mod:`treegather._wire`). Anything but the
-vectorised case then goes through :func:`rules`, the single-process :func:`treegather.gather`
+:func:`fast` reads the ranks' wire-plan payloads (:mod:`~treegather.distributed.payload`):
+vectorised for the default rules, else each rank's tree rebuilt from views of the bytes;
+:func:`full` rebuilds each rank's tree from its header and bytes
+(:mod:`~treegather.distributed.wire`). Anything but the vectorised case then goes through :func:`rules`, the single-process :func:`treegather.gather`
 with the ranks as replicas, so the rules and their errors are defined once.
 """
 
@@ -14,18 +14,23 @@ from typing import Any
 
 import torch
 
-from treegather import _dist_grads, _dist_group, _dist_payload, _tree, _wire, _wireplan
-from treegather._dist_preamble import HEADER
-from treegather._errors import TreegatherError
-from treegather._gather import gather as _gather_local
+from .. import _tree
+from .._errors import TreegatherError
+from .._gather import gather as _gather_local
+from . import payload, wire
+from .grads import connect as _connect_grads
+from .group import Group
+from .group import target as _target
+from .plan import Local
+from .preamble import HEADER
 
 __all__ = ["fast", "full", "rules"]
 
 
 def fast(
-    g: _dist_group.Group,
-    local: _wireplan.Local,
-    payloads: _dist_payload.Payloads,
+    g: Group,
+    local: Local,
+    payloads: payload.Payloads,
     nbytes: list[int],
     carrier: torch.device,
     layout: Any,
@@ -34,26 +39,26 @@ def fast(
     """Combine the ranks' payloads: vectorised for the default rules, else the rules as usual."""
     ranks = g.ranks
     plan = local.plan
-    target = _dist_group.target(local.devices, carrier)
-    received = _dist_payload.parse(plan, payloads, nbytes, target)
+    target = _target(local.devices, carrier)
+    received = payload.parse(plan, payloads, nbytes, target)
     spec = plan.spec if local.spec is None else local.spec  # this call's dict keys, statics
     if plan.vectorised:
-        return _dist_payload.unpack(plan, received, spec)
-    per_rank = _dist_payload.rank_leaves(plan, received)
+        return payload.unpack(plan, received, spec)
+    per_rank = payload.rank_leaves(plan, received)
     if plan.grads:  # sync_grads: the same positions on every rank (the digest says so)
         own = [local.leaves[i] for i in plan.grads]
-        _dist_grads.connect(per_rank, [plan.grads] * len(ranks), own, g.rank, g.handle, g.device)
+        _connect_grads(per_rank, [plan.grads] * len(ranks), own, g.rank, g.handle, g.device)
     trees = [spec.unflatten(leaves) for leaves in per_rank]
     sizes: list[Any] = received.sizes if received.sizes is not None else [None]
     return rules(ranks, trees, target, layout, dim, sizes)
 
 
 def full(
-    g: _dist_group.Group,
+    g: Group,
     headers: list[dict[str, Any]],
     buffers: Sequence[torch.Tensor],
     rows: Sequence[Sequence[int]],
-    local: _wire.Packed,
+    local: wire.Packed,
     carrier: torch.device,
     layout: Any,
     dim: int,
@@ -64,17 +69,17 @@ def full(
     ``tree`` is this rank's own tree (for ``sync_grads``: its leaves that require grad).
     """
     ranks = g.ranks
-    up_spec = _wire.agreed_up_spec(headers, local)
+    up_spec = wire.agreed_up_spec(headers, local)
     per_rank = [
-        _wire.decode(h, buf[_wire.padded(r[HEADER]) :]) for h, buf, r in zip(headers, buffers, rows)
+        wire.decode(h, buf[wire.padded(r[HEADER]) :]) for h, buf, r in zip(headers, buffers, rows)
     ]
     grads = [h.get("grads") or () for h in headers]
     if any(grads):
         leaves = _tree.flatten(tree)[0]
         own = [leaves[i] for i in grads[g.rank]]
-        _dist_grads.connect(per_rank, grads, own, g.rank, g.handle, g.device)
-    trees = [_wire.rank_tree(up_spec, h, leaves) for h, leaves in zip(headers, per_rank)]
-    target = _dist_group.target(local.devices, carrier)
+        _connect_grads(per_rank, grads, own, g.rank, g.handle, g.device)
+    trees = [wire.rank_tree(up_spec, h, leaves) for h, leaves in zip(headers, per_rank)]
+    target = _target(local.devices, carrier)
     return rules(ranks, trees, target, layout, dim, [h["sizes"] for h in headers])
 
 

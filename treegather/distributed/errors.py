@@ -1,6 +1,6 @@
 """The errors of :mod:`treegather.distributed`: the same message on every rank.
 
-Every rank checks every rank's header of the full exchange (:mod:`treegather._wire`) with
+Every rank checks every rank's header of the full exchange (:mod:`treegather.distributed.wire`) with
 :func:`check`, so that when the trees differ every rank raises the same error, naming the leaf
 path and the (global) ranks. Structures that differ take one more exchange to name every
 differing node (:func:`node_table`, then :func:`raise_structure_mismatch` on every rank's table).
@@ -17,9 +17,8 @@ from typing import Any, NoReturn
 import torch
 from optree import PyTreeSpec
 
-from treegather import _tree, _wire
-from treegather._dist_group import Collective, Group
-from treegather._errors import (
+from .. import _tree
+from .._errors import (
     ArgumentTypeError,
     BatchSizeError,
     DeviceError,
@@ -30,6 +29,8 @@ from treegather._errors import (
     TreeDepthError,
     TreegatherError,
 )
+from . import wire
+from .group import Collective, Group
 
 __all__ = [
     "ERROR_CLASSES",
@@ -63,7 +64,7 @@ class StructuresDiffer(Exception):
     """The fingerprints differ: every rank must join the exchange that names the differences."""
 
 
-def check(ranks: Sequence[int], headers: list[dict[str, Any]], local: _wire.Packed) -> None:
+def check(ranks: Sequence[int], headers: list[dict[str, Any]], local: wire.Packed) -> None:
     """Raise when a rank failed or the trees disagree (the same error wherever it runs).
 
     ``ranks`` are the group's global ranks. Raises :class:`StructuresDiffer` when the
@@ -74,7 +75,7 @@ def check(ranks: Sequence[int], headers: list[dict[str, Any]], local: _wire.Pack
     layouts = [h["layout"] for h in headers]
     if len({key for key, _ in layouts}) > 1:
         raise LayoutError(
-            _wire.format_problems(
+            wire.format_problems(
                 "the ranks passed different layouts, dims or sync_grads (each rank would combine "
                 "the trees "
                 "with other rules)",
@@ -112,27 +113,27 @@ def _raise_rank_errors(ranks: Sequence[int], headers: list[dict[str, Any]]) -> N
 
 
 def _check_leaf_kinds(
-    ranks: Sequence[int], headers: list[dict[str, Any]], local: _wire.Packed
+    ranks: Sequence[int], headers: list[dict[str, Any]], local: wire.Packed
 ) -> None:
     """Same structure: a tensor at the same paths on every rank, of the same dtype."""
     assert local.up_spec is not None
-    kinds = [_wire.up_kinds(h, local.up_spec.num_leaves) for h in headers]
+    kinds = [wire.up_kinds(h, local.up_spec.num_leaves) for h in headers]
     if all(k == kinds[0] for k in kinds[1:]):
         return
     mixed, dtypes = [], []
-    for j, path in enumerate(_wire.leaf_paths(local.up_spec)):
+    for j, path in enumerate(wire.leaf_paths(local.up_spec)):
         per_rank = [k[j] for k in kinds]
         if len(set(per_rank)) == 1:
             continue
         tensors = [p is not None and p.startswith("Tensor(") for p in per_rank]
         if len(set(tensors)) > 1:
-            described = [_wire.describe_up(h, j, k) for h, k in zip(headers, per_rank)]
+            described = [wire.describe_up(h, j, k) for h, k in zip(headers, per_rank)]
             mixed.append(f"{path}: " + _by_rank(ranks, described))
         elif all(tensors):
             dtypes.append(f"{path}: " + _by_rank(ranks, [p[7:-1] for p in per_rank if p]))
     if mixed:
         raise StructureMismatchError(
-            _wire.format_problems(
+            wire.format_problems(
                 "leaves are tensors on some ranks and other objects on others",
                 mixed,
                 "every rank must pass a tensor at the same paths (e.g. torch.tensor(x) for "
@@ -140,7 +141,7 @@ def _check_leaf_kinds(
             )
         )
     raise ShapeMismatchError(
-        _wire.format_problems(
+        wire.format_problems(
             "tensor leaves have different dtypes on different ranks",
             dtypes,
             "cast them to one dtype on every rank before gathering (e.g. .float())",
@@ -175,11 +176,11 @@ def _by_rank(ranks: Sequence[int], values: Sequence[str]) -> str:
 # ------------------------------------------------------------------------ structure mismatch
 
 
-def node_table(local: _wire.Packed) -> bytes:
+def node_table(local: wire.Packed) -> bytes:
     """This rank's ``(path, node type)`` pairs, pickled, for :func:`raise_structure_mismatch`."""
     assert local.up_spec is not None
     described = [
-        (_tree.format_path(_wire.ROOT, n.path), _node_name(n.spec))
+        (_tree.format_path(wire.ROOT, n.path), _node_name(n.spec))
         for n in _tree.nodes(local.up_spec)
     ]
     return pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL)
@@ -212,7 +213,7 @@ def raise_structure_mismatch(ranks: Sequence[int], tables: Sequence[Any]) -> NoR
         reported.append(path)
         problems.append(f"{path}: " + _by_rank(ranks, values))
     raise StructureMismatchError(
-        _wire.format_problems(
+        wire.format_problems(
             "the ranks passed trees of different structure",
             problems or ["same paths and node types, but different node metadata (static fields)"],
             "every rank must pass the same keys, fields and lengths; use the same placeholder "
@@ -233,7 +234,7 @@ def _all_gather_bytes(collective: Collective, g: Group, payload: bytes) -> list[
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
     collective(out, mine, g.handle)
     return [
-        pickle.loads(_wire.tensor_bytes(buf[:k]))
+        pickle.loads(wire.tensor_bytes(buf[:k]))
         for buf, k in zip(out.view(len(g.ranks), stride), sizes)
     ]
 
@@ -242,7 +243,7 @@ def _all_gather_bytes(collective: Collective, g: Group, payload: bytes) -> list[
 exchange_objects = _all_gather_bytes
 
 
-def name_differences(collective: Collective, g: Group, local: _wire.Packed) -> NoReturn:
+def name_differences(collective: Collective, g: Group, local: wire.Packed) -> NoReturn:
     """Exchange the node paths (only on this error path) and name every difference."""
     raise_structure_mismatch(g.ranks, _all_gather_bytes(collective, g, node_table(local)))
 

@@ -1,6 +1,6 @@
 """The payload of :mod:`treegather.distributed`'s wire plan: packing and unpacking.
 
-One rank's payload, for a :class:`~treegather._wireplan.WirePlan`::
+One rank's payload, for a :class:`~treegather.distributed.plan.WirePlan`::
 
     [status, rows of each tensor leaf, sizes (int64) | pad | a region per (dtype, trailing shape) | objects]
 
@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from treegather._caches import LRU
-from treegather._errors import TreegatherError
-from treegather._wire import tensor_bytes
-from treegather._wireplan import INT64, Local, Region, WirePlan, padded
+from .._caches import LRU
+from .._errors import TreegatherError
+from .plan import INT64, Local, Region, WirePlan, padded
+from .wire import tensor_bytes
 
 __all__ = ["Payloads", "Received", "parse", "payload", "rank_leaves", "send", "unpack"]
 
@@ -47,7 +47,7 @@ def payload(local: Local, out: torch.Tensor, prefix: Sequence[int] = ()) -> bool
     with the payload's head; the payload follows. Each region is one ``torch.cat``
     (``torch.stack`` for 0-dim leaves) straight into ``out``, which should live on the
     tensors' device; padding bytes are zeroed. Should packing fail (a tensor on another
-    device, a sparse one: see :func:`treegather._wireplan.checked`), ``out`` holds a failure
+    device, a sparse one: see :func:`treegather.distributed.plan.checked`), ``out`` holds a failure
     status instead, which every rank reads, and the result is ``False``.
     """
     try:

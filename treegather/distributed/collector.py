@@ -17,13 +17,15 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from . import _errors
-from ._compiled.structure import recognise
-from ._devices import DeviceLike, as_device
-from ._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
-from ._layout import Plan, resolve
-from ._rules import AsList, Cat, CatItems, Combining, Pad, Rule
-from ._tree import NAMESPACE, display_path
+from .. import _errors
+from .._caches import FAST_PATHS
+from .._compiled.structure import recognise
+from .._devices import DeviceLike, as_device
+from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
+from .._layout import Plan, resolve
+from .._rules import AsList, Cat, CatItems, Combining, Pad, Rule
+from .._tree import NAMESPACE, display_path
+from . import protocol
 
 __all__ = ["Collector"]
 
@@ -436,7 +438,7 @@ def _gather_noted(
 ) -> Any:
     """:func:`treegather.gather` of the adds' (or ranks') values; its errors say what a
     replica is here."""
-    from ._gather import gather
+    from .._gather import gather
 
     try:
         return gather(values, device, layout, sizes=sizes)
@@ -461,8 +463,11 @@ def _join(
     tensors concatenated (``cat``) or padded (``pad``), lists one after the other. Anything
     unusual (a dtype, shape or device that differs, a value of another kind, tensors among
     list items) takes ``reference`` instead, :func:`treegather.gather` with the same rules,
-    which gives the same result or names the problem.
+    which gives the same result or names the problem; so does every call under
+    :func:`treegather._caches.reference_only`.
     """
+    if not FAST_PATHS.on:  # the one fast-path switch: the definition only
+        return reference()
     out: list[Any] = []
     with torch.no_grad():  # results are detached
         for kind, rule, col in zip(kinds, rules, columns):
@@ -543,11 +548,9 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
         if dst not in (None, 0):
             raise ValueError(f"Collector.gather(dst={dst}): without a process group dst is 0")
         return finish([local])
-    from . import distributed as tgd
-
     if dst is None:
-        return finish(tgd.all_gather(local, AsList(), group=group))
-    return tgd._gather(local, dst, AsList(), group, 0, None, finish)
+        return finish(protocol.all_gather(local, AsList(), group, 0, None, False))
+    return protocol.gather(local, dst, AsList(), group, 0, None, finish)
 
 
 def _ranks(group: Any) -> list[int]:

@@ -2,12 +2,18 @@
 
 :func:`group` resolves ``group=`` once per call. What never changes for a process group (this
 process's rank, the global ranks, the kind of device its object collectives use, the backend
-config) is looked up once per group and kept in a table keyed weakly by the group object, with
-the one piece of *protocol state* the group carries: the size of the inline area of the first
-collective (see :mod:`treegather._dist_preamble`). That size is a function of the rows every rank
-received from earlier calls on the group, so it is the same on every rank; unlike a cache it is
-never cleared (a rank that forgot it would send a first collective of another size, which gloo
-answers by aborting the process).
+config; for the default group on CPU, the whole :class:`Group`) is looked up once per group and
+kept in a cache (:class:`Facts`, in the :class:`~treegather._caches.WeakCache`
+``distributed.groups``, keyed weakly by the group object). :func:`treegather.clear_caches`
+empties it, harmlessly: the next call looks the same facts up again.
+
+The *inline capacity* is not a cache: it is the one piece of protocol state treegather keeps
+(:class:`ProtocolState`, in a weak table of its own, keyed by the group object and never
+cleared). It is the size of the inline area of every call's first collective (see
+:mod:`~treegather.distributed.preamble`), a function of the rows every rank received from the
+earlier calls on the group, so the same on every rank. A rank that forgot it, as a cache may,
+would send a first collective of another size, which gloo answers by aborting the process. A
+destroyed and re-created group starts again from 0 on every rank.
 
 The current accelerator (``torch.cuda.current_device()``) may change between calls, so devices
 are resolved on every call from the kept kinds.
@@ -29,14 +35,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from treegather._caches import WeakCache
-from treegather._errors import ArgumentTypeError
+from .._caches import WeakCache
+from .._errors import ArgumentTypeError
 
 __all__ = [
     "BAD_ROOT",
     "Collective",
+    "Facts",
     "Group",
-    "GroupState",
+    "ProtocolState",
     "data_device",
     "group",
     "placement",
@@ -47,17 +54,33 @@ __all__ = [
 ]
 
 
-class GroupState:
-    """What a process group keeps between calls: its fixed facts and the inline capacity."""
+class ProtocolState:
+    """What every rank of a process group must keep identical between calls: not a cache."""
 
-    __slots__ = ("__weakref__", "accelerator_kind", "capacity", "fixed", "kind", "rank", "ranks")
+    __slots__ = ("__weakref__", "capacity")
 
-    def __init__(self, rank: int, ranks: list[int], kind: str, accelerator_kind: str | None):
+    def __init__(self) -> None:
+        self.capacity = 0  # bytes of payload the next first collective carries per rank
+
+
+class Facts:
+    """What never changes for a process group (a cache entry: looked up again when cleared)."""
+
+    __slots__ = ("accelerator_kind", "fixed", "kind", "rank", "ranks", "state")
+
+    def __init__(
+        self,
+        rank: int,
+        ranks: list[int],
+        kind: str,
+        accelerator_kind: str | None,
+        state: ProtocolState,
+    ) -> None:
         self.rank = rank
         self.ranks = ranks
         self.kind = kind  # the device type of object collectives ("cpu" for gloo)
         self.accelerator_kind = accelerator_kind  # a native accelerator backend, if any
-        self.capacity = 0  # bytes of payload the next first collective carries per rank
+        self.state = state  # the group's protocol state (held by _PROTOCOL, not by this cache)
         self.fixed: Group | None = None  # the default group's Group, when on CPU only
 
 
@@ -67,16 +90,20 @@ class Group(NamedTuple):
     ranks: list[int]  # global rank of each group rank
     device: torch.device  # where the small exchanges run (torch's object-collective device)
     accelerator: torch.device | None  # this process's current accelerator, if the group has one
-    state: GroupState
+    state: ProtocolState
 
 
 # An all-gather into a tensor: ``collective(out, inp, group)``.
 Collective = Callable[[torch.Tensor, torch.Tensor, Any], None]
-# Keyed weakly by the ProcessGroup: a destroyed and re-created group starts afresh on every rank.
-_STATES: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
+# The fixed facts of each process group: a cache, keyed weakly by the ProcessGroup.
+_FACTS: WeakCache[Any, Facts] = WeakCache("distributed.groups", maxsize=64, trees=False)
+# The protocol state of each process group: NOT a cache (see the module docstring), so not in
+# the registry that clear_caches() empties. Keyed weakly by the ProcessGroup: a destroyed and
+# re-created group starts afresh on every rank.
+_PROTOCOL: weakref.WeakKeyDictionary[Any, ProtocolState] = weakref.WeakKeyDictionary()
 # The receive buffer each group keeps for its next large wire-plan call (a cache: clearing it on
 # one rank only changes where that rank receives, not what any rank sends).
-_KEPT: WeakCache[GroupState, torch.Tensor] = WeakCache(
+_KEPT: WeakCache[ProtocolState, torch.Tensor] = WeakCache(
     "distributed.receive_buffers", maxsize=8, trees=False
 )
 MAX_KEPT = 128 << 20  # bytes: larger receive buffers are never kept
@@ -90,37 +117,45 @@ def group(handle: Any) -> Group:
             "on every rank (torchrun sets the environment it needs) before treegather.distributed."
         )
     pg = handle if handle is not None else dist.group.WORLD
-    try:
-        state = _STATES.get(pg)
-    except TypeError:
-        state = None
-    if state is None:
-        state = _new_state(handle, pg)
-    fixed = state.fixed
+    facts = _FACTS.get(pg)
+    if facts is None:
+        facts = _new_facts(handle, pg)
+    fixed = facts.fixed
     if fixed is not None and handle is None:
         return fixed
-    device = _device(state.kind)
+    device = _device(facts.kind)
     accelerator = device if device.type != "cpu" else None
-    if accelerator is None and state.accelerator_kind is not None:
-        accelerator = _device(state.accelerator_kind)
-    found = Group(handle, state.rank, state.ranks, device, accelerator, state)
+    if accelerator is None and facts.accelerator_kind is not None:
+        accelerator = _device(facts.accelerator_kind)
+    found = Group(handle, facts.rank, facts.ranks, device, accelerator, facts.state)
     # The default group on CPU only: no current device to follow (and no reference from the
-    # state to a group object, which keys it weakly).
+    # facts to a group object, which keys them weakly).
     if accelerator is None and handle is None:
-        state.fixed = found
+        facts.fixed = found
     return found
 
 
-def _new_state(handle: Any, pg: Any) -> GroupState:
+def _new_facts(handle: Any, pg: Any) -> Facts:
     rank = dist.get_rank(handle)
     if rank < 0:
         raise ValueError("this process is not a member of the process group passed as group=")
     ranks = list(dist.get_process_group_ranks(pg))
-    state = GroupState(rank, ranks, _comm_kind(handle), _accelerator_kind(pg))
+    facts = Facts(rank, ranks, _comm_kind(handle), _accelerator_kind(pg), _protocol_state(pg))
     try:
-        _STATES[pg] = state
-    except TypeError:  # not weakly referenceable: a fresh state per call (capacity stays 0)
+        _FACTS.put(pg, facts)
+    except TypeError:  # not weakly referenceable: looked up on every call
         pass
+    return facts
+
+
+def _protocol_state(pg: Any) -> ProtocolState:
+    """The group's protocol state, kept for as long as the group lives (never cleared)."""
+    try:
+        state = _PROTOCOL.get(pg)
+    except TypeError:  # not weakly referenceable: a fresh state per call (capacity stays 0)
+        return ProtocolState()
+    if state is None:
+        state = _PROTOCOL.setdefault(pg, ProtocolState())
     return state
 
 
@@ -193,7 +228,7 @@ def root_rank(g: Group, rank: Any, name: str) -> tuple[int, Problem | None]:
     """Map a global ``dst``/``src`` rank to its rank in the group, or ``(BAD_ROOT, why)``.
 
     Never raises: the other ranks may already wait in the first exchange, which carries the
-    problem, so that every rank raises it (:func:`treegather._dist_preamble.exchange`). Ints
+    problem, so that every rank raises it (:func:`treegather.distributed.preamble.exchange`). Ints
     and integer types with ``__index__`` (``numpy.int64``) are ranks; ``True`` is not.
     """
     if type(rank) is int and rank in g.ranks:

@@ -14,10 +14,10 @@ from typing import Any
 
 import optree
 
-from treegather import _tree
-from treegather._errors import safe_repr
-from treegather._layout import ByPath, path_text
-from treegather._rules import Custom, Rule
+from .. import _tree
+from .._errors import safe_repr
+from .._layout import ByPath, path_text
+from .._rules import Custom, Rule
 
 __all__ = ["layout_text"]
 

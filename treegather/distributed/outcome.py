@@ -3,7 +3,7 @@
 Only ``dst`` receives the ranks' trees, so only ``dst`` can check and combine them; the other
 ranks wait for one small broadcast of the outcome (a second one carries the error message), so
 that a mismatch or a failing custom rule raises on every rank, not only on ``dst``: the same
-error for treegather's own errors (:func:`treegather._dist_errors.rebuild_error`), a
+error for treegather's own errors (:func:`treegather.distributed.errors.rebuild_error`), a
 ``RuntimeError`` naming the original otherwise.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treegather import _dist_errors
-from treegather._dist_group import Group
-from treegather._wire import tensor_bytes
+from . import errors
+from .group import Group
+from .wire import tensor_bytes
 
 __all__ = ["finish_gather"]
 
@@ -42,17 +42,17 @@ def finish_gather(
             return None
         if code == _DIFFERENT_STRUCTURES and name_differences is not None:
             name_differences()
-        raise _dist_errors.rebuild_error(payload, dst)
+        raise errors.rebuild_error(payload, dst)
     try:
         result = combine()
-    except _dist_errors.StructuresDiffer:
+    except errors.StructuresDiffer:
         assert name_differences is not None
         _status(g, dst, _DIFFERENT_STRUCTURES)
         name_differences()
         raise
     except Exception as exc:
         # The other ranks wait for this status: tell them what went wrong, then raise here.
-        _status(g, dst, _FAILED, _dist_errors.outcome_of(exc))
+        _status(g, dst, _FAILED, errors.outcome_of(exc))
         raise
     _status(g, dst, _OK)
     return result

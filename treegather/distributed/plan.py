@@ -5,10 +5,11 @@ share, nothing but the batch rows changes from call to call. Each rank then comp
 *digest* of what must agree (the exact structure, dict key order and node metadata included,
 each leaf's dtype and trailing shape, the layout and ``dim``, whether ``sizes`` was passed) and
 the ranks exchange only that digest, in the row of the first collective
-(:mod:`treegather._dist_preamble`), and one payload per rank (:mod:`treegather._dist_payload`),
-which rides in the same collective when it fits. There is no header: when any rank's digest
-differs (or a rank cannot use the plan), every rank takes the full exchange of
-:mod:`treegather._wire`, whose checks and errors are the definition.
+(:mod:`~treegather.distributed.preamble`), and one payload per rank
+(:mod:`~treegather.distributed.payload`), which rides in the same collective when it fits.
+There is no header: when any rank's digest differs (or a rank cannot use the plan), every rank
+takes the full exchange of :mod:`~treegather.distributed.wire`, whose checks and errors are the
+definition.
 
 Finding the plan is most of a repeated call's own work, so it is cheap: the compiled layer
 (:func:`treegather._compiled.structure.recognise`) recognises a structure seen before with its generated
@@ -37,11 +38,12 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from treegather import _layout, _wire
-from treegather._caches import LRU
-from treegather._compiled import structure as _structure
-from treegather._dist_layout import layout_text
-from treegather._rules import Cat
+from .. import _layout
+from .._caches import LRU
+from .._compiled import structure as _structure
+from .._rules import Cat
+from . import wire
+from .layout import layout_text
 
 __all__ = ["Local", "WirePlan", "checked", "clear_plans", "padded", "plan_count", "prepare"]
 
@@ -237,7 +239,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) ->
     try:
         leaves, structure, spec = _structure.recognise(tree, "outputs")
         text = layout_text(layout, dim, sync)[0]
-        grads = _wire.grad_positions(leaves) if sync else None
+        grads = wire.grad_positions(leaves) if sync else None
         key = None if structure is None else (structure, text, sizes_given, grads)
         last = None if key is None else _LAST.get(key)
         assumed = None

@@ -6,7 +6,7 @@ Every call starts with one all-gather of ``ROW_BYTES + capacity`` bytes per rank
     [magic, call, root (dst/src), header bytes, payload bytes, placement, digest (2), inline,
      problem]
 
-``digest`` is the wire plan's (:mod:`treegather._wireplan`; ``(0, 0)``: no plan on this rank)
+``digest`` is the wire plan's (:mod:`treegather.distributed.plan`; ``(0, 0)``: no plan on this rank)
 and ``inline`` says whether the rank's wire-plan payload follows the row in the same buffer.
 ``problem`` says that an argument check this rank made before the exchange failed (a ``dst``
 that names no rank): the rank still joins the exchange, and then every rank joins one more to
@@ -17,11 +17,12 @@ call (``gather``: plus the outcome): a repeated structure of up to a few hundred
 costs one collective, like a single ``all_gather`` of its bytes. Otherwise the payload (or the
 full exchange) follows in a collective of its own, and the inline bytes are not read.
 
-``capacity`` is part of the process group's state (:class:`treegather._dist_group.GroupState`):
-every rank computes the next one with :func:`next_capacity` from the rows it just received,
-which are the same on every rank, so every rank's first collective keeps the same size. It
-follows the payloads of repeated structures, with headroom for rows that grow, and shrinks
-when they get much smaller; payloads above ``MAX_INLINE`` always take a second collective.
+``capacity`` is the process group's protocol state
+(:class:`~treegather.distributed.group.ProtocolState`, not a cache): every rank computes the
+next one with :func:`next_capacity` from the rows it just received, which are the same on every
+rank, so every rank's first collective keeps the same size. It follows the payloads of repeated
+structures, with headroom for rows that grow, and shrinks when they get much smaller; payloads
+above ``MAX_INLINE`` always take a second collective.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from typing import NamedTuple, NoReturn
 
 import torch
 
-from treegather import _dist_errors, _dist_group, _dist_payload, _wireplan
-from treegather._dist_group import Collective, Group, Problem
-from treegather._dist_payload import Payloads
-from treegather._errors import ArgumentTypeError, StructureMismatchError
-from treegather._wire import format_problems
-from treegather._wireplan import Local
+from .._errors import ArgumentTypeError, StructureMismatchError
+from . import errors, group, payload, plan
+from .group import Collective, Group, Problem
+from .payload import Payloads
+from .plan import Local
+from .wire import format_problems
 
 __all__ = [
     "ROW_BYTES",
@@ -112,7 +113,7 @@ def raise_problems(
     such rank and its call. An :class:`~treegather.ArgumentTypeError` when any argument has
     the wrong type, else a ``ValueError``."""
     mine = None if problem is None else (problem[0] is ArgumentTypeError, problem[1])
-    found = _dist_errors.exchange_objects(
+    found = errors.exchange_objects(
         collective, g, pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
     )
     problems, typed = [], False
@@ -200,7 +201,7 @@ def exchange(
     stride = ROW_BYTES + area
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
     mine = out[g.rank * stride : (g.rank + 1) * stride]
-    placement = _dist_group.placement(g, devices)
+    placement = group.placement(g, devices)
     if problem is not None:
         fast = None
         write_row(mine, row(call, root, lengths, placement, problem=True))
@@ -235,12 +236,12 @@ def _fill(
     area = mine.numel() - ROW_BYTES
     inline = fast is not None and fast.nbytes <= area and fields[3] != 1
     if fast is not None and not inline:
-        fast = _wireplan.checked(fast)  # packed later, once the ranks agreed: check it now
+        fast = plan.checked(fast)  # packed later, once the ranks agreed: check it now
     if fast is not None and inline:
         values = row(*fields, fast.plan.digest, inline=True)
-        if _dist_payload.send(fast, mine.numel(), g.device, mine, prefix=values):
+        if payload.send(fast, mine.numel(), g.device, mine, prefix=values):
             return fast, True
-        _wireplan.refuted(fast)
+        plan.refuted(fast)
         fast = None  # another device, layout or shape past the first tensor: no plan from here
     write_row(mine, row(*fields) if fast is None else row(*fields, fast.plan.digest))
     if area:

@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from treegather import _layout, _tree
-from treegather._dist_layout import layout_text
-from treegather._errors import BatchSizeError, LeafTypeError, TreegatherError, safe_repr
+from .. import _layout, _tree
+from .._errors import BatchSizeError, LeafTypeError, TreegatherError, safe_repr
+from .layout import layout_text
 
 ALIGN = 16  # every region starts 16-byte aligned, so any dtype can be viewed in place
 ROOT = "outputs"  # how error messages name the tree (as treegather.gather does)
