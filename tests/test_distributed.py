@@ -898,7 +898,15 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
         tg.StructureMismatchError,
         ["outputs['x']", "str on rank 1", "Tensor(float32)"],
     ),
-    "dtype": (tg.ShapeMismatchError, ["outputs['scores']", "int64 on rank 1", "float32 on rank"]),
+    # gather's own message (the rule's): one dtype message, in one process or across ranks
+    "dtype": (
+        tg.ShapeMismatchError,
+        [
+            "outputs['scores']: cat(dim=0) needs one dtype in every replica",
+            "replica 0: torch.float32, replica 1: torch.int64",
+            "(replica i above is rank i)",
+        ],
+    ),
     "non_cat_dim_all_gather": (tg.ShapeMismatchError, ["['emb']", "replica 1: [2, 4]", "rank"]),
     "non_cat_dim_gather": (tg.ShapeMismatchError, ["['emb']", "replica 1: [2, 4]", "rank"]),
     "stack_shapes_gather": (tg.ShapeMismatchError, ["['h']", "stack"]),

@@ -18,6 +18,7 @@ from .. import _tree
 from .._errors import TreegatherError
 from .._gather import gather as _gather_local
 from . import payload, wire
+from .errors import rank_note
 from .grads import connect as _connect_grads
 from .group import Group
 from .group import target as _target
@@ -97,8 +98,4 @@ def rules(
             trees, device, layout, dim=dim, sizes=None if sizes[0] is None else sizes
         )
     except TreegatherError as exc:
-        if list(ranks) == list(range(len(ranks))):
-            note = "(replica i above is rank i)"
-        else:
-            note = f"(replica i above is the group's rank i, global ranks {list(ranks)})"
-        raise type(exc)(f"{exc}\n{note}") from None
+        raise type(exc)(f"{exc}\n{rank_note(ranks)}") from None

@@ -29,6 +29,8 @@ from .._errors import (
     TreeDepthError,
     TreegatherError,
 )
+from .._layout import resolve
+from .._mismatch import diagnose
 from . import wire
 from .group import Collective, Group
 
@@ -64,12 +66,19 @@ class StructuresDiffer(Exception):
     """The fingerprints differ: every rank must join the exchange that names the differences."""
 
 
-def check(ranks: Sequence[int], headers: list[dict[str, Any]], local: wire.Packed) -> None:
+def check(
+    ranks: Sequence[int],
+    headers: list[dict[str, Any]],
+    local: wire.Packed,
+    layout: Any = None,
+    dim: int = 0,
+) -> None:
     """Raise when a rank failed or the trees disagree (the same error wherever it runs).
 
     ``ranks`` are the group's global ranks. Raises :class:`StructuresDiffer` when the
     structures differ: naming the differences takes one more exchange, which every rank must
-    then join.
+    then join. Leaves whose dtypes differ between the ranks are named by their rules (under
+    ``layout`` and ``dim``), with the same message as :func:`treegather.gather` gives.
     """
     _raise_rank_errors(ranks, headers)
     layouts = [h["layout"] for h in headers]
@@ -85,7 +94,7 @@ def check(ranks: Sequence[int], headers: list[dict[str, Any]], local: wire.Packe
         )
     if len({h["fingerprint"] for h in headers}) > 1:
         raise StructuresDiffer
-    _check_leaf_kinds(ranks, headers, local)
+    _check_leaf_kinds(ranks, headers, local, layout, dim)
     sizes = [h["sizes"] for h in headers]
     if len({s is None for s in sizes}) > 1:
         raise BatchSizeError(
@@ -113,24 +122,20 @@ def _raise_rank_errors(ranks: Sequence[int], headers: list[dict[str, Any]]) -> N
 
 
 def _check_leaf_kinds(
-    ranks: Sequence[int], headers: list[dict[str, Any]], local: wire.Packed
+    ranks: Sequence[int], headers: list[dict[str, Any]], local: wire.Packed, layout: Any, dim: int
 ) -> None:
-    """Same structure: a tensor at the same paths on every rank, of the same dtype."""
-    assert local.up_spec is not None
+    """Same structure: a tensor at the same paths on every rank, of the dtype its rule needs."""
+    assert local.up_spec is not None and local.spec is not None
     kinds = [wire.up_kinds(h, local.up_spec.num_leaves) for h in headers]
     if all(k == kinds[0] for k in kinds[1:]):
         return
-    mixed, dtypes = [], []
+    mixed = []
     for j, path in enumerate(wire.leaf_paths(local.up_spec)):
         per_rank = [k[j] for k in kinds]
-        if len(set(per_rank)) == 1:
-            continue
         tensors = [p is not None and p.startswith("Tensor(") for p in per_rank]
         if len(set(tensors)) > 1:
             described = [wire.describe_up(h, j, k) for h, k in zip(headers, per_rank)]
             mixed.append(f"{path}: " + _by_rank(ranks, described))
-        elif all(tensors):
-            dtypes.append(f"{path}: " + _by_rank(ranks, [p[7:-1] for p in per_rank if p]))
     if mixed:
         raise StructureMismatchError(
             wire.format_problems(
@@ -140,13 +145,20 @@ def _check_leaf_kinds(
                 "numbers)",
             )
         )
-    raise ShapeMismatchError(
-        wire.format_problems(
-            "tensor leaves have different dtypes on different ranks",
-            dtypes,
-            "cast them to one dtype on every rank before gathering (e.g. .float())",
-        )
-    )
+    # Tensors everywhere, of other dtypes: the rules say what is wrong, as gather's do (every
+    # rank's values stand in as meta tensors of their dtype and shape: no bytes are read).
+    plan = resolve(local.spec, layout, "gather", dim, wire.ROOT)
+    columns = list(zip(*(wire.stand_ins(h, local.up_spec.num_leaves) for h in headers)))
+    problem = diagnose(plan, columns, dim, None)
+    if problem is not None:
+        raise type(problem)(f"{problem}\n{rank_note(ranks)}")
+
+
+def rank_note(ranks: Sequence[int]) -> str:
+    """What a replica of gather's messages is here."""
+    if list(ranks) == list(range(len(ranks))):
+        return "(replica i above is rank i)"
+    return f"(replica i above is the group's rank i, global ranks {list(ranks)})"
 
 
 def _group_by(values: Sequence[tuple[str, str]]) -> list[tuple[str, list[int]]]:

@@ -123,7 +123,7 @@ def _full_all_gather(
     buffers = list(out.view(len(g.ranks), stride))
     headers = wire.read_headers(buffers, [r[preamble.HEADER] for r in rows])
     try:
-        errors.check(g.ranks, headers, local)
+        errors.check(g.ranks, headers, local, layout, dim)
     except errors.StructuresDiffer:
         errors.name_differences(_all_gather_into, g, local)
     return combine.full(g, headers, buffers, rows, local, device, layout, dim, tree)
@@ -254,7 +254,7 @@ def _full_gather(
     def result() -> Any:
         assert received is not None
         headers = wire.read_headers(received, [r[preamble.HEADER] for r in rows])
-        errors.check(g.ranks, headers, local)
+        errors.check(g.ranks, headers, local, layout, dim)
         return combine.full(g, headers, received, rows, local, device, layout, dim)
 
     return outcome.finish_gather(

@@ -329,6 +329,25 @@ def up_kinds(header: dict[str, Any], n: int) -> list[str | None]:
     return out
 
 
+def stand_ins(header: dict[str, Any], n: int) -> list[Any]:
+    """Per leaf of the up-structure, what a check of the rules can look at: a meta tensor of
+    the leaf's dtype and shape, the object itself, or ``None`` for a node taken whole."""
+    leaves = decode(header, torch.empty(0, dtype=torch.uint8), tensors=False)
+    for i, m in enumerate(header["meta"]):
+        if m is not None:
+            leaves[i] = torch.empty(m[1], dtype=DTYPES[m[0]], device="meta")
+    groups = header["groups"] or {}
+    if not groups:
+        return leaves
+    out: list[Any] = []
+    k = 0
+    for pos in range(n):
+        sub = groups.get(pos)
+        out.append(None if sub is not None else leaves[k])
+        k += sub.num_leaves if sub is not None else 1
+    return out
+
+
 def describe_up(header: dict[str, Any], pos: int, kind: str | None) -> str:
     """``kind`` with an object's type name instead of ``"object"``."""
     if kind != "object":
