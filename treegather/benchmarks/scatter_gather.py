@@ -1,6 +1,6 @@
 """The benchmark: scatter and gather against the bare torch ops, side by side in one run.
 
-``python -m treegather.bench`` prints one table. Each case builds a nested dict of N leaves and
+``python -m treegather.benchmarks`` prints one table. Each case builds a nested dict of N leaves and
 times, interleaved round by round so machine noise hits every implementation alike:
 
 - ``floor``: only the torch ops on pre-flattened leaves (one ``tensor_split`` per leaf for
@@ -37,19 +37,19 @@ import torch
 
 import treegather as tg
 
-from ._bench_cases import _rec_gather as _rec_gather
-from ._bench_cases import _rec_scatter as _rec_scatter
-from ._bench_cases import nested_tree, run_case
-from ._bench_engine import engine_cases as engine_cases
-from ._bench_timing import prepare_allocator as prepare_allocator
+from .cases import _rec_gather as _rec_gather
+from .cases import _rec_scatter as _rec_scatter
+from .cases import nested_tree, run_case
+from .engine import engine_cases as engine_cases
+from .timing import prepare_allocator as prepare_allocator
 
 __all__ = ["nested_tree", "run_case", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Run the benchmark and print the table (``python -m treegather.bench --help``)."""
+    """Run the benchmark and print the table (``python -m treegather.benchmarks --help``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m treegather.bench", description=__doc__.split("\n")[0]
+        prog="python -m treegather.benchmarks", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--quick", action="store_true", help="a smaller grid, about a minute and a half"
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument(
         "--steps",
         action="store_true",
-        help="also time whole data-parallel training steps (python -m treegather.bench_steps)",
+        help="also time whole data-parallel training steps (python -m treegather.benchmarks.steps)",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -129,10 +129,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 flush=True,
             )
     if args.steps:
-        from . import bench_steps
+        from . import steps
 
         print()
-        rows.extend(bench_steps.main(["--quick"] if args.quick else []))
+        rows.extend(steps.main(["--quick"] if args.quick else []))
     faulty = sorted(
         {
             f"{r['impl']} ({r['op']}, {r['leaves']} leaves)"

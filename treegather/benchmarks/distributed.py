@@ -1,7 +1,7 @@
 """Benchmark :func:`treegather.distributed.all_gather` against the floor and what users write.
 
-Run ``python -m treegather.bench_distributed`` (options: ``--leaves 10 100 1000``, ``--large 10``,
-``--world 2``, ``--repeats 45``, ``--json PATH``). It spawns ``world`` gloo ranks on localhost.
+Run ``python -m treegather.benchmarks.distributed`` (options: ``--leaves 10 100 1000``,
+``--large 10``, ``--world 2``, ``--repeats 45``, ``--json PATH``). It spawns ``world`` gloo ranks on localhost.
 Small trees hold ``n`` float32 leaves with ragged rows (leaf ``i`` on rank ``r`` is
 ``[8 - (r + i) % 2, 4]``); the large tree holds ``--large`` leaves of ``[4096 - r, 256]`` float32
 (4 MiB each). For each tree the ranks time, each call after a barrier, the median of
@@ -22,8 +22,8 @@ per column so that drifting load on a shared machine hits every column alike:
 
 Every column's result is checked equal to treegather's before timing. Each row reports the
 slowest rank's median, ``treegather`` as a multiple of the floor (the median over rounds of the
-two calls' ratio in the same round, as in :mod:`treegather.bench`), the others as multiples of
-``treegather``, and the peak memory of one call on rank 0, measured in a separate untimed call
+two calls' ratio in the same round, as in :mod:`treegather.benchmarks.scatter_gather`), the
+others as multiples of ``treegather``, and the peak memory of one call on rank 0, measured in a separate untimed call
 as the rise of the process's resident-set high-water mark (Linux; buffers of a few hundred KiB
 and more are mapped fresh by each call and counted in full, smaller ones reuse freed memory).
 """
@@ -134,8 +134,9 @@ def _interleaved_ms(
 
     Interleaving keeps the columns' ratios meaningful on a machine whose load drifts: every
     column sees the same conditions, and a per-round ratio cancels a slow phase (as in
-    :mod:`treegather.bench`). A column with fewer repeats sits out the later rounds. Every rank
-    waits for the slowest, so each column (and the ratio) reports the slowest rank's median.
+    :mod:`treegather.benchmarks.scatter_gather`). A column with fewer repeats sits out the later
+    rounds. Every rank waits for the slowest, so each column (and the ratio) reports the slowest
+    rank's median.
     """
     times: dict[str, list[float]] = {name: [] for name in columns}
     for i in range(max(n for _, n in columns.values())):
@@ -395,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = argparse.ArgumentParser(
-        prog="python -m treegather.bench_distributed", description=__doc__
+        prog="python -m treegather.benchmarks.distributed", description=__doc__
     )
     parser.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000])
     parser.add_argument("--large", type=int, default=10, help="large leaves (0: no large tree)")

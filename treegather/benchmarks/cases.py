@@ -16,7 +16,7 @@ import torch
 
 import treegather as tg
 
-from ._bench_timing import _compare, prepare_allocator
+from .timing import _compare, prepare_allocator
 
 
 def nested_tree(n_leaves: int, shape: Sequence[int], depth: int = 3) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from treegather import bench
+from treegather.benchmarks import cases, scatter_gather
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +30,7 @@ def test_bench_main_writes_one_row_per_op_and_implementation(
 ) -> None:
     out = tmp_path / "rows.json"
     argv = ["--leaves", "3", "--replicas", "2", "--rounds", "1", "--json", str(out)]
-    rows = bench.main(argv + (["--cold-allocator"] if cold else []))
+    rows = scatter_gather.main(argv + (["--cold-allocator"] if cold else []))
     printed = capsys.readouterr().out
     assert ("cold allocator" in printed) == cold
     assert json.loads(out.read_text()) == rows
@@ -65,10 +65,10 @@ def test_run_case_recursion_and_treegather_agree_with_the_floor() -> None:
 
     import treegather as tg
 
-    tree = bench.nested_tree(12, (6, 2))
+    tree = cases.nested_tree(12, (6, 2))
     leaves, _ = tg._tree.flatten(tree)
     shards = tg.scatter(tree, ["cpu"] * 3)
-    rec = bench._rec_scatter(tree, 3)
+    rec = cases._rec_scatter(tree, 3)
     for r in range(3):
         ours, theirs = tg._tree.flatten(shards[r])[0], tg._tree.flatten(rec[r])[0]
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
@@ -77,6 +77,6 @@ def test_run_case_recursion_and_treegather_agree_with_the_floor() -> None:
     assert all(
         torch.equal(a, b)
         for a, b in zip(
-            tg._tree.flatten(back)[0], tg._tree.flatten(bench._rec_gather(rec))[0], strict=True
+            tg._tree.flatten(back)[0], tg._tree.flatten(cases._rec_gather(rec))[0], strict=True
         )
     )
