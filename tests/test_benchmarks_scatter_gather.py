@@ -6,6 +6,7 @@ import gc
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,13 +35,26 @@ def test_bench_main_writes_one_row_per_op_and_implementation(
     printed = capsys.readouterr().out
     assert ("cold allocator" in printed) == cold
     assert json.loads(out.read_text()) == rows
-    # Two shapes in the full grid, 2 ops, 3 implementations; then the compiled layer's rows.
+    # Two shapes in the full grid, 2 ops, 5 implementations; then the compiled layer's rows.
     main_rows = [r for r in rows if "shape" in r]
+    impls = ("floor", "treegather", "recursion", "optree", "cxx_pytree")
     assert sorted({(r["op"], r["impl"]) for r in main_rows}) == sorted(
-        (op, impl) for op in ("scatter", "gather") for impl in ("floor", "treegather", "recursion")
+        (op, impl) for op in ("scatter", "gather") for impl in impls
     )
-    assert len(main_rows) == 2 * 2 * 3
-    engine = sorted((r["op"], r["impl"]) for r in rows if "shape" not in r)
+    assert len(main_rows) == 2 * 2 * 5
+    # The small tensors have 8 rows per replica, the large ones are fixed.
+    assert sorted({tuple(r["shape"]) for r in main_rows}) == [(16, 4), (128, 256)]
+    # Every peer's ratio is in the table, and which implementation is ahead.
+    table = [
+        line.split() for line in printed.splitlines() if line.startswith(("scatter", "gather"))
+    ]
+    assert len(table) == 2 * 2 + len(engine_rows(rows))
+    for line in table[:4]:
+        assert len(line) == 4 + 1 + 1 + 2 + 3 + 1 + 1, (
+            line
+        )  # case | floor, tg us+x, 3 peers | ahead
+        assert all(cell.endswith("x") for cell in line[7:10]) and line[-1] in impls[1:]
+    engine = sorted((r["op"], r["impl"]) for r in engine_rows(rows))
     assert engine == sorted(
         [
             ("scatter", "alternating"),
@@ -80,3 +94,38 @@ def test_run_case_recursion_and_treegather_agree_with_the_floor() -> None:
             tg._tree.flatten(back)[0], tg._tree.flatten(cases._rec_gather(rec))[0], strict=True
         )
     )
+
+
+def engine_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if "shape" not in r]
+
+
+def test_shapes_option_takes_rows_per_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scatter_gather.shape_of("8Kx4", 3) == (24, 4)
+    with pytest.raises(SystemExit):
+        scatter_gather.main(["--shapes", "8Kxfour"])
+    assert "is not a shape" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_the_peers_do_the_work_of_treegather(k: int) -> None:
+    # optree and torch's C++ pytree, as the table times them: the same shards, the same gather.
+    import torch
+
+    import treegather as tg
+
+    tree = cases.nested_tree(30, (8 * k, 4))
+    shards = tg.scatter(tree, ["cpu"] * k)
+    for scatter in (cases.optree_scatter, cases.cxx_scatter):
+        theirs = scatter(tree, k)
+        assert len(theirs) == k
+        for ours, their in zip(shards, theirs, strict=True):
+            assert tg._tree.flatten(ours)[1] == tg._tree.flatten(their)[1]
+            for a, b in zip(tg._tree.flatten(ours)[0], tg._tree.flatten(their)[0], strict=True):
+                assert torch.equal(a, b)
+    back = tg.gather(list(shards), "cpu")
+    for gather in (cases.optree_gather, cases.cxx_gather):
+        joined = gather(list(shards))
+        assert tg._tree.flatten(joined)[1] == tg._tree.flatten(back)[1]
+        for a, b in zip(tg._tree.flatten(joined)[0], tg._tree.flatten(back)[0], strict=True):
+            assert torch.equal(a, b)
