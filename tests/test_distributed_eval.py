@@ -526,6 +526,7 @@ def test_the_evaluation_benchmark_runs(ranks: Any) -> None:
         )
         ex, add, sync = bench["exchange"], bench["add"], bench["sync_grads"]
         assert all(ex[k] > 0 for k in ("exchange_ms", "floor_ms", "floor_names_ms"))
+        assert ex["exchange_cpu_ms"] > 0 and ex["floor_cpu_ms"] >= 0
         assert ex["exchange_vs_floor"] > 0 and ex["exchange_vs_floor_names"] > 0
         assert ex["collectives"] >= 1
         if rank == 0:

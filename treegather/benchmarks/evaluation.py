@@ -12,9 +12,10 @@ strs}``, made before any timing (no model runs). It measures:
   of the same tensor bytes (the logits and ids of the largest rank; ``floor``), and of the same
   bytes plus the pickled names (``floor_names``). Each round times the three, in rotating order,
   each call after a barrier with the garbage collector off; the ratios are the medians of the
-  per-round ratios, and every figure is the slowest rank's. The result is checked against the
-  dataset (every sample once, in index order) before timing. ``--profile`` adds a cProfile of
-  rank 0's exchanges.
+  per-round ratios, and every figure is the slowest rank's; the calling thread's CPU time of
+  the exchange and of the floor tells the call's own work from the wait for the transfer. The
+  result is checked against the dataset (every sample once, in index order) before timing.
+  ``--profile`` adds a cProfile of rank 0's exchanges.
 - **one add** (``col.add(outputs)`` under ``torch.no_grad()``; and with ``Collector(sampler,
   device="cpu")``), in µs of this thread's CPU time per add, the garbage collector off, next to
   the cost of copying the batch (``clone()`` of its tensors), and the first add of an epoch
@@ -99,12 +100,20 @@ def _flat_all_gather(nbytes: int) -> Callable[[], torch.Tensor]:
 
 def _timed(fn: Callable[[], Any]) -> float:
     """Wall seconds of one call after a barrier, garbage collector off."""
+    return _timed_cpu(fn)[0]
+
+
+def _timed_cpu(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall seconds and this thread's CPU seconds of one call after a barrier, garbage
+    collector off (the collective's own transfer runs on gloo's threads: the CPU time is the
+    call's work in this thread, the wall time includes waiting for the transfer and the other
+    ranks)."""
     dist.barrier()
     gc.disable()
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         fn()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.thread_time() - cpu
     finally:
         gc.enable()
 
@@ -149,20 +158,25 @@ def _exchange_row(
                 filled()
             fn()
     times: dict[str, list[float]] = {name: [] for name in columns}
+    cpu: dict[str, list[float]] = {name: [] for name in columns}
     names_ = list(columns)
     for r in range(rounds):
         filled()
         gc.collect()
         for name in names_[r % 3 :] + names_[: r % 3]:
-            times[name].append(_timed(columns[name]))
+            wall, spent = _timed_cpu(columns[name])
+            times[name].append(wall)
+            cpu[name].append(spent)
     ratios = [
         statistics.median(e / f for e, f in zip(times["exchange"], times[floor]))
         for floor in ("floor", "floor_names")
     ]
     medians = [statistics.median(times[name]) * 1e3 for name in names_]
-    slowest = _slowest([*medians, *ratios])
+    cpu_ms = [statistics.median(cpu[name]) * 1e3 for name in ("exchange", "floor")]
+    slowest = _slowest([*medians, *ratios, *cpu_ms])
     row: dict[str, Any] = {f"{name}_ms": ms for name, ms in zip(names_, slowest)}
-    row["exchange_vs_floor"], row["exchange_vs_floor_names"] = slowest[3:]
+    row["exchange_vs_floor"], row["exchange_vs_floor_names"] = slowest[3:5]
+    row["exchange_cpu_ms"], row["floor_cpu_ms"] = slowest[5:]
     row["tensor_mib_per_rank"] = tensor_bytes / 2**20
     row["names_mib_per_rank"] = names_bytes / 2**20
     row["collectives"] = len(calls)
@@ -361,7 +375,8 @@ def run(
     Returns:
         ``samples``, ``batch``, ``world``, ``rounds`` and three dicts: ``exchange``
         (``exchange_ms``, ``floor_ms``, ``floor_names_ms``, ``exchange_vs_floor``,
-        ``exchange_vs_floor_names``, the MiB per rank, ``collectives``), ``add`` (``add_us``,
+        ``exchange_vs_floor_names``, ``exchange_cpu_ms`` and ``floor_cpu_ms`` (the calling
+        thread's CPU time), the MiB per rank, ``collectives``), ``add`` (``add_us``,
         ``add_cpu_us``, ``copy_us`` per batch, ``first_add_us``, ``first_add_cpu_us``, ``adds``)
         and ``sync_grads`` (``forward_sync_ms``, ``forward_plain_ms``, ``step_sync_ms``, and the
         collectives' names in ``forward_sync_collectives``, ``forward_plain_collectives``,
@@ -378,7 +393,8 @@ def format_table(result: dict[str, Any]) -> str:
         >>> result = {"samples": 10000, "batch": 64, "world": 2, "rounds": 25,
         ...     "exchange": {"exchange_ms": 2.0, "floor_ms": 1.0, "floor_names_ms": 1.5,
         ...         "exchange_vs_floor": 2.0, "exchange_vs_floor_names": 1.3,
-        ...         "tensor_mib_per_rank": 0.23, "names_mib_per_rank": 0.07, "collectives": 2},
+        ...         "tensor_mib_per_rank": 0.23, "names_mib_per_rank": 0.07, "collectives": 2,
+        ...         "exchange_cpu_ms": 1.2, "floor_cpu_ms": 0.1},
         ...     "add": {"add_us": 3.0, "add_cpu_us": 9.0, "copy_us": 4.0, "first_add_us": 90.0,
         ...         "first_add_cpu_us": 95.0, "adds": 79},
         ...     "sync_grads": {"forward_sync_ms": 1.1, "forward_plain_ms": 1.0,
@@ -387,9 +403,9 @@ def format_table(result: dict[str, Any]) -> str:
         ...         "backward_collectives": ["all_reduce"]}}
         >>> print(format_table(result))  # doctest: +NORMALIZE_WHITESPACE
         Collector evaluation: 10000 samples, batches of 64, 2 gloo ranks, 25 rounds
-        | final exchange | floor (tensor bytes) | x floor | floor + pickled names | x floor + names | collectives |
-        |---:|---:|---:|---:|---:|---:|
-        | 2.00 ms | 1.00 ms | 2.00x | 1.50 ms | 1.30x | 2 |
+        | final exchange | floor (tensor bytes) | x floor | floor + pickled names | x floor + names | collectives | CPU ms in the calling thread (exchange / floor) |
+        |---:|---:|---:|---:|---:|---:|---:|
+        | 2.00 ms | 1.00 ms | 2.00x | 1.50 ms | 1.30x | 2 | 1.20 / 0.10 |
         <BLANKLINE>
         | add (no_grad) | add (device="cpu") | copy of the batch | first add (reads the sampler) | adds per rank |
         |---:|---:|---:|---:|---:|
@@ -404,11 +420,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"Collector evaluation: {result['samples']} samples, batches of {result['batch']}, "
         f"{result['world']} gloo ranks, {result['rounds']} rounds",
         "| final exchange | floor (tensor bytes) | x floor | floor + pickled names "
-        "| x floor + names | collectives |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| x floor + names | collectives | CPU ms in the calling thread (exchange / floor) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
         f"| {ex['exchange_ms']:.2f} ms | {ex['floor_ms']:.2f} ms | {ex['exchange_vs_floor']:.2f}x "
         f"| {ex['floor_names_ms']:.2f} ms | {ex['exchange_vs_floor_names']:.2f}x "
-        f"| {ex['collectives']} |",
+        f"| {ex['collectives']} | {ex['exchange_cpu_ms']:.2f} / {ex['floor_cpu_ms']:.2f} |",
         "",
         '| add (no_grad) | add (device="cpu") | copy of the batch '
         "| first add (reads the sampler) | adds per rank |",
