@@ -26,7 +26,7 @@ def _small_heap() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("cold", [False, True], ids=["allocator-warmed", "cold-allocator"])
-def test_bench_main_writes_one_row_per_op_and_implementation(
+def test_main_writes_one_row_per_op_and_implementation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], cold: bool
 ) -> None:
     out = tmp_path / "rows.json"
