@@ -3,7 +3,8 @@
 Single-process checks run here; the multi-process checks run in the spawned gloo groups of 2 and
 3 ranks shared with the other distributed test modules (:mod:`spawned_groups`: each rank writes
 its results to a file; the tests compare them with one process holding every rank's data), under
-a hard deadline.
+a hard deadline. The group of 2 also runs the evaluation benchmark
+(``python -m treegather.benchmarks.evaluation``) on a small dataset.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import treegather as tg
 import treegather.distributed as tgd
 from treegather._caches import reference_only
+from treegather.benchmarks import evaluation
 
 GROUP_DEADLINE_S = 90.0  # the checks below, in one group
 N = 11  # samples: uneven over 2 and 3 ranks, so DistributedSampler pads
@@ -369,6 +371,14 @@ def _counting() -> Iterator[list[str]]:
             setattr(dist, name, fn)
 
 
+@spawned_groups.register("eval.bench", budget_s=30)
+def _benchmark_smoke_run(rank: int, world: int) -> Any:
+    """The evaluation benchmark on a small dataset, in the group of 2 (spawning costs more)."""
+    if world != 2:
+        return None
+    return evaluation.measure(300, batch=64, rounds=2, profile=True)
+
+
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
 def ranks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -377,7 +387,12 @@ def ranks(
     world = request.param
     results = spawned_groups.results(world, tmp_path_factory)
     return world, [
-        {"collector": res["eval.collector"], "sync": res["eval.sync"]} for res in results
+        {
+            "collector": res["eval.collector"],
+            "sync": res["eval.sync"],
+            "benchmark": res["eval.bench"],
+        }
+        for res in results
     ]
 
 
@@ -489,3 +504,34 @@ def test_sync_grads_off_stays_detached_and_must_agree(ranks: Any) -> None:
         status, name, message, _ = res["sync"]["sync_on_one_rank"]
         assert (status, name) == ("raised", "LayoutError"), message
         assert "sync_grads=True on rank 0" in message
+
+
+def test_the_evaluation_benchmark_runs(ranks: Any) -> None:
+    # Its figures are not checked (no timing asserts), only that every part ran and what it counts.
+    world, results = ranks
+    if world != 2:
+        pytest.skip("the benchmark's smoke run shares the group of 2 ranks")
+    for rank, res in enumerate(results):
+        bench = res["benchmark"]
+        assert (bench["samples"], bench["batch"], bench["world"], bench["rounds"]) == (
+            300,
+            64,
+            2,
+            2,
+        )
+        ex, add, sync = bench["exchange"], bench["add"], bench["sync_grads"]
+        assert all(ex[k] > 0 for k in ("exchange_ms", "floor_ms", "floor_names_ms"))
+        assert ex["exchange_cpu_ms"] > 0 and ex["floor_cpu_ms"] >= 0
+        assert ex["exchange_vs_floor"] > 0 and ex["exchange_vs_floor_names"] > 0
+        assert ex["collectives"] >= 1
+        if rank == 0:
+            assert "calls on rank 0" in ex["profile"] and "all_gather" in ex["profile"]
+        else:
+            assert ex["profile"] is None
+        assert add["adds"] == 3  # 150 samples per rank, batches of 64
+        assert all(add[k] > 0 for k in ("add_us", "add_cpu_us", "copy_us", "first_add_us"))
+        # sync_grads adds no collective to the forward and makes one in the backward.
+        assert sync["forward_sync_collectives"] == sync["forward_plain_collectives"]
+        assert sync["forward_sync_collectives"] and len(sync["backward_collectives"]) == 1
+        table = evaluation.format_table(bench)
+        assert table.count("\n|---") == 3 and "final exchange" in table

@@ -15,8 +15,8 @@ from typing import Any
 
 import treegather as tg
 
-from ._bench_cases import nested_tree
-from ._bench_timing import _compare, _time, prepare_allocator
+from .cases import nested_tree
+from .timing import _compare, _time, prepare_allocator
 
 
 def engine_cases(

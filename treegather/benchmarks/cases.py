@@ -1,9 +1,11 @@
-"""The benchmark's table: scatter and gather against the floor and a recursion, per case.
+"""The benchmark's table: scatter and gather against the floor, a recursion and the peers.
 
 ``nested_tree`` builds a case's batch; ``run_case`` times, for one (leaves, shape, replicas),
-the bare torch ops on pre-flattened leaves (``floor``), :mod:`treegather`, and a torch
+the bare torch ops on pre-flattened leaves (``floor``), :mod:`treegather`, a torch
 ``scatter_gather``-style recursion over dicts (``_rec_scatter`` / ``_rec_gather``; on CUDA,
-torch's own ``scatter_gather``).
+torch's own ``scatter_gather``) and, on the CPU, the same steps written with a pytree library:
+optree (``optree_scatter`` / ``optree_gather``) and torch's C++ pytree,
+``torch.utils._cxx_pytree`` (``cxx_scatter`` / ``cxx_gather``).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
+from torch.utils import _cxx_pytree as cxx
 
 import treegather as tg
 
-from ._bench_timing import _compare, prepare_allocator
+from .timing import _compare, prepare_allocator
 
 
 def nested_tree(n_leaves: int, shape: Sequence[int], depth: int = 3) -> dict[str, Any]:
@@ -63,6 +67,55 @@ def _rec_gather(outs: list[Any]) -> Any:
     return outs
 
 
+# The peers: what a user writes with a pytree library. Scatter flattens the tree, makes one
+# tensor_split per leaf and unflattens each device's leaves; gather flattens every replica, makes
+# one torch.cat per leaf and unflattens. Neither checks that the replicas agree in structure or
+# dtype (treegather's gather does), nor handles non-tensor leaves: the least work a tree-aware
+# step can do.
+def optree_scatter(tree: Any, k: int) -> list[Any]:
+    """``tree`` cut in ``k`` along dim 0 with optree: flatten, split per leaf, unflatten.
+
+    >>> [s["a"].tolist() for s in optree_scatter({"a": torch.arange(3)}, 2)]
+    [[0, 1], [2]]
+    """
+    leaves, spec = optree.tree_flatten(tree)
+    columns = [x.tensor_split(k) for x in leaves]
+    return [spec.unflatten([c[r] for c in columns]) for r in range(k)]
+
+
+def optree_gather(outs: Sequence[Any]) -> Any:
+    """The replicas' trees joined with optree: flatten each, one ``torch.cat`` per leaf.
+
+    >>> optree_gather([{"a": torch.arange(2)}, {"a": torch.arange(1)}])["a"].tolist()
+    [0, 1, 0]
+    """
+    flat = [optree.tree_flatten(o) for o in outs]
+    return flat[0][1].unflatten([torch.cat(c) for c in zip(*(leaves for leaves, _ in flat))])
+
+
+def cxx_scatter(tree: Any, k: int) -> list[Any]:
+    """As :func:`optree_scatter`, with ``torch.utils._cxx_pytree`` (torch's C++ pytree).
+
+    >>> [s["a"].tolist() for s in cxx_scatter({"a": torch.arange(3)}, 2)]
+    [[0, 1], [2]]
+    """
+    leaves, spec = cxx.tree_flatten(tree)
+    columns = [x.tensor_split(k) for x in leaves]
+    return [cxx.tree_unflatten([c[r] for c in columns], spec) for r in range(k)]
+
+
+def cxx_gather(outs: Sequence[Any]) -> Any:
+    """As :func:`optree_gather`, with ``torch.utils._cxx_pytree``.
+
+    >>> cxx_gather([{"a": torch.arange(2)}, {"a": torch.arange(1)}])["a"].tolist()
+    [0, 1, 0]
+    """
+    flat = [cxx.tree_flatten(o) for o in outs]
+    return cxx.tree_unflatten(
+        [torch.cat(c) for c in zip(*(leaves for leaves, _ in flat))], flat[0][1]
+    )
+
+
 def _cuda_impls(
     tree: Any, k: int, leaves: list[Any], outs: list[Any], columns: list[Any]
 ) -> dict[str, dict[str, Callable[[], Any]]]:
@@ -106,8 +159,11 @@ def run_case(
 ) -> list[dict[str, Any]]:
     """Time scatter and gather for one case; returns one row per (op, implementation).
 
-    On ``device="cuda"`` the batch starts on the CPU and goes to ``cuda:0`` repeated ``k``
-    times, and "recursion" is torch's own ``scatter_gather`` (which needs CUDA).
+    The implementations (``impl``): ``floor``, ``treegather``, ``recursion``, and on the CPU
+    the peers ``optree`` and ``cxx_pytree``, all timed in the same interleaved rounds; each
+    row's ``ratio`` is the median of its per-round ratios to the floor. On ``device="cuda"``
+    the batch starts on the CPU and goes to ``cuda:0`` repeated ``k`` times, "recursion" is
+    torch's own ``scatter_gather`` (which needs CUDA), and there are no peer rows.
     ``target_s`` is the length of one timing sample; ``warm_allocator=False`` skips
     :func:`prepare_allocator`.
     """
@@ -125,11 +181,15 @@ def run_case(
                 "floor": lambda: [x.tensor_split(k) for x in leaves],
                 "treegather": lambda: tg.scatter(tree, devices),
                 "recursion": lambda: _rec_scatter(tree, k),
+                "optree": lambda: optree_scatter(tree, k),
+                "cxx_pytree": lambda: cxx_scatter(tree, k),
             },
             "gather": {
                 "floor": lambda: [torch.cat(c) for c in columns],
                 "treegather": lambda: tg.gather(outs, "cpu"),
                 "recursion": lambda: _rec_gather(outs),
+                "optree": lambda: optree_gather(outs),
+                "cxx_pytree": lambda: cxx_gather(outs),
             },
         }
     else:

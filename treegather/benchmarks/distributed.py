@@ -1,7 +1,7 @@
 """Benchmark :func:`treegather.distributed.all_gather` against the floor and what users write.
 
-Run ``python -m treegather.bench_distributed`` (options: ``--leaves 10 100 1000``, ``--large 10``,
-``--world 2``, ``--repeats 45``, ``--json PATH``). It spawns ``world`` gloo ranks on localhost.
+Run ``python -m treegather.benchmarks.distributed`` (options: ``--leaves 10 100 1000``,
+``--large 10``, ``--world 2``, ``--repeats 45``, ``--json PATH``). It spawns ``world`` gloo ranks on localhost.
 Small trees hold ``n`` float32 leaves with ragged rows (leaf ``i`` on rank ``r`` is
 ``[8 - (r + i) % 2, 4]``); the large tree holds ``--large`` leaves of ``[4096 - r, 256]`` float32
 (4 MiB each). For each tree the ranks time, each call after a barrier, the median of
@@ -22,8 +22,8 @@ per column so that drifting load on a shared machine hits every column alike:
 
 Every column's result is checked equal to treegather's before timing. Each row reports the
 slowest rank's median, ``treegather`` as a multiple of the floor (the median over rounds of the
-two calls' ratio in the same round, as in :mod:`treegather.bench`), the others as multiples of
-``treegather``, and the peak memory of one call on rank 0, measured in a separate untimed call
+two calls' ratio in the same round, as in :mod:`treegather.benchmarks.scatter_gather`), the
+others as multiples of ``treegather``, and the peak memory of one call on rank 0, measured in a separate untimed call
 as the rise of the process's resident-set high-water mark (Linux; buffers of a few hundred KiB
 and more are mapped fresh by each call and counted in full, smaller ones reuse freed memory).
 """
@@ -31,6 +31,7 @@ and more are mapped fresh by each call and counted in full, smaller ones reuse f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -38,7 +39,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run", "format_table", "main"]
+__all__ = ["run", "format_table", "main", "counting", "spawn"]
 
 _LARGE_ROWS, _LARGE_COLS = 4096, 256
 
@@ -134,8 +135,9 @@ def _interleaved_ms(
 
     Interleaving keeps the columns' ratios meaningful on a machine whose load drifts: every
     column sees the same conditions, and a per-round ratio cancels a slow phase (as in
-    :mod:`treegather.bench`). A column with fewer repeats sits out the later rounds. Every rank
-    waits for the slowest, so each column (and the ratio) reports the slowest rank's median.
+    :mod:`treegather.benchmarks.scatter_gather`). A column with fewer repeats sits out the later
+    rounds. Every rank waits for the slowest, so each column (and the ratio) reports the slowest
+    rank's median.
     """
     times: dict[str, list[float]] = {name: [] for name in columns}
     for i in range(max(n for _, n in columns.values())):
@@ -232,28 +234,53 @@ def _row(
 
 
 def _collectives(tgd: Any, tree: Any) -> int:
-    """How many collectives one more (repeated) call makes: each goes through
-    ``treegather.distributed.protocol._all_gather_into``."""
-    protocol = tgd.protocol
-    real = protocol._all_gather_into
-    count = 0
-
-    def counted(*args: Any) -> None:
-        nonlocal count
-        count += 1
-        real(*args)
-
-    protocol._all_gather_into = counted
-    try:
+    """How many collectives one more (repeated) call makes, as :func:`counting` sees them."""
+    with counting() as calls:
         tgd.all_gather(tree)
+    return len(calls)
+
+
+COLLECTIVES = (
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_gather_object",
+    "gather",
+    "broadcast",
+    "all_reduce",
+)
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[list[str]]:
+    """The names of the ``torch.distributed`` collectives called while the block runs.
+
+    Wraps the module's functions (:data:`COLLECTIVES`), so it counts each call made through
+    ``torch.distributed`` (a collective that another calls inside torch counts once) and none
+    of treegather's internals needs to be known.
+    """
+    calls: list[str] = []
+    saved = []
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+
+        def counted(*args: Any, __fn: Any = fn, __name: str = name, **kwargs: Any) -> Any:
+            calls.append(__name)
+            return __fn(*args, **kwargs)
+
+        saved.append((name, fn))
+        setattr(dist, name, counted)
+    try:
+        yield calls
     finally:
-        protocol._all_gather_into = real
-    return count
+        for name, fn in saved:
+            setattr(dist, name, fn)
 
 
-def _worker(
-    rank: int, world: int, port: int, leaves: Sequence[int], large: int, repeats: int, out: str
-) -> None:
+def init_rank(rank: int, world: int, port: int) -> None:
+    """Join the gloo group of ``world`` ranks on localhost ``port``, one intra-op thread."""
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank),
@@ -270,6 +297,12 @@ def _worker(
         world_size=world,
         timeout=timedelta(seconds=300),
     )
+
+
+def _worker(
+    rank: int, world: int, port: int, leaves: Sequence[int], large: int, repeats: int, out: str
+) -> None:
+    init_rank(rank, world, port)
     try:
         rows = []
         for n in leaves:
@@ -322,14 +355,22 @@ def run(
         >>> rows[0]["tree"], rows[0]["collectives"]["treegather"], rows[0]["collectives"]["per_leaf"]
         ('10 x [8, 4]', 1, 20)
     """
+    rows: list[dict[str, Any]] = spawn(_worker, world, (tuple(leaves), large, repeats), timeout_s)
+    return rows
+
+
+def spawn(target: Callable[..., None], world: int, args: tuple[Any, ...], timeout_s: float) -> Any:
+    """Run ``target(rank, world, port, *args, out)`` in ``world`` spawned processes and return
+    what rank 0 wrote to the file ``out`` (JSON). Ranks still running after ``timeout_s`` are
+    killed; a rank that fails or times out is a ``RuntimeError``."""
     import tempfile
 
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        args = (world, port, tuple(leaves), large, repeats, out)
-        procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(world)]
+        full = (world, port, *args, out)
+        procs = [ctx.Process(target=target, args=(r, *full), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -345,8 +386,7 @@ def run(
         codes = [p.exitcode for p in procs]
         if codes != [0] * world or not os.path.exists(out):
             raise RuntimeError(f"benchmark ranks failed or timed out (exit codes {codes})")
-        rows: list[dict[str, Any]] = json.loads(Path(out).read_text())
-    return rows
+        return json.loads(Path(out).read_text())
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -397,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = argparse.ArgumentParser(
-        prog="python -m treegather.bench_distributed", description=__doc__
+        prog="python -m treegather.benchmarks.distributed", description=__doc__
     )
     parser.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000])
     parser.add_argument("--large", type=int, default=10, help="large leaves (0: no large tree)")

@@ -3,7 +3,7 @@
 ``_time`` times repeated calls (and counts their minor page faults); ``_compare`` interleaves
 implementations round by round, rotating their order, and takes each one's median ratio to a
 baseline; ``prepare_allocator`` puts the allocator in a training process's state first (see
-:mod:`treegather.bench`).
+:mod:`treegather.benchmarks.scatter_gather`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def prepare_allocator() -> None:
     """Free one 16 MiB tensor, once per process: the allocator state of any training process.
 
     (glibc's dynamic trim threshold rises past what one call of the benchmark frees; see
-    :mod:`treegather.bench`.)
+    :mod:`treegather.benchmarks.scatter_gather`.)
     """
     global _ALLOCATOR_READY
     if not _ALLOCATOR_READY:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treegather import bench_steps
+from treegather.benchmarks import steps
 
 
 def test_run_steps_smoke() -> None:
     pytest.importorskip("transformers")
-    rows = bench_steps.run_steps(
+    rows = steps.run_steps(
         ["bert12", "mlp50"],
         [2],
         rounds=1,
@@ -29,8 +29,8 @@ def test_run_steps_smoke() -> None:
 @pytest.mark.parametrize("k", [2, 3])
 def test_the_three_ways_compute_the_same_gradients(k: int) -> None:
     torch.manual_seed(0)
-    model = bench_steps._mlp(3, 8)
-    fns = bench_steps._steps("mlp50", model, 10, k)
+    model = steps._mlp(3, 8)
+    fns = steps._steps("mlp50", model, 10, k)
     grads = []
     for fn in fns.values():
         fn()

@@ -1,6 +1,6 @@
 """Time parallel_apply backends on a matmul-heavy model (scripted and eager), CPU.
 
-Run it with ``python -m treegather.bench_apply [--replicas 2] [--repeats 5]``.
+Run it with ``python -m treegather.benchmarks.apply [--replicas 2] [--repeats 5]``.
 Prints the best-of-N wall time per call of each backend and its ratio to serial; writes
 ``bench-apply.json``. Not a test: timings depend on the machine.
 """
@@ -41,7 +41,9 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m treegather.benchmarks.apply", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--width", type=int, default=512)

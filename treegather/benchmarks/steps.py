@@ -1,6 +1,6 @@
 """The step benchmark: a data-parallel training step against the same shards run directly.
 
-``python -m treegather.bench_steps`` prints one row per (model, K). Each round times, back to
+``python -m treegather.benchmarks.steps`` prints one row per (model, K). Each round times, back to
 back with the order rotated, three ways to run one forward + backward step of a batch split
 into K shards on ``["cpu"] * K`` (serial backend, one intra-op thread):
 
@@ -14,7 +14,7 @@ into K shards on ``["cpu"] * K`` (serial backend, one intra-op thread):
 Models: a 12-layer tiny BERT (``BertConfig(hidden_size=32, num_hidden_layers=12,
 num_attention_heads=2, intermediate_size=37)``, needs ``transformers``) and a 50-layer MLP.
 Each ratio is the median over rounds of (time / floor time in the same round), as in
-:mod:`treegather.bench`; times are CPU time of this thread with the garbage collector off
+:mod:`treegather.benchmarks.scatter_gather`; times are CPU time of this thread with the garbage collector off
 (one collection before each round).
 """
 
@@ -36,7 +36,8 @@ from torch import nn
 
 import treegather as tg
 from treegather._kept import _KEPT
-from treegather.bench import prepare_allocator
+
+from .timing import prepare_allocator
 
 __all__ = ["run_steps", "main"]
 
@@ -204,9 +205,9 @@ def _run_steps(
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Run the step benchmark and print the table (``python -m treegather.bench_steps --help``)."""
+    """Run the step benchmark and print the table (``python -m treegather.benchmarks.steps --help``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m treegather.bench_steps", description=__doc__.split("\n")[0]
+        prog="python -m treegather.benchmarks.steps", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
     parser.add_argument("--json", metavar="PATH", help="save the rows as JSON")
