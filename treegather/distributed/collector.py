@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
+from operator import itemgetter
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from .. import _errors
@@ -24,7 +24,7 @@ from .._devices import DeviceLike, as_device
 from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import AsList, Cat, CatItems, Combining, Pad, Rule
-from .._tree import NAMESPACE, display_path
+from .._tree import display_path, flatten
 from . import protocol
 
 __all__ = ["Collector"]
@@ -113,7 +113,7 @@ class Collector:
         self._device = None if device is None else as_device(device)
         self._group = group
         self._adds: list[tuple[Any, Sequence[int] | Tensor | None]] = []
-        self._order: list[int] | None = None
+        self._order: Tensor | None = None  # this epoch's indices of the sampler
         self._done = False
         self.indices: Tensor | None = None
         """The dataset indices of the last exchange's result, in order (``None`` before one)."""
@@ -227,7 +227,7 @@ class Collector:
         total = sum(rows)
         if order is not None and total <= len(order) and all(i is None for _, i in self._adds):
             # Every add took the sampler's next indices: one slice of them.
-            return torch.tensor(order[:total], dtype=torch.int64)
+            return order[:total]
         parts: list[Tensor] = []
         taken = 0
         for a, (n, (_, given)) in enumerate(zip(rows, self._adds)):
@@ -252,7 +252,7 @@ class Collector:
                     "rows); add each batch once, with the sampler the DataLoader uses "
                     "(set_epoch before the loop), or pass indices="
                 )
-            parts.append(torch.tensor(order[taken : taken + n], dtype=torch.int64))
+            parts.append(order[taken : taken + n])
             taken += n
         return torch.cat(parts) if len(parts) != 1 else parts[0]
 
@@ -317,7 +317,8 @@ class Collector:
             elif isinstance(value, Tensor):
                 out.append(value.index_select(0, perm.to(value.device)))
             else:
-                items = [value[i] for i in perm.tolist()]
+                picked = perm.tolist()
+                items = list(itemgetter(*picked)(value)) if len(picked) > 1 else [value[picked[0]]]
                 out.append(tuple(items) if isinstance(value, tuple) else items)
         self.indices = kept
         return up.unflatten(out)
@@ -515,15 +516,14 @@ def _order(idx: Tensor) -> tuple[Tensor | None, Tensor]:
 
 
 def _moved(tree: Any, device: torch.device | None) -> Any:
-    """``tree`` with its tensors detached (and on ``device``)."""
-
-    def move(x: Any) -> Any:
-        if isinstance(x, Tensor):
+    """``tree`` with its tensors detached (and on ``device``): one flatten, a pass over the
+    leaves that touches the tensors only, one unflatten."""
+    leaves, spec = flatten(tree, ROOT)
+    for i, x in enumerate(leaves):
+        if type(x) is Tensor or isinstance(x, Tensor):
             x = x.detach()
-            return x if device is None or x.device == device else x.to(device)
-        return x
-
-    return optree.tree_map(move, tree, namespace=NAMESPACE)
+            leaves[i] = x if device is None or x.device == device else x.to(device)
+    return spec.unflatten(leaves)
 
 
 def _is_loader(obj: Any) -> bool:
@@ -531,12 +531,12 @@ def _is_loader(obj: Any) -> bool:
     return loader is not None and isinstance(obj, loader)
 
 
-def _read_order(sampler: Iterable[Any]) -> list[int]:
-    """This epoch's indices of ``sampler`` (a batch sampler's batches flattened)."""
+def _read_order(sampler: Iterable[Any]) -> Tensor:
+    """This epoch's indices of ``sampler`` (a batch sampler's batches flattened), as int64."""
     items = list(sampler)
     if items and isinstance(items[0], (list, tuple)):
-        return [int(i) for batch in items for i in batch]
-    return items
+        items = [int(i) for batch in items for i in batch]
+    return torch.tensor(items, dtype=torch.int64)
 
 
 def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[Any]], Any]) -> Any:
