@@ -189,6 +189,8 @@ class Structure:
     def types_ok(self, types: list[type], leaves: list[Any]) -> bool:
         """:meth:`leaves_ok` for leaves whose ``types`` are read already (not all tensors)."""
         known = self.leaf_types
+        if known.issuperset(types):  # (one C pass: the types seen when the structure was made)
+            return True
         return all(t in known or _tree.is_leaf(v) for t, v in zip(types, leaves))
 
     def builder(self, k: int) -> Builder | None:

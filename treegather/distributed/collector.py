@@ -24,7 +24,7 @@ from .._devices import DeviceLike, as_device
 from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import AsList, Cat, CatItems, Combining, Pad, Rule
-from .._tree import display_path, flatten
+from .._tree import display_path
 from . import protocol
 
 __all__ = ["Collector"]
@@ -516,14 +516,18 @@ def _order(idx: Tensor) -> tuple[Tensor | None, Tensor]:
 
 
 def _moved(tree: Any, device: torch.device | None) -> Any:
-    """``tree`` with its tensors detached (and on ``device``): one flatten, a pass over the
-    leaves that touches the tensors only, one unflatten."""
-    leaves, spec = flatten(tree, ROOT)
-    for i, x in enumerate(leaves):
-        if type(x) is Tensor or isinstance(x, Tensor):
-            x = x.detach()
+    """``tree`` with its tensors detached (and on ``device``): the leaves read as the compiled
+    layer reads a structure it has seen (one generated call), the tensors alone touched, the
+    tree rebuilt the same way."""
+    leaves, st, spec = recognise(tree, ROOT)
+    types = list(map(type, leaves))
+    tensors = {t for t in set(types) if issubclass(t, Tensor)}  # (a few distinct types)
+    for i, t in enumerate(types):
+        if t in tensors:
+            x = leaves[i].detach()
             leaves[i] = x if device is None or x.device == device else x.to(device)
-    return spec.unflatten(leaves)
+    rebuild = st.rebuild if st is not None and spec is st.spec else spec.unflatten
+    return rebuild(leaves)
 
 
 def _is_loader(obj: Any) -> bool:
