@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -26,6 +26,7 @@ from .._layout import Plan, resolve
 from .._rules import AsList, Cat, CatItems, Combining, Pad, Rule
 from .._tree import display_path
 from . import protocol
+from .wire import tensor_bytes
 
 __all__ = ["Collector"]
 
@@ -219,7 +220,7 @@ class Collector:
             )
 
         combined = _join(list(zip(*values)), kinds, rules, device, reference, per_add=True)
-        wrapped = tuple(_Opaque(v) if k != _SAMPLES else v for k, v in zip(kinds, combined))
+        wrapped = tuple(_travelling(v) if k != _SAMPLES else v for k, v in zip(kinds, combined))
         return _Payload(idx, torch.tensor(rows), wrapped, _Opaque((spec0, tuple(kinds))))
 
     def _indices(self, rows: list[int]) -> Tensor:
@@ -291,9 +292,7 @@ class Collector:
         idx = torch.cat([p.indices for _, p in present])
         rows = torch.cat([p.rows for _, p in present]).tolist()
         up = plan.up_spec
-        per_rank = [
-            [v.value if isinstance(v, _Opaque) else v for v in p.values] for _, p in present
-        ]
+        per_rank = [[_arrived(v) for v in p.values] for _, p in present]
         if len(per_rank) > 1:
 
             def reference() -> list[Any]:  # the definition: gather over the ranks
@@ -337,6 +336,36 @@ class _Opaque:
 
     def __setstate__(self, value: Any) -> None:
         self.value = value
+
+
+class _Texts(NamedTuple):
+    """A list of strings as it travels: their UTF-8 bytes, one tensor (no pickling), with the
+    separator that no string holds."""
+
+    data: Tensor  # uint8
+    items: int  # how many strings
+
+
+_SEP = "\x00"
+
+
+def _travelling(value: Any) -> Any:
+    """A list that travels whole: strings as bytes in a tensor, anything else pickled once."""
+    if type(value) is list and value and set(map(type, value)) == {str}:
+        joined = _SEP.join(value)
+        if joined.count(_SEP) == len(value) - 1:  # no string holds the separator
+            data = torch.frombuffer(bytearray(joined.encode()), dtype=torch.uint8)
+            return _Texts(data, len(value))
+    return _Opaque(value)
+
+
+def _arrived(value: Any) -> Any:
+    """What :func:`_travelling` sent, back as it was."""
+    if isinstance(value, _Opaque):
+        return value.value
+    if isinstance(value, _Texts):
+        return tensor_bytes(value.data).decode().split(_SEP) if value.items else []
+    return value
 
 
 class _Payload(NamedTuple):
@@ -394,6 +423,16 @@ def _rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list
             "to samples"
         )
     sample = [p for p, k in enumerate(kinds) if k != _PER_ADD]
+    try:  # every per-sample value's len, one C pass per position; equal: the rows
+        lengths = [list(map(len, (row[p] for row in values))) for p in sample]
+        if all(n == lengths[0] for n in lengths[1:]) and all(
+            type(row[p]) is Tensor or type(row[p]) in (list, tuple)
+            for row in values[:1]
+            for p in sample
+        ):
+            return lengths[0]
+    except TypeError:  # a 0-dim tensor, a value with no len: named below
+        pass
     rows: list[int] = []
     problems: list[str] = []
     for a, row in enumerate(values):
@@ -492,17 +531,23 @@ def _join(
 
 
 def _alike(col: tuple[Any, ...], device: torch.device, *, same_tail: bool) -> bool:
-    """Tensors of >= 1 dim, of one dtype, on ``device`` (and of one shape past the first dim)."""
+    """Tensors of >= 1 dim, of one dtype, on ``device`` (and of one shape past the first dim):
+    a few C passes over the column."""
     first = col[0]
     if type(first) is not Tensor or first.dim() == 0 or first.device != device:
         return False
-    dtype, tail, ndim = first.dtype, first.shape[1:], first.dim()
-    for v in col:
-        if type(v) is not Tensor or v.dtype != dtype or v.device != first.device:
-            return False
-        if (v.shape[1:] != tail) if same_tail else (v.dim() != ndim):
-            return False
-    return True
+    if list(map(type, col)).count(Tensor) != len(col):
+        return False
+    if len(set(map(_DTYPE, col))) != 1 or len(set(map(_DEVICE, col))) != 1:
+        return False
+    if same_tail:
+        return len({shape[1:] for shape in map(_SHAPE, col)}) == 1
+    return len(set(map(Tensor.dim, col))) == 1
+
+
+_DTYPE = attrgetter("dtype")
+_DEVICE = attrgetter("device")
+_SHAPE = attrgetter("shape")
 
 
 def _order(idx: Tensor) -> tuple[Tensor | None, Tensor]:
