@@ -557,3 +557,41 @@ def test_a_cold_bert_with_hidden_states_equals_one_device(entry: str) -> None:
     assert_unchanged(model, before)  # no output-capture hooks, no flag: the model is as it was
     assert sum(len(m._forward_hooks) for m in model.modules()) == 0
     assert len(model(**batch).hidden_states) == 3  # and called directly afterwards
+
+
+def test_a_bert_with_gradient_checkpointing_equals_one_device() -> None:
+    """transformers' gradient checkpointing runs each layer of a replica again during backward,
+    after data_parallel returned: the replica must still be whole then."""
+    model, ref = _cold_bert(), _cold_bert()
+    for m in (model, ref):
+        m.activation_checkpointing_enable()
+        m.train()
+    ids = torch.randint(0, 100, (7, 5), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = tg.data_parallel(model, (), CPU3, module_kwargs={"input_ids": ids})
+        out.last_hidden_state.pow(2).mean().backward()
+        ref(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_replicate_reuse_hands_back_the_replicas_you_hold() -> None:
+    model = Counted()
+    a = tg.replicate(model, CPU3, reuse=True)
+    a[1].note = "set on a replica"
+    b = tg.replicate(model, CPU3, reuse=True)
+    assert all(x is y for x, y in zip(a, b))  # the same objects, re-bound
+    assert not hasattr(b[1], "note")
+    del a, b
+    c = tg.replicate(model, CPU3, reuse=True)  # the previous ones are gone: new ones
+    x = torch.randn(2, 3)
+    for r in c:
+        torch.testing.assert_close(r(x), model(x))
+    ref = weakref.ref(model)
+    del model, c
+    gc.collect()
+    assert ref() is None

@@ -40,19 +40,21 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain, compress, repeat
-from operator import is_not, itemgetter, or_
+from operator import is_not, itemgetter
 from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ._caches import WeakCache
 from ._replicate import (
     OWN_TABLES,
     _build_rows,
     _check_replicatable,
+    _compiled_kind,
     _tensor_copies,
     check_initialized,
     params_copied,
@@ -68,7 +70,6 @@ _LOCK = threading.Lock()
 
 _TREE = itemgetter("_modules", "_parameters", "_buffers")
 _OWN_TABLES = itemgetter(*OWN_TABLES)
-_PARAMETERS = itemgetter("_parameters")
 _DEREF = weakref.ref.__call__
 _PER_STEP = frozenset(("_modules", "_parameters", "_buffers"))
 _set_dict = object.__setattr__
@@ -88,6 +89,7 @@ class Kept:
         "flat",
         "keepable",
         "n_params",
+        "own_empties",
         "own_keys",
         "own_tables",
         "owns",
@@ -96,15 +98,19 @@ class Kept:
         "root",
         "rows",
         "shell_refs",
+        "src_filled",
+        "stamp",
         "step",
         "stripped",
         "tensor_refs",
         "training",
         "tree_ids",
         "tree_keys",
+        "wrappers",
     )
 
     def __init__(self, module: nn.Module, devs: tuple[torch.device, ...], detach: bool) -> None:
+        self.stamp = RemovableHandle.next_id  # before the shells copy the hook tables
         originals, rows = _build_rows(module, devs, detach)
         self.root = weakref.ref(module)  # the cache is keyed weakly by it: never hold it
         self.devs = devs
@@ -125,8 +131,12 @@ class Kept:
         tables = list(chain.from_iterable(map(_TREE, ods)))
         self.tree_keys = list(chain.from_iterable(tables))
         self.tree_ids = list(map(id, chain.from_iterable(map(dict.values, tables))))
+        width = len(OWN_TABLES)
+        lens = map(len, chain.from_iterable(map(_OWN_TABLES, ods)))
+        self.src_filled = list(compress(range(len(ods) * width), lens))
         compiled = list(map(dict.get, ods, repeat("_compiled_call_impl")))
         self.compiled_ids = list(map(id, compiled))
+        self.wrappers = [bool(_compiled_kind(o)) for o in originals]
         self.compiled_refs = [weakref.ref(f) for f in compiled if f is not None]
         params, buffers = list(module.parameters()), list(module.buffers())
         self.n_params = len(params)
@@ -139,6 +149,7 @@ class Kept:
         self.own_keys: list[tuple[str, ...]] = []
         self.owns: list[dict[str, Any]] | None = None
         self.own_tables: list[Any] | None = None
+        self.own_empties: list[dict[str, Any]] = []
         self.seal()
         self.step: list[torch.Tensor] | None = None  # this step's tensors (not after a build)
         self.stripped = False
@@ -146,22 +157,33 @@ class Kept:
         # _modules tables, a compiled forward bound to it): compared after every step.
         self.base_counts = list(map(sys.getrefcount, self.flat))
 
-    def seal(self) -> None:
-        """Record what each shell holds of its own (after replication callbacks, if any)."""
+    def seal(self, *, every_shell: bool = False) -> None:
+        """Record what each shell holds of its own: every entry of its ``__dict__`` that is not
+        its original's (its tables, ``_is_replica``, a compiled forward bound to it), besides
+        what each step binds. The replicas of one module hold the same keys, unless
+        replication callbacks ran on them (``every_shell``)."""
         flat = self.flat
         assert flat is not None
         m = self.plans.m
-        own_keys = []
-        for s, shell in enumerate(flat):
-            od = vars(self.refs[s % m]())
-            table = vars(shell)
-            skip = _PER_STEP.union(self.plans.pkeys[s % m])
-            own_keys.append(
-                tuple(k for k, v in table.items() if k not in skip and od.get(k, _MISSING) is not v)
-            )
-        self.own_keys = own_keys
-        self.owns = [{k: table[k] for k in keys} for table, keys in zip(map(vars, flat), own_keys)]
+        keys_of: list[tuple[str, ...]] = []
+        plain = (*OWN_TABLES, "_is_replica")  # what _shell gives a module that is not compiled
+        for s, shell in enumerate(flat if every_shell else flat[:m]):
+            if not every_shell and self.compiled_ids[s] == _NONE_ID and not self.wrappers[s]:
+                keys_of.append(plain)
+                continue
+            od, table = vars(self.refs[s % m]()), vars(shell)
+            keys = list(table)
+            theirs = map(od.get, keys, repeat(_MISSING))
+            differ = compress(keys, map(is_not, table.values(), theirs))
+            step = self.plans.pkeys[s % m]
+            keys_of.append(tuple(k for k in differ if k not in _PER_STEP and k not in step))
+        self.own_keys = keys_of if every_shell else keys_of * len(self.devs)
+        self.owns = [
+            {**dict(zip(keys, map(table.__getitem__, keys))), **_empty_tables()}
+            for table, keys in zip(map(vars, flat), self.own_keys)
+        ]
         self.own_tables = list(chain.from_iterable(map(_OWN_TABLES, self.owns)))
+        self.own_empties = list(chain.from_iterable(map(_TREE, self.owns)))
 
     def _current(
         self, module: nn.Module
@@ -214,13 +236,17 @@ class Kept:
             del alive
             olds = list(map(vars, flat))
             try:
-                owns = [{k: old[k] for k in keys} for old, keys in zip(olds, self.own_keys)]
+                owns = [
+                    {**{k: old[k] for k in keys}, **_empty_tables()}
+                    for old, keys in zip(olds, self.own_keys)
+                ]
                 own_tables = list(chain.from_iterable(map(_OWN_TABLES, owns)))
             except KeyError:  # the last forward deleted something of its own: build anew
                 return None
             rows = [flat[j * m : (j + 1) * m] for j in range(n)]
             self.rows, self.flat, self.owns, self.own_tables = rows, flat, owns, own_tables
-        _reset_tables(ods, own_tables, n, clear=not self.stripped)
+            self.own_empties = list(chain.from_iterable(map(_TREE, owns)))
+        self._sync_tables(ods, own_tables, n, intact=not self.stripped)
         params, buffers = tensors[: self.n_params], tensors[self.n_params :]
         pcols = _columns(params, self.devs, self.detach, True) if self.copy_params else None
         bcols = None
@@ -230,6 +256,35 @@ class Kept:
         self.step = tensors
         self.stripped = False
         return [row[0] for row in rows]
+
+    def _sync_tables(
+        self, ods: list[dict[str, Any]], own_tables: list[Any], n: int, *, intact: bool
+    ) -> None:
+        """Give every shell's own tables its original's contents (hooks, non-persistent names).
+
+        Which of the originals' tables hold something is looked up again only when a hook was
+        registered anywhere since the last look (torch numbers every registration: the
+        ``RemovableHandle`` counter); the contents of those tables are copied every step (a
+        hook removed from the module is gone at once). Own tables are empty after a strip;
+        intact shells' tables (held weakly) may hold what their last forward registered.
+        """
+        width = len(OWN_TABLES)
+        stamp = RemovableHandle.next_id
+        if stamp != self.stamp:
+            self.stamp = stamp
+            lens = map(len, chain.from_iterable(map(_OWN_TABLES, ods)))
+            self.src_filled = list(compress(range(len(ods) * width), lens))
+        filled = self.src_filled
+        sources = [ods[p // width][OWN_TABLES[p % width]] for p in filled]
+        per_replica = len(ods) * width
+        if intact:
+            for at in compress(range(len(own_tables)), map(len, own_tables)):
+                own_tables[at].clear()
+        for j in range(n):
+            for p, src in zip(filled, sources):
+                table = own_tables[j * per_replica + p]
+                table.clear()
+                table.update(src)
 
     def on(self, device: torch.device) -> bool:
         """Every parameter and buffer of the module is on ``device`` (in a step that reused the
@@ -246,15 +301,26 @@ class Kept:
             own_tables = self.own_tables
             for table in compress(own_tables, map(len, own_tables)):
                 table.clear()
+            for table in compress(self.own_empties, map(len, self.own_empties)):
+                table.clear()  # what a forward registered on a module without any
             for shell, own in zip(flat, self.owns):
                 _set_dict(shell, "__dict__", own)
             self.stripped = True
         else:  # in use elsewhere: held weakly (what they hold may reach the module)
             self.rows = self.flat = self.owns = self.own_tables = None
+            self.own_empties = []
             self.stripped = False
 
 
 _MISSING = object()
+
+
+def _empty_tables() -> dict[str, dict[str, Any]]:
+    """A shell's own ``_modules``, ``_parameters`` and ``_buffers`` while it has none of them."""
+    return {"_modules": {}, "_parameters": {}, "_buffers": {}}
+
+
+_NONE_ID = id(None)
 
 
 class Plans:
@@ -306,28 +372,6 @@ def _columns(
     return [[*(c[j] for c in per_tensor), None] for j in range(len(devs))]
 
 
-def _reset_tables(ods: list[dict[str, Any]], own_tables: list[Any], n: int, *, clear: bool) -> None:
-    """Give every shell's own tables its original's contents (hooks, non-persistent names).
-
-    Own tables are empty after a strip (``clear=False``: only the originals' non-empty tables
-    need copying); intact shells' tables may hold what their last forward registered.
-    """
-    src = list(chain.from_iterable(map(_OWN_TABLES, ods)))
-    lens = list(map(len, src))
-    dirty: Iterable[int]
-    if clear:
-        dirty = compress(range(len(own_tables)), map(or_, map(len, own_tables), lens * n))
-    elif any(lens):
-        width = len(src)
-        dirty = (j * width + p for j in range(n) for p in compress(range(width), lens))
-    else:
-        return
-    for at in dirty:
-        table = own_tables[at]
-        table.clear()
-        table.update(src[at % len(src)])
-
-
 def _fill(
     rows: list[list[nn.Module]],
     owns: list[dict[str, Any]],
@@ -339,40 +383,37 @@ def _fill(
 ) -> None:
     """Rebuild every shell's ``__dict__``: its original's, its own entries, this step's tensors.
 
-    One pass in C per step of the work for every shell (copy, update, set), Python only for
-    the modules that have submodules, copied parameters or buffers.
+    The work every shell needs (copy, update, set) runs in C, one pass per step; Python runs
+    only for the modules that have submodules, parameters or buffers (the others keep their own
+    empty tables, which :meth:`Kept.end_step` empties again if a forward filled them).
     """
     m = plans.m
     for j, row in enumerate(rows):
         tables = list(map(dict.copy, ods))
         deque(map(dict.update, tables, owns[j * m : (j + 1) * m]), 0)
-        if pcols is None:  # the source parameters themselves
-            params = list(map(dict.copy, map(_PARAMETERS, ods)))
-        else:
-            pcol = pcols[j]
-            params = [{} for _ in range(m)]
-            for i, keys, where in plans.with_params:
-                params[i] = dict(zip(keys, map(pcol.__getitem__, where)))
-        deque(map(dict.update, tables, params), 0)  # parameters as attributes, as in torch
-        deque(map(dict.__setitem__, tables, repeat("_parameters"), params), 0)
+        pcol = None if pcols is None else pcols[j]
+        for i, keys, where in plans.with_params:
+            table = tables[i]
+            if pcol is None:  # the source parameters themselves
+                params = ods[i]["_parameters"].copy()
+            else:
+                params = dict(zip(keys, map(pcol.__getitem__, where)))
+            table.update(params)  # parameters as attributes too, as in torch
+            table["_parameters"] = params
         for i, key in plans.none_params:
             del tables[i][key]
-        children: list[dict[str, Any]] = [{} for _ in range(m)]
         rowx: list[Any] = [*row, None]
         for i, keys, where in plans.containers:
-            children[i] = dict(zip(keys, map(rowx.__getitem__, where)))
-        deque(map(dict.__setitem__, tables, repeat("_modules"), children), 0)
-        buffers: list[dict[str, Any]] = [{} for _ in range(m)]
+            tables[i]["_modules"] = dict(zip(keys, map(rowx.__getitem__, where)))
         if bcols is not None:
             bcol = bcols[j]
             for i, keys, where in plans.with_buffers:
-                buffers[i] = dict(zip(keys, map(bcol.__getitem__, where)))
+                tables[i]["_buffers"] = dict(zip(keys, map(bcol.__getitem__, where)))
         elif plans.with_buffers:  # copy_buffers=False: each replica keeps its own buffers
             assert olds is not None
             for i, keys, _ in plans.with_buffers:
                 own = olds[j * m + i]["_buffers"]
-                buffers[i] = {key: own.get(key) for key in keys}
-        deque(map(dict.__setitem__, tables, repeat("_buffers"), buffers), 0)
+                tables[i]["_buffers"] = {key: own.get(key) for key in keys}
         deque(map(_set_dict, row, repeat("__dict__"), tables), 0)
 
 
@@ -419,7 +460,7 @@ def take(
         return replicas, None, True
     if prepare is not None:
         prepare(replicas)
-        built.seal()
+        built.seal(every_shell=True)
     return replicas, built, True
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
+from operator import itemgetter, methodcaller
 from typing import Any, TypeVar, overload
 
 import torch
@@ -39,6 +41,9 @@ OWN_TABLES: tuple[str, ...] = tuple(
     for key, value in vars(nn.Module()).items()
     if isinstance(value, (dict, set)) and key not in ("_parameters", "_buffers", "_modules")
 )
+_own_tables_of = itemgetter(*OWN_TABLES)
+_copy = methodcaller("copy")
+_values = methodcaller("values")
 
 
 @overload
@@ -189,22 +194,25 @@ def check_initialized(module: nn.Module, n_devices: int) -> None:
     objects, or fail inside torch. Every such module is listed, by its ``named_modules()``
     path under ``model``.
     """
-    from torch.nn.parameter import is_lazy
+    from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
+    tables = [t for m in module.modules() for t in (m._parameters, m._buffers)]
+    tensors = chain.from_iterable(map(_values, tables))  # (TorchScript's tables are no dicts)
+    if not any(map(isinstance, tensors, repeat(UninitializedTensorMixin))):
+        return
     lazy: list[str] = []
     for name, m in module.named_modules(prefix="model"):
-        tensors = [*m._parameters.items(), *m._buffers.items()]
-        names = [key for key, t in tensors if t is not None and is_lazy(t)]
+        found = [*m._parameters.items(), *m._buffers.items()]
+        names = [key for key, t in found if isinstance(t, UninitializedTensorMixin)]
         if names:
             lazy.append(f"{name} ({type(m).__name__}: {', '.join(names)})")
-    if lazy:
-        where = "1 device" if n_devices == 1 else f"{n_devices} devices"
-        raise UninitializedModuleError(
-            f"cannot replicate a module with uninitialized (lazy) parameters onto {where}: "
-            f"{'; '.join(lazy)}. Run one forward on one device first (model(batch), or "
-            "data_parallel / DataParallel with a single device, which calls the module "
-            "itself) so that torch infers their shapes; then replicate it"
-        )
+    where = "1 device" if n_devices == 1 else f"{n_devices} devices"
+    raise UninitializedModuleError(
+        f"cannot replicate a module with uninitialized (lazy) parameters onto {where}: "
+        f"{'; '.join(lazy)}. Run one forward on one device first (model(batch), or "
+        "data_parallel / DataParallel with a single device, which calls the module "
+        "itself) so that torch infers their shapes; then replicate it"
+    )
 
 
 def _check_replicatable(module: nn.Module) -> None:
@@ -364,9 +372,12 @@ def _shell(m: nn.Module) -> nn.Module:
         return m._replicate_for_data_parallel()
     shell = m.__new__(type(m))
     table = m.__dict__.copy()
-    for key in OWN_TABLES:
-        if key in table:
-            table[key] = table[key].copy()
+    try:
+        table.update(zip(OWN_TABLES, map(_copy, _own_tables_of(table))))
+    except KeyError:  # a module without some of torch's tables
+        for key in OWN_TABLES:
+            if key in table:
+                table[key] = table[key].copy()
     table["_parameters"] = {}
     table["_buffers"] = m._buffers.copy()
     table["_modules"] = m._modules.copy()
