@@ -48,6 +48,7 @@ def test_bench_main_writes_one_row_per_op_and_implementation(
             ("gather", "inline by_path"),
             ("scatter", "first call"),
             ("gather", "first call"),
+            *((op, f"rotating {n}") for op in ("scatter", "gather") for n in (20, 64, 256)),
         ]
     )
     assert all(r["ratio"] > 0 and r["baseline_us"] > 0 for r in rows if "shape" not in r)

@@ -386,6 +386,23 @@ def test_v2_shape_errors_name_path_and_shapes(spec: str, shapes: list[tuple[int,
         dict_gather_v2(outputs, -1, layout={"t": spec})
 
 
+@pytest.mark.parametrize("spec", ["concat", "pad", "pad2d", "padimage"])
+def test_v2_mixed_dtypes_name_the_path_as_v1_does(spec: str) -> None:
+    """int64 against float32 replicas: the ShapeMismatchError naming outputs['z'] that
+    dict_gather_v1 gives, not the core's plain ValueError without a path."""
+    outputs = [
+        {"z": torch.ones(2, 3, 3, dtype=torch.int64)},
+        {"z": torch.ones(2, 3, 3, dtype=torch.float32)},
+    ]
+    with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['z'\].*one dtype.*float32"):
+        dict_gather_v1(outputs, -1)
+    match = r"outputs\['z'\]: layout .*needs one dtype in every replica, got replica 0: "
+    with pytest.raises(
+        tg.ShapeMismatchError, match=match + r"torch.int64, replica 1: torch.float32"
+    ):
+        dict_gather_v2(outputs, -1, layout={"z": spec})
+
+
 def test_v2_mixed_number_and_tensor_is_an_error() -> None:
     outputs = [{"acc": 1.0}, {"acc": torch.tensor(1.0)}]
     with pytest.raises(tg.LeafTypeError, match=r"outputs\['acc'\].*replica 1: Tensor"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections import OrderedDict
@@ -188,6 +189,165 @@ def test_in_layout_and_output_device() -> None:
         fn, (x, table), ["cpu"] * 2, in_layout=tg.by_path({"1": tg.broadcast()}), output_device=-1
     )
     torch.testing.assert_close(out, x @ table)
+
+
+# -- a single input is addressed as passed (issue 19) ------------------------------------------
+
+
+def _named_batch() -> dict[str, Any]:
+    return {"x": torch.arange(12.0).reshape(6, 2), "names": list("abcdef"), "lr": 0.5}
+
+
+def _rows(batch: dict[str, Any], labels: torch.Tensor | None = None) -> dict[str, Any]:
+    out = {"x": batch["x"] * batch["lr"], "names": [n.upper() for n in batch["names"]]}
+    if labels is not None:
+        out["labels"] = labels + 1
+    return out
+
+
+ROWS_OUT = {"x": 0, "names": tg.cat_items()}
+
+
+def test_a_single_input_layout_is_written_as_for_scatter() -> None:
+    batch = _named_batch()
+    layout = tg.by_path({"names": tg.split_items()})
+    shards = tg.scatter(batch, ["cpu"] * 3, layout)  # the same layout works in scatter ...
+    assert [s["names"] for s in shards] == [["a", "b"], ["c", "d"], ["e", "f"]]
+    out = tg.data_parallel(_rows, batch, ["cpu"] * 3, in_layout=layout, out_layout=ROWS_OUT)
+    assert out["names"] == list("ABCDEF")  # ... and in data_parallel(fn, batch)
+    torch.testing.assert_close(out["x"], batch["x"] * 0.5)
+    # a prefix tree of the input, as in scatter(batch, devices, layout)
+    prefix = {"x": 0, "names": tg.split_items(), "lr": None}
+    out = tg.data_parallel(_rows, batch, ["cpu"] * 3, in_layout=prefix, out_layout=ROWS_OUT)
+    assert out["names"] == list("ABCDEF")
+    # a single rule is the input's: split_items() takes a list input whole, cut per sample
+    tokens = [torch.arange(n) for n in (3, 1, 2, 4)]
+    lens = tg.data_parallel(
+        lambda ts: torch.tensor([len(t) for t in ts]),
+        tokens,
+        ["cpu"] * 2,
+        in_layout=tg.split_items(),
+    )
+    assert lens.tolist() == [3, 1, 2, 4]
+
+
+def test_a_tuple_keeps_positional_paths_and_keywords_keep_their_names() -> None:
+    batch, labels = _named_batch(), torch.arange(6)
+    layout = tg.by_path({"0.names": tg.split_items(), "labels": tg.split()})
+    out = tg.data_parallel(
+        _rows,
+        (batch,),
+        ["cpu"] * 2,
+        module_kwargs={"labels": labels},
+        in_layout=layout,
+        out_layout=ROWS_OUT | {"labels": 0},
+    )
+    assert out["names"] == list("ABCDEF") and out["labels"].tolist() == list(range(1, 7))
+    # a single input next to module_kwargs: the input's keys and the keyword names
+    single = tg.by_path({"names": tg.split_items(), "labels": tg.split()})
+    again = tg.data_parallel(
+        _rows,
+        batch,
+        ["cpu"] * 2,
+        module_kwargs={"labels": labels},
+        in_layout=single,
+        out_layout=ROWS_OUT | {"labels": 0},
+    )
+    assert again["names"] == out["names"] and torch.equal(again["labels"], out["labels"])
+    # a prefix tree of the single input: the keyword arguments keep their default rules
+    prefix = {"x": 0, "names": tg.split_items(), "lr": None}
+    third = tg.data_parallel(
+        _rows,
+        batch,
+        ["cpu"] * 2,
+        module_kwargs={"labels": labels},
+        in_layout=prefix,
+        out_layout=ROWS_OUT | {"labels": 0},
+    )
+    assert torch.equal(third["labels"], out["labels"])
+
+
+def test_a_single_input_layout_error_names_paths_as_written() -> None:
+    batch = _named_batch()
+    with pytest.raises(tg.LayoutError) as info:
+        tg.data_parallel(_rows, batch, ["cpu"] * 2, in_layout=tg.by_path({"nmes": "split_items"}))
+    assert "by_path pattern 'nmes' matches nothing; close paths: names," in str(info.value)
+    with pytest.raises(tg.LeafTypeError, match=r"^inputs\['lr'\]: split\(\) needs a tensor"):
+        tg.data_parallel(_rows, batch, ["cpu"] * 2, in_layout=tg.by_path({"lr": 0}))
+    with pytest.raises(tg.LeafTypeError, match=r"kwargs\['labels'\]: split\(\) needs a tensor"):
+        tg.data_parallel(
+            _rows,
+            batch,
+            ["cpu"] * 2,
+            module_kwargs={"labels": "no"},
+            in_layout=tg.by_path({"names": "split_items", "labels": 0}),
+        )
+    # a layout of (args, kwargs) for a single input: the message says how to write either
+    with pytest.raises(tg.LayoutError) as info:
+        tg.data_parallel(_rows, batch, ["cpu"] * 2, in_layout=(({"names": "split_items"},), {}))
+    msg = str(info.value)
+    assert "the layout is not a prefix of the structure of inputs:" in msg
+    assert "inputs: the layout has a tuple where the data has a dict" in msg
+    assert "pass the input as a tuple: data_parallel(fn, (batch,), ...)" in msg
+
+
+def test_a_name_of_the_input_and_of_a_keyword_is_a_layout_error() -> None:
+    batch = _named_batch()
+    labels = {"names": list("uvwxyz")}  # a keyword named like a key of the input
+    calls: list[Any] = []
+
+    def fn(batch: Any, names: Any = None) -> Any:
+        calls.append(batch)
+        return batch["x"]
+
+    layout = tg.by_path({"names": tg.split_items(), "typo": 0})
+    with pytest.raises(tg.LayoutError) as info:
+        tg.data_parallel(fn, batch, ["cpu"] * 2, module_kwargs=labels, in_layout=layout)
+    msg = str(info.value)
+    assert msg.startswith("2 problems:")
+    assert "by_path pattern 'names' could mean inputs['names'] or kwargs['names']" in msg
+    assert "by_path pattern 'typo' matches nothing" in msg
+    assert "pass the input as a tuple, data_parallel(fn, (batch,), ...)" in msg
+    assert calls == []  # raised before anything ran
+    # wildcards mean both on purpose; a tuple input disambiguates
+    every = tg.by_path({"nam*": tg.split_items()})
+    tg.data_parallel(fn, batch, ["cpu"] * 2, module_kwargs=labels, in_layout=every)
+    split = tg.by_path({"0.names": tg.split_items(), "names": tg.split_items()})
+    tg.data_parallel(fn, (batch,), ["cpu"] * 2, module_kwargs=labels, in_layout=split)
+
+
+def test_single_input_layouts_resolve_alike_in_the_reference_and_compiled_paths() -> None:
+    from treegather._compiled import reference_only
+
+    batch, labels = _named_batch(), torch.arange(6)
+    layouts = [
+        tg.by_path({"names": tg.split_items()}),
+        tg.by_path({"names": tg.split_items(), "labels": tg.broadcast()}),
+        {"x": 0, "names": tg.split_items(), "lr": None},
+        tg.by_path({"nmes": tg.split_items()}),
+        tg.by_path({"lr": 0}),
+    ]
+    for layout in layouts:
+        for kwargs in (None, {"labels": labels}):
+            results = []
+            for mode in ("compiled", "compiled", "compiled", "reference"):
+                try:
+                    with reference_only() if mode == "reference" else contextlib.nullcontext():
+                        results.append(
+                            repr(
+                                tg.data_parallel(
+                                    _rows,
+                                    batch,
+                                    ["cpu"] * 2,
+                                    module_kwargs=kwargs,
+                                    in_layout=layout,
+                                    out_layout=tg.by_path({"names": tg.cat_items()}),
+                                )
+                            )
+                        )
+                except (tg.LayoutError, tg.LeafTypeError) as exc:
+                    results.append(f"{type(exc).__name__}: {exc}")
+            assert len(set(results)) == 1, results
 
 
 def test_module_on_another_device_is_rejected() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -124,6 +125,50 @@ def test_int_device_ids_without_cuda_fail_early_in_every_entry_point(no_cuda: No
     ):
         with pytest.raises(tg.DeviceError, match=r"^device 0 \(that is cuda:0\) is a CUDA device"):
             call()
+
+
+def test_cpu_0_is_the_cpu_in_every_entry_point() -> None:
+    """torch keeps CPU tensors and parameters on ``cpu`` whatever the index, so ``"cpu:0"`` (or
+    ``torch.device("cpu", 0)``) is that device: a module on the CPU runs on it."""
+    x = torch.arange(8.0).view(4, 2)
+    net = nn.Linear(2, 3)
+    for cpu0 in ("cpu:0", torch.device("cpu", 0)):
+        assert as_device(cpu0) == torch.device("cpu")
+        assert as_devices([cpu0, "cpu"]) == (torch.device("cpu"),) * 2
+        assert tg.gather([x, x], cpu0).device == torch.device("cpu")
+        assert tg.scatter(x, [cpu0, cpu0]).devices == (torch.device("cpu"),) * 2
+        torch.testing.assert_close(tg.data_parallel(net, x, [cpu0]), net(x))
+        torch.testing.assert_close(tg.data_parallel(net, x, [cpu0, cpu0]), net(x))
+        torch.testing.assert_close(tg.DataParallel(net, device_ids=[cpu0, cpu0])(x), net(x))
+        assert len(tg.replicate(net, [cpu0, cpu0])) == 2
+
+
+def test_other_cpu_indices_are_a_device_error_saying_to_repeat_cpu() -> None:
+    """``devices=["cpu:0", "cpu:1"]``: a DeviceError naming the entry and saying to write
+    ``["cpu"] * 2`` (it was a RuntimeError from the module check whose hint,
+    ``module.to('cpu:0')``, cannot help: torch keeps CPU parameters on ``cpu``)."""
+    x = torch.ones(4, 2)
+    net = nn.Linear(2, 2)
+    for cpu1 in ("cpu:1", torch.device("cpu", 1)):
+        many = r"\['cpu'\] \* 3"
+        for call, where in (
+            (lambda: tg.scatter(x, ["cpu:0", "cpu", cpu1]), "devices[2]"),  # noqa: B023
+            (lambda: tg.replicate(net, ["cpu", cpu1, "cpu"]), "devices[1]"),  # noqa: B023
+            (lambda: tg.data_parallel(net, x, ["cpu:0", cpu1, "cpu"]), "devices[1]"),  # noqa: B023
+            (lambda: tg.DataParallel(net, device_ids=[cpu1, "cpu", "cpu"]), "device_ids[0]"),  # noqa: B023
+            (lambda: tg.explain(x, None, ["cpu", "cpu", cpu1]), "devices[2]"),  # noqa: B023
+        ):
+            with pytest.raises(tg.DeviceError) as info:
+                call()
+            message = str(info.value)
+            assert message.startswith(f"{where} is "), message
+            assert "torch has one CPU device" in message and "cpu:1" in message
+            assert re.search(many + "$", message), message
+        with pytest.raises(tg.DeviceError, match=r"torch has one CPU device.*\['cpu'\] \* 2$"):
+            tg.gather([x, x], cpu1)
+        with pytest.raises(tg.DeviceError, match=r"torch has one CPU device"):
+            tg.data_parallel(net, x, [cpu1])
+    assert torch.ones(1, device="cpu:1").device == torch.device("cpu")  # why: no device of its own
 
 
 def test_error_classes_are_public_and_refine_builtins() -> None:

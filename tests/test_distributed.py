@@ -147,6 +147,16 @@ def _key_order(r: int) -> Any:
     return dict(items)
 
 
+def _half_loss(r: int) -> Any:
+    """A float16 loss per rank of 4096 rows: loss x rows overflows float16."""
+    return {"loss": torch.tensor(100.0 + r, dtype=torch.float16)}
+
+
+def _empty_rank(r: int) -> Any:
+    """Rank 0 has no rows: its loss is torch's mean of an empty batch (NaN)."""
+    return {"loss": torch.ones(0 if r == 0 else 3).mean() * (r + 1)}
+
+
 # name -> (tree maker, layout maker, sizes per rank or None)
 CASES: dict[str, tuple[Callable[[int], Any], Callable[[], Any], Callable[[int], int] | None]] = {
     "ragged": (_ragged, lambda: None, None),
@@ -184,6 +194,8 @@ CASES: dict[str, tuple[Callable[[int], Any], Callable[[], Any], Callable[[int], 
         None,
     ),
     "key_order": (_key_order, lambda: None, None),
+    "mean_float16": (_half_loss, lambda: {"loss": tg.mean()}, lambda r: 4096),
+    "mean_empty_rank": (_empty_rank, lambda: {"loss": tg.mean()}, lambda r: 0 if r == 0 else 3),
 }
 OPS = ("all_gather", "gather", "broadcast")
 
@@ -329,6 +341,67 @@ def different_calls(rank: int, world: int) -> Any:
     if rank == 0:
         return tgd.gather({"x": torch.ones(1)}, dst=0)
     return tgd.all_gather({"x": torch.ones(1)})
+
+
+def _bad_rank_waits(rank: int, world: int, bad: int, call: Callable[[], Any]) -> Any:
+    """Run ``call`` (whose arguments are bad on rank ``bad``); rank ``bad`` then makes no other
+    collective until every other rank is done with its call, as a rank that raised and went on
+    with other work would: the others must not wait for it (they used to, until the process
+    group's timeout)."""
+    import treegather.distributed as tgd
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"{call.__qualname__}:{tgd._FAST_PATH}:done"
+    try:
+        return call()
+    finally:
+        if rank == bad:
+            store.wait([f"{key}:{r}" for r in range(world) if r != bad], timedelta(seconds=45))
+        else:
+            store.set(f"{key}:{rank}", "1")
+
+
+@_error
+def bad_dst_on_one_rank(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    def call() -> Any:
+        return tgd.gather({"x": torch.ones(rank + 1)}, dst=world if rank == 1 else 0)
+
+    return _bad_rank_waits(rank, world, 1, call)
+
+
+@_error
+def dst_of_the_wrong_type_on_one_rank(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.gather({"x": torch.ones(1)}, "0" if rank == world - 1 else 0, sizes=1)
+
+
+@_error
+def bad_dst_on_every_rank(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    return tgd.gather({"x": torch.ones(1)}, dst=-1)
+
+
+@_error
+def bool_dim_on_every_rank(rank: int, world: int) -> Any:
+    """dim=True on every rank: dst found it after the gather, and the other ranks got its error
+    rebuilt as another class."""
+    import treegather.distributed as tgd
+
+    return tgd.gather({"x": torch.ones(1)}, world - 1, dim=True)
+
+
+@_error
+def bad_src_on_one_rank(rank: int, world: int) -> Any:
+    import treegather.distributed as tgd
+
+    def call() -> Any:
+        return tgd.broadcast({"x": torch.ones(1)} if rank == 0 else None, src=0 if rank else -5)
+
+    return _bad_rank_waits(rank, world, 0, call)
 
 
 @_error
@@ -838,6 +911,21 @@ def test_matches_single_process_gather(group_results: Any, case: str, op: str) -
         assert_tree_equal(_ok(res[(case, op)]), _expected(op, case, rank, world))
 
 
+def test_weighted_means_neither_overflow_nor_count_empty_ranks(group_results: Any) -> None:
+    """``mean()`` weighted by ``sizes`` across ranks: a float16 loss of ~100 on ranks of 4096
+    rows is its mean, not inf; a rank of 0 rows (its loss NaN) takes no part, on every rank."""
+    world, results = group_results
+    expected = {
+        "mean_float16": torch.tensor(sum(100.0 + r for r in range(world)) / world).half(),
+        "mean_empty_rank": torch.tensor(sum(r + 1.0 for r in range(1, world)) / (world - 1)),
+    }
+    for rank, res in enumerate(results):
+        for case, value in expected.items():
+            assert_tree_equal(_ok(res[(case, "all_gather")]), {"loss": value})
+            got = _ok(res[(case, "gather")])
+            assert_tree_equal(got, {"loss": value} if rank == _dst(world) else None)
+
+
 ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "missing_key": (tg.StructureMismatchError, ["outputs['b']", "rank 1"]),
     "list_vs_tuple": (tg.StructureMismatchError, ["outputs['out']['pair']", "list", "tuple"]),
@@ -853,6 +941,26 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
     "sizes_on_some_ranks": (tg.BatchSizeError, ["sizes=", "4 on rank 0", "None on rank"]),
     "bad_sizes": (tg.BatchSizeError, ["on rank 1", "sizes must be", "2.5"]),
     "dst_disagrees": (tg.StructureMismatchError, ["dst=0", "dst=1"]),
+    "bad_dst_on_one_rank": (
+        ValueError,
+        ["every rank raises", "rank 1: treegather.distributed.gather: dst=", "is not a rank"],
+    ),
+    "dst_of_the_wrong_type_on_one_rank": (
+        tg.ArgumentTypeError,
+        ["treegather.distributed.gather: dst must be an int (a global rank), got str '0'"],
+    ),
+    "bad_dst_on_every_rank": (
+        ValueError,
+        ["rank 0: treegather.distributed.gather: dst=-1 is not a rank", "rank 1: ", "Hint"],
+    ),
+    "bool_dim_on_every_rank": (
+        tg.ArgumentTypeError,
+        ["rank 0: treegather.distributed.gather: dim must be an int", "got bool True", "rank 1"],
+    ),
+    "bad_src_on_one_rank": (
+        ValueError,
+        ["rank 0: treegather.distributed.broadcast: src=", "is not a rank of the process group"],
+    ),
     "different_calls": (tg.StructureMismatchError, ["gather", "all_gather", "rank 0"]),
     "mismatch_beside_whole_nodes": (tg.StructureMismatchError, ["outputs['y']", "missing on rank"]),
     "layout_error": (tg.LayoutError, ["on ranks 0, 1", "nope"]),
@@ -1057,6 +1165,23 @@ def test_bad_dst_is_rejected(world_of_one: None) -> None:
         tgd.gather({"x": torch.ones(1)}, dst=3)
 
 
+def test_dst_and_src_are_ints_or_integer_types(world_of_one: None) -> None:
+    """Integer types with ``__index__`` are ranks (as for dims); a bool or a str is an
+    ArgumentTypeError (it used to be a ValueError saying the rank does not exist)."""
+    import treegather.distributed as tgd
+
+    tree = {"x": torch.ones(2)}
+    np = pytest.importorskip("numpy")
+    assert torch.equal(tgd.gather(tree, dst=np.int64(0))["x"], tree["x"])
+    assert torch.equal(tgd.broadcast(tree, src=torch.tensor(0))["x"], tree["x"])
+    with pytest.raises(tg.ArgumentTypeError, match=r"dst must be an int .*, got bool True"):
+        tgd.gather(tree, dst=True)
+    with pytest.raises(tg.ArgumentTypeError, match=r"src must be an int .*, got str '0'"):
+        tgd.broadcast(tree, src="0")
+    # ... and the group is still in step.
+    assert torch.equal(tgd.all_gather(tree)["x"], tree["x"])
+
+
 def test_results_are_detached_copies(world_of_one: None) -> None:
     import treegather.distributed as tgd
 
@@ -1119,6 +1244,65 @@ def test_wire_plans_are_type_aware_and_cleared(world_of_one: None) -> None:
     assert _wireplan.plan_count() == 5
     tg.clear_caches()
     assert _wireplan.plan_count() == 0
+
+
+def test_results_are_built_from_the_calls_own_objects(world_of_one: None) -> None:
+    """A static field holding a list comes back as this call's own list on every call, as the
+    full exchange rebuilds it: not, once a wire plan is cached, the list of the call that made
+    the plan (which one result's edit would change for every later call)."""
+    import treegather.distributed as tgd
+
+    tg.clear_caches()
+    for layout in (None, tg.by_path({"m.x": "cat"})):
+        for _ in range(5):
+            names = ["a"]
+            out = tgd.all_gather({"m": Flagged(torch.ones(2), names)}, layout)
+            assert out["m"].flag is names
+            out["m"].flag.append("edited")
+
+
+class _KeyReprRaises:
+    def __repr__(self) -> str:
+        raise RuntimeError("key repr not available")
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _KeyReprRaises)
+
+
+def test_error_texts_survive_a_key_whose_repr_raises(world_of_one: None) -> None:
+    """The rank's own error names the leaf (``outputs[<_KeyReprRaises object at 0x...>]``), not
+    "could not prepare this rank's tree: RuntimeError: key repr not available"."""
+    import treegather.distributed as tgd
+
+    key = _KeyReprRaises()
+    shown = f"outputs[<_KeyReprRaises object at {id(key):#x}>]"
+    with pytest.raises(tg.LeafTypeError, match=r"cannot send sparse") as info:
+        tgd.all_gather({key: torch.zeros(2).to_sparse()})
+    assert shown in str(info.value)
+    with pytest.raises(tg.BatchSizeError, match=r"got <_KeyReprRaises object at 0x"):
+        tgd.all_gather({"a": torch.zeros(2)}, sizes=key)
+    out = tgd.all_gather({key: torch.ones(2), "s": "x"})
+    assert out[key].tolist() == [1.0, 1.0] and out["s"] == ["x"]
+
+
+def test_a_tree_that_contains_itself_is_a_typed_error(world_of_one: None) -> None:
+    """Every collective: a :class:`TreeDepthError` naming where the cycle closes (sent to every
+    rank), not "could not prepare this rank's tree: RecursionError"."""
+    import treegather.distributed as tgd
+
+    cyclic: dict[str, Any] = {"x": torch.zeros(2)}
+    cyclic["self"] = cyclic
+    for call in (
+        lambda: tgd.all_gather(cyclic),
+        lambda: tgd.gather(cyclic, dst=0),
+        lambda: tgd.broadcast(cyclic, src=0),
+    ):
+        with pytest.raises(tg.TreeDepthError, match=r"outputs\['self'\] is outputs itself"):
+            call()
+    assert tgd.all_gather({"x": torch.ones(1)})["x"].tolist() == [1.0]  # the group is in step
 
 
 def test_kept_receive_buffer(world_of_one: None) -> None:

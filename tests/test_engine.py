@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -676,6 +677,115 @@ def test_warm_gather_explains_a_dim_out_of_range_as_a_cold_call_does() -> None:
     assert messages == [messages[0]] * WARM_CALLS
 
 
+# ------------------------------------------------------ results built from the call's objects
+
+
+class EqualKey:
+    """A dict key equal to (and hashed as) every EqualKey of its name, whatever its tag: two
+    calls' keys pass for each other, yet a result must hold the caller's own."""
+
+    def __init__(self, name: str, tag: int) -> None:
+        self.name, self.tag = name, tag
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EqualKey) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f"EqualKey({self.name!r})"
+
+
+@tg.register_dataclass(static=("names",))
+@dataclasses.dataclass
+class Named:
+    """A registered dataclass whose static field holds a list."""
+
+    data: Any
+    names: list[str]
+
+
+def _metadata_objects(tree: Any) -> list[Any]:
+    """Every dict key and static field value in ``tree``, in order (walked here, not through
+    treegather)."""
+    out: list[Any] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            continue
+        if isinstance(node, dict):
+            out.extend(node)
+            stack.extend(reversed(list(node.values())))
+        elif isinstance(node, (Named, Tagged)):
+            out.append(node.names if isinstance(node, Named) else node.name)
+            stack.append(node.data)
+        elif isinstance(node, (list, tuple)):
+            stack.extend(reversed(node))
+    return out
+
+
+def _fresh_tree(kind: str, call: int, rows: int = 4) -> Any:
+    """A new tree of one structure on every call: new metadata objects, equal to the last."""
+    data = torch.arange(rows * 2.0).view(rows, 2)
+    if kind == "static list":
+        return {"out": Named(data, ["a"]), "x": data + 1}
+    if kind == "equal keys":
+        return {EqualKey("k", call): data, "m": {EqualKey("j", call): data + 1}}
+    if kind == "signed zero":  # -0.0 and 0.0 are equal, and one typed value
+        return Tagged(data, float("-0.0") if call % 2 else float("0.0"))
+    raise AssertionError(kind)
+
+
+_OWN_CALLS: dict[str, Callable[[Any], Any]] = {
+    "scatter": lambda tree: tg.scatter(tree, ["cpu"] * 2),
+    "scatter by_path": lambda tree: tg.scatter(tree, ["cpu"] * 2, tg.by_path({"**": "split"})),
+    "scatter_kwargs": lambda tree: tg.scatter_kwargs((tree,), {"kw": tree}, ["cpu"] * 2)[0],
+    "gather": lambda outs: tg.gather(outs, "cpu"),
+    "gather by_path": lambda outs: tg.gather(outs, "cpu", tg.by_path({"**": "cat"})),
+    "gather group": lambda outs: tg.gather(outs, "cpu", tg.by_path({"*": tg.as_list()})),
+}
+
+
+@pytest.mark.parametrize("kind", ["static list", "equal keys", "signed zero"])
+@pytest.mark.parametrize("op", sorted(_OWN_CALLS))
+def test_results_are_built_from_the_calls_own_objects(kind: str, op: str) -> None:
+    """Static fields and dict keys of a result are the objects of this call's tree (for gather,
+    replica 0's), on every call, as the plain path builds them: never a structure seen before's.
+
+    Before, once a structure was compiled, a static list in every result was the cached spec's
+    own (``out.names.append(...)`` changed every later result), keys were the first call's,
+    and a ``-0.0`` static came back as the first call's ``0.0``.
+    """
+    call = _OWN_CALLS[op]
+    tg.clear_caches()
+    for i in range(WARM_CALLS + 2):
+        if op.startswith("gather"):
+            given = [_fresh_tree(kind, i, rows) for rows in (2, 3)]
+            source = given[0]
+        else:
+            given = source = _fresh_tree(kind, i)
+        expected = reference(functools.partial(call, given))
+        actual = run(functools.partial(call, given))
+        assert_same(actual, expected, f"{op} call {i + 1}")
+        scattered = op.startswith("scatter")
+        results = list(actual.value) if scattered else [actual.value]
+        references = list(expected.value) if scattered else [expected.value]
+        mine = _metadata_objects(source)
+        for result, ref in zip(results, references):
+            shared, plain = _metadata_objects(result), _metadata_objects(ref)
+            assert len(shared) == len(plain)
+            assert all(a is b for a, b in zip(shared, plain)), f"{op} call {i + 1}: not its own"
+            if op != "gather group":  # (as_list also holds replica 1's subtrees)
+                assert all(a is b for a, b in zip(shared, mine)), f"{op} call {i + 1}"
+        if i == WARM_CALLS:  # a caller editing a result changes no later result
+            for result in results:
+                for value in _metadata_objects(result):
+                    if isinstance(value, list):
+                        value.append("edited")
+
+
 # --------------------------------------------------------------------------------- corpus
 
 
@@ -708,3 +818,34 @@ def test_corpus_differential(case: corpus.Case) -> None:
         for name, call in calls.items():
             assert_same(run(call), expected[name], f"{case.name} {name} call {i + 1}")
             assert_same(run(other[name]), expected_other[name], f"other {name} call {i + 1}")
+
+
+def _meta_or_real(meta: bool, at: str) -> list[dict[str, torch.Tensor]]:
+    """Two replicas of one structure; with ``meta``, the leaf ``at`` is a meta tensor in both."""
+    outs = []
+    for r in range(2):
+        tree = {"a": torch.full((2, 3), float(r)), "b": torch.ones(2, 2) + r, "c": torch.ones(2, 1)}
+        if meta:
+            tree[at] = torch.empty(tree[at].shape, device="meta")
+        outs.append(tree)
+    return outs
+
+
+@pytest.mark.parametrize("at", ["a", "b", "c"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_meta_leaves_after_real_calls_differential(at: str, dim: int) -> None:
+    """A structure compiled with CPU tensors, then the same structure with a meta tensor at any
+    position (the per-step path cats in C: a column wholly on ``meta`` used to come back
+    there), alternating: the same result or error as the plain path, every call."""
+    real, meta = _meta_or_real(False, at), _meta_or_real(True, at)
+    expected = {
+        name: reference(lambda o=outs: tg.gather(o, "cpu", dim=dim))
+        for name, outs in (("real", real), ("meta", meta))
+    }
+    assert expected["real"].error is None
+    assert expected["meta"].error is tg.LeafTypeError
+    assert f"outputs['{at}']: a meta tensor" in expected["meta"].message
+    for i in range(WARM_CALLS + 1):
+        for name, outs in (("real", real), ("meta", meta)):
+            got = run(lambda o=outs: tg.gather(o, "cpu", dim=dim))
+            assert_same(got, expected[name], f"{name} call {i + 1}")

@@ -24,7 +24,7 @@ from corpus import Tagged
 from torch import nn
 
 import treegather as tg
-from treegather import _layout
+from treegather import _compiled, _layout
 
 try:
     from treegather._compiled import COMPILE_AFTER
@@ -63,6 +63,59 @@ def test_alternating_structures_never_format_tensors(monkeypatch: pytest.MonkeyP
         out = tg.gather(list(shards), "cpu")
         assert list(out) == list(tree)
     assert calls[0] == 0, f"Tensor.__repr__ called {calls[0]} times"
+
+
+def test_rotating_more_structures_than_the_cache_holds_never_recompiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """20 dict structures in turn (the cache holds 16 per root type), scattered and gathered:
+    after two turns no code is generated and no structure's steps are made again (each call
+    costs at most a cold call's work), while the structures the cache keeps stay compiled; a
+    structure then used repeatedly is taken in and compiled.
+
+    Before, each structure was evicted before its next use, made again and, three sightings
+    later, compiled again: code was generated 56 times in 100 calls.
+    """
+    from treegather._compiled import codegen, structure
+
+    trees = [_wide(f"s{j}_", 6) for j in range(20)]
+    outs = [list(tg.scatter(tree, ["cpu"] * 4)) for tree in trees]
+    made = {"code": 0, "steps": 0}
+    generate, steps = codegen._generate, structure.structure_steps
+
+    def counting_generate(*args: Any, **kwargs: Any) -> Any:
+        made["code"] += 1
+        return generate(*args, **kwargs)
+
+    def counting_steps(*args: Any, **kwargs: Any) -> Any:
+        made["steps"] += 1
+        return steps(*args, **kwargs)
+
+    monkeypatch.setattr(codegen, "_generate", counting_generate)
+    monkeypatch.setattr(structure, "structure_steps", counting_steps)
+
+    def steady(call: Any, items: list[Any]) -> dict[str, int]:
+        """What four turns of the rotation make, after six turns to settle (the structures
+        the cache keeps are compiled on their third hit, in the fifth turn)."""
+        tg.clear_caches()
+        for turn in range(10):
+            if turn == 6:
+                made.update(code=0, steps=0)
+            for item in items:
+                call(item)
+        return dict(made)
+
+    assert steady(lambda out: tg.gather(out, "cpu"), outs) == {"code": 0, "steps": 0}
+    assert steady(lambda tree: tg.scatter(tree, CPU2), trees) == {"code": 0, "steps": 0}
+    assert list(tg.gather(outs[3], "cpu")) == list(trees[3])
+    kept = structure._STRUCTURES.get(dict)
+    assert len(kept) == structure._BUCKET
+    assert all(st.read is not st._read_checked for st in kept)  # compiled, and found each turn
+    hot = _wide("hot", 6)
+    for _ in range(WARM):
+        tg.scatter(hot, CPU2)
+    found = _compiled.recognise(hot)[1]
+    assert found is not None and found.read is not found._read_checked
 
 
 class ReprRaises:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import namedtuple
 from typing import Any, ClassVar
@@ -331,7 +332,8 @@ def test_gather_rule_error_in_the_last_leaf_comes_before_any_copy_to_the_target(
     # "Errors happen before anything is copied": when replicas live off the target device, a
     # mistake in the last leaf must not leave the earlier leaves copied over first. (On one
     # device the combine pass finds shape problems itself; then nothing is returned and no
-    # custom rule runs, see the next test.) Meta tensors stand in for another device here.
+    # custom rule runs, see the next test.) The meta device stands in for another device here
+    # (as the target: a meta tensor gathered onto the CPU is an error of its own).
     moves: list[str] = []
     real_to = torch.Tensor.to
 
@@ -341,11 +343,11 @@ def test_gather_rule_error_in_the_last_leaf_comes_before_any_copy_to_the_target(
 
     monkeypatch.setattr(torch.Tensor, "to", counting_to)
     outs = [
-        {"a": torch.ones(2, 3, device="meta"), "z": torch.ones(1, 2, device="meta")},
-        {"a": torch.ones(2, 3, device="meta"), "z": torch.ones(1, 5, device="meta")},
+        {"a": torch.ones(2, 3), "z": torch.ones(1, 2)},
+        {"a": torch.ones(2, 3), "z": torch.ones(1, 5)},
     ]
     with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['z'\]"):
-        tg.gather(outs, "cpu")
+        tg.gather(outs, "meta")
     assert moves == []
 
 
@@ -530,6 +532,86 @@ def test_tensors_scatter_cannot_split_or_place_get_typed_errors(kind: Any) -> No
             tg.scatter({"x": x, "y": torch.zeros(4)}, CPU2)
 
 
+def _meta(*shape: int) -> torch.Tensor:
+    return torch.ones(shape, device="meta")
+
+
+# name -> (per-replica outputs, layout, dim, the path the error names)
+META_GATHERS: dict[str, tuple[Any, Any, int, str]] = {
+    "later_leaf": ([{"a": torch.ones(2), "b": _meta(2)}] * 2, None, 0, "outputs['b']"),
+    "first_leaf": ([{"a": _meta(2), "b": torch.ones(2)}] * 2, None, 0, "outputs['a']"),
+    "one_replica": (
+        [{"a": torch.ones(2), "b": torch.ones(2)}, {"a": torch.ones(2), "b": _meta(2)}],
+        None,
+        0,
+        "outputs['b']",
+    ),
+    "dim_1": ([{"a": torch.ones(2, 2), "b": _meta(2, 3)}] * 2, None, 1, "outputs['b']"),
+    "zero_dim": ([{"n": torch.tensor(1.0), "m": _meta()}] * 2, None, 0, "outputs['m']"),
+    "beside_a_string": ([{"a": torch.ones(1), "b": _meta(1), "s": "x"}] * 2, None, 0, "['b']"),
+    "cat_rule": (
+        [{"a": torch.ones(1), "b": _meta(1, 2)}] * 2,
+        {"a": 0, "b": tg.cat(1)},
+        0,
+        "['b']",
+    ),
+    "mean": (
+        [{"loss": _meta(), "s": "x"}] * 2,
+        {"loss": tg.mean(), "s": tg.first()},
+        0,
+        "['loss']",
+    ),
+    "stack": ([{"h": torch.ones(1), "x": _meta(2)}] * 2, {"h": 0, "x": tg.stack()}, 0, "['x']"),
+    "pad": ([{"h": torch.ones(1), "x": _meta(2)}] * 2, {"h": 0, "x": tg.pad()}, 0, "['x']"),
+    "first_subtree": (
+        [{"m": {"w": _meta(2), "k": 1}, "x": torch.ones(1)}] * 2,
+        {"m": tg.first(), "x": 0},
+        0,
+        "outputs['m']['w'] (replica 0)",
+    ),
+    "cat_items": (
+        [{"ids": [torch.ones(1)], "x": torch.ones(1)}, {"ids": [_meta(1)], "x": torch.ones(1)}],
+        {"ids": tg.cat_items(), "x": 0},
+        0,
+        "outputs['ids'][0] (replica 1)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(META_GATHERS))
+def test_meta_tensors_gathered_onto_the_cpu_are_typed_errors(name: str) -> None:
+    """A meta tensor has no data to gather: a LeafTypeError naming its path wherever it sits
+    (gather sampled the first tensor position only: a later one came back on ``meta``, and at
+    the first one torch's raw NotImplementedError came out), cold, through the compiled layer
+    and on the reference path alike."""
+    from treegather._compiled import reference_only
+
+    outs, layout, dim, path = META_GATHERS[name]
+    messages = set()
+    for attempt in range(5):
+        ctx = reference_only() if attempt == 4 else contextlib.nullcontext()
+        with ctx, pytest.raises(tg.LeafTypeError) as info:
+            tg.gather(outs, "cpu", layout, dim=dim)
+        message = str(info.value)
+        assert path in message and "a meta tensor holds no data to gather onto cpu" in message
+        assert "materialise it first" in message
+        messages.add(message)
+    assert len(messages) == 1, messages  # the same error, cold, compiled and reference
+
+
+def test_meta_tensors_stay_meta_where_nothing_moves_them() -> None:
+    """as_list() leaves values untouched, and the meta device is a target like any other."""
+    outs = [{"a": _meta(2), "b": _meta(1, 3)}] * 2
+    for _ in range(4):
+        kept = tg.gather(outs, "cpu", {"a": tg.as_list(), "b": tg.as_list()})
+        assert kept["a"][0] is outs[0]["a"] and kept["b"][1] is outs[1]["b"]
+        on_meta = tg.gather(outs, "meta")
+        assert on_meta["a"].is_meta and on_meta["a"].shape == (4,)
+        assert on_meta["b"].is_meta and on_meta["b"].shape == (2, 3)
+        moved = tg.gather([{"a": torch.ones(2)}] * 2, "meta")
+        assert moved["a"].is_meta and moved["a"].shape == (4,)
+
+
 def test_split_sizes_naming_fewer_shards_than_devices_use_fewer_devices() -> None:
     # Documented in split(): explicit sizes name the shards; the remaining devices get none.
     shards = tg.scatter(torch.arange(6), ["cpu"] * 3, tg.split(sizes=(2, 4)))
@@ -542,3 +624,128 @@ def test_bad_dims_are_typed_errors(dim: Any) -> None:
         tg.scatter(torch.zeros(2, 2), CPU2, dim=dim)
     with pytest.raises(tg.ArgumentTypeError, match="dim"):
         tg.gather([torch.zeros(2, 2)] * 2, "cpu", dim=dim)
+
+
+# ------------------------------------------------ values whose repr raises or is huge
+
+
+class ReprRaises:
+    """A leaf or static field whose repr fails (a lazy proxy, a closed handle)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr not available")
+
+
+class KeyReprRaises:
+    """A dict key whose repr fails (and so does its str)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("key repr not available")
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeyReprRaises)
+
+
+class HugeRepr:
+    """A value whose repr is 10 million characters long."""
+
+    def __repr__(self) -> str:
+        return "H" * 10_000_000
+
+
+@tg.register_dataclass(static=["meta"])
+@dataclasses.dataclass
+class WithMeta:
+    x: Any
+    meta: Any
+
+
+KEY = KeyReprRaises()
+SHOWN_KEY = f"<KeyReprRaises object at {id(KEY):#x}>"
+ODD_CASES: dict[str, tuple[Any, type[Exception], str]] = {
+    "scatter: batch sizes differ under the key": (
+        lambda: tg.scatter({KEY: torch.zeros(4), "b": torch.zeros(3)}, CPU2),
+        tg.BatchSizeError,
+        f"4 at inputs[{SHOWN_KEY}]",
+    ),
+    "scatter: split() on the leaf": (
+        lambda: tg.scatter({"o": ReprRaises(), "b": torch.zeros(4)}, CPU2, tg.by_path({"o": 0})),
+        tg.LeafTypeError,
+        "inputs['o']: split() needs a tensor, got ReprRaises <ReprRaises object at 0x",
+    ),
+    "scatter: a prefix layout lacks the key": (
+        lambda: tg.scatter({KEY: torch.zeros(4), "a": torch.zeros(4)}, CPU2, {"a": 0}),
+        tg.LayoutError,
+        f"inputs: the layout lacks key(s) {SHOWN_KEY}",
+    ),
+    "scatter: the layout value": (
+        lambda: tg.scatter({"a": torch.zeros(4)}, CPU2, {"a": ReprRaises()}),
+        tg.LayoutError,
+        "layout at inputs['a']: <ReprRaises object at 0x",
+    ),
+    "gather: a replica lacks the key": (
+        lambda: tg.gather(
+            [{KEY: torch.zeros(2), "a": torch.zeros(2)}, {"a": torch.zeros(2)}], "cpu"
+        ),
+        tg.StructureMismatchError,
+        f"outputs: replica 1 lacks key(s) {SHOWN_KEY}",
+    ),
+    "gather: static fields differ": (
+        lambda: tg.gather(
+            [WithMeta(torch.zeros(2), ReprRaises())] * 1 + [WithMeta(torch.zeros(2), ReprRaises())],
+            "cpu",
+        ),
+        tg.StructureMismatchError,
+        "outputs: replica 1's static fields/metadata (<ReprRaises object at 0x",
+    ),
+    "gather: shapes differ under the key": (
+        lambda: tg.gather([{KEY: torch.zeros(2, 3)}, {KEY: torch.zeros(2, 4)}], "cpu"),
+        tg.ShapeMismatchError,
+        f"outputs[{SHOWN_KEY}]: cat(dim=0) needs equal sizes",
+    ),
+    "gather: sizes": (
+        lambda: tg.gather([torch.zeros(1)], "cpu", sizes=[ReprRaises()]),
+        tg.ArgumentTypeError,
+        "sizes[0] must be an int (the rows replica 0 got), got ReprRaises <ReprRaises object at",
+    ),
+    "scatter: a device": (
+        lambda: tg.scatter(torch.zeros(4), [ReprRaises()]),
+        tg.ArgumentTypeError,
+        "not a device: <ReprRaises object at 0x",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ODD_CASES))
+def test_a_value_whose_repr_raises_leaves_the_error_typed(name: str) -> None:
+    """A leaf, dict key, static field or argument whose repr raises is written
+    ``<Foo object at 0x...>`` in the message: the error is the one about the user's problem,
+    naming the path. Before, the repr's own RuntimeError replaced it."""
+    call, error, fragment = ODD_CASES[name]
+    for _ in range(2):  # cold, and with the structure seen before
+        with pytest.raises(error) as info:
+            call()
+        assert fragment in str(info.value)
+
+
+def test_explain_works_on_a_valid_tree_whose_reprs_raise_or_are_huge() -> None:
+    tree = {KEY: torch.zeros(4), "o": ReprRaises(), "h": HugeRepr()}
+    for layout in (None, tg.by_path({"*": "broadcast"}), {KEY: 0, "o": None, "h": None}):
+        text = str(tg.explain(tree, layout, devices=CPU2))
+        assert f"inputs[{SHOWN_KEY}]" in text and "<ReprRaises object at 0x" in text
+        assert len(text) < 2000
+    gathered = str(tg.explain(tree, way="gather"))
+    assert f"outputs[{SHOWN_KEY}]" in gathered
+
+
+def test_a_huge_repr_is_cut_in_messages() -> None:
+    """A 10-million-character static field makes a message of a few hundred characters."""
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather(
+            [WithMeta(torch.zeros(2), HugeRepr()), WithMeta(torch.zeros(2), HugeRepr())], "cpu"
+        )
+    assert "static fields/metadata (HHHH" in str(info.value)
+    assert len(str(info.value)) < 1000

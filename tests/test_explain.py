@@ -350,3 +350,54 @@ def test_python_dash_m_treegather_help() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m treegather")
+
+
+# ----------------------------------------------------------- a data_parallel call, optional
+
+
+def test_explain_shows_a_data_parallel_call_as_written() -> None:
+    batch = {"x": torch.zeros(6, 2), "names": list("abcdef")}
+    layout = tg.by_path({"names": tg.split_items()})
+    # a single input: explain(batch, in_layout, devices), the rows data_parallel(fn, batch) uses
+    single = tg.explain(batch, layout, ["cpu"] * 2)
+    assert [r.path for r in single] == ["inputs['names']", "inputs['x']"]
+    # with keyword arguments: as data_parallel takes them
+    labels = {"labels": torch.arange(6)}
+    both = tg.explain(
+        batch,
+        tg.by_path({"names": tg.split_items(), "labels": 0}),
+        ["cpu"] * 2,
+        module_kwargs=labels,
+    )
+    assert [(r.path, r.rule, r.why) for r in both] == [
+        ("inputs['names']", "split_items()", "by_path pattern 'names'"),
+        ("inputs['x']", "split()", "default for a Tensor with dims"),
+        ("kwargs['labels']", "split()", "by_path pattern 'labels'"),
+    ]
+    assert both.sizes == (3, 3)
+    # a tuple is the positional arguments, as in scatter_kwargs and DataParallel
+    positional = tg.explain(
+        (batch,), tg.by_path({"0.names": tg.split_items()}), ["cpu"] * 2, module_kwargs={}
+    )
+    assert [r.path for r in positional] == ["args[0]['names']", "args[0]['x']"]
+    # the error data_parallel would raise, without the pointer to explain
+    with pytest.raises(tg.LayoutError) as info:
+        tg.explain(batch, layout, ["cpu"] * 2, module_kwargs={"names": list("uvwxyz")})
+    assert "'names' could mean inputs['names'] or kwargs['names']" in str(info.value)
+    assert EXPLAIN_POINTER not in str(info.value)
+    with pytest.raises(ValueError, match="way='scatter'"):
+        tg.explain(batch, None, None, "gather", module_kwargs={})
+
+
+def test_explain_marks_optional_patterns_and_notes_the_unmatched_ones() -> None:
+    layout = tg.by_path({"loss": tg.mean(), "logits": 0}, optional=("loss",))
+    out = {"loss": torch.tensor(0.5), "logits": torch.zeros(2, 3)}
+    ex = tg.explain(out, layout, ["cpu"] * 2, "gather")
+    assert ex["outputs['loss']"].why == "by_path pattern 'loss' (optional)"
+    assert ex["outputs['logits']"].why == "by_path pattern 'logits'" and ex.notes == ()
+    label_free = tg.explain({"logits": torch.zeros(2, 3)}, layout, ["cpu"] * 2, "gather")
+    assert label_free.notes == ("by_path pattern 'loss' (optional) matches nothing here",)
+    assert str(label_free).endswith(
+        "notes:\n  - by_path pattern 'loss' (optional) matches nothing here"
+    )
+    assert "<p>notes:</p><ul><li>by_path pattern" in label_free._repr_html_()

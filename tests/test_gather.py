@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import optree
@@ -172,6 +173,84 @@ def test_mean_is_weighted_by_shard_sizes() -> None:
     assert not torch.allclose(unweighted, x.mean())
 
 
+@pytest.mark.parametrize("reference", [False, True], ids=["compiled", "reference"])
+def test_weighted_mean_accumulates_wide_and_keeps_the_dtype(reference: bool) -> None:
+    """A float16 loss of 100.0 over two shards of 4096 rows is 100.0 (loss x rows was computed
+    in float16: inf), bfloat16 and float32 alike; the result keeps the input's dtype, and its
+    gradients are each replica's share of the rows."""
+    from treegather._compiled import reference_only
+
+    ctx = reference_only() if reference else contextlib.nullcontext()
+    with ctx:
+        for _ in range(3):  # cold, then a structure seen before
+            for dtype, value in (
+                (torch.float16, 100.0),
+                (torch.bfloat16, 3.0e38),
+                (torch.float32, 1.0e35),
+            ):
+                losses = [torch.tensor(value, dtype=dtype), torch.tensor(value, dtype=dtype)]
+                out = tg.gather(losses, "cpu", tg.mean(), sizes=[4096, 4096])
+                assert out.dtype == dtype and torch.isfinite(out), (dtype, out)
+                assert out.item() == torch.tensor(value, dtype=dtype).item()
+                named = tg.gather([{"loss": v} for v in losses], "cpu", "mean", sizes=[8192, 1])
+                assert named["loss"].dtype == dtype and torch.isfinite(named["loss"])
+        # Uneven shards: the full-batch mean, to float16's rounding.
+        rows = [3000, 5000, 192]
+        values = [
+            torch.tensor(v, dtype=torch.float16, requires_grad=True) for v in (60.0, 61.5, 99)
+        ]
+        out = tg.gather(values, "cpu", tg.mean(), sizes=rows)
+        exact = sum(v.item() * n for v, n in zip(values, rows)) / sum(rows)
+        assert out.dtype == torch.float16
+        assert out.item() == torch.tensor(exact, dtype=torch.float16).item()
+        out.backward()
+        for v, n in zip(values, rows):
+            assert v.grad is not None and v.grad.dtype == torch.float16
+            assert v.grad.item() == torch.tensor(n / sum(rows), dtype=torch.float16).item()
+
+
+def test_weighted_mean_in_data_parallel_does_not_overflow_in_float16() -> None:
+    """``out_layout={"loss": tg.mean()}`` on a float16 loss over two shards of 4096 rows gives
+    what one device gives."""
+    x = torch.full((8192, 2), 100.0, dtype=torch.float16)
+
+    def loss(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": batch.mean()}
+
+    one = tg.data_parallel(loss, x, ["cpu"], out_layout={"loss": tg.mean()})
+    two = tg.data_parallel(loss, x, ["cpu"] * 2, out_layout={"loss": tg.mean()})
+    assert one["loss"].item() == two["loss"].item() == 100.0
+    assert two["loss"].dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_a_replica_of_zero_rows_takes_no_part_in_the_mean(dtype: torch.dtype) -> None:
+    """The loss of a shard with no rows is torch's mean of an empty batch (NaN); weighted by 0
+    it takes no part in the mean, and gets a zero gradient, not a NaN one."""
+    p = torch.tensor([2.0], dtype=dtype, requires_grad=True)
+    full = (p * torch.ones(3, dtype=dtype)).mean()
+    empty = (p * torch.ones(0, dtype=dtype)).mean()
+    assert torch.isnan(empty)
+    other = (3 * p * torch.ones(5, dtype=dtype)).mean()
+    out = tg.gather([full, empty, other], "cpu", tg.mean(), sizes=[3, 0, 5])
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ((2.0 * 3 + 6.0 * 5) / 8 * torch.ones((), dtype=dtype)))
+    out.backward()
+    assert p.grad is not None and torch.isfinite(p.grad).all()
+    torch.testing.assert_close(p.grad, torch.tensor([(3 + 3 * 5) / 8], dtype=dtype))
+    # Leaf tensors, a tree, and elementwise over a vector of per-replica means.
+    kept = tg.gather(
+        [{"m": torch.tensor([1.0, 2.0])}, {"m": torch.full((2,), float("nan"))}],
+        "cpu",
+        {"m": tg.mean()},
+        sizes=[7, 0],
+    )
+    assert kept["m"].tolist() == [1.0, 2.0]
+    # Python numbers too.
+    assert tg.gather([1.5, float("nan"), 3.0], "cpu", tg.mean(), sizes=[1, 0, 1]) == 2.25
+    assert tg.gather([4, 7], "cpu", tg.mean(), sizes=[2, 0]) == 4.0
+
+
 def test_mean_of_integer_tensors_is_floating_point() -> None:
     out = tg.gather([torch.tensor(1), torch.tensor(2)], "cpu", tg.mean())
     assert out.dtype == torch.get_default_dtype() and out.item() == 1.5
@@ -279,6 +358,46 @@ def test_first_and_first_check() -> None:
         tg.gather([torch.ones(2), torch.zeros(2)], "cpu", tg.first(check=True))
     with pytest.raises(tg.ShapeMismatchError, match="replica 2 differs"):
         tg.gather([{"a": 1}, {"a": 1}, {"a": 2}], "cpu", tg.by_path({"a": tg.first(check=True)}))
+
+
+class _Elementwise:
+    """An array-like without numpy: ``==`` is elementwise, and its truth value is ambiguous."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+        self.shape = (len(values),)
+        self.ndim = 1
+
+    def __eq__(self, other: object) -> Any:
+        assert isinstance(other, _Elementwise)
+        return _Elementwise([int(a == b) for a, b in zip(self.values, other.values)])
+
+    def __bool__(self) -> bool:
+        raise ValueError("The truth value of an array with more than one element is ambiguous")
+
+    def all(self) -> bool:
+        return all(self.values)
+
+
+def test_first_check_compares_arrays_as_arrays() -> None:
+    """first(check=True) on array leaves (numpy, or any array-like whose ``==`` is elementwise):
+    equal arrays pass, different values or shapes are the ShapeMismatchError, never numpy's
+    "truth value of an array is ambiguous"."""
+    check = tg.first(check=True)
+    same = [{"a": _Elementwise([1, 2])}, {"a": _Elementwise([1, 2])}]
+    assert tg.gather(same, "cpu", check)["a"] is same[0]["a"]
+    with pytest.raises(tg.ShapeMismatchError, match="replica 1 differs from replica 0"):
+        tg.gather([{"a": _Elementwise([1, 2])}, {"a": _Elementwise([1, 3])}], "cpu", check)
+    np = pytest.importorskip("numpy")
+    arrays = [{"a": np.arange(3.0), "b": np.ones((2, 2))} for _ in range(3)]
+    out = tg.gather(arrays, "cpu", check)
+    assert out["a"] is arrays[0]["a"] and out["b"] is arrays[0]["b"]
+    assert tg.gather([np.array(3), np.array(3)], "cpu", check) == 3  # 0-dim arrays
+    for other in (np.zeros(3), np.arange(4.0), np.arange(3.0)[None]):  # values, shapes
+        with pytest.raises(tg.ShapeMismatchError, match="replica 2 differs from replica 0"):
+            tg.gather([arrays[0], arrays[1], {"a": other, "b": np.ones((2, 2))}], "cpu", check)
+    with pytest.raises(tg.ShapeMismatchError, match=r"replica 1 differs"):
+        tg.gather([{"a": np.arange(2)}, {"a": [0, 1]}], "cpu", tg.by_path({"a": check}))
 
 
 def test_cat_items_is_the_inverse_of_split_items() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -150,6 +151,50 @@ def test_callables_are_gather_rules_only() -> None:
         tg.scatter({"x": torch.arange(4)}, CPU2, {"x": lambda v, d: v})
 
 
+GATHER_FACTORIES = ["cat", "stack", "mean", "sum", "pad", "as_list", "first", "cat_items"]
+SCATTER_FACTORIES = ["split", "broadcast", "split_items"]
+
+
+@pytest.mark.parametrize("name", GATHER_FACTORIES + SCATTER_FACTORIES)
+def test_a_rule_factory_not_called_is_a_layout_error(name: str) -> None:
+    """``{"loss": tg.mean}`` is a mistake, not a custom rule: a LayoutError naming the path and
+    the call to write, when the layout is resolved (before any custom rule runs), in the
+    reference and compiled paths alike, and from by_path patterns and defaults too."""
+    from treegather._compiled import reference_only
+
+    factory = getattr(tg, name)
+    calls: list[Any] = []
+
+    def custom(values: list[Any], device: torch.device) -> Any:
+        calls.append(values)
+        return values
+
+    outs = [{"loss": torch.tensor(1.0), "other": torch.ones(1)} for _ in range(2)]
+    is_gather = name in GATHER_FACTORIES
+    gather_says = rf"tg\.{name} is a rule factory, not a rule" + (
+        rf": write tg\.{name}\(\)" if is_gather else ", and tg"
+    )
+    for attempt in range(4):  # cold, then a structure the compiled layer has seen
+        ctx = reference_only if attempt == 3 else contextlib.nullcontext
+        with ctx(), pytest.raises(tg.LayoutError, match=r"outputs\['loss'\]: " + gather_says):
+            tg.gather(outs, "cpu", {"loss": factory, "other": custom})
+        with ctx(), pytest.raises(tg.LayoutError, match=r"by_path pattern 'loss': " + gather_says):
+            tg.gather(outs, "cpu", tg.by_path({"loss": factory}))
+        with ctx(), pytest.raises(tg.LayoutError, match=r"by_path default: tg\." + name):
+            tg.gather(outs, "cpu", tg.by_path({}, default=factory))
+        scatter_says = rf"inputs\['x'\]: tg\.{name} is a rule factory, not a rule" + (
+            ", and tg" if is_gather else rf": write tg\.{name}\(\)"
+        )
+        with ctx(), pytest.raises(tg.LayoutError, match=scatter_says):
+            tg.scatter({"x": torch.arange(4), "y": torch.arange(4)}, CPU2, {"x": factory, "y": 0})
+    assert calls == []  # the custom rule beside it never ran
+    # A callable that is no factory is still a custom gather rule.
+    assert tg.gather(outs, "cpu", {"loss": custom, "other": custom})["loss"] == [
+        outs[0]["loss"],
+        outs[1]["loss"],
+    ]
+
+
 # -------------------------------------------------------------------------------- by_path
 
 
@@ -237,6 +282,73 @@ def test_by_path_rejects_bad_patterns() -> None:
 
 def test_by_path_repr() -> None:
     assert repr(tg.by_path({"a": "first"})) == "by_path({'a': 'first'}, default=None)"
+
+
+# ------------------------------------------------------------------------ optional patterns
+
+
+def test_by_path_optional_pattern_may_match_nothing_the_others_still_may_not() -> None:
+    train = tg.by_path({"loss": tg.mean(), "meta": "first"}, optional=("loss",))
+    out = tg.gather(replica_outputs(), "cpu", train)
+    assert out["loss"].item() == 1.5 and out["meta"] == {"id": 0, "tag": "t"}
+    label_free = [{k: v for k, v in o.items() if k != "loss"} for o in replica_outputs()]
+    out = tg.gather(label_free, "cpu", train)  # the same layout, a call without labels
+    assert set(out) == {"logits", "meta"} and out["meta"] == {"id": 0, "tag": "t"}
+    with pytest.raises(tg.LayoutError, match="pattern 'loss' matches nothing"):
+        tg.gather(label_free, "cpu", tg.by_path({"loss": tg.mean(), "meta": "first"}))
+    typo = tg.by_path({"loss": tg.mean(), "mta": "first"}, optional=("loss",))
+    with pytest.raises(tg.LayoutError) as info:  # typo detection stays for the others
+        tg.gather(label_free, "cpu", typo)
+    assert str(info.value).startswith("by_path pattern 'mta' matches nothing; close paths: meta")
+    # in scatter too, and for exact tuple paths
+    shards = tg.scatter(
+        batch(), CPU2, tg.by_path({("labels",): 0, "ids": 0}, optional=[("labels",)])
+    )
+    assert [s["ids"].tolist() for s in shards] == [[0, 1], [2, 3]]
+
+
+def test_by_path_optional_names_patterns_exactly_and_type_aware() -> None:
+    with pytest.raises(tg.LayoutError) as info:
+        tg.by_path({("loss",): "mean"}, optional=("loss",))  # the string, not the exact path
+    assert str(info.value).startswith(
+        "by_path optional names 'loss', which is not among the layout's patterns (('loss',))"
+    )
+    with pytest.raises(tg.LayoutError, match=r"optional names \(True,\)"):
+        tg.by_path({(1,): "first"}, optional=[(True,)])  # True is not 1
+    assert tg.by_path({(1,): "first"}, optional=[(1,)]).optional == ((1,),)
+    with pytest.raises(tg.ArgumentTypeError, match=r"optional=\('loss',\)"):
+        tg.by_path({"loss": "mean"}, optional="loss")  # type: ignore[arg-type]
+    with pytest.raises(tg.ArgumentTypeError):
+        tg.by_path({"loss": "mean"}, optional=1)  # type: ignore[arg-type]
+
+
+def test_by_path_optional_is_part_of_the_layouts_value() -> None:
+    plain = tg.by_path({"loss": "mean", "meta": "first"})
+    opt = tg.by_path({"loss": "mean", "meta": "first"}, optional=("loss",))
+    assert opt == tg.by_path({"loss": "mean", "meta": "first"}, optional=["loss"])
+    assert opt == tg.by_path({"loss": "mean", "meta": "first"}, optional=("loss", "loss"))
+    assert hash(opt) == hash(tg.by_path({"loss": "mean", "meta": "first"}, optional=["loss"]))
+    assert opt != plain and opt != tg.by_path({"loss": "mean", "meta": "first"}, optional=["meta"])
+    assert (
+        repr(opt) == "by_path({'loss': 'mean', 'meta': 'first'}, default=None, optional=('loss',))"
+    )
+    assert repr(plain) == "by_path({'loss': 'mean', 'meta': 'first'}, default=None)"
+    # the cached plan of one is never the other's: a warm optional layout does not hide the
+    # plain one's error, in either order and on both paths
+    from treegather._compiled import reference_only
+    from treegather._dist_layout import layout_text
+
+    label_free = [{k: v for k, v in o.items() if k != "loss"} for o in replica_outputs()]
+    tg.clear_caches()
+    for _ in range(3):
+        tg.gather(label_free, "cpu", opt)
+        with pytest.raises(tg.LayoutError, match="'loss' matches nothing"):
+            tg.gather(label_free, "cpu", plain)
+        with reference_only():
+            tg.gather(label_free, "cpu", opt)
+    # ranks compare layouts by a text key: optional is part of it
+    assert layout_text(opt, 0)[0] != layout_text(plain, 0)[0]
+    assert "optional=('loss',)" in layout_text(opt, 0)[1]
 
 
 # --------------------------------------------------------------- inner nodes: leaf-wise vs whole

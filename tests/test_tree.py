@@ -226,6 +226,42 @@ def test_class_registered_with_torch_pytree_after_import_is_a_node() -> None:
     assert out["p"].a.tolist() == [0, 1, 2, 3] and out["p"].b == "s"
 
 
+def test_class_registered_with_optree_directly_after_it_was_a_leaf_is_a_node() -> None:
+    """``optree.register_pytree_node(cls, ..., namespace=tg.NAMESPACE)`` is seen as
+    :func:`treegather.register_node` is, by structures compiled while the class was a leaf: a
+    shard gets its 4 rows, not all 8; unregistering it makes it a leaf again. Before, the
+    cached structures kept treating it as a leaf."""
+    import optree
+
+    class Box:
+        def __init__(self, x: Any) -> None:
+            self.x = x
+
+    def tree() -> Any:
+        return {"a": torch.zeros(8), "box": Box(torch.arange(8))}
+
+    for _ in range(5):  # compiled while Box is a leaf: sent whole to each device
+        shards = tg.scatter(tree(), CPU2)
+        assert [len(s["box"].x) for s in shards] == [8, 8]
+        assert type(tg.gather(shards, "cpu")["box"]) is list
+    optree.register_pytree_node(
+        Box,  # type: ignore[arg-type]
+        lambda b: ((b.x,), None),
+        lambda _, ch: Box(*ch),
+        namespace=tg.NAMESPACE,
+    )
+    try:
+        for _ in range(5):
+            shards = tg.scatter(tree(), CPU2)
+            assert [s["box"].x.tolist() for s in shards] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            out = tg.gather(shards, "cpu")
+            assert type(out["box"]) is Box and out["box"].x.tolist() == list(range(8))
+    finally:
+        optree.unregister_pytree_node(Box, namespace=tg.NAMESPACE)
+    shards = tg.scatter(tree(), CPU2)
+    assert [len(s["box"].x) for s in shards] == [8, 8]
+
+
 def test_dataclass_registered_with_torch_pytree_is_understood() -> None:
     @dataclasses.dataclass
     class TorchDC:
@@ -447,3 +483,81 @@ def test_deque_maxlen_is_kept_after_the_cache_saw_another_maxlen() -> None:
         tree = {"d": deque([t], maxlen=maxlen)}
         assert tg.scatter(tree, CPU2)[0]["d"].maxlen == maxlen
         assert tg.gather([tree, tree], "cpu")["d"].maxlen == maxlen
+
+
+# ------------------------------------------------------------- cycles and deep trees
+
+
+def _cyclic() -> dict[str, Any]:
+    d: dict[str, Any] = {"x": torch.zeros(4)}
+    d["self"] = d
+    return d
+
+
+def _cyclic_list() -> list[Any]:
+    items: list[Any] = [torch.zeros(4)]
+    items.append({"up": items})
+    return items
+
+
+def _deep(levels: int, leaf: Any) -> Any:
+    tree = leaf
+    for _ in range(levels):
+        tree = {"a": tree}
+    return tree
+
+
+CYCLE_CALLS: dict[str, tuple[Any, str]] = {
+    "scatter": (lambda: tg.scatter(_cyclic(), CPU2), "inputs['self'] is inputs itself"),
+    "scatter a list": (
+        lambda: tg.scatter([torch.zeros(4), {"up": _cyclic_list()}], CPU2),
+        "inputs[1]['up'][1]['up'] is inputs[1]['up'] itself",
+    ),
+    "scatter_kwargs": (
+        lambda: tg.scatter_kwargs((_cyclic(),), {}, CPU2),
+        "args[0]['self'] is args[0] itself",
+    ),
+    "gather": (lambda: tg.gather([_cyclic(), _cyclic()], "cpu"), "outputs['self'] is outputs"),
+    "gather, replica 1": (
+        lambda: tg.gather([{"x": torch.zeros(4), "self": {}}, _cyclic()], "cpu"),
+        "replica 1: outputs['self'] is outputs itself",
+    ),
+    "explain": (lambda: tg.explain(_cyclic()), "inputs['self'] is inputs itself"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CYCLE_CALLS))
+def test_a_tree_that_contains_itself_is_a_typed_error_naming_where_the_cycle_closes(
+    name: str,
+) -> None:
+    """``d["self"] = d``: a :class:`TreeDepthError` naming the path that leads back to an
+    ancestor, cold and with a structure of the same root type compiled. Before: optree's bare
+    ``RecursionError``."""
+    call, fragment = CYCLE_CALLS[name]
+    for _ in range(2):
+        with pytest.raises(tg.TreeDepthError, match="contains itself") as info:
+            call()
+        assert fragment in str(info.value)
+        for _ in range(5):  # a dict structure compiled, for the next round
+            tg.gather(list(tg.scatter({"x": torch.zeros(4), "self": {}}, CPU2)), "cpu")
+
+
+def test_a_tree_deeper_than_optree_flattens_is_a_typed_error() -> None:
+    tree = {"b": torch.zeros(4), "d": _deep(1000, torch.zeros(4))}  # 1001 levels
+    for call in (
+        lambda: tg.scatter(tree, CPU2),
+        lambda: tg.gather([tree, tree], "cpu"),
+        lambda: tg.explain(tree),
+    ):
+        with pytest.raises(tg.TreeDepthError, match="nested deeper than 1000 levels") as info:
+            call()
+        assert "['d']['a']['a']" in str(info.value) and len(str(info.value)) < 500
+
+
+def test_a_deep_tree_that_does_not_fit_its_prefix_layout_is_a_layout_error() -> None:
+    """A 1000-level tree whose prefix layout stops short: the explanation of the mismatch walks
+    the layout without recursion. Before: a RecursionError from that walk."""
+    tree = _deep(1000, torch.zeros(4))
+    with pytest.raises(tg.LayoutError, match="not a prefix") as info:
+        tg.scatter(tree, CPU2, _deep(999, {"b": 0}))
+    assert "the layout lacks key(s) 'a' and has key(s) 'b' the data does not" in str(info.value)

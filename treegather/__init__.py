@@ -24,6 +24,7 @@ from ._errors import (
     LeafTypeError,
     ShapeMismatchError,
     StructureMismatchError,
+    TreeDepthError,
     TreegatherError,
     UninitializedModuleError,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "DeviceError",
     "ArgumentTypeError",
     "UninitializedModuleError",
+    "TreeDepthError",
     # replicate, apply and the data-parallel entry points (issue 3)
     "replicate",
     "parallel_apply",

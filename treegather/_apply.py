@@ -207,7 +207,7 @@ def _prepare(
 
 
 def _first_tensor_device(tree: Any) -> torch.device | None:
-    for leaf in flatten(tree)[0]:
+    for leaf in flatten(tree, None)[0]:  # (an (args, kwargs) pair)
         if isinstance(leaf, torch.Tensor):
             return leaf.device
     return None

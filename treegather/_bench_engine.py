@@ -29,7 +29,10 @@ def engine_cases(
     - ``first call``: a call on a structure never seen (made right after the caches were
       cleared; only the call is timed) against a warm call (target <= 3x at 1000 leaves);
     - ``inline by_path``: ``by_path({...})`` written inside the call against the same layout
-      hoisted out of the loop (target <= 1.1x).
+      hoisted out of the loop (target <= 1.1x);
+    - ``rotating N``: N structures of ``n_leaves`` taken in turn, more than the compiled layer
+      keeps per root type (16), against a call on a structure never seen, made in the same
+      state (target <= 1x: a rotation costs at most what a cold call costs).
     """
     prepare_allocator()
     devices = ["cpu"] * k
@@ -74,7 +77,69 @@ def engine_cases(
     for op, call in (("scatter", lambda: scatter(tree_a)), ("gather", lambda: gather(outs_a))):
         warm_s, cold_s, ratio = _first_call(call, rounds)
         rows.append(_engine_row(op, "first call", n_leaves, k, warm_s, (cold_s, ratio, 0.0)))
+    for n in ROTATIONS:
+        for op, fn, base in (("scatter", scatter, tree_a), ("gather", _gather_all, outs_a)):
+            cold_s, turn_s, ratio = _rotation(fn, base, n, rounds)
+            rows.append(_engine_row(op, f"rotating {n}", n_leaves, k, cold_s, (turn_s, ratio, 0.0)))
     return rows
+
+
+ROTATIONS = (20, 64, 256)
+
+
+def _gather_all(outs: list[Any]) -> Any:
+    return tg.gather(outs, "cpu")
+
+
+def _renamed(base: Any, prefix: str) -> Any:
+    """``base`` (a dict, or one dict per replica) with its top-level keys renamed: another
+    structure, sharing every subtree and tensor."""
+    if isinstance(base, list):
+        return [_renamed(tree, prefix) for tree in base]
+    return {f"{prefix}{key}": value for key, value in base.items()}
+
+
+def _rotation(
+    call: Callable[[Any], Any], base: Any, n: int, rounds: int, reps: int = 5
+) -> tuple[float, float, float]:
+    """(cold s, rotation s per call, median of per-round rotation/cold) for ``call`` on ``n``
+    structures made from ``base`` taken in turn.
+
+    The rotation is warmed up by full turns: six up to 32 structures (the structures kept are
+    compiled on their third hit), two above (where most calls are not served by the cache
+    whatever it compiled); each of at most three rounds then times ``min(n, 16)`` calls
+    continuing it, and ``reps`` calls each on a structure never seen (in the same state: the
+    rotation's structures cached), as a cold call in a long-running process is.
+    """
+    items = [_renamed(base, f"r{j}_") for j in range(n)]
+    for _ in range(6 if n <= 32 else 2):
+        for item in items:
+            call(item)
+    turn, cold, ratios = [], [], []
+    i = fresh = 0
+    m = min(n, 16)
+    for _ in range(min(rounds, 3)):
+        batch = [items[(i + j) % n] for j in range(m)]
+        i += m
+        news = [_renamed(base, f"new{fresh + j}_") for j in range(reps)]
+        fresh += reps
+        gc.collect()
+        gc.disable()
+        try:
+            t0 = time.thread_time()
+            for item in batch:
+                call(item)
+            t = (time.thread_time() - t0) / m
+            t0 = time.thread_time()
+            for item in news:
+                call(item)
+            c = (time.thread_time() - t0) / reps
+        finally:
+            gc.enable()
+        turn.append(t)
+        cold.append(c)
+        ratios.append(t / c)
+    return statistics.median(cold), statistics.median(turn), statistics.median(ratios)
 
 
 def _engine_row(

@@ -28,7 +28,15 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["LRU", "WeakCache", "caches", "clear_caches", "clear_tree_caches", "typed_key"]
+__all__ = [
+    "LRU",
+    "WeakCache",
+    "caches",
+    "clear_caches",
+    "clear_tree_caches",
+    "shareable",
+    "typed_key",
+]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -230,6 +238,37 @@ def typed_key(value: Any) -> Hashable:
             else:
                 out.append((kind, id(item), _Identity(item)))
     return out[0]
+
+
+# Atoms two of which with one typed key cannot be told apart (floats can: -0.0 and 0.0).
+_EXACT_ATOMS = frozenset([type(None), bool, int, str, bytes])
+
+
+def shareable(key: Any) -> bool:
+    """Whether every value with the typed key ``key`` is indistinguishable from the one it was
+    made from, so that a cache may hand out that one instead.
+
+    True when its parts are immutable atoms (not floats or complex numbers: ``-0.0`` and ``0.0``
+    share a key), tuples of them, or objects keyed by identity; False when it holds a list or a
+    dict (an equal copy is another object, and mutable) or an object keyed by its fields.
+
+    >>> shareable(typed_key(("a", 1, None))), shareable(typed_key(["a"])), shareable(typed_key(0.0))
+    (True, False, False)
+    """
+    stack = [key]
+    while stack:
+        part = stack.pop()
+        if len(part) == 3:  # (type, id, _Identity): the object itself
+            continue
+        kind, payload = part
+        if kind in _ATOMS:
+            if kind not in _EXACT_ATOMS:
+                return False
+        elif kind is tuple:
+            stack.extend(payload)
+        else:  # a list, a dict, or an object keyed by its fields
+            return False
+    return True
 
 
 class _Identity:

@@ -43,7 +43,8 @@ Tensor = torch.Tensor
 def needs_move(columns: list[tuple[Any, ...]], target: torch.device) -> bool:
     """Whether any replica's tensors live off ``target`` (sampled: the first tensor position).
 
-    Only a hint for the fast path: a leaf elsewhere is still moved, just less cheaply.
+    Only a hint for the fast path: a leaf elsewhere is still moved, just less cheaply (and a
+    meta tensor elsewhere still found: moving it raises, and ``gather`` names its path).
     """
     for column in columns:
         if any(type(v) is Tensor or isinstance(v, Tensor) for v in column):
@@ -93,10 +94,12 @@ def combine_default(
     target: torch.device,
     moving: bool,
     dim: int,
-    check: bool = True,
 ) -> list[Any]:
     """The default rules (tensors: cat, others: as_list), leaf by leaf.
 
+    Every result is checked to be on ``target``: ``torch.cat`` of a column wholly on another
+    device (a GPU, or the meta device even on a CPU-only machine) stays there, and moving it
+    there raises for a meta tensor (``gather`` then names the path).
     (The all-tensor CPU case of a structure seen before never gets here: ``gather`` does it in
     one comprehension.)
     """
@@ -120,7 +123,7 @@ def combine_default(
                 append(_as_list(col))
             continue
         _one_dtype(col)  # torch.cat promoted mixed dtypes: refuse them
-        if check and ((not r.is_cpu) if cpu else (r.get_device() != index)):
+        if (not r.is_cpu) if cpu else (r.get_device() != index):
             r = r.to(target)
         append(r)
     return out
@@ -194,7 +197,12 @@ def _reduce(
             return builtins.sum(col)
         if sizes is None:
             return builtins.sum(col) / len(col)
-        return builtins.sum(v * s for v, s in zip(col, sizes)) / builtins.sum(sizes)
+        total = builtins.sum(sizes)
+        if all(type(v) is int for v in col):  # exact
+            return builtins.sum(v * s for v, s in zip(col, sizes)) / total
+        # Each value times its share of the rows: never a product larger than the value (a
+        # numpy float16 times 4096 rows overflows); a share of 0 leaves the value out (NaN).
+        return builtins.sum(v * (s / total) for v, s in zip(col, sizes) if s)
     _one_dtype(col)
     stacked = torch.stack(_to(col, target))
     if isinstance(rule, Sum):
@@ -203,9 +211,34 @@ def _reduce(
         stacked = stacked.to(torch.get_default_dtype())
     if sizes is None:
         return stacked.mean(0)
-    weights = torch.tensor(sizes, dtype=stacked.dtype, device=stacked.device)
-    weights = weights.reshape((-1,) + (1,) * (stacked.dim() - 1))
-    return (stacked * weights).sum(0) / weights.sum()
+    return _weighted_mean(stacked, sizes)
+
+
+# The dtype torch's mean accumulates in, where it is not the input's (at::opmath_type).
+_ACCUMULATE = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.complex32: torch.complex64,
+}
+
+
+def _weighted_mean(stacked: Tensor, sizes: tuple[int, ...]) -> Tensor:
+    """The mean of ``stacked`` along dim 0 weighted by ``sizes`` (adding up to more than 0),
+    accumulated as :func:`torch.mean` does (float16 and bfloat16 in float32), each value times
+    its share of the rows (so no product exceeds the value: a float16 loss of 100 times 4096
+    rows would be inf), and returned in the input's dtype. A replica of 0 rows takes no part:
+    its value (the NaN mean of an empty batch) is replaced by 0 before it is weighted by 0,
+    which also gives it a zero gradient rather than a NaN one."""
+    dtype = stacked.dtype
+    wide = _ACCUMULATE.get(dtype, dtype)
+    total = builtins.sum(sizes)
+    shape = (-1,) + (1,) * (stacked.dim() - 1)
+    shares = torch.tensor([s / total for s in sizes], dtype=wide, device=stacked.device)
+    values = stacked.to(wide)
+    if 0 in sizes:
+        kept = torch.tensor([s > 0 for s in sizes], device=stacked.device).reshape(shape)
+        values = torch.where(kept, values, torch.zeros((), dtype=wide, device=stacked.device))
+    return (values * shares.reshape(shape)).sum(0).to(dtype)
 
 
 def _pad(rule: Pad, col: tuple[Any, ...], target: torch.device) -> Any:
@@ -298,6 +331,27 @@ def _tree_equal(a: Any, b: Any) -> bool:
                 return False
             if x.shape != y.shape or not torch.equal(x, y.to(x.device)):
                 return False
-        elif not bool(x == y):
+        elif not _same_value(x, y):
             return False
     return True
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """``x == y`` as one bool; array-likes (numpy arrays, ...) compared as arrays: the same
+    shape, then every element (``bool()`` of an elementwise ``==`` is ambiguous). Duck-typed:
+    numpy is not a dependency."""
+    shape_x, shape_y = getattr(x, "shape", None), getattr(y, "shape", None)
+    if shape_x is None and shape_y is None:
+        return bool(x == y)
+    try:
+        if tuple(shape_x) != tuple(shape_y):  # type: ignore[arg-type]
+            return False
+    except TypeError:  # a ``shape`` that is not a sequence of dims: compare the values
+        return bool(x == y)
+    same = x == y
+    for _ in range(64):  # an array of results: reduce it with its own all() (a DataFrame: twice)
+        every = getattr(same, "all", None)
+        if not getattr(same, "ndim", 0) or not callable(every):
+            break
+        same = every()
+    return bool(same)

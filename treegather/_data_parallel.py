@@ -21,9 +21,10 @@ from torch import nn
 
 from ._apply import Backend, parallel_apply
 from ._devices import DeviceLike, as_device, as_devices
+from ._errors import check_dim
 from ._gather import gather
 from ._kept import Kept, give_back
-from ._scatter import scatter_kwargs
+from ._scatter import scatter_call
 from ._step import _check_module_device, _replicas_for_step, _trim_unsplit
 from ._under_compile import _compiler_active, _outside_compiler
 
@@ -55,14 +56,19 @@ def data_parallel(
     ...                      out_layout={"loss": tg.mean(), "tag": "first"})
     >>> r["loss"].item() == torch.arange(5.0).pow(2).mean().item(), r["tag"]
     (True, 'sq')
+    >>> batch = {"x": torch.zeros(4, 3), "ids": ["a", "b", "c", "d"]}
+    >>> tg.data_parallel(lambda b: {"ids": [i * 2 for i in b["ids"]]}, batch, ["cpu"] * 2,
+    ...                  in_layout=tg.by_path({"ids": tg.split_items()}),
+    ...                  out_layout={"ids": tg.cat_items()})
+    {'ids': ['aa', 'bb', 'cc', 'dd']}
 
-    Steps: :func:`scatter_kwargs` divides ``(args, module_kwargs)`` by ``in_layout`` (default:
-    tensors split along ``dim``, everything else broadcast); an ``nn.Module`` is replicated
+    Steps: ``inputs`` and ``module_kwargs`` are divided by ``in_layout`` (default: tensors
+    split along ``dim``, everything else broadcast); an ``nn.Module`` is replicated
     onto the devices that received a shard, and so is the module of a bound method
     (``data_parallel(model.generate, ...)`` calls each replica's ``generate``; a plain
-    callable is called as it is, on every shard); :func:`parallel_apply` runs the shards with ``backend``; :func:`gather` combines
-    the outputs on ``output_device`` by ``out_layout``, with the shard sizes, so ``mean()``
-    is exact for uneven splits. The output is always gathered, so one device gives the same
+    callable is called as it is, on every shard); :func:`parallel_apply` runs the shards with
+    ``backend``; :func:`gather` combines the outputs on ``output_device`` by ``out_layout``,
+    with the shard sizes, so ``mean()`` is exact for uneven splits. The output is always gathered, so one device gives the same
     output shapes as N devices (a 0-dim loss becomes a vector unless ``out_layout`` says
     ``mean()``, ``sum()`` or ``first()``). When nothing is split (no tensor input with a batch
     dim), ``fn`` runs once, on the first device.
@@ -91,7 +97,15 @@ def data_parallel(
         output_device: where the result goes; default ``devices[0]``.
         module_kwargs: keyword arguments for ``fn``, scattered with the positional ones (a
             dict batch for ``model(**batch)``, as every Hugging Face model takes, goes here).
-        in_layout: a layout of ``(args, kwargs)`` as in :func:`scatter_kwargs`.
+        in_layout: how the inputs are split, as the call was written. For a single input
+            (``data_parallel(fn, batch)``), a layout of ``batch`` exactly as in
+            :func:`scatter` (``by_path({"names": split_items()})``; a prefix tree of
+            ``batch``, ``module_kwargs`` then keeping their default rules), whose
+            :func:`by_path` patterns also name ``module_kwargs`` by keyword; for a tuple, a
+            layout of ``(args, kwargs)`` as in :func:`scatter_kwargs` (``"0.names"``,
+            ``"labels"``). A pattern that could mean a key of the single input or a keyword
+            argument is a :class:`LayoutError`. ``explain(batch, in_layout, devices,
+            module_kwargs=...)`` shows what it does.
         out_layout: a layout of ``fn``'s output as in :func:`gather`.
         dim: the default split/concatenation dim.
         backend: the :func:`parallel_apply` backend.
@@ -117,8 +131,8 @@ def data_parallel(
             backend=backend,
         )
     devs = _default_devices(devices)
-    args = _as_args(inputs)
-    args_shards, kwargs_shards = scatter_kwargs(args, module_kwargs, devs, in_layout, dim=dim)
+    dim = check_dim(dim, "data_parallel")
+    args_shards, kwargs_shards = scatter_call(inputs, module_kwargs, devs, in_layout, dim)
     args_shards, kwargs_shards = _trim_unsplit(args_shards, kwargs_shards)
     used = args_shards.devices or devs[: len(args_shards)]
     kept: Kept | None = None
@@ -187,12 +201,6 @@ def _module_of(fn: Callable[..., Any]) -> nn.Module | None:
     if isinstance(owner, nn.Module) and isinstance(fn, types.MethodType):
         return owner
     return None
-
-
-def _as_args(inputs: Any) -> tuple[Any, ...]:
-    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
-        return inputs
-    return (inputs,)
 
 
 def _default_devices(devices: Sequence[DeviceLike] | None) -> tuple[torch.device, ...]:

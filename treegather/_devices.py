@@ -8,7 +8,7 @@ from typing import Union
 import torch
 
 from ._caches import LRU
-from ._errors import ArgumentTypeError, DeviceError
+from ._errors import ArgumentTypeError, DeviceError, safe_repr
 
 __all__ = ["DeviceLike", "as_device", "as_devices", "accelerator_tensors_possible"]
 
@@ -26,17 +26,20 @@ def as_device(device: DeviceLike) -> torch.device:
 
     >>> as_device(-1), as_device("cpu"), as_device(torch.device("cpu"))
     (device(type='cpu'), device(type='cpu'), device(type='cpu'))
+    >>> as_device("cpu:0")  # torch keeps CPU tensors on "cpu": the same device
+    device(type='cpu')
     >>> as_device("gpu:0")
     Traceback (most recent call last):
     ...
     treegather.DeviceError: not a device: 'gpu:0' (...); write 'cpu', 'cuda:0', ...
 
     Raises:
-        DeviceError: an unknown device string, an index below ``-1``, or a CUDA device (an
-            int id counts) where CUDA is not available.
+        DeviceError: an unknown device string, an index below ``-1``, a CPU index other than
+            0 (``"cpu:1"``: torch has one CPU device), or a CUDA device (an int id counts) where
+            CUDA is not available.
         ArgumentTypeError: neither an int, a string nor a ``torch.device`` (``True``, ``1.0``).
     """
-    if isinstance(device, torch.device) and device.type != "cuda":
+    if isinstance(device, torch.device) and device.type != "cuda" and device.index is None:
         return device  # nothing to normalise or check
     kind = type(device)
     if kind in _KEY_TYPES:
@@ -55,7 +58,8 @@ def _normalise(device: object) -> torch.device:
         out = device
     elif isinstance(device, bool) or not isinstance(device, (int, str)):
         raise ArgumentTypeError(
-            f"not a device: {device!r} ({type(device).__name__}; expected an int, a string such "
+            f"not a device: {safe_repr(device)} ({type(device).__name__}; expected an int, a "
+            "string such "
             "as 'cuda:0' or 'cpu', or a torch.device)"
         )
     elif isinstance(device, int):
@@ -70,6 +74,10 @@ def _normalise(device: object) -> torch.device:
                 f"not a device: {device!r} ({str(exc).splitlines()[0]}); write 'cpu', 'cuda:0', "
                 "an int CUDA index, or -1 for the CPU"
             ) from None
+    if out.type == "cpu" and out.index is not None:
+        if out.index != 0:
+            raise DeviceError(_indexed_cpu(device, None, 0))
+        out = torch.device("cpu")  # torch keeps every CPU tensor on "cpu", whatever "cpu:0" said
     if out.type == "cuda":
         if not torch.cuda.is_available():
             given = str(device) if isinstance(device, torch.device) else repr(device)
@@ -84,19 +92,63 @@ def _normalise(device: object) -> torch.device:
     return out
 
 
+def _indexed_cpu(given: object, where: str | None, count: int) -> str:
+    """Why ``'cpu:1'`` is no device of its own, and what to write instead."""
+    named = str(given) if isinstance(given, torch.device) else repr(given)
+    many = f"['cpu'] * {count}" if count > 1 else "['cpu'] * 2"
+    return (
+        f"{where + ' is ' if where else ''}{named}, but torch has one CPU device: it keeps CPU "
+        f"tensors and parameters on 'cpu' whatever the index (torch.ones(1, device={named})"
+        ".device is cpu), so a CPU index names no device of its own; write 'cpu' (or -1), "
+        f"repeated for several CPU replicas: {many}"
+    )
+
+
+def _cpu_index(device: object) -> int | None:
+    """The index of a CPU device written with one (``'cpu:1'``), else ``None``."""
+    if isinstance(device, torch.device):
+        found = device
+    elif isinstance(device, str):
+        try:
+            found = torch.device(device)
+        except (RuntimeError, ValueError):
+            return None
+    else:
+        return None
+    return found.index if found.type == "cpu" else None
+
+
 def _without_index(device: object) -> bool:
     return isinstance(device, (str, torch.device)) and torch.device(device).index is None
 
 
-def as_devices(devices: Sequence[DeviceLike] | DeviceLike) -> tuple[torch.device, ...]:
-    """Normalise a device list; a single device is a list of one.
+def as_devices(
+    devices: Sequence[DeviceLike] | DeviceLike, name: str = "devices"
+) -> tuple[torch.device, ...]:
+    """Normalise a device list; a single device is a list of one. ``name``: the argument's, for
+    errors.
 
     >>> as_devices(["cpu", -1])
     (device(type='cpu'), device(type='cpu'))
+
+    torch has one CPU device: ``"cpu:0"`` is ``"cpu"``, and ``"cpu:1"`` is an error (repeat
+    ``"cpu"`` for several CPU replicas):
+
+    >>> as_devices(["cpu:0", "cpu:1"])
+    Traceback (most recent call last):
+    ...
+    treegather.DeviceError: devices[1] is 'cpu:1', but torch has one CPU device: ...: ['cpu'] * 2
     """
     if isinstance(devices, (int, str, torch.device)):
         return (as_device(devices),)
-    out = tuple(as_device(d) for d in devices)
+    items = devices if type(devices) in (list, tuple) else list(devices)
+    try:
+        out = tuple(as_device(d) for d in items)
+    except DeviceError:
+        for i, d in enumerate(items):  # name the entry, and the list to write instead
+            if _cpu_index(d):
+                raise DeviceError(_indexed_cpu(d, f"{name}[{i}]", len(items))) from None
+        raise
     if not out:
         raise ValueError("devices must name at least one device")
     return out

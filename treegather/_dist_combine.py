@@ -35,9 +35,10 @@ def fast(
     plan = local.plan
     target = _dist_group.target(local.devices, carrier)
     received = _dist_payload.parse(plan, payloads, nbytes, target)
+    spec = plan.spec if local.spec is None else local.spec  # this call's dict keys, statics
     if plan.vectorised:
-        return _dist_payload.unpack(plan, received)
-    trees = [plan.spec.unflatten(leaves) for leaves in _dist_payload.rank_leaves(plan, received)]
+        return _dist_payload.unpack(plan, received, spec)
+    trees = [spec.unflatten(leaves) for leaves in _dist_payload.rank_leaves(plan, received)]
     sizes: list[Any] = received.sizes if received.sizes is not None else [None]
     return rules(ranks, trees, target, layout, dim, sizes)
 

@@ -20,11 +20,14 @@ from optree import PyTreeSpec
 from treegather import _tree, _wire
 from treegather._dist_group import Collective, Group
 from treegather._errors import (
+    ArgumentTypeError,
     BatchSizeError,
+    DeviceError,
     LayoutError,
     LeafTypeError,
     ShapeMismatchError,
     StructureMismatchError,
+    TreeDepthError,
     TreegatherError,
 )
 
@@ -32,6 +35,7 @@ __all__ = [
     "ERROR_CLASSES",
     "StructuresDiffer",
     "check",
+    "exchange_objects",
     "name_differences",
     "node_table",
     "outcome_of",
@@ -42,11 +46,14 @@ __all__ = [
 ERROR_CLASSES: dict[str, type[TreegatherError]] = {
     cls.__name__: cls
     for cls in (
+        ArgumentTypeError,
         BatchSizeError,
+        DeviceError,
         LayoutError,
         LeafTypeError,
         ShapeMismatchError,
         StructureMismatchError,
+        TreeDepthError,
         TreegatherError,
     )
 }
@@ -228,6 +235,10 @@ def _all_gather_bytes(collective: Collective, g: Group, payload: bytes) -> list[
         pickle.loads(_wire.tensor_bytes(buf[:k]))
         for buf, k in zip(out.view(len(g.ranks), stride), sizes)
     ]
+
+
+# The preamble's exchange of the ranks' argument problems uses it too (error paths only).
+exchange_objects = _all_gather_bytes
 
 
 def name_differences(collective: Collective, g: Group, local: _wire.Packed) -> NoReturn:

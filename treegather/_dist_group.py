@@ -21,6 +21,7 @@ goes with the group), used only when the results are copies that never alias it.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -29,14 +30,17 @@ import torch
 import torch.distributed as dist
 
 from treegather._caches import WeakCache
+from treegather._errors import ArgumentTypeError
 
 __all__ = [
+    "BAD_ROOT",
     "Collective",
     "Group",
     "GroupState",
     "data_device",
     "group",
     "placement",
+    "Problem",
     "receive_buffer",
     "root_rank",
     "target",
@@ -180,11 +184,43 @@ def data_device(g: Group, placements: Sequence[int]) -> torch.device:
     return g.device
 
 
-def root_rank(g: Group, rank: int, name: str) -> int:
-    """Map a global ``dst``/``src`` rank to its rank in the group."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank not in g.ranks:
-        raise ValueError(f"{name}={rank!r} is not a rank of the process group (ranks {g.ranks})")
-    return g.ranks.index(rank)
+BAD_ROOT = -2  # the root of a call whose dst/src names no rank of the group (-1: no root)
+# What is wrong with a rank's arguments, found before the first exchange: (error class, text).
+Problem = tuple[type[Exception], str]
+
+
+def root_rank(g: Group, rank: Any, name: str) -> tuple[int, Problem | None]:
+    """Map a global ``dst``/``src`` rank to its rank in the group, or ``(BAD_ROOT, why)``.
+
+    Never raises: the other ranks may already wait in the first exchange, which carries the
+    problem, so that every rank raises it (:func:`treegather._dist_preamble.exchange`). Ints
+    and integer types with ``__index__`` (``numpy.int64``) are ranks; ``True`` is not.
+    """
+    if type(rank) is int and rank in g.ranks:
+        return g.ranks.index(rank), None
+    value = None
+    if not isinstance(rank, bool):
+        try:
+            value = operator.index(rank)
+        except TypeError:
+            pass
+    if value is None:
+        got = f"{type(rank).__name__} {_shown(rank)}"
+        return BAD_ROOT, (ArgumentTypeError, f"{name} must be an int (a global rank), got {got}")
+    if value not in g.ranks:
+        return BAD_ROOT, (
+            ValueError,
+            f"{name}={_shown(rank)} is not a rank of the process group (ranks {g.ranks})",
+        )
+    return g.ranks.index(value), None
+
+
+def _shown(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # a repr that raises must not hide the error it describes
+        text = f"<{type(value).__qualname__} object>"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def target(devices: frozenset[torch.device], carrier: torch.device) -> torch.device:

@@ -15,6 +15,8 @@ from typing import Any
 import optree
 
 from treegather import _tree
+from treegather._by_path import path_text
+from treegather._errors import safe_repr
 from treegather._layout import ByPath
 from treegather._rules import Custom, Rule
 
@@ -39,17 +41,24 @@ def _describe_rule(value: Any) -> tuple[str, str]:
     if isinstance(value, Rule) and dataclasses.is_dataclass(value):
         fields = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
         key = type(value).__qualname__ + "".join(
-            f"|{n}={type(v).__name__}:{v!r}" for n, v in fields
+            f"|{n}={type(v).__name__}:{safe_repr(v, None, stable=True)}" for n, v in fields
         )
         return key, value.describe()
     if isinstance(value, ByPath):
-        parts = [(p, *_describe_rule(r)) for p, _, r in value.patterns]
+        parts = [
+            (p, *_describe_rule(r), "?" if o else "")
+            for (p, _, r), o in zip(value.patterns, value._optional_at)
+        ]
         default = _describe_rule(value.default)
-        # Patterns are dotted strings or exact tuple paths: typed, in an order of their own.
-        keys = sorted(f"{type(p).__name__}:{p!r}={k}" for p, k, _ in parts)
+        # Patterns are dotted strings or exact tuple paths: typed, in an order of their own;
+        # an optional one is marked (a rank where it matches nothing does not raise).
+        keys = sorted(
+            f"{type(p).__name__}:{safe_repr(p, None, stable=True)}{o}={k}" for p, k, _, o in parts
+        )
         key = "by_path:" + "|".join(keys) + f"|={default[0]}"
-        inner = ", ".join(f"{p!r}: {s}" for p, _, s in parts)
-        return key, f"by_path({{{inner}}}, default={default[1]})"
+        inner = ", ".join(f"{path_text(p)}: {s}" for p, _, s, _ in parts)
+        optional = f", optional={safe_repr(value.optional, None)}" if value.optional else ""
+        return key, f"by_path({{{inner}}}, default={default[1]}{optional})"
     if value is None or type(value) in (bool, int, float, str):
         return f"{type(value).__name__}:{value!r}", repr(value)
     return f"object:{type(value).__module__}.{type(value).__qualname__}", type(value).__qualname__
@@ -70,9 +79,9 @@ def layout_text(layout: Any, dim: Any) -> tuple[str, str]:
     atoms = (bool, int, float, str, type(None))
     dim_key = f"{type(dim).__name__}:{dim!r}" if type(dim) in atoms else f"?{type(dim)}"
     if layout is None:
-        return f"None;{dim_key}", f"layout None, dim={dim!r}"
+        return f"None;{dim_key}", f"layout None, dim={safe_repr(dim)}"
     leaves, spec = optree.tree_flatten(layout, none_is_leaf=True, namespace=_tree.NAMESPACE)
     described = [_describe_rule(leaf) for leaf in leaves]
-    key = repr(spec) + "".join(f";{k}" for k, _ in described) + f";{dim_key}"
+    key = safe_repr(spec, None, stable=True) + "".join(f";{k}" for k, _ in described)
     shown = spec.unflatten([_Shown(s) for _, s in described])
-    return key, f"layout {shown!r}, dim={dim!r}"
+    return key + f";{dim_key}", f"layout {safe_repr(shown, None)}, dim={safe_repr(dim)}"

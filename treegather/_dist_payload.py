@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
+from optree import PyTreeSpec
 
 from treegather._caches import LRU
 from treegather._errors import TreegatherError
@@ -269,8 +270,9 @@ def rank_leaves(plan: WirePlan, received: Received) -> list[list[Any]]:
     return out
 
 
-def unpack(plan: WirePlan, received: Received) -> Any:
-    """The combined tree under the default rules: one copy per region (or per large leaf).
+def unpack(plan: WirePlan, received: Received, spec: PyTreeSpec | None = None) -> Any:
+    """The combined tree under the default rules: one copy per region (or per large leaf),
+    rebuilt with ``spec`` (this call's structure; ``plan.spec`` when ``None``).
 
     Leaf ``i`` of a region is rank 0's rows of it, then rank 1's, and so on (0-dim leaves: a
     vector with one entry per rank). Non-tensor leaves become the list of rank values.
@@ -285,7 +287,7 @@ def unpack(plan: WirePlan, received: Received) -> Any:
             placed += _region_results(j, region, received)
     placed += ([objects[j] for objects in received.objects] for j in range(len(plan.objects)))
     leaves = placed if plan.order is None else [placed[k] for k in plan.order]
-    return plan.spec.unflatten(leaves)
+    return (plan.spec if spec is None else spec).unflatten(leaves)
 
 
 def _region_results(j: int, region: Region, received: Received) -> Sequence[torch.Tensor]:

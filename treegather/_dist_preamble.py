@@ -3,10 +3,15 @@
 Every call starts with one all-gather of ``ROW_BYTES + capacity`` bytes per rank. The first
 ``ROW_BYTES`` are this rank's *row* of ten ``int64``::
 
-    [magic, call, root (dst/src), header bytes, payload bytes, placement, digest (2), inline, 0]
+    [magic, call, root (dst/src), header bytes, payload bytes, placement, digest (2), inline,
+     problem]
 
 ``digest`` is the wire plan's (:mod:`treegather._wireplan`; ``(0, 0)``: no plan on this rank)
 and ``inline`` says whether the rank's wire-plan payload follows the row in the same buffer.
+``problem`` says that an argument check this rank made before the exchange failed (a ``dst``
+that names no rank): the rank still joins the exchange, and then every rank joins one more to
+learn each such rank's message and raises the same error, instead of the others waiting for
+a rank that raised on its own.
 When every rank sent the same digest and its payload inline, that one collective is the whole
 call (``gather``: plus the outcome): a repeated structure of up to a few hundred KiB per rank
 costs one collective, like a single ``all_gather`` of its bytes. Otherwise the payload (or the
@@ -22,25 +27,35 @@ when they get much smaller; payloads above ``MAX_INLINE`` always take a second c
 from __future__ import annotations
 
 import array
+import pickle
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 
-from treegather import _dist_group, _dist_payload, _wireplan
-from treegather._dist_group import Collective, Group
+from treegather import _dist_errors, _dist_group, _dist_payload, _wireplan
+from treegather._dist_group import Collective, Group, Problem
 from treegather._dist_payload import Payloads
-from treegather._errors import StructureMismatchError
+from treegather._errors import ArgumentTypeError, StructureMismatchError
 from treegather._wire import format_problems
 from treegather._wireplan import Local
 
-__all__ = ["ROW_BYTES", "First", "check_calls", "exchange", "next_capacity", "row", "write_row"]
+__all__ = [
+    "ROW_BYTES",
+    "First",
+    "check_calls",
+    "exchange",
+    "next_capacity",
+    "raise_problems",
+    "row",
+    "write_row",
+]
 
 MAGIC = 0x7467_6472  # identifies a treegather preamble
 ALL_GATHER, GATHER, BROADCAST = 1, 2, 3
 CALL_NAMES = {ALL_GATHER: "all_gather", GATHER: "gather", BROADCAST: "broadcast"}
 # Positions in a row.
-CALL, ROOT, HEADER, NBYTES, PLACEMENT, DIGEST, INLINE = 1, 2, 3, 4, 5, slice(6, 8), 8
+CALL, ROOT, HEADER, NBYTES, PLACEMENT, DIGEST, INLINE, PROBLEM = 1, 2, 3, 4, 5, slice(6, 8), 8, 9
 ROW_INTS = 10
 ROW_BYTES = 8 * ROW_INTS  # a multiple of 16: the inline payload starts aligned
 MAX_INLINE = 256 << 10  # bytes per rank; larger payloads take their own collective
@@ -54,9 +69,10 @@ def row(
     placement: int,
     digest: tuple[int, int] = (0, 0),
     inline: bool = False,
+    problem: bool = False,
 ) -> list[int]:
     """This rank's row."""
-    return [MAGIC, call, root, *lengths, placement, *digest, int(inline), 0]
+    return [MAGIC, call, root, *lengths, placement, *digest, int(inline), int(problem)]
 
 
 def write_row(buf: torch.Tensor, values: Sequence[int]) -> None:
@@ -86,6 +102,34 @@ def check_calls(ranks: Sequence[int], rows: Sequence[Sequence[int]]) -> None:
                 "every rank must make the same call, with the same dst/src, in the same order",
             )
         )
+
+
+def raise_problems(
+    collective: Collective, g: Group, rows: Sequence[Sequence[int]], problem: Problem | None
+) -> NoReturn:
+    """Some rank's arguments failed a check before the first exchange (its row says so): every
+    rank joins one more exchange of the ranks' messages and raises the same error, naming each
+    such rank and its call. An :class:`~treegather.ArgumentTypeError` when any argument has
+    the wrong type, else a ``ValueError``."""
+    mine = None if problem is None else (problem[0] is ArgumentTypeError, problem[1])
+    found = _dist_errors.exchange_objects(
+        collective, g, pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
+    )
+    problems, typed = [], False
+    for rank, (values, item) in enumerate(zip(rows, found)):
+        if item is None:
+            continue
+        is_type, text = item
+        typed = typed or is_type
+        call = f"treegather.distributed.{CALL_NAMES.get(values[CALL], '?')}"
+        problems.append(f"rank {g.ranks[rank]}: {call}: {text}")
+    message = format_problems(
+        "an argument of the call is wrong on some rank (every rank raises this error)",
+        problems or ["a rank reported a problem it did not describe"],
+        "every rank must make the same call with valid arguments; dst= and src= are global "
+        f"ranks of the process group (ranks {g.ranks})",
+    )
+    raise (ArgumentTypeError if typed else ValueError)(message)
 
 
 def _describe_call(ranks: Sequence[int], values: Sequence[int]) -> str:
@@ -141,20 +185,30 @@ def exchange(
     fast: Local | None = None,
     *,
     first: bool = True,
+    problem: Problem | None = None,
 ) -> First:
     """All-gather every rank's row, with its wire-plan payload when that fits; check the calls.
 
     ``collective(out, inp, group)`` is the all-gather (:mod:`treegather.distributed`'s). The
     first collective of a call carries the group's inline area (``g.state.capacity`` bytes per
     rank, the same on every rank), filled or zeroed; a later one (``first=False``) only rows.
-    The row and the payload's head are written, and read back, together.
+    The row and the payload's head are written, and read back, together. ``problem``: what is
+    wrong with this rank's arguments (then no plan is sent); when any rank has one, every rank
+    raises the same error (:func:`raise_problems`).
     """
     area = g.state.capacity if first else 0
     stride = ROW_BYTES + area
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
     mine = out[g.rank * stride : (g.rank + 1) * stride]
     placement = _dist_group.placement(g, devices)
-    fast, inline = _fill(g, mine, (call, root, lengths, placement), fast)
+    if problem is not None:
+        fast = None
+        write_row(mine, row(call, root, lengths, placement, problem=True))
+        if area:
+            mine[ROW_BYTES:].zero_()
+        inline = False
+    else:
+        fast, inline = _fill(g, mine, (call, root, lengths, placement), fast)
     # In place: this rank's chunk of the output is its input (NCCL and gloo both accept that).
     collective(out, mine, g.handle)
     n = ROW_INTS + (fast.plan.head_ints if inline and fast is not None else 0)
@@ -162,6 +216,8 @@ def exchange(
     rows = [values[:ROW_INTS] for values in ints]
     # From the rows alone, before anything can raise: every rank keeps the same capacity.
     g.state.capacity = next_capacity(g.state.capacity, rows)
+    if any(r[PROBLEM] for r in rows):
+        raise_problems(collective, g, rows, problem)
     check_calls(g.ranks, rows)
     heads = [values[ROW_INTS:] for values in ints] if n > ROW_INTS else None
     payloads = Payloads(out, ROW_BYTES, stride, heads)

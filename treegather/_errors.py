@@ -7,9 +7,13 @@ Every class refines the builtin a caller would catch anyway (``ValueError``,
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "EXPLAIN_POINTER",
+    "REPR_LIMIT",
+    "safe_repr",
     "layout_error",
     "TreegatherError",
     "LayoutError",
@@ -20,6 +24,7 @@ __all__ = [
     "DeviceError",
     "ArgumentTypeError",
     "UninitializedModuleError",
+    "TreeDepthError",
     "check_dim",
 ]
 
@@ -64,6 +69,12 @@ class UninitializedModuleError(TreegatherError, RuntimeError):
     on one device first. A ``RuntimeError``, as torch's own refusal of lazy modules is."""
 
 
+class TreeDepthError(TreegatherError, ValueError):
+    """A tree that cannot be flattened: it contains itself (a cycle, ``d["self"] = d``) or is
+    nested deeper than optree's limit (1000 levels). The message names the path where the cycle
+    closes, or where the limit is passed."""
+
+
 for _cls in (
     TreegatherError,
     LayoutError,
@@ -74,9 +85,72 @@ for _cls in (
     DeviceError,
     ArgumentTypeError,
     UninitializedModuleError,
+    TreeDepthError,
 ):
     _cls.__module__ = "treegather"
 del _cls
+
+
+REPR_LIMIT = 80
+"""The most characters of one user value an error message shows (see :func:`safe_repr`)."""
+
+
+def safe_repr(
+    value: Any,
+    limit: int | None = REPR_LIMIT,
+    *,
+    text: Callable[[Any], str] = repr,
+    stable: bool = False,
+) -> str:
+    """``repr(value)`` for a message, whatever the value: the one way treegather writes a user
+    value (a leaf, a dict key, node metadata, an argument) into an error or explanation.
+
+    A ``repr`` that raises (a lazy proxy, a handle to a closed resource) or returns something
+    other than a ``str`` gives ``<Foo object at 0x...>`` instead, so the message stays the one
+    about the user's problem; a longer text than ``limit`` characters is cut, ending ``...``
+    (``None``: never cut). ``text=str`` for a value's ``str`` with the same fallback;
+    ``stable=True`` for a fallback without the address (``<Foo object>``: the same in every
+    process, for a key several ranks compare).
+
+    >>> class Odd:
+    ...     def __repr__(self): raise RuntimeError("closed")
+    >>> safe_repr(Odd()).startswith("<Odd object at 0x")
+    True
+    >>> safe_repr("x" * 100, 10), safe_repr(["a"])
+    ("'xxxxxx...", "['a']")
+    """
+    try:
+        shown = text(value)
+        if type(shown) is not str:
+            raise TypeError(f"{text.__name__}() returned {type(shown).__name__}")
+    except Exception:
+        if type(value) in (tuple, list) and text is repr:  # (node metadata): item by item
+            items = [safe_repr(v, limit, stable=stable, text=_flat) for v in value]
+            tail = "," if type(value) is tuple and len(items) == 1 else ""
+            ends = "()" if type(value) is tuple else "[]"
+            shown = ends[0] + ", ".join(items) + tail + ends[1]
+        else:
+            shown = _fallback(value, stable)
+    if limit is not None and len(shown) > limit:
+        shown = shown[: max(limit - 3, 0)] + "..."
+    return shown
+
+
+def _flat(value: Any) -> str:
+    """``repr`` for an item of a container whose own repr failed (no second level)."""
+    return repr(value) if type(value) not in (tuple, list) else _fallback(value, True)
+
+
+def _fallback(value: Any, stable: bool) -> str:
+    where = "" if stable else f" at {id(value):#x}"
+    return f"<{_type_name(value)} object{where}>"
+
+
+def _type_name(value: Any) -> str:
+    try:
+        return str(type(value).__qualname__)
+    except Exception:  # a metaclass with a misbehaving __qualname__
+        return "object"
 
 
 def bullet_list(problems: list[str], hint: str | None = None) -> str:

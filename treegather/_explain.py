@@ -10,19 +10,20 @@ their rendering, are :mod:`treegather._explanation`'s; the text of each cell com
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ._devices import DeviceLike, as_devices
-from ._errors import BatchSizeError, LayoutError, LeafTypeError
+from ._errors import BatchSizeError, LayoutError, LeafTypeError, safe_repr
 from ._explain_text import _dtype, _shape_text, _strip, _times, _value_text, _why
 from ._explanation import ExplainedLeaf, Explanation
 from ._layout import EXPLAIN_POINTER, Plan, RuleSource, display_path
 from ._layout import resolve_sources as _resolve_sources
 from ._rules import AsList, Cat, CatItems, Custom, First, Mean, Pad, Rule, Stack, Sum
-from ._scatter import _ARRAY, _classify, _Cuts, _shard_sizes, _validate
+from ._scatter import _ARRAY, _classify, _Cuts, _shard_sizes, _validate, call_tree
 from ._tree import flatten
 
 __all__ = ["explain"]
@@ -38,6 +39,7 @@ def explain(
     way: str = "scatter",
     *,
     dim: int = 0,
+    module_kwargs: Mapping[str, Any] | None = None,
 ) -> Explanation:
     """Show, leaf by leaf, what ``layout`` does to ``tree``, without moving or splitting anything.
 
@@ -51,7 +53,15 @@ def explain(
     replicas there are, else the sizes are written in terms of ``k``.
 
     A layout that does not fit the tree raises the :class:`LayoutError` scatter or gather
-    would; everything else is reported in the result, not raised.
+    would; everything else is reported in the result, not raised. An ``optional``
+    :func:`by_path` pattern that matches nothing is listed under the table.
+
+    For a :func:`data_parallel` call, ``explain(batch, in_layout, devices)`` shows what its
+    ``in_layout`` does to a single input ``batch`` (the paths start at it in both). With
+    keyword arguments, pass ``tree`` and ``module_kwargs`` as :func:`data_parallel` takes them
+    (``inputs``: a tuple is the positional arguments, ``args[0]['ids']``; anything else the
+    single input, ``inputs['ids']``; the keywords are ``kwargs['labels']``), which also shows
+    :func:`scatter_kwargs` (a tuple of positional arguments) and ``DataParallel`` calls.
 
     Args:
         tree: for scatter the input tree, for gather one replica's output tree.
@@ -59,6 +69,8 @@ def explain(
         devices: scatter: the devices to split over; gather: the replicas' devices.
         way: ``"scatter"`` or ``"gather"``.
         dim: the call's ``dim``.
+        module_kwargs: scatter only: the call's keyword arguments; ``tree`` is then the
+            call's ``inputs`` (``{}`` for a call without keyword arguments).
 
     Returns:
         An :class:`Explanation`: a table when printed, a sequence of :class:`ExplainedLeaf`.
@@ -86,14 +98,19 @@ def explain(
     outputs['tag']     str 't'               first()  prefix layout at outputs['tag']     replica 0's value
     """
     if way not in _ROOTS:
-        raise ValueError(f"explain(way={way!r}): way is 'scatter' or 'gather'")
+        raise ValueError(f"explain(way={safe_repr(way)}): way is 'scatter' or 'gather'")
     if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"explain(dim={dim!r}): dim is an int")
+        raise TypeError(f"explain(dim={safe_repr(dim)}): dim is an int")
     devs = None if devices is None else as_devices(devices)
-    root = _ROOTS[way]
-    leaves, spec = flatten(tree)
+    root: str | None = _ROOTS[way]
+    if module_kwargs is not None:
+        if way != "scatter":
+            raise ValueError("explain(module_kwargs=...) explains a call's scatter: way='scatter'")
+        tree, root = call_tree(tree, module_kwargs)
+    leaves, spec = flatten(tree, root)
+    unmatched: list[Any] = []
     try:
-        plan, sources = _resolve_sources(spec, layout, way, dim, root)
+        plan, sources = _resolve_sources(spec, layout, way, dim, root, unmatched)
     except LayoutError as exc:  # the pointer to explain would point here
         text = str(exc)
         if text.endswith("\n" + EXPLAIN_POINTER):
@@ -101,8 +118,17 @@ def explain(
         raise
     up = leaves if plan.up_spec is plan.spec else plan.up_spec.flatten_up_to(tree)
     if way == "scatter":
-        return _explain_scatter(up, plan, sources, devs, dim, root)
-    return _explain_gather(up, plan, sources, devs, dim, root)
+        found = _explain_scatter(up, plan, sources, devs, dim, root)
+    else:
+        found = _explain_gather(up, plan, sources, devs, dim, "outputs")
+    if unmatched:
+        notes = tuple(
+            f"by_path {'path' if isinstance(p, tuple) else 'pattern'} {p!r} (optional) matches "
+            "nothing here"
+            for p in unmatched
+        )
+        found = dataclasses.replace(found, notes=notes)
+    return found
 
 
 # ---------------------------------------------------------------------------------- scatter
@@ -114,7 +140,7 @@ def _explain_scatter(
     sources: list[RuleSource],
     devs: tuple[torch.device, ...] | None,
     dim: int,
-    root: str,
+    root: str | None,
 ) -> Explanation:
     cuts = _Cuts([], [], {}, {})
     problems: list[str | None] = []

@@ -12,6 +12,7 @@ from typing import Any
 import optree
 import torch
 
+from ._errors import safe_repr
 from ._layout import EXPLAIN_POINTER, RuleSource, describe_source
 from ._tree import NAMESPACE
 
@@ -48,13 +49,10 @@ def _value_text(x: Any, whole: bool) -> str:
             children = None
         if children is not None:
             return f"{type(x).__qualname__} of {len(children)} item(s)"
-    text = repr(x)
-    if len(text) > 30:
-        text = text[:27] + "..."
-    return f"{type(x).__qualname__} {text}"
+    return f"{type(x).__qualname__} {safe_repr(x, 30)}"
 
 
-def _why(source: RuleSource, x: Any, root: str) -> str:
+def _why(source: RuleSource, x: Any, root: str | None) -> str:
     if source.kind != "default":
         return describe_source(source, root)
     if isinstance(x, Tensor):

@@ -68,6 +68,9 @@ class Explanation:
     ``devices``, or the call would fail)."""
     error: str | None = None
     """Scatter: the error the call would raise (``"BatchSizeError: ..."``), if any."""
+    notes: tuple[str, ...] = ()
+    """What the layout has that this tree does not use: each ``optional`` :func:`by_path`
+    pattern that matches nothing here."""
 
     def __iter__(self) -> Iterator[ExplainedLeaf]:
         return iter(self.rows)
@@ -135,6 +138,9 @@ class Explanation:
         if problems:
             lines.append("problems:")
             lines.extend("  - " + p.replace("\n", "\n    ") for p in problems)
+        if self.notes:
+            lines.append("notes:")
+            lines.extend("  - " + n for n in self.notes)
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -148,6 +154,9 @@ class Explanation:
             for cells in body
         )
         problems = "".join(f"<li>{esc(p)}</li>" for p in self._problems())
-        return f"<p>{esc(self._header())}</p><table><tr>{head}</tr>{rows}</table>" + (
-            f"<p>problems:</p><ul>{problems}</ul>" if problems else ""
+        notes = "".join(f"<li>{esc(n)}</li>" for n in self.notes)
+        return (
+            f"<p>{esc(self._header())}</p><table><tr>{head}</tr>{rows}</table>"
+            + (f"<p>problems:</p><ul>{problems}</ul>" if problems else "")
+            + (f"<p>notes:</p><ul>{notes}</ul>" if notes else "")
         )

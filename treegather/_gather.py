@@ -16,13 +16,14 @@ import torch
 
 from . import _compiled
 from ._combine import combine_default, combine_planned, needs_move
-from ._devices import DeviceLike, accelerator_tensors_possible, as_device
+from ._devices import DeviceLike, as_device
 from ._errors import (
     ArgumentTypeError,
     LeafTypeError,
     ShapeMismatchError,
     StructureMismatchError,
     check_dim,
+    safe_repr,
 )
 from ._layout import Plan, resolve
 from ._mismatch import ROOT, diagnose, structure_error
@@ -83,7 +84,10 @@ def gather(
     k = len(outputs)
     if k == 0:
         raise ValueError("gather needs at least one replica's output, got an empty sequence")
-    target = target_device if type(target_device) is torch.device else as_device(target_device)
+    if type(target_device) is torch.device and target_device.index is None:
+        target = target_device  # (an index to check: "cuda:0" is available, "cpu:1" is no device)
+    else:
+        target = as_device(target_device)
     if sizes is not None:
         sizes = _check_sizes(sizes, k)
     return _compiled.gather(outputs, target, layout, check_dim(dim, "gather"), sizes)
@@ -97,7 +101,7 @@ def _check_sizes(sizes: Sequence[int], k: int) -> tuple[int, ...]:
         items = None
     if items is None:
         raise ArgumentTypeError(
-            f"gather: sizes must be a sequence of ints (rows per replica), got {sizes!r}"
+            f"gather: sizes must be a sequence of ints (rows per replica), got {safe_repr(sizes)}"
         )
     out: list[int] = []
     for r, s in enumerate(items):
@@ -108,7 +112,7 @@ def _check_sizes(sizes: Sequence[int], k: int) -> tuple[int, ...]:
         except TypeError:
             raise ArgumentTypeError(
                 f"gather: sizes[{r}] must be an int (the rows replica {r} got), "
-                f"got {type(s).__name__} {s!r}"
+                f"got {type(s).__name__} {safe_repr(s)}"
             ) from None
         if n < 0:
             raise ValueError(f"gather: sizes[{r}] must be >= 0 (rows of replica {r}), got {n}")
@@ -126,7 +130,7 @@ def gather_reference(
     sizes: tuple[int, ...] | None,
 ) -> Any:
     """The definition of :func:`gather` (arguments already checked). No cache."""
-    leaves0, spec0 = flatten(outputs[0])
+    leaves0, spec0 = flatten(outputs[0], ROOT)
     plan = resolve(spec0, layout, "gather", dim, ROOT)
     return gather_from(outputs, leaves0, plan, target, dim, sizes)
 
@@ -149,8 +153,8 @@ def replica_leaves(outputs: list[Any], leaves0: list[Any], plan: Plan) -> list[l
     any replica's structure differs from replica 0's (dict keys may come in another order)."""
     if plan.up_spec is plan.spec:
         per_replica = [leaves0]
-        for out in outputs[1:]:
-            leaves, spec = flatten(out)
+        for r, out in enumerate(outputs[1:], start=1):
+            leaves, spec = flatten(out, ROOT, f"replica {r}: ")
             if spec != plan.spec:
                 raise structure_error(outputs, plan)
             per_replica.append(leaves)
@@ -185,20 +189,19 @@ def combine(
     listed, with nothing returned and no custom rule run.
     """
     moving = needs_move(columns, target)
-    cpu_only = target.type == "cpu" and not accelerator_tensors_possible()
     if moving:
-        problem = diagnose(plan, columns, dim, None, sizes)
+        problem = diagnose(plan, columns, dim, None, sizes, target)
         if problem is not None:
             raise problem
     try:
         if plan.default_only:
-            results = combine_default(columns, target, moving, dim, not cpu_only)
+            results = combine_default(columns, target, moving, dim)
         else:
             results = combine_planned(plan, columns, target, moving, sizes, dim)
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
         if isinstance(exc, (StructureMismatchError, ShapeMismatchError, LeafTypeError)):
             raise
-        err = diagnose(plan, columns, dim, exc, sizes)
+        err = diagnose(plan, columns, dim, exc, sizes, target)
         if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
             raise
         raise err from exc

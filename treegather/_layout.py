@@ -22,11 +22,11 @@ from typing import Any, cast
 import optree
 from optree import PyTreeSpec
 
-from ._by_path import ByPath, RuleSource, assign_by_path, by_path, writable_path
+from ._by_path import ByPath, RuleSource, assign_by_path, by_path, path_text, writable_path
 from ._caches import typed_key
-from ._errors import EXPLAIN_POINTER, bullet_list, layout_error
+from ._errors import EXPLAIN_POINTER, bullet_list, layout_error, safe_repr
 from ._rules import Rule, to_rule
-from ._tree import NAMESPACE, Node, child_styles, display_path, leaf_nodes, nodes
+from ._tree import INPUT_AND_KWARGS, NAMESPACE, Node, child_styles, display_path, leaf_nodes, nodes
 
 __all__ = [
     "ByPath",
@@ -38,6 +38,7 @@ __all__ = [
     "describe_source",
     "display_path",
     "layout_key",
+    "rebase",
     "writable_path",
     "EXPLAIN_POINTER",
     "to_rule",
@@ -98,12 +99,18 @@ def resolve(spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | Non
 
 
 def resolve_sources(
-    spec: PyTreeSpec, layout: Any, phase: str, dim: int, root: str | None
+    spec: PyTreeSpec,
+    layout: Any,
+    phase: str,
+    dim: int,
+    root: str | None,
+    unmatched: list[Any] | None = None,
 ) -> tuple[Plan, list[RuleSource]]:
     """:func:`resolve`, and for each position of the plan where its rule came from.
 
     The plan is the one :func:`resolve` returns (same rules, same groups); the sources are
-    only recorded, for :func:`treegather.explain`.
+    only recorded, for :func:`treegather.explain`. ``unmatched``, when given, receives the
+    :func:`by_path` layout's optional patterns that match nothing in ``spec``.
 
     >>> import optree
     >>> spec = optree.tree_structure({"a": 1, "meta": {"b": 2}})
@@ -113,6 +120,8 @@ def resolve_sources(
     """
     found: dict[Any, Any] = {}
     plan = _build(spec, layout, phase, dim, root, found)
+    if unmatched is not None:
+        unmatched.extend(found.get("unmatched") or ())
     leaf_sources: list[RuleSource] = found["leaves"]
     whole_sources: dict[tuple[Any, ...], RuleSource] = found["whole"]
     sources = []
@@ -132,7 +141,8 @@ def describe_source(source: RuleSource, root: str | None) -> str:
     """
     if source.kind == "pattern":
         kind = "path" if isinstance(source.pattern, tuple) else "pattern"
-        return f"by_path {kind} {source.pattern!r}"
+        shown = f"by_path {kind} {path_text(source.pattern)}"
+        return shown + (" (optional)" if source.optional else "")
     if source.kind == "prefix" and source.node is not None:
         return f"prefix layout at {display_path(source.node, root)}"
     return {
@@ -161,7 +171,10 @@ def _build(
         return Plan(spec, spec, [None] * n, [None] * n, _lazy_leaf_nodes(spec))
     all_nodes = nodes(spec)
     if isinstance(layout, ByPath):
-        assigned = assign_by_path(all_nodes, layout, phase, dim, root)
+        unmatched: list[Any] | None = None if found is None else []
+        assigned = assign_by_path(all_nodes, layout, phase, dim, root, unmatched)
+        if found is not None:
+            found["unmatched"] = unmatched
     else:
         assigned = _assign_prefix(spec, all_nodes, layout, phase, dim, root)
     leaf_rules: list[Rule | None] = [None] * n
@@ -184,6 +197,21 @@ def _build(
     if not whole:
         return Plan(spec, spec, leaf_rules, [None] * n, leaf_nodes.__getitem__)
     return _with_groups(spec, all_nodes, leaf_nodes, leaf_rules, whole)
+
+
+def rebase(plan: Plan, spec: PyTreeSpec) -> Plan:
+    """``plan`` for ``spec``: a structure equal to ``plan.spec`` whose dict keys and node metadata
+    are other objects (another call's). The same rules; trees are rebuilt, and messages name
+    paths, from ``spec``. Only for a plan without whole-value groups (``up_spec is spec``).
+
+    >>> import optree
+    >>> old, new = optree.tree_structure({"a": 1}), optree.tree_structure({"a": 2})
+    >>> rebase(resolve(old, None, "gather", 0, "outputs"), new).up_spec is new
+    True
+    """
+    if plan.up_spec is not plan.spec:
+        raise ValueError("rebase: a plan with whole-value groups is resolved again instead")
+    return Plan(spec, spec, plan.rules, plan.groups, _lazy_leaf_nodes(spec))
 
 
 def _lazy_leaf_nodes(spec: PyTreeSpec) -> Callable[[int], Node]:
@@ -253,31 +281,47 @@ def _assign_prefix(
     root: str | None,
 ) -> list[tuple[Node, Rule | None, RuleSource]]:
     lleaves, lspec = optree.tree_flatten(layout, none_is_leaf=True, namespace=NAMESPACE)
-    if root is None and lspec.is_leaf():
+    single_input = root == INPUT_AND_KWARGS
+    if lspec.is_leaf() and (root is None or single_input):
         # One rule for an (args, kwargs) pair applies to each argument: a whole-value rule
-        # (split_items) takes each argument whole, never the synthetic pair itself.
+        # (split_items) takes each argument whole, never the synthetic pair itself. With a
+        # single input, the rule is that input's, as in scatter(input, devices, rule).
         rule = to_rule(lleaves[0], phase, dim, "layout")
         single = RuleSource("layout")
-        return [(nd, rule, single) for nd in all_nodes if len(nd.path) == 2]
-    skeleton = spec.unflatten(range(spec.num_leaves))
+        return [
+            (nd, rule, single)
+            for nd in all_nodes
+            if len(nd.path) == 2 or (single_input and nd.raw == (0,))
+        ]
+    # With a single input (data_parallel(fn, batch)), a prefix layout is the input's, as in
+    # scatter(batch, devices, layout); its keyword arguments keep their default rules.
+    target, above = (spec.children()[0], (0,)) if single_input else (spec, ())
+    skeleton = target.unflatten(range(target.num_leaves))
     try:
         lspec.flatten_up_to(skeleton)
-    except (ValueError, TypeError) as exc:
-        problems = _prefix_problems(layout, spec, root) or [str(exc)]
-        name = "(args, kwargs)" if root is None else root
+    except Exception as exc:  # (optree's message reprs the tree: a key's repr may raise there)
+        problems = _prefix_problems(layout, target, "inputs" if single_input else root) or [
+            safe_repr(str(exc), None, text=str)
+        ]
+        name = "(args, kwargs)" if root is None else "inputs" if single_input else root
+        hint = (
+            "a prefix-tree layout mirrors the data's containers down to where it puts a rule "
+            "(every key of a dict, every item of a list); use by_path({...}) for a partial "
+            "layout"
+        )
+        if single_input:
+            hint += (
+                "; with a single input the layout starts at it (for a layout of "
+                "(args, kwargs), pass the input as a tuple: data_parallel(fn, (batch,), ...))"
+            )
         raise layout_error(
             f"the layout is not a prefix of the structure of {name}:\n"
-            + bullet_list(
-                problems if len(problems) > 1 else [f"  - {problems[0]}"],
-                "a prefix-tree layout mirrors the data's containers down to where it puts a rule "
-                "(every key of a dict, every item of a list); use by_path({...}) for a partial "
-                "layout",
-            )
+            + bullet_list(problems if len(problems) > 1 else [f"  - {problems[0]}"], hint)
         ) from None
     by_raw = {nd.raw: nd for nd in all_nodes}
     out: list[tuple[Node, Rule | None, RuleSource]] = []
     for path, value in zip(lspec.paths(), lleaves):
-        node = by_raw[tuple(path)]
+        node = by_raw[(*above, *path)]
         rule = to_rule(value, phase, dim, f"layout at {display_path(node, root)}")
         out.append(
             (node, rule, RuleSource("layout") if not path else RuleSource("prefix", None, node))
@@ -286,7 +330,10 @@ def _assign_prefix(
 
 
 def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[str]:
-    """Where a prefix-tree layout departs from the data's structure, as the user would read it."""
+    """Where a prefix-tree layout departs from the data's structure, as the user would read it.
+
+    Iterative (a stack of pending nodes, in pre-order): a layout as deep as the data is fine.
+    """
     problems: list[str] = []
 
     def is_rule(x: Any) -> bool:
@@ -295,24 +342,27 @@ def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[st
     def name(t: Any) -> str:
         return "None" if t is type(None) else f"a {t.__qualname__}"
 
-    def walk(
-        lay: Any, node: PyTreeSpec, path: tuple[tuple[Any, str], ...], raw: tuple[Any, ...]
-    ) -> None:
-        if len(problems) >= 20 or is_rule(lay):
-            return
+    Pending = tuple[Any, PyTreeSpec, tuple[tuple[Any, str], ...], tuple[Any, ...]]
+    stack: list[Pending] = [(layout, spec, (), ())]
+    while stack and len(problems) < 20:
+        lay, node, path, raw = stack.pop()
+        if is_rule(lay):
+            continue
         where = display_path(Node(path, raw, 0, 0, node), root)
         if node.is_leaf():
             problems.append(f"{where}: the layout has {name(type(lay))} where the data has a leaf")
-            return
+            continue
         if type(lay) is not node.type:
             problems.append(
                 f"{where}: the layout has {name(type(lay))} where the data has {name(node.type)}"
             )
-            return
+            continue
         children, _, entries, _ = optree.tree_flatten_one_level(
             cast(Any, lay), none_is_leaf=True, namespace=NAMESPACE
         )
         data_entries = list(node.entries())
+        styled = dict(zip(data_entries, child_styles(node)))
+        below: list[Pending] = []
         if list(entries) != data_entries:
             if isinstance(lay, Mapping):
                 common = [k for k in entries if k in data_entries]
@@ -320,27 +370,28 @@ def _prefix_problems(layout: Any, spec: PyTreeSpec, root: str | None) -> list[st
                 extra = [k for k in entries if k not in data_entries]
                 parts = []
                 if lacks:
-                    parts.append(f"lacks key(s) {', '.join(map(repr, lacks))}")
+                    parts.append(f"lacks key(s) {', '.join(map(safe_repr, lacks))}")
                 if extra:
-                    parts.append(f"has key(s) {', '.join(map(repr, extra))} the data does not")
+                    parts.append(f"has key(s) {', '.join(map(safe_repr, extra))} the data does not")
                 problems.append(f"{where}: the layout {' and '.join(parts)}")
-                styled = dict(zip(data_entries, child_styles(node)))
-                for key in common:
-                    walk(
+                below = [
+                    (
                         lay[key],
                         node.children()[data_entries.index(key)],
                         (*path, styled[key]),
                         (*raw, key),
                     )
+                    for key in common
+                ]
             else:
                 problems.append(
                     f"{where}: the layout has {len(entries)} item(s) where the data has "
                     f"{len(data_entries)}"
                 )
-            return
-        styled = dict(zip(data_entries, child_styles(node)))
-        for entry, child_lay, child in zip(entries, children, node.children()):
-            walk(child_lay, child, (*path, styled[entry]), (*raw, entry))
-
-    walk(layout, spec, (), ())
+        else:
+            below = [
+                (child_lay, child, (*path, styled[entry]), (*raw, entry))
+                for entry, child_lay, child in zip(entries, children, node.children())
+            ]
+        stack.extend(reversed(below))
     return problems

@@ -20,10 +20,11 @@ from ._errors import (
     ShapeMismatchError,
     StructureMismatchError,
     bullet_list,
+    safe_repr,
 )
 from ._layout import Plan, display_path
-from ._rules import Cat, Mean, Pad, Stack, Sum, fill_fits
-from ._tree import NAMESPACE, describe, format_path, is_leaf
+from ._rules import Cat, CatItems, First, Mean, Pad, Stack, Sum, fill_fits
+from ._tree import NAMESPACE, describe, flatten, format_path, is_leaf, nodes
 
 __all__ = ["ROOT", "structure_error", "diagnose", "is_number", "where"]
 
@@ -87,8 +88,8 @@ def _diff_node(
     if isinstance(a, dict):
         ka, kb = set(a), set(b)
         if ka != kb:
-            missing = sorted(map(repr, ka - kb))
-            extra = sorted(map(repr, kb - ka))
+            missing = sorted(map(safe_repr, ka - kb))
+            extra = sorted(map(safe_repr, kb - ka))
             parts = []
             if missing:
                 parts.append(f"lacks key(s) {', '.join(missing)}")
@@ -99,7 +100,10 @@ def _diff_node(
     if len(ca) != len(cb):
         return f"{here}: replica 0 has {_describe_node(a)}, replica {r} has {_describe_node(b)}"
     if ma != mb:
-        return f"{here}: replica {r}'s static fields/metadata {mb!r} differ from replica 0's {ma!r}"
+        return (
+            f"{here}: replica {r}'s static fields/metadata {safe_repr(mb)} differ from replica "
+            f"0's {safe_repr(ma)}"
+        )
     return [(x, y, (*path, e)) for e, x, y in zip(_styles_for(a, ea), ca, cb)]
 
 
@@ -147,7 +151,11 @@ _HINTS = {
     "@treegather.register_dataclass above @dataclass): they then come back whole",
     "dtype": "return one dtype from every replica (cast in the model, e.g. .float() or "
     ".long()); torch would promote them, and an int64 id does not survive float32",
+    "meta": "a meta tensor has a shape and a dtype but no values (a model built or left on the "
+    "meta device): materialise it first (e.g. module.to_empty(device=...) and load the "
+    "weights), or keep it out of the outputs (as_list() leaves values untouched)",
 }
+MAX_PATHS = 10
 
 
 def diagnose(
@@ -156,20 +164,38 @@ def diagnose(
     dim: int,
     exc: BaseException | None,
     sizes: tuple[int, ...] | None = None,
+    target: torch.device | None = None,
 ) -> Exception | None:
     """Every leaf whose per-replica values do not fit its rule, as one error.
 
     Returns ``None`` when nothing is wrong with the data: before any work (``exc=None``) all is
-    well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged.
+    well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged. With
+    ``target`` (not the meta device), meta tensors that a rule would move there are problems.
     """
     problems: list[str] = []
     hints: dict[str, None] = {}
     type_problem = False
+    metas = target is not None and target.type != "meta"
     for pos, col in enumerate(columns):
-        if plan.groups[pos] is not None:
+        group = plan.groups[pos]
+        if group is not None:
+            if metas and isinstance(group[2], (First, CatItems)):
+                found = _moved_metas(group[2], col, display_path(group[1], ROOT))
+                if found:
+                    problems.append(f"{found}: {_META.format(target=target)}")
+                    hints["meta"] = None
+                    type_problem = True
             continue
         rule = plan.rules[pos]
         where = display_path(plan.node_of(pos), ROOT)
+        if metas and (rule is not None or isinstance(col[0], Tensor)):
+            on_meta = [r for r, v in enumerate(col) if isinstance(v, Tensor) and v.is_meta]
+            if on_meta:
+                replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in on_meta)
+                problems.append(f"{where}: {_META.format(target=target)} ({replicas})")
+                hints["meta"] = None
+                type_problem = True
+                continue
         tensors = [isinstance(v, Tensor) for v in col]
         rule_name = (
             rule.describe()
@@ -208,7 +234,7 @@ def diagnose(
             continue
         if isinstance(rule, Pad) and not fill_fits(rule.fill, dtypes[0]):
             problems.append(
-                f"{where}: {rule_name}: fill {rule.fill!r} cannot be stored in {dtypes[0]} "
+                f"{where}: {rule_name}: fill {safe_repr(rule.fill)} cannot be stored in {dtypes[0]} "
                 "(padding would look like data, or be cut); pick a fill the dtype holds"
             )
             type_problem = True
@@ -267,6 +293,27 @@ def diagnose(
     hint = "; ".join(_HINTS[h] for h in hints) or None
     cls = LeafTypeError if type_problem else ShapeMismatchError
     return cls(f"{bullet_list(problems, hint)}\n{EXPLAIN_POINTER}")
+
+
+_META = "a meta tensor holds no data to gather onto {target}"
+
+
+def _moved_metas(rule: Any, col: tuple[Any, ...], root: str) -> str:
+    """The paths of the meta tensors a whole-value rule would move (``first()``: replica 0's
+    value; ``cat_items()``: every replica's items), joined; ``""`` for none."""
+    values = col[:1] if isinstance(rule, First) else col
+    found: list[str] = []
+    for r, value in enumerate(values):
+        leaves, spec = flatten(value)
+        if not any(isinstance(x, Tensor) and x.is_meta for x in leaves):
+            continue
+        paths = [format_path(root, n.path) for n in nodes(spec) if n.spec.is_leaf()]
+        found += [
+            f"{p} (replica {r})"
+            for p, x in zip(paths, leaves)
+            if isinstance(x, Tensor) and x.is_meta
+        ]
+    return ", ".join(found[:MAX_PATHS]) + (" ..." if len(found) > MAX_PATHS else "")
 
 
 def _by_replica(shapes: Sequence[tuple[int, ...]]) -> str:

@@ -82,7 +82,7 @@ class DataParallel(nn.DataParallel):
             self.dim = dim
         else:
             nn.Module.__init__(self)  # torch's __init__ drops device_ids without CUDA
-            devs = as_devices(device_ids)
+            devs = as_devices(device_ids, "device_ids")
             self.module = module
             self.dim = dim
             self.device_ids = [_torch_id(d) for d in devs]

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ._errors import layout_error
+from ._errors import layout_error, safe_repr
 
 __all__ = [
     "Rule",
@@ -65,7 +65,7 @@ class Rule:
     def describe(self) -> str:
         fields = dataclasses.fields(self)  # type: ignore[arg-type]
         args = ", ".join(
-            f"{f.name}={getattr(self, f.name)!r}"
+            f"{f.name}={safe_repr(getattr(self, f.name))}"
             for f in fields
             if getattr(self, f.name) != f.default
         )
@@ -162,7 +162,7 @@ class Custom(GatherRule):
     whole = True
 
     def describe(self) -> str:
-        return f"custom rule {getattr(self.fn, '__qualname__', self.fn)!r}"
+        return f"custom rule {safe_repr(getattr(self.fn, '__qualname__', self.fn))}"
 
 
 class Padded(NamedTuple):
@@ -254,9 +254,23 @@ def mean() -> Mean:
     mean of per-shard batch means equals the full-batch mean, even for uneven splits. Integer
     tensors are promoted to the default float dtype; Python numbers give a Python float.
 
+    The weighted mean accumulates as :func:`torch.mean` does: float16 and bfloat16 values (and
+    complex32) in float32, other dtypes in their own, each value multiplied by its share of the
+    rows (``sizes[i] / sum(sizes)``, so no product is larger than the value), and the result
+    comes back in the values' dtype: a float16 loss of 100.0 over two shards of 4096 rows is
+    100.0, not ``inf``. A replica of 0 rows (``sizes[i] == 0``) takes no part in the mean: its
+    value (torch's mean of an empty batch is NaN) neither reaches the result nor gets a NaN
+    gradient (its gradient is zero). Without ``sizes`` it is the plain :func:`torch.mean` of
+    the per-replica values. The result is differentiable either way.
+
     >>> import torch, treegather as tg
     >>> tg.gather([torch.tensor(1.0), torch.tensor(4.0)], "cpu", tg.mean(), sizes=[2, 1])
     tensor(2.)
+    >>> half = [torch.tensor(100.0, dtype=torch.float16)] * 2
+    >>> tg.gather(half, "cpu", tg.mean(), sizes=[4096, 4096])
+    tensor(100., dtype=torch.float16)
+    >>> tg.gather([torch.tensor(1.0), torch.tensor(float("nan"))], "cpu", tg.mean(), sizes=[3, 0])
+    tensor(1.)
     """
     return Mean()
 
@@ -364,6 +378,31 @@ SHORTHANDS: dict[str, Callable[[int], Rule]] = {
 }
 
 
+# The rule factories, which written without a call (``{"loss": tg.mean}``) would otherwise be
+# taken for custom gather rules; found by identity, never by == (a user callable may not compare).
+_FACTORIES: tuple[tuple[Any, str], ...] = (
+    (split, "split"),
+    (broadcast, "broadcast"),
+    (split_items, "split_items"),
+    (cat, "cat"),
+    (stack, "stack"),
+    (mean, "mean"),
+    (sum, "sum"),
+    (pad, "pad"),
+    (as_list, "as_list"),
+    (first, "first"),
+    (cat_items, "cat_items"),
+)
+
+
+def _factory_name(value: Any) -> str | None:
+    """The rule's name when ``value`` is one of the rule factories itself (not called)."""
+    for factory, name in _FACTORIES:
+        if value is factory:
+            return name
+    return None
+
+
 def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
     """Normalise one layout entry to a rule (``None`` result: the default for the leaf's type)."""
     if isinstance(value, Rule):
@@ -375,7 +414,7 @@ def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
     if value is None:
         return Broadcast() if phase == "scatter" else First()
     if isinstance(value, bool):
-        raise layout_error(f"{where}: {value!r} is not a rule")
+        raise layout_error(f"{where}: {safe_repr(value)} is not a rule")
     if isinstance(value, int):
         return Split(value) if phase == "scatter" else Cat(value)
     if isinstance(value, str):
@@ -389,7 +428,20 @@ def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
             raise layout_error(f"{where}: {value!r} is a {rule.phase} rule, not a {phase} rule")
         return rule
     if callable(value):
+        factory = _factory_name(value)
+        if factory is not None:
+            made = SHORTHANDS[factory](dim)
+            if made.phase == phase:
+                use = (
+                    f": write tg.{factory}() (a callable in a layout is taken as a custom gather "
+                    "rule f(values, device))"
+                )
+            else:
+                use = f", and tg.{factory}() is a {made.phase} rule, which {phase} cannot use"
+            raise layout_error(f"{where}: tg.{factory} is a rule factory, not a rule{use}")
         if phase != "gather":
             raise layout_error(f"{where}: custom callables are gather rules, not scatter rules")
         return Custom(value)
-    raise layout_error(f"{where}: {value!r} is not a rule (expected a rule, int, None or string)")
+    raise layout_error(
+        f"{where}: {safe_repr(value)} is not a rule (expected a rule, int, None or string)"
+    )

@@ -18,9 +18,18 @@ from ._devices import DeviceLike, as_devices
 from ._errors import EXPLAIN_POINTER, BatchSizeError, LeafTypeError, bullet_list, check_dim
 from ._layout import Plan, display_path, resolve
 from ._rules import Broadcast, Split
-from ._tree import describe, flatten, move_tree
+from ._tree import INPUT_AND_KWARGS, Opaque, describe, flatten, move_tree
 
-__all__ = ["Shards", "balanced", "place", "scatter", "scatter_kwargs", "scatter_reference"]
+__all__ = [
+    "Shards",
+    "balanced",
+    "place",
+    "scatter",
+    "call_tree",
+    "scatter_call",
+    "scatter_kwargs",
+    "scatter_reference",
+]
 
 Tensor = torch.Tensor
 
@@ -124,6 +133,49 @@ def scatter_kwargs(
     )
 
 
+def scatter_call(
+    inputs: Any,
+    kwargs: Mapping[str, Any] | None,
+    devs: tuple[torch.device, ...],
+    layout: Any,
+    dim: int,
+) -> tuple[Shards, Shards]:
+    """:func:`scatter_kwargs` for :func:`treegather.data_parallel`'s ``inputs``, as passed.
+
+    A tuple (not a namedtuple) is the positional arguments, laid out as in
+    :func:`scatter_kwargs` (``"0.names"``); anything else is the single argument, and the
+    layout's paths start at it, as in :func:`scatter` (``"names"``, ``inputs['names']`` in
+    messages), next to the keyword arguments' names.
+
+    >>> import torch
+    >>> from treegather import by_path, split_items
+    >>> a, kw = scatter_call({"x": torch.zeros(4), "ids": list("abcd")}, None,
+    ...                      (torch.device("cpu"),) * 2, by_path({"ids": split_items()}), 0)
+    >>> [s[0]["ids"] for s in a], kw
+    ([['a', 'b'], ['c', 'd']], Shards([{}, {}], sizes=(2, 2), devices=['cpu', 'cpu']))
+    """
+    tree, root = call_tree(inputs, kwargs)
+    shards = _compiled.scatter(tree, devs, layout, dim, root)
+    if root is None:
+        return (
+            Shards([s[0] for s in shards], shards.sizes, shards.devices),
+            Shards([s[1] for s in shards], shards.sizes, shards.devices),
+        )
+    return (
+        Shards([(s[0],) for s in shards], shards.sizes, shards.devices),
+        Shards([s[1] for s in shards], shards.sizes, shards.devices),
+    )
+
+
+def call_tree(inputs: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, str | None]:
+    """The tree a call scatters, and its root: ``(args, kwargs)`` for a tuple of positional
+    arguments (root ``None``), else ``(input, kwargs)`` (root :data:`INPUT_AND_KWARGS`)."""
+    kw = {} if kwargs is None else dict(kwargs)
+    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+        return (inputs, kw), None
+    return (inputs, kw), INPUT_AND_KWARGS
+
+
 def balanced(n: int, k: int) -> tuple[int, ...]:
     """Rows per shard when ``n`` rows are split ``k`` ways, in ``torch.tensor_split`` order.
 
@@ -138,7 +190,7 @@ def scatter_reference(
     inputs: Any, devs: tuple[torch.device, ...], layout: Any, dim: int, root: str | None
 ) -> Shards:
     """The definition of :func:`scatter`: flatten, resolve, then :func:`place`. No cache."""
-    leaves, spec = flatten(inputs)
+    leaves, spec = flatten(inputs, root)
     return place(inputs, leaves, resolve(spec, layout, "scatter", dim, root), devs, dim, root)
 
 
@@ -288,8 +340,12 @@ def _sent_whole(x: Any, where: Callable[[], str]) -> tuple[str, bool] | None:
     Unregistered dataclasses, dict/list subclasses, and any other mapping or sequence holding
     tensors (``collections.UserDict`` -- the shape of transformers' ``BatchEncoding`` --, a
     tuple subclass) are refused; numpy arrays of >= 1 dim are refused next to split data
-    (``_ARRAY``). Strings, numbers and containers of plain values are broadcast.
+    (``_ARRAY``); so is an :class:`~treegather._tree.Opaque` value (a registered node that
+    cannot be split, such as a transformers ``StaticCache``), with its reason. Strings, numbers
+    and containers of plain values are broadcast.
     """
+    if isinstance(x, Opaque):  # a registered node that cannot be split: it says why
+        return f"{where()}: {x.reason}", True
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (
             f"{where()}: {type(x).__qualname__} is a dataclass treegather does not know, so it "

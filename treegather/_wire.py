@@ -20,7 +20,7 @@ from optree import PyTreeSpec
 
 from treegather import _layout, _tree
 from treegather._dist_layout import layout_text
-from treegather._errors import BatchSizeError, LeafTypeError, TreegatherError
+from treegather._errors import BatchSizeError, LeafTypeError, TreegatherError, safe_repr
 
 ALIGN = 16  # every region starts 16-byte aligned, so any dtype can be viewed in place
 ROOT = "outputs"  # how error messages name the tree (as treegather.gather does)
@@ -153,6 +153,8 @@ def encode(
     """
     try:
         return _encode(tree, sizes, layout, dim, with_spec, order)
+    except TreegatherError as exc:  # (a tree that contains itself): the same error everywhere
+        return Packed(None, error_header(type(exc), str(exc)))
     except Exception as exc:  # a node's flatten function failed, say: still tell the others
         message = f"could not prepare this rank's tree: {type(exc).__name__}: {exc}"
         return Packed(None, error_header(TreegatherError, message))
@@ -160,11 +162,14 @@ def encode(
 
 def _encode(tree: Any, sizes: Any, layout: Any, dim: int, with_spec: bool, order: bool) -> Packed:
     if sizes is not None and (isinstance(sizes, bool) or not isinstance(sizes, int) or sizes < 0):
-        message = f"sizes must be this rank's non-negative int (e.g. its batch size), got {sizes!r}"
+        message = (
+            "sizes must be this rank's non-negative int (e.g. its batch size), got "
+            f"{safe_repr(sizes)}"
+        )
         return Packed(None, error_header(BatchSizeError, message))
     # The plain full flatten, never a cached structure's flatten_up_to on a tree that may not
     # match it: on a mismatch, optree formats the whole tree (every repr) into its error.
-    leaves, spec = _tree.flatten(tree)
+    leaves, spec = _tree.flatten(tree, ROOT)
     up_spec, groups = spec, None
     if layout is not None:
         try:

@@ -138,6 +138,10 @@ class Local(NamedTuple):
     # The last call whose shapes this one assumes, when only each leaf's element count was read
     # (see :func:`prepare`): packing, or :func:`checked`, confirms them. ``None``: shapes read.
     assumed: _Seen | None = None
+    # This call's structure, which results are rebuilt with: ``plan.spec`` may be an earlier
+    # call's, whose static fields and dict keys a result must not share (see
+    # treegather._compiled.structure.Structure.exact).
+    spec: PyTreeSpec | None = None
 
 
 def checked(local: Local) -> Local | None:
@@ -227,7 +231,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         return None
     sizes_given = sizes is not None
     try:
-        leaves, structure, spec = _structure.recognise(tree)
+        leaves, structure, spec = _structure.recognise(tree, "outputs")
         text = layout_text(layout, dim)[0]
         key = None if structure is None else (structure, text, sizes_given)
         last = None if key is None else _LAST.get(key)
@@ -270,6 +274,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any) -> Local | None:
         devices,
         single,
         None if single else assumed,
+        spec,
     )
 
 

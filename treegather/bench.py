@@ -20,7 +20,7 @@ happens to end, freeing a call's results can return memory to the OS that the ne
 back in: hundreds of page faults per call, landing on one implementation or another by chance
 (at 1000 leaves: 0.92x for treegather in one run, 1.45x in another). ``--cold-allocator``
 skips this step; the page faults per call are in the ``--json`` rows either way. ``--quick``
-runs in well under a minute, ``--json PATH`` saves the rows.
+runs in about a minute and a half, ``--json PATH`` saves the rows.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(
         prog="python -m treegather.bench", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--quick", action="store_true", help="a smaller grid, under a minute")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smaller grid, about a minute and a half"
+    )
     parser.add_argument("--json", metavar="PATH", help="save the rows as JSON")
     parser.add_argument("--leaves", type=int, nargs="*", help="override the leaf counts")
     parser.add_argument("--replicas", type=int, nargs="*", help="override the replica counts")

@@ -38,7 +38,8 @@ outcome; :mod:`treegather._dist_errors`), so when the trees differ (a missing ke
 a tuple, a tensor against a string, mismatched dtypes or non-cat dims, ``sizes=`` on some ranks
 only, another ``dst``, ``layout`` or ``dim``) every rank raises the same error naming the leaf
 path and the ranks, instead of hanging in a mismatched collective. Problems found before the
-exchange (an unpicklable leaf, a layout that does not fit) travel in the header too. Nodes that
+exchange (an unpicklable leaf, a layout that does not fit) travel in the header too, and a
+``dst``/``src`` that names no rank of the group travels in the first exchange's row. Nodes that
 the layout takes whole (``cat_items()``, ``as_list()``, ``first()``, a callable on an inner node)
 may differ between ranks, like per-sample lists of uneven length.
 
@@ -73,7 +74,7 @@ from treegather import (
 )
 from treegather import _dist_preamble as _pre
 from treegather._dist_group import Group
-from treegather._errors import TreegatherError
+from treegather._errors import ArgumentTypeError, TreegatherError, check_dim
 
 __all__ = ["all_gather", "gather", "broadcast"]
 
@@ -148,8 +149,9 @@ def all_gather(
         >>> dist.destroy_process_group()
     """
     g = _dist_group.group(group)
-    if not _FAST_PATH:
-        return _full_all_gather(g, tree, layout, dim, sizes)
+    dim, problem = _checked_dim(dim)  # a bad dim travels in the first exchange
+    if not _FAST_PATH or problem is not None:
+        return _full_all_gather(g, tree, layout, dim, sizes, problem=problem)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.ALL_GATHER, -1, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
@@ -170,13 +172,30 @@ def all_gather(
 
 
 def _full_all_gather(
-    g: Group, tree: Any, layout: Any, dim: int, sizes: int | None, *, first: bool = True
+    g: Group,
+    tree: Any,
+    layout: Any,
+    dim: int,
+    sizes: int | None,
+    *,
+    first: bool = True,
+    problem: _dist_group.Problem | None = None,
 ) -> Any:
     """The full exchange: one header and bytes per rank, every check; the definition."""
-    local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
+    if problem is not None:  # the first exchange raises it on every rank
+        local = _wire.Packed(None, b"")
+    else:
+        local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
     lengths = (len(local.header), local.nbytes)
     rows = _pre.exchange(
-        _all_gather_into, g, _pre.ALL_GATHER, -1, lengths, local.devices, first=first
+        _all_gather_into,
+        g,
+        _pre.ALL_GATHER,
+        -1,
+        lengths,
+        local.devices,
+        first=first,
+        problem=problem,
     ).rows
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     stride = max(_wire.padded(r[_pre.HEADER]) + _wire.padded(r[_pre.NBYTES]) for r in rows)
@@ -192,6 +211,26 @@ def _full_all_gather(
 
 
 # ------------------------------------------------------------------------------- fast path
+
+
+def _checked_dim(dim: Any) -> tuple[int, _dist_group.Problem | None]:
+    """``dim`` as an int (``numpy.int64`` too), or what is wrong with it. Never raises: the
+    problem travels in the first exchange, so that every rank raises it, none waits."""
+    if type(dim) is int:
+        return dim, None
+    try:
+        return check_dim(dim, "dim"), None
+    except ArgumentTypeError as exc:
+        return 0, (ArgumentTypeError, str(exc).partition(": ")[2])
+
+
+def _either(*problems: _dist_group.Problem | None) -> _dist_group.Problem | None:
+    """This rank's problems as one (``None``: none)."""
+    found = [p for p in problems if p is not None]
+    if not found:
+        return None
+    typed = any(cls is ArgumentTypeError for cls, _ in found)
+    return (ArgumentTypeError if typed else found[0][0]), "; ".join(text for _, text in found)
 
 
 def _fast_lengths(
@@ -237,6 +276,8 @@ def gather(
         ShapeMismatchError: A rule cannot combine the ranks' tensors.
         BatchSizeError: ``sizes`` is not an int, or was passed on some ranks only.
         LeafTypeError: A leaf cannot travel.
+        ValueError: ``dst`` names no rank of the group on some rank (raised on every rank;
+            :class:`~treegather.ArgumentTypeError` when it is not an int).
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -248,9 +289,15 @@ def gather(
         >>> dist.destroy_process_group()
     """
     g = _dist_group.group(group)
-    root = _dist_group.root_rank(g, dst, "dst")
-    if not _FAST_PATH:
-        return _full_gather(g, dst, root, tree, layout, dim, sizes)
+    # A dst that names no rank (or a bad dim) travels in the first exchange: every rank
+    # raises, none waits.
+    root, bad_root = _dist_group.root_rank(g, dst, "dst")
+    if bad_root is None:
+        dst = g.ranks[root]
+    dim, bad_dim = _checked_dim(dim)
+    problem = _either(bad_root, bad_dim)
+    if not _FAST_PATH or problem is not None:
+        return _full_gather(g, dst, root, tree, layout, dim, sizes, problem=problem)
     fast = _wireplan.prepare(tree, layout, dim, sizes)
     opening = _pre.exchange(_all_gather_into, g, _pre.GATHER, root, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
@@ -293,11 +340,15 @@ def _full_gather(
     sizes: int | None,
     *,
     first: bool = True,
+    problem: _dist_group.Problem | None = None,
 ) -> Any:
-    local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
+    if problem is not None:  # the first exchange raises it on every rank
+        local = _wire.Packed(None, b"")
+    else:
+        local = _wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
     lengths = (len(local.header), local.nbytes)
     rows = _pre.exchange(
-        _all_gather_into, g, _pre.GATHER, root, lengths, local.devices, first=first
+        _all_gather_into, g, _pre.GATHER, root, lengths, local.devices, first=first, problem=problem
     ).rows
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     stride = max(_wire.padded(r[_pre.HEADER]) + _wire.padded(r[_pre.NBYTES]) for r in rows)
@@ -337,6 +388,8 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
     Raises:
         StructureMismatchError: The ranks disagree on ``src``.
         LeafTypeError: A leaf of ``src``'s tree cannot travel.
+        ValueError: ``src`` names no rank of the group on some rank (raised on every rank;
+            :class:`~treegather.ArgumentTypeError` when it is not an int).
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -348,10 +401,15 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
         >>> dist.destroy_process_group()
     """
     g = _dist_group.group(group)
-    root = _dist_group.root_rank(g, src, "src")
+    # A src that names no rank travels in the first exchange: every rank raises, none waits.
+    root, problem = _dist_group.root_rank(g, src, "src")
+    if problem is None:
+        src = g.ranks[root]
     local = _wire.encode(tree, None, with_spec=True) if g.rank == root else _wire.Packed(None, b"")
     lengths = (len(local.header), local.nbytes)
-    rows = _pre.exchange(_all_gather_into, g, _pre.BROADCAST, root, lengths, local.devices).rows
+    rows = _pre.exchange(
+        _all_gather_into, g, _pre.BROADCAST, root, lengths, local.devices, problem=problem
+    ).rows
     device = _dist_group.data_device(g, [r[_pre.PLACEMENT] for r in rows])
     head_len, data_len = rows[root][_pre.HEADER], rows[root][_pre.NBYTES]
     stride = _wire.padded(head_len) + data_len

@@ -35,6 +35,7 @@ from .. import _gather as _g
 from .. import _scatter as _s
 from .._devices import accelerator_tensors_possible
 from .._layout import resolve
+from .._tree import flatten as _flatten
 from .structure import COMPILE_AFTER, Structure, find_columns, recognise
 from .transfer import coalesced_to
 
@@ -81,17 +82,17 @@ def scatter(
     """:func:`treegather.scatter` for a structure seen before; the reference steps otherwise."""
     if _LOCAL.off:
         return _s.scatter_reference(inputs, devs, layout, dim, root)
-    leaves, st, spec = recognise(inputs)
+    leaves, st, spec = recognise(inputs, root)
     if st is None:
         plan = resolve(spec, layout, "scatter", dim, root)
     else:
-        plan = st.plan(layout, "scatter", dim, root, leaves)[0]  # type: ignore[index]
+        plan = st.plan(layout, "scatter", dim, root, leaves, spec)[0]  # type: ignore[index]
         if plan.default_only:
             kinds = [d.type for d in devs]
             if kinds.count("cpu") == len(devs):
-                fast = _scatter_cpu_tensors(leaves, st, devs, dim)
+                fast = _scatter_cpu_tensors(leaves, st, devs, dim, spec=spec)
             elif kinds.count("cuda") == len(devs):  # a CPU batch to the GPUs: coalesced copies
-                fast = _scatter_cpu_tensors(leaves, st, devs, dim, move=True)
+                fast = _scatter_cpu_tensors(leaves, st, devs, dim, move=True, spec=spec)
             else:
                 fast = None
             if fast is not None:
@@ -100,11 +101,17 @@ def scatter(
 
 
 def _scatter_cpu_tensors(
-    leaves: list[Any], st: Structure, devs: tuple[torch.device, ...], dim: int, move: bool = False
+    leaves: list[Any],
+    st: Structure,
+    devs: tuple[torch.device, ...],
+    dim: int,
+    move: bool = False,
+    spec: Any = None,
 ) -> _s.Shards | None:
     """Default rules, every leaf a CPU tensor of >= 1 dim with one batch size: split in C;
     with ``move``, each device's pieces are then copied there with :func:`coalesced_to` (one
-    copy per dtype for the small ones).
+    copy per dtype for the small ones). The trees are built with ``spec``'s containers (the
+    input's own structure when it is not ``st.spec``; ``None``: ``st.spec``).
 
     ``None`` (not applicable) for anything else: the reference steps handle and report it.
     """
@@ -135,11 +142,13 @@ def _scatter_cpu_tensors(
     if move:
         rows = [coalesced_to(row, d) for row, d in zip(zip(*columns), devs)]
         columns = list(zip(*rows))
-    build = st.builder(k)
+    if spec is None:
+        spec = st.spec
+    build = st.builder(k) if spec is st.spec else None
     if build is not None:
         trees = build(*columns)
     else:
-        unflatten = st.spec.unflatten
+        unflatten = spec.unflatten
         trees = [unflatten(c) for c in zip(*columns)]
     return _s.Shards(trees, _s.balanced(n, k), devs[:k])
 
@@ -162,11 +171,11 @@ def gather(
         return _gather_seen(found[0], outputs, found[1], found[2], target, layout, dim, sizes)
     # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
     # mismatch), or a structure not seen before: the reference steps.
-    leaves0, seen, spec0 = recognise(outputs[0])
+    leaves0, seen, spec0 = recognise(outputs[0], _g.ROOT)
     if seen is None:
         plan = resolve(spec0, layout, _GATHER, dim, _g.ROOT)
     else:
-        plan = seen.plan(layout, _GATHER, dim, _g.ROOT, leaves0)[0]  # type: ignore[index]
+        plan = seen.plan(layout, _GATHER, dim, _g.ROOT, leaves0, spec0)[0]  # type: ignore[index]
     return _g.gather_from(outputs, leaves0, plan, target, dim, sizes)
 
 
@@ -181,14 +190,19 @@ def _gather_seen(
     sizes: tuple[int, ...] | None,
 ) -> Any:
     """Every replica has ``st``'s structure; ``columns[i]`` holds leaf i of each replica, and
-    ``same_dtypes`` says each column was found to have one dtype."""
-    found = st.cached_plan(layout, _GATHER, dim, _g.ROOT)
+    ``same_dtypes`` says each column was found to have one dtype.
+
+    The result is rebuilt with ``st.spec``'s containers when ``st`` is exact, else with replica
+    0's own structure (its dict keys and static fields), as the reference does."""
+    spec0 = st.spec if st.exact else _flatten(outputs[0], _g.ROOT)[1]
+    found = st.cached_plan(layout, _GATHER, dim, _g.ROOT, spec0)
     if found is None:
-        found = st.plan(layout, _GATHER, dim, _g.ROOT, list(map(_FIRST, columns)))
+        found = st.plan(layout, _GATHER, dim, _g.ROOT, list(map(_FIRST, columns)), spec0)
         if found is None:
             return _g.gather_reference(outputs, target, layout, dim, sizes)
     plan, per_step = found
-    if plan.up_spec is not st.spec:  # whole-value groups: the reference steps take them
+    rebuild = st.rebuild if spec0 is st.spec else spec0.unflatten
+    if plan.up_spec is not spec0:  # whole-value groups: the reference steps take them
         row0 = list(map(_FIRST, columns))
         if not st.leaves_ok(row0):
             return _g.gather_reference(outputs, target, layout, dim, sizes)
@@ -201,12 +215,18 @@ def _gather_seen(
             # One dtype per leaf across replicas (torch.cat would promote silently); a value
             # without a dtype (a subtree or None where a leaf should be) stops here.
             if same_dtypes or _one_dtype_per_leaf(columns, len(outputs)):
-                if columns[0][0].is_cpu:  # (torch.cat refuses tensors on other devices)
+                if columns[0][0].is_cpu:
                     if dim:
-                        return st.rebuild([torch.cat(c, dim) for c in columns])
-                    return st.rebuild(list(map(torch.cat, columns)))
-                if accelerator_tensors_possible():  # replicas on GPUs
-                    return st.rebuild(_cat_on_host(columns, target, dim))
+                        results = [torch.cat(c, dim) for c in columns]
+                    else:
+                        results = list(map(torch.cat, columns))
+                    # torch.cat refuses a column that mixes devices, but one wholly elsewhere
+                    # (meta tensors, or one GPU) stays there: the reference steps move it, or
+                    # name a meta tensor's path.
+                    if all(map(_IS_CPU, results)):
+                        return rebuild(results)
+                elif accelerator_tensors_possible():  # replicas on GPUs
+                    return rebuild(_cat_on_host(columns, target, dim))
         except (TypeError, RuntimeError, AttributeError, IndexError):
             pass  # the reference steps below explain it
     if not st.leaves_ok(list(chain.from_iterable(columns))):  # a subtree where a leaf is

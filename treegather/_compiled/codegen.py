@@ -20,6 +20,7 @@ The per-device builders are in :mod:`treegather._compiled.builders`.
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import optree
 from optree import PyTreeSpec
 
-from .._caches import typed_key
+from .._caches import shareable, typed_key
 from .._tree import NAMESPACE
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "compiled_reader",
     "guard_steps",
     "interpreted_guard",
+    "sharing",
     "structure_steps",
 ]
 
@@ -105,6 +107,42 @@ def structure_steps(spec: PyTreeSpec) -> tuple[list[Step], list[Reach]] | None:
     if None in leaves:
         return None
     return steps, leaves  # type: ignore[return-value]
+
+
+def sharing(steps: list[Step]) -> tuple[bool, bool]:
+    """Whether a tree that passes the guard of ``steps`` is told apart from the tree the steps
+    were made from only by its leaves: ``(metadata, paths)``.
+
+    ``metadata``: every dict key and node metadata (a dataclass's static fields) is an immutable
+    value or compared by identity, so a result rebuilt from the cached spec holds nothing the
+    caller could tell from its own objects. Not so for a list in a static field (an equal list
+    is another, mutable object), a float (``-0.0`` passes for ``0.0``), or a dict key whose class
+    defines ``==`` (an equal key may differ otherwise): such results are rebuilt from the
+    structure of this call's tree. ``paths``: the same for dict keys and node entries alone (the
+    paths :func:`treegather.by_path` matches and messages name).
+    """
+    metadata = paths = True
+    for _, _, kind, _, expected in steps:
+        if kind == _EXACT_KEYS or kind == _DEFAULTDICT:
+            keys = expected[0] if kind == _EXACT_KEYS else expected[1]
+            if not all(map(_exact_key, keys)):
+                metadata = paths = False
+        elif kind == _CUSTOM:
+            meta_key, entries_key = expected[1][1]
+            if not shareable(entries_key):
+                metadata = paths = False
+            elif not shareable(meta_key):
+                metadata = False
+    return metadata, paths
+
+
+def _exact_key(key: Any) -> bool:
+    """Whether a dict key the guard accepts (same type, ``==``) is this very key's value."""
+    cls = type(key)
+    return cls in _EXACT_KEY_TYPES or isinstance(key, enum.Enum) or cls.__eq__ is object.__eq__
+
+
+_EXACT_KEY_TYPES = frozenset([type(None), bool, int, str, bytes])
 
 
 class _Leaf:

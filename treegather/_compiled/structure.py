@@ -13,6 +13,8 @@ by the layout's value (:func:`treegather._layout.layout_key`: type-aware, so ``T
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +23,7 @@ from optree import PyTreeSpec
 
 from .. import _tree
 from .._caches import LRU
-from .._layout import ByPath, Plan, layout_key, resolve
+from .._layout import ByPath, Plan, layout_key, rebase, resolve
 from .._rules import Rule
 from .builders import Builder, compiled_builder, compiled_unflatten
 from .codegen import (
@@ -31,6 +33,7 @@ from .codegen import (
     compiled_columns,
     compiled_reader,
     interpreted_guard,
+    sharing,
     structure_steps,
 )
 
@@ -40,12 +43,18 @@ Tensor = torch.Tensor
 COMPILE_AFTER = 3  # sightings of a structure before its guard and builders are compiled
 _BUCKET = 16  # structures kept per root type
 _PLANS_PER_STRUCTURE = 16
+_MAX_COMPILE_AFTER = 3 << 10  # hits an often-evicted structure needs before its code is made
 
-# Root type -> the structures recently seen with that root type, newest first.
+# Root type -> the structures recently seen with that root type, newest first (see _learn for
+# which a full bucket takes in; it evicts its least recently used structure into _SIGHTINGS).
 _STRUCTURES: LRU[type, list[Structure]] = LRU("structures", 64)
-# Structures seen once (by spec equality): a second sighting makes a Structure. The count is
-# only a hint (== merges True and 1 in metadata); the guard is made from the current spec.
-_SIGHTINGS: LRU[PyTreeSpec, bool] = LRU("structure sightings", 256)
+# By spec equality: when a structure was last seen (a stamp of _CLOCK) while not in a bucket
+# (seen again, it may make a Structure), or a Structure evicted from its bucket, without its
+# generated code (seen again, it serves the call with its plans, or is taken back). Only a
+# hint (== merges True and 1 in metadata): the current tree is checked by the guard.
+_SIGHTINGS: LRU[PyTreeSpec, Any] = LRU("structure sightings", 256)
+_CLOCK = itertools.count()  # stamps each structure's last use
+_USED = operator.attrgetter("used")
 _TENSORS = frozenset([Tensor])
 # Up to this many leaves x replicas, gather's reader also compares dtypes (faster for small
 # trees; above, one map over the leaves is cheaper than the generated comparisons).
@@ -58,6 +67,9 @@ class Structure:
     __slots__ = (
         "builders",
         "columns",
+        "compile_after",
+        "exact",
+        "exact_paths",
         "guard",
         "hits",
         "last",
@@ -69,6 +81,7 @@ class Structure:
         "rebuild",
         "spec",
         "steps",
+        "used",
         "version",
     )
 
@@ -84,6 +97,10 @@ class Structure:
         self.steps = steps
         self.reach = reach
         self.guard = interpreted_guard(steps)
+        # Whether a tree this structure accepts differs from ``spec`` in its leaves only (see
+        # codegen.sharing): then results are rebuilt from ``spec``; otherwise from the structure
+        # of the call's own tree, as the plain path does (and plans are rebased onto it).
+        self.exact, self.exact_paths = sharing(steps)
         # read(tree): the tree's leaves when it has exactly this structure (dict keys in order
         # and by type: a result is rebuilt from it), else None. read_any, for gather's replicas
         # 1..: the same containers, dict keys in any order compared with == (as the reference
@@ -94,6 +111,9 @@ class Structure:
         self.leaf_types = frozenset(map(type, leaves))
         self.version = version
         self.hits = 0
+        # Hits before the code is generated: COMPILE_AFTER, doubled each time it is evicted.
+        self.compile_after = COMPILE_AFTER
+        self.used = next(_CLOCK)
         self.plans: dict[Any, tuple[Plan, bool]] = {}
         # The last immutable layout asked for, by identity: (layout, phase, root, dim, found).
         self.last: tuple[Any, ...] = (_NO_LAYOUT,)
@@ -111,7 +131,10 @@ class Structure:
         return None
 
     def _columns_checked(self, trees: list[Any]) -> list[Any] | None:
-        rows = [self.read(trees[0]), *map(self.read_any, trees[1:])]
+        first = self.read(trees[0])
+        if first is None:  # (the other replicas need not be read)
+            return None
+        rows = [first, *map(self.read_any, trees[1:])]
         return None if None in rows else list(zip(*rows))
 
     def columns_reader(self, k: int) -> tuple[Reader, bool, Reader]:
@@ -125,7 +148,7 @@ class Structure:
         found = self.columns.get(k)
         if found is not None:
             return found
-        if self.hits < COMPILE_AFTER:
+        if self.hits < self.compile_after:
             return self._columns_checked, False, self._columns_checked
         plain = compiled_columns(self.steps, self.reach, k) or self._columns_checked
         found = (plain, False, plain)
@@ -141,10 +164,22 @@ class Structure:
     def seen(self) -> None:
         """Count a hit; compile the readers once the structure is clearly a regular."""
         self.hits += 1
-        if self.hits == COMPILE_AFTER:
+        self.used = next(_CLOCK)
+        if self.hits == self.compile_after:
             self.read = compiled_reader(self.steps, self.reach)
             self.read_any = compiled_reader(self.steps, self.reach, keys="any")
             self.rebuild = compiled_unflatten(self.spec) or self.spec.unflatten
+
+    def retire(self) -> None:
+        """Evicted from its bucket: drop the generated code (steps and plans stay), and wait
+        for twice as many hits before generating it again. A structure in a rotation longer
+        than the bucket is then never compiled again, and costs no more than a cold call."""
+        self.read = self.read_any = self._read_checked
+        self.rebuild = self.spec.unflatten
+        self.columns = {}
+        self.builders = {}
+        self.hits = 0
+        self.compile_after = min(2 * self.compile_after, _MAX_COMPILE_AFTER)
 
     def leaves_ok(self, leaves: list[Any]) -> bool:
         """Every value is a leaf (``flatten_up_to`` lets a subtree or None stand in for one)."""
@@ -160,40 +195,74 @@ class Structure:
             return self.builders[k]
         except KeyError:
             pass
-        if self.hits < COMPILE_AFTER:
+        if self.hits < self.compile_after:
             return None
         if len(self.builders) >= 4:
             self.builders.clear()
         build = self.builders[k] = compiled_builder(self.spec, k)
         return build
 
-    def cached_plan(self, layout: Any, phase: str, dim: int, root: str | None) -> Any:
-        """The ``(plan, all batched)`` kept for an equal layout, or ``None``."""
+    def cached_plan(
+        self, layout: Any, phase: str, dim: int, root: str | None, spec: PyTreeSpec | None = None
+    ) -> Any:
+        """The ``(plan, all batched)`` kept for an equal layout, or ``None``.
+
+        ``spec``: the structure of this call's tree when it is not :attr:`spec` itself (a
+        structure that is not :attr:`exact`): the plan is then made for it.
+        """
         last = self.last
         if last[0] is layout and last[1] is phase and last[2] is root and last[3] is dim:
-            return last[4]
-        found = self.plans.get(_plan_key(layout, phase, dim, root))
-        if found is not None and _immutable(layout):
-            # (a mutable layout may change between calls: keyed by value each time)
-            self.last = (layout, phase, root, dim, found)
-        return found
+            found = last[4]
+        else:
+            found = self.plans.get(_plan_key(layout, phase, dim, root))
+            if found is not None and _immutable(layout):
+                # (a mutable layout may change between calls: keyed by value each time)
+                self.last = (layout, phase, root, dim, found)
+        if found is None or spec is None or spec is self.spec:
+            return found
+        return self._for_spec(found, spec, layout, phase, dim, root)
+
+    def _for_spec(
+        self,
+        found: tuple[Plan, bool],
+        spec: PyTreeSpec,
+        layout: Any,
+        phase: str,
+        dim: int,
+        root: str | None,
+    ) -> tuple[Plan, bool]:
+        """A kept plan made for this call's ``spec``: rebased (same rules, containers and
+        paths from ``spec``), or resolved again where the rules may depend on more than what the
+        guard compared (by_path patterns on keys that are equal but not the same) or the plan
+        builds a coarser structure of its own (whole-value groups)."""
+        plan, per_step = found
+        if plan.up_spec is plan.spec and (self.exact_paths or not isinstance(layout, ByPath)):
+            return rebase(plan, spec), per_step
+        return resolve(spec, layout, phase, dim, root), per_step
 
     def plan(
-        self, layout: Any, phase: str, dim: int, root: str | None, leaves: list[Any]
+        self,
+        layout: Any,
+        phase: str,
+        dim: int,
+        root: str | None,
+        leaves: list[Any],
+        spec: PyTreeSpec | None = None,
     ) -> tuple[Plan, bool] | None:
         """The plan (resolved once per equal layout) and whether it is the per-step case: the
         default rules, and every leaf a >= 1-dim tensor (at least one).
 
-        ``leaves`` are one tree's values at this structure's leaves. ``None`` when the plan is
-        not cached yet and ``leaves`` are not all leaves (a subtree or ``None`` where this
-        structure has a leaf): the caller runs the reference steps.
+        ``leaves`` are one tree's values at this structure's leaves; ``spec`` that tree's
+        structure when it is not :attr:`spec` itself (see :meth:`cached_plan`). ``None`` when
+        the plan is not cached yet and ``leaves`` are not all leaves (a subtree or ``None``
+        where this structure has a leaf): the caller runs the reference steps.
         """
-        found: tuple[Plan, bool] | None = self.cached_plan(layout, phase, dim, root)
+        found: tuple[Plan, bool] | None = self.cached_plan(layout, phase, dim, root, spec)
         if found is not None:
             return found
         if not self.leaves_ok(leaves):  # a subtree where a leaf is: not this structure's plan
             return None
-        plan = resolve(self.spec, layout, phase, dim, root)
+        plan = resolve(self.spec if spec is None else spec, layout, phase, dim, root)
         found = (plan, plan.default_only and bool(leaves) and _all_batched(leaves))
         if len(self.plans) >= _PLANS_PER_STRUCTURE:
             self.plans.clear()
@@ -249,42 +318,82 @@ def find_columns(outputs: list[Any]) -> tuple[Structure, list[tuple[Any, ...]], 
                 if columns is None and same_dtypes:  # a dtype differs, or a value has none
                     columns, same_dtypes = plain(outputs), False
                 if columns is not None:
-                    if st.hits < COMPILE_AFTER:
+                    if st.hits < st.compile_after:
                         st.seen()
+                    else:
+                        st.used = next(_CLOCK)
                     return st, columns, same_dtypes
     return None
 
 
-def recognise(tree: Any) -> tuple[list[Any], Structure | None, PyTreeSpec]:
-    """The leaves of ``tree``, its :class:`Structure` when seen before, and its spec.
+def recognise(
+    tree: Any, root: str | None = "tree"
+) -> tuple[list[Any], Structure | None, PyTreeSpec]:
+    """The leaves of ``tree``, its :class:`Structure` when seen before, and its spec: the
+    structure's own, or for a structure that is not :attr:`Structure.exact` the tree's.
 
-    A hit costs the structure's reader; a miss costs one full flatten.
+    A hit costs the structure's reader (and a flatten when not exact); a miss one full flatten.
+    ``root`` names the tree in a :class:`~treegather.TreeDepthError` (see
+    :func:`treegather._tree.flatten`).
     """
     found = find(tree)
     if found is not None:
         st, leaves = found
         if st.leaves_ok(leaves):
             st.seen()
+            if not st.exact:  # results are rebuilt from this tree's own structure
+                leaves, spec = _tree.flatten(tree, root)
+                return leaves, st, spec
             return leaves, st, st.spec
         # The containers match but a leaf is a subtree: never learned.
-        leaves, spec = _tree.flatten(tree)
+        leaves, spec = _tree.flatten(tree, root)
         return leaves, None, spec
-    leaves, spec = _tree.flatten(tree)
+    leaves, spec = _tree.flatten(tree, root)
     return leaves, _learn(tree, spec, leaves, _tree.registry_version()), spec
 
 
 def _learn(tree: Any, spec: PyTreeSpec, leaves: list[Any], version: int) -> Structure | None:
-    """A :class:`Structure` for a spec seen before; only a sighting the first time."""
+    """The :class:`Structure` for a spec seen before (the one evicted, when it was); only a
+    sighting the first time.
+
+    A full bucket takes a structure in only if it was seen again sooner than the bucket's least
+    recently used structure was last used (which then makes room): in a rotation through more
+    structures than a bucket holds, the bucket keeps the same structures, compiled, and the
+    others run as a cold call does (without generating any code), instead of every structure
+    being compiled again and evicted before its next use.
+    """
+    now = next(_CLOCK)
     try:
-        if _SIGHTINGS.pop(spec) is None:
-            _SIGHTINGS.put(spec, True)
-            return None
+        seen = _SIGHTINGS.pop(spec)
     except TypeError:  # unhashable metadata: never cached
         return None
-    found = structure_steps(spec)
-    if found is None:
+    if seen is None:
+        _SIGHTINGS.put(spec, now)
         return None
-    st = Structure(spec, *found, leaves, version)
-    bucket = [st, *(_STRUCTURES.get(type(tree)) or ())][:_BUCKET]
-    _STRUCTURES.put(type(tree), bucket)
+    retired = seen if type(seen) is Structure else None
+    last: int = seen if retired is None else retired.used
+    if retired is not None and not (retired.version == version and retired.guard(tree)):
+        retired = None  # (== merged it with another structure, or the registry changed)
+    root = type(tree)
+    bucket = [s for s in _STRUCTURES.get(root) or () if s.version == version]
+    victim = min(bucket, key=_USED) if len(bucket) >= _BUCKET else None
+    if victim is not None and last < victim.used:
+        # Not taken in: a sighting again (a structure evicted before serves this call).
+        if retired is not None:
+            retired.used = now
+        _SIGHTINGS.put(spec, now if retired is None else retired)
+        return retired
+    if retired is not None:
+        st = retired  # taken back with its plans; its code is made later, if at all
+    else:
+        found = structure_steps(spec)
+        if found is None:
+            return None
+        st = Structure(spec, *found, leaves, version)
+    st.used = now
+    if victim is not None:
+        bucket.remove(victim)
+        victim.retire()
+        _SIGHTINGS.put(victim.spec, victim)
+    _STRUCTURES.put(root, [st, *bucket])
     return st

@@ -156,6 +156,14 @@ class _LengthRule:
                 f"{self.where}: layout {self.spec!r} needs a tensor in every replica, got "
                 f"{', '.join(bad)}\nHint: use 'skip' (or no spec) for non-tensor values"
             )
+        dtypes = [v.dtype for v in values]
+        if len(set(dtypes)) > 1:  # as dict_gather_v1 (treegather.gather) refuses them
+            got = ", ".join(f"replica {i}: {d}" for i, d in enumerate(dtypes))
+            raise ShapeMismatchError(
+                f"{self.where}: layout {self.spec!r} needs one dtype in every replica, got {got}"
+                "\nHint: return one dtype from every replica (cast in the model, e.g. .float() or "
+                ".long()); torch would promote them, and an int64 id does not survive float32"
+            )
         shapes = [tuple(v.shape) for v in values]
         if kind == "padimage":  # (C, H, W) with the same C, as the seed
             ok = all(len(s) == 3 for s in shapes) and len({s[0] for s in shapes}) == 1

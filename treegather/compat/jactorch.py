@@ -261,7 +261,7 @@ def _as_shards(
     n = max(len(args), len(kws))
     args += [()] * (n - len(args))
     kws += [{}] * (n - len(kws))
-    devices = as_devices(device_ids)
+    devices = as_devices(device_ids, "device_ids")
     if not 1 <= n <= len(devices):
         raise ValueError(
             f"{what} gave {n} per-device inputs for {len(devices)} devices; give one per device "
@@ -283,7 +283,7 @@ def _user_scattered(
         if len(inputs) == 1:
             got = f"a {type(inputs[0]).__name__}"
         raise TypeError(f"{what} is called with one list of per-device inputs, got {got}")
-    devices = as_devices(device_ids)
+    devices = as_devices(device_ids, "device_ids")
     moved = [(scatter(x, [d], broadcast())[0],) for x, d in zip(inputs[0], devices)]
     if len(inputs[0]) > len(devices):
         moved += [(x,) for x in inputs[0][len(devices) :]]  # reported by _as_shards
@@ -372,7 +372,7 @@ class JacDataParallel(DataParallel):
     def replicate(self, module: torch.nn.Module, device_ids: Sequence[DeviceLike]) -> Any:
         """Replicate with treegather (kept across calls if ``persistent``), then run the
         replication callbacks on new replicas."""
-        devs = as_devices(device_ids)
+        devs = as_devices(device_ids, "device_ids")
         callback = _exec_replication_callback if self.allow_replication_callback else None
         if self.persistent and reusable(module, devs):
             modules, kept, _ = take(

@@ -1,0 +1,708 @@
+"""transformers models through every entry point, cold: the conformance matrix, caches, recipes.
+
+Each architecture is built once per module from a tiny, seeded config (no download) and never
+called; every test works on deep copies of it, so each call through treegather is the model's
+first (transformers installs its output-capture hooks lazily, on a model's first call). Each
+case runs 7 rows on ``["cpu"] * 3`` (shards of 3, 2, 2) and compares with one device: loss,
+logits, hidden states, attentions, caches and every parameter's gradient; the source's hooks
+(per submodule) and ``state_dict()`` are unchanged. The README's "Hugging Face models" recipes
+are measured here too. Select with ``-m transformers``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import treegather as tg
+
+transformers = pytest.importorskip("transformers")
+T: Any = transformers
+
+pytestmark = pytest.mark.transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICES = ["cpu"] * 3
+N = 7  # rows: shards of 3, 2 and 2
+VOCAB = 64
+PAD = 0
+EAGER = {"attn_implementation": "eager"}  # attentions are returned by the eager kernels
+TOKENS = {"pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2}
+
+
+# ---------------------------------------------------------------------------- architectures
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """One row of the matrix: how to build the model, a batch of N rows, how to score it."""
+
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], dict[str, Any]]
+    layout: Any = dataclasses.field(default_factory=lambda: tg.by_path({"loss": tg.mean()}))
+    loss: Callable[[Any, nn.Module], torch.Tensor] = lambda out, model: out.loss
+    skip: tuple[str, ...] = ()  # output keys not compared leaf by leaf (per-shard by nature)
+
+
+def _ids(g: torch.Generator, rows: int = N, length: int = 6) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (rows, length), generator=g)
+
+
+def _bert() -> nn.Module:
+    config = T.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=3,
+        pad_token_id=PAD,
+        **EAGER,
+    )
+    return T.BertForSequenceClassification(config)
+
+
+def _gpt2() -> nn.Module:
+    config = T.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, **TOKENS, **EAGER
+    )
+    return T.GPT2LMHeadModel(config)
+
+
+def _llama() -> nn.Module:
+    config = T.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        **TOKENS,
+        **EAGER,
+    )
+    return T.LlamaForCausalLM(config)
+
+
+def _mistral() -> nn.Module:
+    config = T.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        sliding_window=5,
+        **TOKENS,
+        **EAGER,
+    )
+    return T.MistralForCausalLM(config)
+
+
+def _t5(**extra: Any) -> nn.Module:
+    config = T.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=PAD,
+        pad_token_id=PAD,
+        eos_token_id=2,
+        **EAGER,
+        **extra,
+    )
+    return T.T5ForConditionalGeneration(config)
+
+
+def _t5_varied() -> nn.Module:
+    """T5 at a larger init scale: at the default one, greedy decoding repeats the pad token."""
+    return _t5(initializer_factor=5.0)
+
+
+def _bart() -> nn.Module:
+    config = T.BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=32,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
+        **TOKENS,
+        **EAGER,
+    )
+    return T.BartForConditionalGeneration(config)
+
+
+def _vit() -> nn.Module:
+    config = T.ViTConfig(
+        image_size=16,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=3,
+        **EAGER,
+    )
+    return T.ViTForImageClassification(config)
+
+
+def _wav2vec2() -> nn.Module:
+    config = T.Wav2Vec2Config(
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(4, 4),
+        conv_kernel=(8, 8),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4,
+        mask_time_prob=0.0,
+        pad_token_id=PAD,
+        **EAGER,
+    )
+    return T.Wav2Vec2ForCTC(config)
+
+
+def _clip() -> nn.Module:
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        **TOKENS,
+    )
+    vision = dict(
+        image_size=16,
+        patch_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
+    config = T.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16, **EAGER)
+    return T.CLIPModel(config)
+
+
+def _clip_loss(out: Any, model: nn.Module) -> torch.Tensor:
+    """CLIP's contrastive loss computed on the whole (gathered) batch of embeddings."""
+    logits = model.logit_scale.exp() * out.text_embeds @ out.image_embeds.t()
+    labels = torch.arange(len(logits))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def _seq2seq_batch(g: torch.Generator) -> dict[str, Any]:
+    return {"input_ids": _ids(g), "labels": torch.randint(3, VOCAB, (N, 4), generator=g)}
+
+
+ARCHS: dict[str, Arch] = {
+    "bert": Arch(_bert, lambda g: {"input_ids": _ids(g), "labels": torch.randint(0, 3, (N,))}),
+    "gpt2": Arch(
+        _gpt2, lambda g: {"input_ids": (ids := _ids(g)), "labels": ids, "use_cache": False}
+    ),
+    "gpt2_cache": Arch(
+        _gpt2, lambda g: {"input_ids": (ids := _ids(g)), "labels": ids, "use_cache": True}
+    ),
+    "llama": Arch(_llama, lambda g: {"input_ids": (ids := _ids(g)), "labels": ids}),
+    "t5": Arch(_t5, _seq2seq_batch),
+    "vit": Arch(
+        _vit,
+        lambda g: {
+            "pixel_values": torch.randn(N, 3, 16, 16, generator=g),
+            "labels": torch.randint(0, 3, (N,), generator=g),
+        },
+    ),
+    # CTC's default reduction is "sum": per-shard sums add up, sum() is exact
+    "wav2vec2": Arch(
+        _wav2vec2,
+        lambda g: {
+            "input_values": torch.randn(N, 400, generator=g),
+            "labels": torch.randint(1, 16, (N, 3), generator=g),
+        },
+        layout=tg.by_path({"loss": tg.sum()}),
+    ),
+    # in-batch negatives: the loss is computed on the gathered embeddings, the per-shard
+    # similarity matrices are kept per replica
+    "clip": Arch(
+        _clip,
+        lambda g: {"input_ids": _ids(g), "pixel_values": torch.randn(N, 3, 16, 16, generator=g)},
+        layout=tg.by_path({"logits_per_image": tg.as_list(), "logits_per_text": tg.as_list()}),
+        loss=_clip_loss,
+        skip=("logits_per_image", "logits_per_text"),
+    ),
+    "bart": Arch(_bart, _seq2seq_batch),
+}
+
+_BUILT: dict[Callable[[], nn.Module], nn.Module] = {}
+
+
+def pristine(build: Callable[[], nn.Module]) -> nn.Module:
+    """A copy of the model ``build`` makes (seeded, built once per module), never called."""
+    if build not in _BUILT:
+        torch.manual_seed(0)
+        _BUILT[build] = build().eval()  # eval: no dropout, so shards equal one device
+    return copy.deepcopy(_BUILT[build])
+
+
+def batch_of(arch: Arch, seed: int = 0) -> dict[str, Any]:
+    return arch.batch(torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------- checks
+
+HOOK_TABLES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Per submodule, how many hooks each of its tables holds."""
+    return {
+        name: tuple(len(getattr(m, table, ())) for table in HOOK_TABLES)
+        for name, m in model.named_modules()
+    }
+
+
+def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def leaves_of(tree: Any) -> list[Any]:
+    """``tree``'s leaves as treegather sees them (flattening registers transformers' caches)."""
+    return tg._tree.flatten(tree)[0]
+
+
+def assert_same_tree(got: Any, expected: Any, skip: tuple[str, ...] = (), where: str = "") -> None:
+    """Same structure (treegather's view: caches are nodes) and equal tensors, leaf by leaf."""
+    tg._tree.registry_version()  # (registers transformers' caches on first use)
+    if skip:
+        got = {k: v for k, v in got.items() if k not in skip}
+        expected = {k: v for k, v in expected.items() if k not in skip}
+    paths, leaves, spec = optree.tree_flatten_with_path(got, namespace=tg.NAMESPACE)
+    _, exp_leaves, exp_spec = optree.tree_flatten_with_path(expected, namespace=tg.NAMESPACE)
+    assert spec == exp_spec, f"{where}: {spec} != {exp_spec}"
+    for path, a, b in zip(paths, leaves, exp_leaves):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor), (where, path)
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=f"{where} {path}")
+        else:
+            assert a == b, (where, path, a, b)
+
+
+def run(entry: str, model: nn.Module, kwargs: dict[str, Any], layout: Any) -> Any:
+    """One call through ``entry`` on DEVICES."""
+    if entry == "data_parallel":
+        return tg.data_parallel(model, (), DEVICES, module_kwargs=kwargs, out_layout=layout)
+    return tg.DataParallel(model, device_ids=DEVICES, out_layout=layout)(**kwargs)
+
+
+# ------------------------------------------------------------------------- the matrix
+
+OUTPUTS = {"output_hidden_states": True, "output_attentions": True}
+
+
+@pytest.mark.parametrize("entry", ["data_parallel", "DataParallel"])
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_forward_and_backward_equal_one_device_cold(name: str, entry: str) -> None:
+    arch = ARCHS[name]
+    model, ref = pristine(arch.build), pristine(arch.build)
+    hooks, state = hook_counts(model), state_of(model)
+    kwargs = {**batch_of(arch), **OUTPUTS}
+    out = run(entry, model, kwargs, arch.layout)  # the model's first call
+    expected = ref(**kwargs)
+    assert type(out) is type(expected)
+    assert_same_tree(out, expected, arch.skip, f"{name} via {entry}")
+    arch.loss(out, model).backward()
+    arch.loss(expected, ref).backward()
+    grads = dict(ref.named_parameters())
+    for pname, p in model.named_parameters():
+        q = grads[pname]
+        assert (p.grad is None) == (q.grad is None), pname
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-4, msg=pname)
+    # the source is the user's model as it was: no hook, attribute or tensor of the replicas
+    assert hook_counts(model) == hooks
+    assert_same_tree(state_of(model), state)
+    with torch.no_grad():  # and called directly afterwards it is the one-device model
+        assert_same_tree(model(**kwargs), ref(**kwargs), arch.skip, f"{name} direct")
+
+
+DECODERS = {"gpt2_cache": {}, "llama": {}, "t5": {}, "bart": {"use_cache": True}}
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_cached_decode_step_feeds_the_gathered_cache_back(name: str) -> None:
+    arch = ARCHS[name]
+    model, ref = pristine(arch.build), pristine(arch.build)
+    first = {k: v for k, v in batch_of(arch).items() if k != "labels"}
+    first = {**first, **DECODERS[name]}
+    seq2seq = name in ("t5", "bart")
+    if seq2seq:
+        first["decoder_input_ids"] = torch.randint(3, VOCAB, (N, 3), generator=torch.Generator())
+    out = tg.data_parallel(model, (), DEVICES, module_kwargs=first)
+    expected = ref(**first)
+    cache = out.cache
+    assert isinstance(cache, type(expected.cache))  # one cache of the whole batch ...
+    assert_same_tree(cache, expected.cache, where=f"{name} cache")  # ... equal to one device's
+    length = cache.get_seq_length()
+    keys = [t.clone() for t in leaves_of(cache)]
+    step: dict[str, Any] = {"cache": cache, "use_cache": True}
+    nxt = torch.randint(3, VOCAB, (N, 1), generator=torch.Generator().manual_seed(1))
+    if seq2seq:
+        step |= {"encoder_outputs": (out.encoder_last_hidden_state,), "decoder_input_ids": nxt}
+    else:
+        step["input_ids"] = nxt
+    got = tg.data_parallel(model, (), DEVICES, module_kwargs=step)
+    ref_step = {**step, "cache": expected.cache}
+    if seq2seq:
+        ref_step["encoder_outputs"] = (expected.encoder_last_hidden_state,)
+    want = ref(**ref_step)
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-4)
+    assert got.cache.get_seq_length() == length + 1
+    assert_same_tree(got.cache, want.cache, where=f"{name} next cache")
+    # the cache passed in was split per replica, never modified
+    assert cache.get_seq_length() == length
+    for a, b in zip(leaves_of(cache), keys):
+        assert torch.equal(a, b)
+
+
+def _greedy(model: nn.Module, ids: torch.Tensor, **kw: Any) -> torch.Tensor:
+    return model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=PAD, **kw
+    )
+
+
+def _uneven_eos(generated: torch.Tensor, start: int, sizes: tuple[int, ...]) -> int:
+    """A token that, taken as eos, makes the shards stop at different lengths (found from
+    one device's greedy output without eos: each row stops at its first such token)."""
+    new = generated[:, start:]
+    steps = new.shape[1]
+    for token in range(3, VOCAB):
+        hit = new == token
+        stop = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.tensor(steps))
+        lengths = [int(s.max()) for s in stop.split(list(sizes))]
+        if len(set(lengths)) > 1:
+            return token
+    raise AssertionError("no token makes the shards stop at different lengths")
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_generate_with_uneven_lengths_pads_with_the_pad_id(name: str) -> None:
+    build = _t5_varied if name == "t5" else ARCHS[name].build
+    model, ref = pristine(build), pristine(build)
+    ids = _ids(torch.Generator().manual_seed(2))
+    start = 0 if name == "t5" else ids.shape[1]
+    no_eos = _greedy(ref, ids, max_new_tokens=6, eos_token_id=None)
+    eos = _uneven_eos(no_eos, start + (name == "t5"), (3, 2, 2))
+    expected = _greedy(ref, ids, max_new_tokens=6, eos_token_id=eos)
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "do_sample": False,
+        "max_new_tokens": 6,
+        "eos_token_id": eos,
+        "pad_token_id": PAD,
+    }
+    # the shards stop at different lengths (cat alone would be a ShapeMismatchError)
+    got = tg.data_parallel(
+        model.generate, (), DEVICES, module_kwargs=kwargs, out_layout=tg.pad(0, fill=PAD)
+    )
+    assert torch.equal(got, expected)
+    assert hook_counts(model) == hook_counts(pristine(build))
+
+
+# ---------------------------------------------------------------------------- recipes
+
+
+def test_recipe_clip_in_batch_negatives_need_the_gathered_embeddings() -> None:
+    arch = ARCHS["clip"]
+    model, ref = pristine(arch.build), pristine(arch.build)
+    batch = batch_of(arch)
+    expected = ref(**batch, return_loss=True).loss
+    # each replica's loss sees only its shard's negatives: not the one-device loss
+    per_shard_layout = tg.by_path(
+        {"loss": tg.mean(), "logits_per_image": tg.as_list(), "logits_per_text": tg.as_list()}
+    )
+    per_shard = tg.data_parallel(
+        model,
+        (),
+        DEVICES,
+        module_kwargs={**batch, "return_loss": True},
+        out_layout=per_shard_layout,
+    )
+    assert abs(per_shard.loss.item() - expected.item()) > 1e-3
+    # gather the embeddings, compute the loss on the full batch: the one-device loss
+    out = tg.data_parallel(model, (), DEVICES, module_kwargs=batch, out_layout=arch.layout)
+    loss = _clip_loss(out, model)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-4, msg=pname)
+
+
+def test_recipe_token_losses_with_padding_need_num_items_in_batch_and_sum() -> None:
+    arch = ARCHS["llama"]
+    model, ref = pristine(arch.build), pristine(arch.build)
+    ids = _ids(torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    for row, keep in enumerate([6, 2, 5, 3, 6, 1, 4]):  # padded labels: uneven tokens per row
+        labels[row, keep:] = -100
+    expected = ref(input_ids=ids, labels=labels).loss
+    # mean() weights each shard's mean by its rows, not by its tokens: off
+    off = tg.data_parallel(
+        model,
+        (),
+        DEVICES,
+        module_kwargs={"input_ids": ids, "labels": labels},
+        out_layout=tg.by_path({"loss": tg.mean()}),
+    )
+    assert abs(off.loss.item() - expected.item()) > 1e-3
+    # every shard divides its token sum by the whole batch's count; sum() adds them: exact
+    items = int((labels[:, 1:] != -100).sum())  # the causal LM loss shifts labels by one
+    exact = tg.data_parallel(
+        model,
+        (),
+        DEVICES,
+        module_kwargs={"input_ids": ids, "labels": labels, "num_items_in_batch": items},
+        out_layout=tg.by_path({"loss": tg.sum()}),
+    )
+    torch.testing.assert_close(exact.loss, expected)
+
+
+def test_recipe_ctc_sum_reduction_takes_sum_not_mean() -> None:
+    arch = ARCHS["wav2vec2"]
+    model, ref = pristine(arch.build), pristine(arch.build)
+    batch = batch_of(arch)
+    expected = ref(**batch).loss
+    total = tg.data_parallel(model, (), DEVICES, module_kwargs=batch, out_layout=arch.layout)
+    torch.testing.assert_close(total.loss, expected)
+    mean = tg.data_parallel(
+        model, (), DEVICES, module_kwargs=batch, out_layout=tg.by_path({"loss": tg.mean()})
+    )
+    assert abs(mean.loss.item() - expected.item()) > 1e-3
+
+
+def test_recipe_sampling_draws_differ_from_one_device_but_repeat_with_a_seed() -> None:
+    arch = ARCHS["llama"]
+    model, ref = pristine(arch.build), pristine(arch.build)
+    ids = _ids(torch.Generator().manual_seed(4))
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "do_sample": True}
+    kwargs |= {"max_new_tokens": 5, "eos_token_id": None, "pad_token_id": PAD}
+    torch.manual_seed(0)
+    one = ref.generate(**kwargs)
+
+    def sampled() -> torch.Tensor:
+        torch.manual_seed(0)
+        return tg.data_parallel(model.generate, (), DEVICES, module_kwargs=kwargs, backend="serial")
+
+    first, again = sampled(), sampled()
+    assert first.shape == one.shape and not torch.equal(first, one)  # other draws per shard
+    assert torch.equal(first, again)  # the serial backend draws in shard order: reproducible
+
+
+# ------------------------------------------------------------------------ caches as nodes
+
+
+def _mistral_cache(rows: int = N) -> tuple[nn.Module, Any, torch.Tensor]:
+    model = pristine(_mistral)
+    ids = _ids(torch.Generator().manual_seed(5), rows, 8)
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return model, out.cache, ids
+
+
+def test_a_dynamic_cache_is_split_per_replica_and_never_modified() -> None:
+    model, cache, _ = _mistral_cache()
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer"] * 2
+    before = [t.clone() for t in leaves_of(cache)]
+    shards = tg.scatter({"cache": cache}, DEVICES)
+    assert [s["cache"].layers[0].keys.shape[0] for s in shards] == [3, 2, 2]
+    assert all(type(s["cache"]) is type(cache) and s["cache"] is not cache for s in shards)
+    assert shards[1]["cache"].get_seq_length() == cache.get_seq_length() == 8
+    nxt = torch.randint(3, VOCAB, (N, 1), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = tg.data_parallel(model, (), DEVICES, module_kwargs={"input_ids": nxt, "cache": cache})
+        want = pristine(_mistral)(input_ids=nxt, cache=copy.deepcopy(cache))
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-4)
+    assert cache.get_seq_length() == 8  # was 11 when the replicas advanced the caller's cache
+    for a, b in zip(leaves_of(cache), before):
+        assert torch.equal(a, b)
+    assert got.cache.get_seq_length() == 9
+    # the rebuilt cache is a working cache: the layers' metadata kept, the device rebuilt
+    layer = shards[2]["cache"].layers[1]
+    assert layer.sliding_window == 5 and layer.cumulative_length == 8
+    assert layer.device == torch.device("cpu") and int(layer._sliding_window_tensor) == 5
+
+
+def test_caches_that_cannot_be_split_are_refused_with_the_reason() -> None:
+    cu = transformers.cache_utils
+    static = cu.StaticCache(config=pristine(_llama).config, max_cache_len=16)
+    batch = {"ids": torch.zeros(4, 2), "cache": static}
+    with pytest.raises(tg.LeafTypeError) as info:
+        tg.scatter(batch, DEVICES)
+    msg = str(info.value)
+    assert msg.startswith("inputs['cache'].layers: a StaticCache treegather cannot split")
+    assert "writes in place" in msg and "broadcast()" in msg
+    # broadcast() is the user's choice: every shard gets the one cache
+    shards = tg.scatter(batch, DEVICES, tg.by_path({"cache": tg.broadcast()}))
+    assert all(s["cache"] is static for s in shards)
+    # gathered: the replicas' caches, as a list (as for any leaf gather cannot combine)
+    assert tg.gather([{"c": static}, {"c": static}], "cpu") == {"c": [static, static]}
+    # a DynamicCache holding another kind of layer stays whole too, saying which
+    mixed = cu.DynamicCache()
+    mixed.layers = [cu.DynamicLayer(), cu.LinearAttentionLayer()]  # a hybrid model's cache
+    with pytest.raises(tg.LeafTypeError, match=r"its layer 1 is a LinearAttentionLayer"):
+        tg.scatter({"ids": torch.zeros(4, 2), "cache": mixed}, DEVICES)
+    explained = tg.explain({"ids": torch.zeros(4, 2), "cache": mixed}, None, DEVICES)
+    assert "its layer 1 is a LinearAttentionLayer" in (
+        explained["inputs['cache'].layers"].problem or ""
+    )
+
+
+def test_an_encoder_decoder_cache_round_trips_and_a_user_registration_wins() -> None:
+    model = pristine(_t5)
+    ids = _ids(torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        out = model(input_ids=ids, decoder_input_ids=ids[:, :3])
+    cache = out.cache
+    shards = tg.scatter(cache, DEVICES)
+    assert [s.cross_attention_cache.layers[0].keys.shape[0] for s in shards] == [3, 2, 2]
+    assert shards[0].is_updated == cache.is_updated
+    back = tg.gather(list(shards), "cpu", sizes=shards.sizes)
+    assert type(back) is type(cache) and back.is_updated == cache.is_updated
+    assert_same_tree(back, cache)
+    # an explicit registration replaces treegather's own, as it does a torch-pytree bridge
+    cls = transformers.cache_utils.EncoderDecoderCache
+    try:
+        tg.register_node(cls, lambda c: ((), None), lambda aux, ch: "mine")
+        assert tg.gather([cache, cache], "cpu") == "mine"
+    finally:
+        from treegather import _transformers, _tree
+
+        _tree._REGISTERED.discard(cls)
+        optree.unregister_pytree_node(cls, namespace=tg.NAMESPACE)
+        _transformers.register_caches(transformers.cache_utils)
+    assert type(tg.gather([cache, cache], "cpu", sizes=(N, N))) is cls
+
+
+_USE = """
+from transformers import DynamicCache, MistralConfig
+import transformers.modeling_outputs  # what importing any model does: outputs registered
+config = MistralConfig(num_hidden_layers=1, sliding_window=5)
+cache = DynamicCache(config=config)
+cache.update(torch.ones(4, 2, 3, 8), torch.ones(4, 2, 3, 8), 0)
+shards = tg.scatter({"cache": cache}, ["cpu"] * 2)
+assert type(shards[0]["cache"]) is DynamicCache, shards
+assert shards[0]["cache"].layers[0].keys.shape == (2, 2, 3, 8)
+back = tg.gather([s["cache"] for s in shards], "cpu")
+assert type(back) is DynamicCache and back.layers[0].keys.shape == (4, 2, 3, 8)
+layer = back.layers[0]
+print(type(layer).__name__, back.get_seq_length(), layer._sliding_window_tensor.tolist())
+print(tg.explain(cache, None, ["cpu"] * 2)[0].path)
+"""
+
+_LATER = """
+import sys, torch
+import treegather as tg
+tg.gather([{"x": torch.zeros(2)}] * 2, "cpu")
+assert "transformers" not in sys.modules, "treegather imported transformers"
+"""
+
+_EXPORTED = """
+import sys, torch
+from transformers import DynamicCache
+from transformers.exporters.exporter_dynamo import register_pytree_node
+register_pytree_node(DynamicCache)  # as transformers' torch.export path does, before treegather
+import treegather as tg
+"""
+
+
+@pytest.mark.parametrize("order", ["later", "exported"])
+def test_caches_are_nodes_only_once_transformers_is_in_use(order: str) -> None:
+    # later: treegather used without transformers never imports it; imported afterwards, its
+    # caches become nodes. exported: transformers first, its caches already registered with
+    # torch's pytree (generic flattening): treegather's own registration is the one used.
+    code = (_LATER if order == "later" else _EXPORTED) + _USE
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # one working cache: the window a number (not one per replica), paths by name
+    assert proc.stdout.split() == [
+        "DynamicSlidingWindowLayer",
+        "3",
+        "5",
+        "inputs.layers[0]['keys']",
+    ]
+
+
+def test_caches_scatter_and_gather_alike_on_the_compiled_and_reference_paths() -> None:
+    from treegather._compiled import reference_only
+    from treegather._compiled.structure import find
+
+    _, cache, _ = _mistral_cache()
+    tree = {"cache": cache, "ids": torch.arange(N)}
+
+    def shapes(shards: Any) -> list[Any]:
+        return [
+            (
+                type(s["cache"]).__name__,
+                [tuple(t.shape) for t in leaves_of(s)],
+            )
+            for s in shards
+        ]
+
+    with reference_only():
+        want = tg.scatter(tree, DEVICES)
+        back_want = tg.gather(list(want), "cpu", sizes=want.sizes)
+    for _ in range(5):  # cold, seen, then compiled
+        got = tg.scatter(tree, DEVICES)
+        assert shapes(got) == shapes(want)
+        back = tg.gather(list(got), "cpu", sizes=got.sizes)
+        assert_same_tree(back, back_want)
+        assert_same_tree(back["cache"], cache)
+    assert (
+        find(tree) is not None
+    )  # the cache's structure is recognised: its metadata keys are stable
