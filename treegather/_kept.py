@@ -42,7 +42,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import chain, compress, repeat
-from operator import is_not, itemgetter
+from operator import is_not, itemgetter, le
 from typing import Any, cast
 
 import torch
@@ -58,6 +58,7 @@ from ._replicate import (
     _tensor_copies,
     check_initialized,
     params_copied,
+    tensors_of,
 )
 
 __all__ = ["Kept", "give_back", "kept_count", "reusable", "take"]
@@ -69,9 +70,11 @@ _PER_MODULE = 4
 _LOCK = threading.Lock()
 
 _TREE = itemgetter("_modules", "_parameters", "_buffers")
+_BUFFERS = itemgetter("_buffers")
 _OWN_TABLES = itemgetter(*OWN_TABLES)
 _DEREF = weakref.ref.__call__
 _PER_STEP = frozenset(("_modules", "_parameters", "_buffers"))
+_REQUIRED = frozenset((*OWN_TABLES, *_PER_STEP))
 _set_dict = object.__setattr__
 
 
@@ -80,32 +83,44 @@ class Kept:
 
     __slots__ = (
         "base_counts",
+        "buffer_dicts",
+        "buffer_lens",
         "classes",
         "compiled_ids",
         "compiled_refs",
         "copy_params",
         "detach",
         "devs",
+        "dicts",
+        "empties",
         "flat",
+        "getters",
         "keepable",
+        "n_keys",
         "n_params",
-        "own_empties",
+        "nones",
+        "od_lens",
         "own_keys",
         "own_tables",
-        "owns",
+        "plain_keys",
         "plans",
         "refs",
         "root",
         "rows",
         "shell_refs",
+        "slot_dicts",
+        "slot_empties",
+        "slot_keys",
         "src_filled",
         "stamp",
         "step",
+        "step_stamp",
         "stripped",
         "tensor_refs",
         "training",
         "tree_ids",
         "tree_keys",
+        "used_empties",
         "wrappers",
     )
 
@@ -120,7 +135,7 @@ class Kept:
         # Shells are refilled from their originals' tables, so every original must have them
         # all (every nn.Module does); TorchScript copies live in C++ and are rebuilt each step.
         self.keepable = not any(isinstance(o, torch.jit.ScriptModule) for o in originals) and all(
-            key in od for od in ods for key in (*OWN_TABLES, *_PER_STEP)
+            map(le, repeat(_REQUIRED), map(dict.keys, ods))
         )
         if not self.keepable:
             return
@@ -128,6 +143,7 @@ class Kept:
         self.refs = [weakref.ref(o) for o in originals]
         self.classes = list(map(type, originals))  # a swapped __class__ is in no __dict__
         self.training = list(map(dict.get, ods, repeat("training")))
+        self.od_lens = list(map(len, ods))  # a new attribute on a module rebuilds
         tables = list(chain.from_iterable(map(_TREE, ods)))
         self.tree_keys = list(chain.from_iterable(tables))
         self.tree_ids = list(map(id, chain.from_iterable(map(dict.values, tables))))
@@ -138,52 +154,91 @@ class Kept:
         self.compiled_ids = list(map(id, compiled))
         self.wrappers = [bool(_compiled_kind(o)) for o in originals]
         self.compiled_refs = [weakref.ref(f) for f in compiled if f is not None]
-        params, buffers = list(module.parameters()), list(module.buffers())
+        params, buffers = tensors_of(originals)
         self.n_params = len(params)
         self.tensor_refs = [weakref.ref(t) for t in (*params, *buffers)]
         self.copy_params = params_copied(params, devs, detach)
         self.plans = Plans(originals, params, buffers)
         flat = [s for row in rows for s in row]
         self.flat: list[nn.Module] | None = flat
-        self.shell_refs = [weakref.ref(s) for s in flat]
-        self.own_keys: list[tuple[str, ...]] = []
-        self.owns: list[dict[str, Any]] | None = None
         self.own_tables: list[Any] | None = None
-        self.own_empties: list[dict[str, Any]] = []
+        self.shell_refs = [weakref.ref(s) for s in flat]
         self.seal()
         self.step: list[torch.Tensor] | None = None  # this step's tensors (not after a build)
+        self.step_stamp = self.stamp
         self.stripped = False
         # What references each shell when only this object does (its rows, the parent shells'
         # _modules tables, a compiled forward bound to it): compared after every step.
         self.base_counts = list(map(sys.getrefcount, self.flat))
 
     def seal(self, *, every_shell: bool = False) -> None:
-        """Record what each shell holds of its own: every entry of its ``__dict__`` that is not
-        its original's (its tables, ``_is_replica``, a compiled forward bound to it), besides
-        what each step binds. The replicas of one module hold the same keys, unless
-        replication callbacks ran on them (``every_shell``)."""
+        """Record what each shell's ``__dict__`` holds of its own: every entry that is not its
+        original's (its tables, ``_is_replica``, a compiled forward bound to it), besides the
+        original's plain entries and this step's tensors, which each step puts in and takes
+        out again. The replicas of one module hold the same keys, unless replication callbacks
+        ran on them (``every_shell``)."""
         flat = self.flat
         assert flat is not None
         m = self.plans.m
+        ods = [vars(r()) for r in self.refs]
         keys_of: list[tuple[str, ...]] = []
         plain = (*OWN_TABLES, "_is_replica")  # what _shell gives a module that is not compiled
         for s, shell in enumerate(flat if every_shell else flat[:m]):
             if not every_shell and self.compiled_ids[s] == _NONE_ID and not self.wrappers[s]:
                 keys_of.append(plain)
                 continue
-            od, table = vars(self.refs[s % m]()), vars(shell)
-            keys = list(table)
-            theirs = map(od.get, keys, repeat(_MISSING))
-            differ = compress(keys, map(is_not, table.values(), theirs))
+            od, table = ods[s % m], vars(shell)
+            names = list(table)
+            theirs = map(od.get, names, repeat(_MISSING))
+            differ = compress(names, map(is_not, table.values(), theirs))
             step = self.plans.pkeys[s % m]
             keys_of.append(tuple(k for k in differ if k not in _PER_STEP and k not in step))
         self.own_keys = keys_of if every_shell else keys_of * len(self.devs)
-        self.owns = [
-            {**dict(zip(keys, map(table.__getitem__, keys))), **_empty_tables()}
-            for table, keys in zip(map(vars, flat), self.own_keys)
+        self.plain_keys, self.getters, self.nones, self.n_keys = [], [], [], []
+        getters: dict[tuple[str, ...], Any] = {}
+        for s, own in enumerate(self.own_keys):
+            od = ods[s % m]
+            skip = _PER_STEP.union(own)
+            keys = tuple(k for k in od if k not in skip)
+            self.plain_keys.append(keys)
+            self.getters.append(getters.get(keys) or getters.setdefault(keys, _getter(keys)))
+            attrs = tuple(k for k, p in od["_parameters"].items() if p is not None)
+            self.nones.append(dict.fromkeys(keys + attrs))  # what each step's entries become
+            self.n_keys.append(len(own) + len(_PER_STEP) + len(keys) + len(attrs))
+        self._adopt(list(map(vars, flat)), ods)
+
+    def _adopt(self, dicts: list[dict[str, Any]], ods: list[dict[str, Any]]) -> None:
+        """Take the shells' ``__dict__`` as they are: their own tables, and the empty tables
+        that stand in for this step's submodules, parameters and buffers between steps."""
+        m = self.plans.m
+        self.dicts = dicts
+        self.own_tables = list(chain.from_iterable(map(_OWN_TABLES, dicts)))
+        self.empties = []
+        used: list[dict[str, Any]] = []
+        for s, table in enumerate(dicts):
+            od = ods[s % m]
+            row: list[dict[str, Any]] = []
+            for key in _EMPTY_KEYS:  # the shell's own empty table where its original has none
+                if od[key]:
+                    row.append({})
+                else:
+                    row.append(table[key])
+                    used.append(table[key])
+            self.empties.append(row)
+        self.used_empties = used
+        # Where a step puts tables of its own (submodules, parameters, buffers), and the empty
+        # ones that stand in for them between steps; the buffer tables' sizes are checked.
+        slots = [
+            (s, key, self.empties[s][index])
+            for index, key in enumerate(_EMPTY_KEYS)
+            for s in range(len(dicts))
+            if ods[s % m][key]
         ]
-        self.own_tables = list(chain.from_iterable(map(_OWN_TABLES, self.owns)))
-        self.own_empties = list(chain.from_iterable(map(_TREE, self.owns)))
+        self.slot_dicts = [dicts[s] for s, _, _ in slots]
+        self.slot_keys = [key for _, key, _ in slots]
+        self.slot_empties = [empty for _, _, empty in slots]
+        self.buffer_dicts = [dicts[s] for s, key, _ in slots if key == "_buffers"]
+        self.buffer_lens = [len(ods[s % m]["_buffers"]) for s, key, _ in slots if key == "_buffers"]
 
     def _current(
         self, module: nn.Module
@@ -195,6 +250,8 @@ class Kept:
         if not all(map(is_not, mods, repeat(None))) or list(map(type, mods)) != self.classes:
             return None
         ods = list(map(vars, mods))
+        if list(map(len, ods)) != self.od_lens:
+            return None
         if list(map(dict.get, ods, repeat("training"))) != self.training:
             return None
         try:
@@ -225,10 +282,7 @@ class Kept:
         _, ods, tensors = current
         m, n = self.plans.m, len(self.devs)
         olds: list[dict[str, Any]] | None = None
-        if self.stripped:
-            rows, owns, own_tables = self.rows, self.owns, self.own_tables
-            assert rows is not None and owns is not None and own_tables is not None
-        else:
+        if not self.stripped:  # intact shells, held weakly: give them fresh dicts of their own
             alive = list(map(_DEREF, self.shell_refs))
             if not all(map(is_not, alive, repeat(None))):
                 return None
@@ -236,24 +290,27 @@ class Kept:
             del alive
             olds = list(map(vars, flat))
             try:
-                owns = [
-                    {**{k: old[k] for k in keys}, **_empty_tables()}
-                    for old, keys in zip(olds, self.own_keys)
-                ]
-                own_tables = list(chain.from_iterable(map(_OWN_TABLES, owns)))
+                dicts = [{k: old[k] for k in keys} for old, keys in zip(olds, self.own_keys)]
             except KeyError:  # the last forward deleted something of its own: build anew
                 return None
-            rows = [flat[j * m : (j + 1) * m] for j in range(n)]
-            self.rows, self.flat, self.owns, self.own_tables = rows, flat, owns, own_tables
-            self.own_empties = list(chain.from_iterable(map(_TREE, owns)))
-        self._sync_tables(ods, own_tables, n, intact=not self.stripped)
+            for table in dicts:
+                for key in _EMPTY_KEYS:
+                    table[key] = {}
+            deque(map(_set_dict, flat, repeat("__dict__"), dicts), 0)
+            self.rows = [flat[j * m : (j + 1) * m] for j in range(n)]
+            self.flat = flat
+            self._adopt(dicts, ods)
+        rows = self.rows
+        assert rows is not None and self.own_tables is not None
+        self._sync_tables(ods, self.own_tables, n, intact=olds is not None)
         params, buffers = tensors[: self.n_params], tensors[self.n_params :]
         pcols = _columns(params, self.devs, self.detach, True) if self.copy_params else None
         bcols = None
         if buffers and (copy_buffers or olds is None):
             bcols = _columns(buffers, self.devs, self.detach, False)
-        _fill(rows, owns, ods, self.plans, pcols, bcols, olds)
+        self._fill(rows, ods, pcols, bcols, olds)
         self.step = tensors
+        self.step_stamp = RemovableHandle.next_id
         self.stripped = False
         return [row[0] for row in rows]
 
@@ -286,6 +343,48 @@ class Kept:
                 table.clear()
                 table.update(src)
 
+    def _fill(
+        self,
+        rows: list[list[nn.Module]],
+        ods: list[dict[str, Any]],
+        pcols: list[list[Any]] | None,
+        bcols: list[list[Any]] | None,
+        olds: list[dict[str, Any]] | None,
+    ) -> None:
+        """Put this step's entries into every shell's ``__dict__``: its original's plain entries
+        (in C, one pass per replica), this step's parameters (also as attributes, as in torch),
+        submodule shells and buffers (Python only for the modules that have some)."""
+        plans = self.plans
+        m = plans.m
+        for j, row in enumerate(rows):
+            at = slice(j * m, (j + 1) * m)
+            dicts = self.dicts[at]
+            values = map(itemgetter.__call__, self.getters[at], ods)
+            deque(map(dict.update, dicts, map(zip, self.plain_keys[at], values)), 0)
+            pcol = None if pcols is None else pcols[j]
+            for i, keys, where in plans.with_params:
+                table = dicts[i]
+                if pcol is None:  # the source parameters themselves
+                    params = ods[i]["_parameters"].copy()
+                else:
+                    params = dict(zip(keys, map(pcol.__getitem__, where)))
+                table.update(params)
+                table["_parameters"] = params
+            for i, key in plans.none_params:
+                del dicts[i][key]
+            rowx: list[Any] = [*row, None]
+            for i, keys, where in plans.containers:
+                dicts[i]["_modules"] = dict(zip(keys, map(rowx.__getitem__, where)))
+            if bcols is not None:
+                bcol = bcols[j]
+                for i, keys, where in plans.with_buffers:
+                    dicts[i]["_buffers"] = dict(zip(keys, map(bcol.__getitem__, where)))
+            elif plans.with_buffers:  # copy_buffers=False: each replica keeps its own buffers
+                assert olds is not None
+                for i, keys, _ in plans.with_buffers:
+                    own = olds[j * m + i]["_buffers"]
+                    dicts[i]["_buffers"] = {key: own.get(key) for key in keys}
+
     def on(self, device: torch.device) -> bool:
         """Every parameter and buffer of the module is on ``device`` (in a step that reused the
         shells: a build checks the devices before it starts)."""
@@ -296,38 +395,81 @@ class Kept:
         """After a step: strip the shells if nothing else holds them, else let go of them."""
         self.step = None
         flat = self.flat
-        assert flat is not None and self.own_tables is not None and self.owns is not None
+        assert flat is not None
         if list(map(sys.getrefcount, flat)) == self.base_counts:
-            own_tables = self.own_tables
-            for table in compress(own_tables, map(len, own_tables)):
-                table.clear()
-            for table in compress(self.own_empties, map(len, self.own_empties)):
-                table.clear()  # what a forward registered on a module without any
-            for shell, own in zip(flat, self.owns):
-                _set_dict(shell, "__dict__", own)
+            self._strip(flat)
             self.stripped = True
         else:  # in use elsewhere: held weakly (what they hold may reach the module)
-            self.rows = self.flat = self.owns = self.own_tables = None
-            self.own_empties = []
+            self.rows = self.flat = self.own_tables = None
+            self.dicts, self.empties, self.used_empties = [], [], []
+            self.slot_dicts, self.slot_empties, self.buffer_dicts = [], [], []
             self.stripped = False
+
+    def _strip(self, flat: list[nn.Module]) -> None:
+        """Take out of every shell's ``__dict__`` what is its original's or this step's.
+
+        Each shell keeps one ``__dict__`` from step to step, with the same keys: its own entries
+        stay, the original's plain entries and this step's parameters become None, this step's
+        tables give way to empty ones of its own (nothing is inserted, deleted, allocated or
+        freed, and nothing of the originals is held). A forward that stored, registered or
+        deleted something on itself is found by the sizes and set right by
+        :meth:`_strip_carefully`.
+        """
+        m, n = self.plans.m, len(self.devs)
+        dicts = self.dicts
+        own_tables = self.own_tables
+        assert own_tables is not None
+        clean = RemovableHandle.next_id == self.step_stamp  # no hook registered in the step
+        if clean:  # the own tables hold the originals' hooks, where those have some
+            per_replica = len(OWN_TABLES) * m
+            for j in range(n):
+                for p in self.src_filled:
+                    own_tables[j * per_replica + p].clear()
+        else:
+            for table in compress(own_tables, map(len, own_tables)):
+                table.clear()
+        if list(map(len, map(_BUFFERS, self.buffer_dicts))) != self.buffer_lens:
+            clean = False  # a buffer registered or deleted in the step (its name, in a set)
+        deque(map(dict.__setitem__, self.slot_dicts, self.slot_keys, self.slot_empties), 0)
+        deque(map(dict.update, dicts, self.nones), 0)
+        if not clean or any(map(len, self.used_empties)) or list(map(len, dicts)) != self.n_keys:
+            self._strip_carefully(dicts)
+
+    def _strip_carefully(self, dicts: list[dict[str, Any]]) -> None:
+        """Each shell's ``__dict__`` back to exactly its own entries, and every own table
+        emptied (the next step refills them): after a forward stored, registered or deleted
+        something on itself."""
+        assert self.own_tables is not None
+        for s, table in enumerate(dicts):
+            keep = {*self.own_keys[s], *_PER_STEP, *self.nones[s]}
+            for key in [k for k in table if k not in keep]:
+                del table[key]
+            table.update(self.nones[s])  # (also the ones a forward deleted)
+            for index, key in enumerate(_EMPTY_KEYS):
+                empty = self.empties[s][index]
+                empty.clear()
+                table[key] = empty
+        for t in self.own_tables:
+            t.clear()
 
 
 _MISSING = object()
-
-
-def _empty_tables() -> dict[str, dict[str, Any]]:
-    """A shell's own ``_modules``, ``_parameters`` and ``_buffers`` while it has none of them."""
-    return {"_modules": {}, "_parameters": {}, "_buffers": {}}
-
-
 _NONE_ID = id(None)
+_EMPTY_KEYS = ("_modules", "_parameters", "_buffers")
+
+
+def _getter(keys: tuple[str, ...]) -> Any:
+    """An itemgetter giving a tuple whose first ``len(keys)`` items are those keys' values."""
+    if len(keys) > 1:
+        return itemgetter(*keys)
+    return itemgetter(*(keys or ("_modules",)) * 2)  # (one key: itemgetter gives no tuple)
 
 
 class Plans:
     """Where each shell's submodules, parameters and buffers come from every step: only the
     modules that have some are listed (most have no children, many no parameters)."""
 
-    __slots__ = ("containers", "m", "none_params", "pkeys", "with_buffers", "with_params")
+    __slots__ = ("bkeys", "containers", "m", "none_params", "pkeys", "with_buffers", "with_params")
 
     def __init__(
         self,
@@ -340,6 +482,7 @@ class Plans:
         b_at = {id(b): k for k, b in enumerate(buffers)}
         self.m = len(originals)
         self.pkeys = [tuple(o._parameters) for o in originals]
+        self.bkeys = [tuple(o._buffers) for o in originals]
         # (module, keys, positions in the row / in this step's column; the last one is None)
         self.containers: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
         self.with_params: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
@@ -370,51 +513,6 @@ def _columns(
     )
     per_tensor = [copies[id(t)] for t in tensors]
     return [[*(c[j] for c in per_tensor), None] for j in range(len(devs))]
-
-
-def _fill(
-    rows: list[list[nn.Module]],
-    owns: list[dict[str, Any]],
-    ods: list[dict[str, Any]],
-    plans: Plans,
-    pcols: list[list[Any]] | None,
-    bcols: list[list[Any]] | None,
-    olds: list[dict[str, Any]] | None,
-) -> None:
-    """Rebuild every shell's ``__dict__``: its original's, its own entries, this step's tensors.
-
-    The work every shell needs (copy, update, set) runs in C, one pass per step; Python runs
-    only for the modules that have submodules, parameters or buffers (the others keep their own
-    empty tables, which :meth:`Kept.end_step` empties again if a forward filled them).
-    """
-    m = plans.m
-    for j, row in enumerate(rows):
-        tables = list(map(dict.copy, ods))
-        deque(map(dict.update, tables, owns[j * m : (j + 1) * m]), 0)
-        pcol = None if pcols is None else pcols[j]
-        for i, keys, where in plans.with_params:
-            table = tables[i]
-            if pcol is None:  # the source parameters themselves
-                params = ods[i]["_parameters"].copy()
-            else:
-                params = dict(zip(keys, map(pcol.__getitem__, where)))
-            table.update(params)  # parameters as attributes too, as in torch
-            table["_parameters"] = params
-        for i, key in plans.none_params:
-            del tables[i][key]
-        rowx: list[Any] = [*row, None]
-        for i, keys, where in plans.containers:
-            tables[i]["_modules"] = dict(zip(keys, map(rowx.__getitem__, where)))
-        if bcols is not None:
-            bcol = bcols[j]
-            for i, keys, where in plans.with_buffers:
-                tables[i]["_buffers"] = dict(zip(keys, map(bcol.__getitem__, where)))
-        elif plans.with_buffers:  # copy_buffers=False: each replica keeps its own buffers
-            assert olds is not None
-            for i, keys, _ in plans.with_buffers:
-                own = olds[j * m + i]["_buffers"]
-                tables[i]["_buffers"] = {key: own.get(key) for key in keys}
-        deque(map(_set_dict, row, repeat("__dict__"), tables), 0)
 
 
 def reusable(module: nn.Module, devs: Sequence[torch.device]) -> bool:

@@ -270,7 +270,7 @@ def _build_rows(
     position = {id(m): i for i, m in enumerate(originals)}
     kinds = [_compiled_kind(m) for m in originals]
     rows = [[_shell(m) for m in originals] for _ in range(n)]
-    tensor_copies = _tensor_copies(module.parameters(), module.buffers(), devs, detach)
+    tensor_copies = _tensor_copies(*tensors_of(originals), devs, detach)
 
     for i, orig in enumerate(originals):
         scripted = isinstance(orig, torch.jit.ScriptModule)
@@ -296,6 +296,14 @@ def _build_rows(
             for j in range(n):
                 _rebind_compiled(rows[j][i], originals[i], kind)
     return originals, rows
+
+
+def tensors_of(originals: Sequence[nn.Module]) -> tuple[list[Any], list[Any]]:
+    """``module.parameters()`` and ``module.buffers()`` from ``list(module.modules())``: the same
+    tensors in the same order (each once, where it first appears), without walking the tree."""
+    params = dict.fromkeys(p for m in originals for p in m._parameters.values() if p is not None)
+    buffers = dict.fromkeys(b for m in originals for b in m._buffers.values() if b is not None)
+    return list(params), list(buffers)
 
 
 def _tensor_copies(
@@ -401,7 +409,8 @@ def _own_tables(module: nn.Module, replica: nn.Module) -> None:
                 table[key] = table[key].copy()
         params = table["_parameters"]
         for key, param in orig._parameters.items():
-            params[key] = None if param is None else table[key]
+            if key not in params:  # (a copy that is a Parameter was registered as one)
+                params[key] = None if param is None else table[key]
 
 
 def _link_script_shell(
