@@ -212,11 +212,13 @@ class Assigning(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 2)
+        self.note = "the source's"
         SEEN.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         names = ("tag", "extra", "p", "b", "nb")
-        SEEN.append([n for n in names if hasattr(self, n)])
+        SEEN.append([n for n in names if hasattr(self, n)] + [self.note])
+        del self.note  # an attribute of the source's, deleted on the replica only
         self.tag = "replica"
         self.extra = nn.Identity()
         self.p = nn.Parameter(torch.zeros(2))
@@ -234,7 +236,7 @@ def test_what_a_forward_assigns_stays_in_its_replica(backend: str) -> None:
     for _ in range(3):
         out = tg.data_parallel(model, x, CPU3, backend=backend)  # type: ignore[arg-type]
         torch.testing.assert_close(out, model.lin(x))
-    assert SEEN == [[]] * 9
+    assert SEEN == [["the source's"]] * 9
     assert_unchanged(model, before)
     assert not hasattr(model.lin, "weight_note")
     assert "nb" not in model._non_persistent_buffers_set

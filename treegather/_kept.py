@@ -5,12 +5,13 @@ every replica. Here the shells of a module's last replication for a device list 
 :class:`~treegather._caches.WeakCache` keyed by the module) and each step re-binds them to the
 module as it is now:
 
-- every shell's ``__dict__`` is rebuilt from its original's (so an attribute changed on the
-  module, ``m.scale = 3.0``, is seen at once, and one a replica's forward stored on itself is
-  gone the next step), with the shell's own tables: its submodule shells, this step's
-  parameters (in ``_parameters`` and as plain attributes) and buffers, and its own hook tables,
-  refilled with the original's hooks (a hook registered on the module between steps runs from
-  the next step on; one a replica registered is gone);
+- every shell keeps one ``__dict__`` of its own from step to step (its hook tables, copies of its
+  original's, and what replication bound into it); each step writes its original's plain
+  entries into it (a value changed on the module, ``m.scale = 3.0``, is seen at once), this
+  step's parameters (in ``_parameters`` and as attributes) and buffers, its submodule shells,
+  and refills its hook tables with the original's hooks (a hook registered on the module
+  between steps runs from the next step on; one a replica's forward registered is gone, as is
+  an attribute it stored on itself);
 - buffers: replica 0 shares the source's (on the source's device), every other replica gets
   fresh copies, so BatchNorm statistics move through replica 0 only, exactly as in torch;
 - parameters: on the source's device the shells hold the source parameters themselves, so
@@ -19,19 +20,25 @@ module as it is now:
 
 Guards: kept shells are used only while the module's tree is what it was when they were built:
 every submodule, parameter and buffer (``_modules``, ``_parameters``, ``_buffers``: keys, and
-values by identity), every module's class, training flag and in-place compiled forward
-(``m.compile()``). Anything else rebuilds. Changes made in place on a parameter
-(``load_state_dict``, ``requires_grad_(False)``, ``p.data = ...``) need no rebuild.
+values by identity), every module's class, training flag, in-place compiled forward
+(``m.compile()``) and the number of entries in its ``__dict__`` (a new attribute). Anything
+else rebuilds. Changes made in place on a parameter (``load_state_dict``,
+``requires_grad_(False)``, ``p.data = ...``) need no rebuild.
 
 Nothing the cache holds between steps reaches the module strongly (issue 20 item 7): the guards
 hold weak references (and ids checked only while those references are alive), keys, classes
 and flags. After a step, when nothing but the cache references the shells (their reference
-counts are what they were when built), their ``__dict__`` is stripped down to what is theirs
-(their hook tables, emptied, and what replication bound into them): the shells are kept and
-refilled at the next step. When something else still holds them (an autograd graph through a
-full backward hook or gradient checkpointing, the caller of ``replicate(reuse=True)``) they are
-left intact and held weakly: the next step refills them if they are still alive, and builds new
-ones if not. Either way a deleted module frees them.
+counts are what they were when built), they are stripped: the original's entries and the
+step's parameters become None, the step's tables give way to the shell's own empty ones and
+its hook tables are emptied, so the shells are kept and refilled at the next step. When
+something else still holds them (an autograd graph through a full backward hook or gradient
+checkpointing, the caller of ``replicate(reuse=True)``) they are left intact and held weakly:
+the next step refills them if they are still alive, and builds new ones if not. Either way a
+deleted module frees them.
+
+The originals' hook tables are looked at only when a hook was registered somewhere since the
+last look (torch numbers every registration through its API: ``RemovableHandle.next_id``);
+the tables that hold something are copied every step.
 """
 
 from __future__ import annotations

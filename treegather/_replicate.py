@@ -113,8 +113,9 @@ def replicate(
             is unchanged, re-bound to the module as it is now (its attributes, hooks, buffers
             and parameters; what :func:`data_parallel` and :class:`DataParallel` do every
             step). They are the same objects each call: use one call's replicas before the
-            next, from one thread. A replaced layer, parameter or buffer, a swapped class,
-            ``.eval()`` / ``.train()`` or a compiled forward rebuilds them; replicas you no
+            next, from one thread. A replaced layer, parameter or buffer, a new attribute, a
+            swapped class, ``.eval()`` / ``.train()`` or a compiled forward rebuilds them (a
+            new hook or a changed attribute value is re-bound); replicas you no
             longer hold are rebuilt too (the cache holds nothing that keeps the module alive:
             a deleted module frees them). TorchScript modules are replicated anew every call.
 
