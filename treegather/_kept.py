@@ -48,7 +48,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import chain, compress, repeat
+from itertools import chain, compress, filterfalse, repeat
 from operator import is_not, itemgetter, le
 from typing import Any, cast
 
@@ -203,49 +203,51 @@ class Kept:
         self.own_keys = keys_of if every_shell else keys_of * len(self.devs)
         self.plain_keys, self.getters, self.nones, self.n_keys = [], [], [], []
         getters: dict[tuple[str, ...], Any] = {}
-        for s, own in enumerate(self.own_keys):
+        skips: dict[tuple[str, ...], frozenset[str]] = {}
+        for s, own in enumerate(keys_of):  # (per module, and per replica after callbacks)
             od = ods[s % m]
-            skip = _PER_STEP.union(own)
-            keys = tuple(k for k in od if k not in skip)
+            skip = skips.get(own) or skips.setdefault(own, _PER_STEP.union(own))
+            keys = tuple(filterfalse(skip.__contains__, od))
             self.plain_keys.append(keys)
             self.getters.append(getters.get(keys) or getters.setdefault(keys, _getter(keys)))
             attrs = tuple(k for k, p in od["_parameters"].items() if p is not None)
             self.nones.append(dict.fromkeys(keys + attrs))  # what each step's entries become
             self.n_keys.append(len(own) + len(_PER_STEP) + len(keys) + len(attrs))
+        if not every_shell:  # the replicas of a module share these (read only)
+            n = len(self.devs)
+            self.plain_keys, self.getters = self.plain_keys * n, self.getters * n
+            self.nones, self.n_keys = self.nones * n, self.n_keys * n
         self._adopt(list(map(vars, flat)), ods)
 
     def _adopt(self, dicts: list[dict[str, Any]], ods: list[dict[str, Any]]) -> None:
         """Take the shells' ``__dict__`` as they are: their own tables, and the empty tables
         that stand in for this step's submodules, parameters and buffers between steps."""
-        m = self.plans.m
         self.dicts = dicts
         self.own_tables = list(chain.from_iterable(map(_OWN_TABLES, dicts)))
+        n = len(self.devs)
         self.empties = []
         used: list[dict[str, Any]] = []
-        for s, table in enumerate(dicts):
-            od = ods[s % m]
+        # Where a step puts tables of its own (submodules, parameters, buffers), and the empty
+        # ones that stand in for them between steps; the buffer tables' sizes are checked.
+        self.slot_dicts, self.slot_keys, self.slot_empties = [], [], []
+        self.buffer_dicts, self.buffer_lens = [], []
+        for table, od in zip(dicts, ods * n):
             row: list[dict[str, Any]] = []
             for key in _EMPTY_KEYS:  # the shell's own empty table where its original has none
                 if od[key]:
-                    row.append({})
+                    empty: dict[str, Any] = {}
+                    self.slot_dicts.append(table)
+                    self.slot_keys.append(key)
+                    self.slot_empties.append(empty)
                 else:
-                    row.append(table[key])
-                    used.append(table[key])
+                    empty = table[key]
+                    used.append(empty)
+                row.append(empty)
+            if od["_buffers"]:
+                self.buffer_dicts.append(table)
+                self.buffer_lens.append(len(od["_buffers"]))
             self.empties.append(row)
         self.used_empties = used
-        # Where a step puts tables of its own (submodules, parameters, buffers), and the empty
-        # ones that stand in for them between steps; the buffer tables' sizes are checked.
-        slots = [
-            (s, key, self.empties[s][index])
-            for index, key in enumerate(_EMPTY_KEYS)
-            for s in range(len(dicts))
-            if ods[s % m][key]
-        ]
-        self.slot_dicts = [dicts[s] for s, _, _ in slots]
-        self.slot_keys = [key for _, key, _ in slots]
-        self.slot_empties = [empty for _, _, empty in slots]
-        self.buffer_dicts = [dicts[s] for s, key, _ in slots if key == "_buffers"]
-        self.buffer_lens = [len(ods[s % m]["_buffers"]) for s, key, _ in slots if key == "_buffers"]
 
     def _current(
         self, module: nn.Module
