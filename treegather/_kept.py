@@ -78,6 +78,7 @@ _LOCK = threading.Lock()
 
 _TREE = itemgetter("_modules", "_parameters", "_buffers")
 _BUFFERS = itemgetter("_buffers")
+_PARAMETERS = itemgetter("_parameters")
 _OWN_TABLES = itemgetter(*OWN_TABLES)
 _DEREF = weakref.ref.__call__
 _PER_STEP = frozenset(("_modules", "_parameters", "_buffers"))
@@ -109,6 +110,7 @@ class Kept:
         "od_lens",
         "own_keys",
         "own_tables",
+        "param_dicts",
         "plain_keys",
         "plans",
         "refs",
@@ -248,6 +250,10 @@ class Kept:
                 self.buffer_lens.append(len(od["_buffers"]))
             self.empties.append(row)
         self.used_empties = used
+        m = self.plans.m
+        self.param_dicts = [
+            [dicts[j * m + i] for i, _, _ in self.plans.with_params] for j in range(n)
+        ]
 
     def _current(
         self, module: nn.Module
@@ -365,20 +371,23 @@ class Kept:
         submodule shells and buffers (Python only for the modules that have some)."""
         plans = self.plans
         m = plans.m
+        owners = [ods[i] for i, _, _ in plans.with_params]
         for j, row in enumerate(rows):
             at = slice(j * m, (j + 1) * m)
             dicts = self.dicts[at]
             values = map(itemgetter.__call__, self.getters[at], ods)
             deque(map(dict.update, dicts, map(zip, self.plain_keys[at], values)), 0)
-            pcol = None if pcols is None else pcols[j]
-            for i, keys, where in plans.with_params:
-                table = dicts[i]
-                if pcol is None:  # the source parameters themselves
-                    params = ods[i]["_parameters"].copy()
-                else:
-                    params = dict(zip(keys, map(pcol.__getitem__, where)))
-                table.update(params)
-                table["_parameters"] = params
+            if pcols is None:  # the source parameters themselves
+                params = list(map(dict.copy, map(_PARAMETERS, owners)))
+            else:
+                pcol = pcols[j]
+                params = [
+                    dict(zip(keys, map(pcol.__getitem__, where)))
+                    for _, keys, where in plans.with_params
+                ]
+            targets = self.param_dicts[j]
+            deque(map(dict.update, targets, params), 0)  # as attributes too, as in torch
+            deque(map(dict.__setitem__, targets, repeat("_parameters"), params), 0)
             for i, key in plans.none_params:
                 del dicts[i][key]
             rowx: list[Any] = [*row, None]
@@ -410,7 +419,7 @@ class Kept:
             self.stripped = True
         else:  # in use elsewhere: held weakly (what they hold may reach the module)
             self.rows = self.flat = self.own_tables = None
-            self.dicts, self.empties, self.used_empties = [], [], []
+            self.dicts, self.empties, self.used_empties, self.param_dicts = [], [], [], []
             self.slot_dicts, self.slot_empties, self.buffer_dicts = [], [], []
             self.stripped = False
 
