@@ -597,3 +597,54 @@ def test_replicate_reuse_hands_back_the_replicas_you_hold() -> None:
     del model, c
     gc.collect()
     assert ref() is None
+
+
+class Rescaling(nn.Module):
+    """Reads an attribute of the source's and overwrites it on itself in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.scale: Any = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.scale() if callable(self.scale) else self.scale
+        self.scale = 100.0  # on the replica only: the next step sees the source's again
+        return self.lin(x) * scale
+
+
+def test_attribute_values_follow_the_source_and_not_the_last_forward() -> None:
+    model = Rescaling()
+    x = torch.randn(6, 3)
+    for scale in (2.0, 2.0, 3.0, 3.0):  # changed on the source between steps: re-bound
+        model.scale = scale
+        torch.testing.assert_close(tg.data_parallel(model, x, CPU3), model.lin(x) * scale)
+    assert model.scale == 3.0
+    model.scale = lambda: 5.0  # a function now (no value a replica may keep between steps)
+    torch.testing.assert_close(tg.data_parallel(model, x, CPU3), model.lin(x) * 5.0)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+class ReplacingChild(nn.Module):
+    """Replaces its child on itself after using it: the next step uses the source's again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.lin = nn.Linear(3, 2)
+        return out
+
+
+def test_a_child_replaced_in_forward_is_back_the_next_step() -> None:
+    model = ReplacingChild()
+    lin = model.lin
+    x = torch.randn(6, 3)
+    for _ in range(3):
+        torch.testing.assert_close(tg.data_parallel(model, x, CPU3), lin(x))
+    assert model.lin is lin

@@ -49,7 +49,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import chain, compress, filterfalse, repeat
-from operator import is_not, itemgetter, le
+from operator import is_, is_not, itemgetter, le
 from typing import Any, cast
 
 import torch
@@ -90,9 +90,17 @@ class Kept:
     """The linked replica shells of one module for one device list, and what they were built from."""
 
     __slots__ = (
+        "atom_dicts",
+        "atom_getters",
+        "atom_keys",
+        "atom_values",
+        "atoms",
         "base_counts",
         "buffer_dicts",
         "buffer_lens",
+        "child_values",
+        "children",
+        "children_lens",
         "classes",
         "compiled_ids",
         "compiled_refs",
@@ -102,20 +110,23 @@ class Kept:
         "dicts",
         "empties",
         "flat",
-        "getters",
         "keepable",
         "n_keys",
         "n_params",
         "nones",
+        "obj_at",
+        "obj_dicts",
+        "obj_getters",
+        "obj_keys",
         "od_lens",
         "own_keys",
         "own_tables",
         "param_dicts",
-        "plain_keys",
         "plans",
         "refs",
         "root",
         "rows",
+        "shared",
         "shell_refs",
         "slot_dicts",
         "slot_empties",
@@ -203,22 +214,41 @@ class Kept:
             step = self.plans.pkeys[s % m]
             keys_of.append(tuple(k for k in differ if k not in _PER_STEP and k not in step))
         self.own_keys = keys_of if every_shell else keys_of * len(self.devs)
-        self.plain_keys, self.getters, self.nones, self.n_keys = [], [], [], []
+        # The originals' plain entries: atoms (bools, numbers, strings, dtypes, devices, tuples
+        # of those) stay in the shells from step to step, compared by identity with the
+        # original's each step; anything else (configs, functions, methods bound to a module)
+        # is written in every step and replaced by None after it, like the step's parameters.
+        self.atom_keys, self.atom_getters, self.atom_values, self.atoms = [], [], [], []
+        self.obj_at, self.obj_keys, self.obj_getters, self.nones, self.n_keys = [], [], [], [], []
         getters: dict[tuple[str, ...], Any] = {}
         skips: dict[tuple[str, ...], frozenset[str]] = {}
         for s, own in enumerate(keys_of):  # (per module, and per replica after callbacks)
             od = ods[s % m]
             skip = skips.get(own) or skips.setdefault(own, _PER_STEP.union(own))
             keys = tuple(filterfalse(skip.__contains__, od))
-            self.plain_keys.append(keys)
-            self.getters.append(getters.get(keys) or getters.setdefault(keys, _getter(keys)))
+            atom_keys = tuple(k for k in keys if _is_atom(od[k]))
+            obj_keys = tuple(k for k in keys if k not in atom_keys)
+            self.atom_keys.append(atom_keys)
+            self.atom_getters.append(
+                getters.get(atom_keys) or getters.setdefault(atom_keys, _getter(atom_keys))
+            )
+            if not atom_keys:  # (every module has some: ``training``, ...; not this one)
+                self.keepable = False
+                return
+            self.atom_values.append(self.atom_getters[-1](od))
+            self.atoms.append(dict(zip(atom_keys, self.atom_values[-1])))
+            if obj_keys:
+                self.obj_at.append(s)
+                self.obj_keys.append(obj_keys)
+                self.obj_getters.append(
+                    getters.get(obj_keys) or getters.setdefault(obj_keys, _getter(obj_keys))
+                )
             attrs = tuple(k for k, p in od["_parameters"].items() if p is not None)
-            self.nones.append(dict.fromkeys(keys + attrs))  # what each step's entries become
+            self.nones.append(dict.fromkeys(obj_keys + attrs))  # what they become after a step
             self.n_keys.append(len(own) + len(_PER_STEP) + len(keys) + len(attrs))
-        if not every_shell:  # the replicas of a module share these (read only)
-            n = len(self.devs)
-            self.plain_keys, self.getters = self.plain_keys * n, self.getters * n
-            self.nones, self.n_keys = self.nones * n, self.n_keys * n
+        self.shared = not every_shell  # the replicas of a module share these (read only)
+        if self.shared:
+            self.nones, self.n_keys = self.nones * len(self.devs), self.n_keys * len(self.devs)
         self._adopt(list(map(vars, flat)), ods)
 
     def _adopt(self, dicts: list[dict[str, Any]], ods: list[dict[str, Any]]) -> None:
@@ -233,17 +263,23 @@ class Kept:
         # ones that stand in for them between steps; the buffer tables' sizes are checked.
         self.slot_dicts, self.slot_keys, self.slot_empties = [], [], []
         self.buffer_dicts, self.buffer_lens = [], []
+        self.children, self.children_lens = [], []  # submodule tables, kept from step to step
         for table, od in zip(dicts, ods * n):
             row: list[dict[str, Any]] = []
             for key in _EMPTY_KEYS:  # the shell's own empty table where its original has none
-                if od[key]:
-                    empty: dict[str, Any] = {}
+                empty: dict[str, Any]
+                if not od[key]:
+                    empty = table[key]
+                    used.append(empty)
+                elif key == "_modules":
+                    empty = {}  # (the shell's submodules stay: they are its own)
+                    self.children.append(table[key])
+                    self.children_lens.append(len(od[key]))
+                else:
+                    empty = {}
                     self.slot_dicts.append(table)
                     self.slot_keys.append(key)
                     self.slot_empties.append(empty)
-                else:
-                    empty = table[key]
-                    used.append(empty)
                 row.append(empty)
             if od["_buffers"]:
                 self.buffer_dicts.append(table)
@@ -254,6 +290,13 @@ class Kept:
         self.param_dicts = [
             [dicts[j * m + i] for i, _, _ in self.plans.with_params] for j in range(n)
         ]
+        # Per replica, the shells whose originals hold entries other than atoms.
+        if self.shared:
+            self.obj_dicts = [[dicts[j * m + s] for s in self.obj_at] for j in range(n)]
+        else:
+            self.obj_dicts = [[dicts[s] for s in self.obj_at]]
+        self.atom_dicts = self.atoms * n if self.shared else self.atoms
+        self.child_values = list(chain.from_iterable(map(dict.values, self.children)))
 
     def _current(
         self, module: nn.Module
@@ -296,6 +339,9 @@ class Kept:
             return None
         _, ods, tensors = current
         m, n = self.plans.m, len(self.devs)
+        changed = self._changed_atoms(ods)
+        if changed is None:
+            return None
         olds: list[dict[str, Any]] | None = None
         if not self.stripped:  # intact shells, held weakly: give them fresh dicts of their own
             alive = list(map(_DEREF, self.shell_refs))
@@ -311,10 +357,20 @@ class Kept:
             for table in dicts:
                 for key in _EMPTY_KEYS:
                     table[key] = {}
+            new_rows = [flat[j * m : (j + 1) * m] for j in range(n)]
+            for j, row in enumerate(new_rows):
+                rowx: list[Any] = [*row, None]
+                for i, keys, where in self.plans.containers:
+                    dicts[j * m + i]["_modules"] = dict(zip(keys, map(rowx.__getitem__, where)))
             deque(map(_set_dict, flat, repeat("__dict__"), dicts), 0)
-            self.rows = [flat[j * m : (j + 1) * m] for j in range(n)]
+            self.rows = new_rows
             self.flat = flat
             self._adopt(dicts, ods)
+            deque(map(dict.update, dicts, self.atom_dicts), 0)
+        else:
+            for s in changed:  # an atom changed on a module: every replica of it gets it
+                for table in self.dicts[s % m :: m] if self.shared else self.dicts[s : s + 1]:
+                    table.update(self.atoms[s])
         rows = self.rows
         assert rows is not None and self.own_tables is not None
         self._sync_tables(ods, self.own_tables, n, intact=olds is not None)
@@ -328,6 +384,23 @@ class Kept:
         self.step_stamp = RemovableHandle.next_id
         self.stripped = False
         return [row[0] for row in rows]
+
+    def _changed_atoms(self, ods: list[dict[str, Any]]) -> list[int] | None:
+        """Which entries of ``atom_values`` changed on their modules (their new values
+        recorded), or None when one is no atom any more (the shells are rebuilt)."""
+        sources = ods if self.shared else ods * len(self.devs)
+        now = list(map(itemgetter.__call__, self.atom_getters, sources))
+        if all(map(is_, chain.from_iterable(now), chain.from_iterable(self.atom_values))):
+            return []
+        changed = []
+        for s, (new, old) in enumerate(zip(now, self.atom_values)):
+            if not all(map(is_, new, old)):
+                if not all(map(_is_atom, new)):
+                    return None
+                self.atom_values[s] = new
+                self.atoms[s].update(zip(self.atom_keys[s], new))
+                changed.append(s)
+        return changed
 
     def _sync_tables(
         self, ods: list[dict[str, Any]], own_tables: list[Any], n: int, *, intact: bool
@@ -372,11 +445,13 @@ class Kept:
         plans = self.plans
         m = plans.m
         owners = [ods[i] for i, _, _ in plans.with_params]
-        for j, row in enumerate(rows):
-            at = slice(j * m, (j + 1) * m)
-            dicts = self.dicts[at]
-            values = map(itemgetter.__call__, self.getters[at], ods)
-            deque(map(dict.update, dicts, map(zip, self.plain_keys[at], values)), 0)
+        obj_ods = [ods[s % m] for s in self.obj_at]
+        for j in range(len(rows)):
+            dicts = self.dicts[j * m : (j + 1) * m]
+            if self.shared or j == 0:
+                targets = self.obj_dicts[j]
+                values = map(itemgetter.__call__, self.obj_getters, obj_ods)
+                deque(map(dict.update, targets, map(zip, self.obj_keys, values)), 0)
             if pcols is None:  # the source parameters themselves
                 params = list(map(dict.copy, map(_PARAMETERS, owners)))
             else:
@@ -385,14 +460,11 @@ class Kept:
                     dict(zip(keys, map(pcol.__getitem__, where)))
                     for _, keys, where in plans.with_params
                 ]
-            targets = self.param_dicts[j]
-            deque(map(dict.update, targets, params), 0)  # as attributes too, as in torch
-            deque(map(dict.__setitem__, targets, repeat("_parameters"), params), 0)
+            holders = self.param_dicts[j]
+            deque(map(dict.update, holders, params), 0)  # as attributes too, as in torch
+            deque(map(dict.__setitem__, holders, repeat("_parameters"), params), 0)
             for i, key in plans.none_params:
                 del dicts[i][key]
-            rowx: list[Any] = [*row, None]
-            for i, keys, where in plans.containers:
-                dicts[i]["_modules"] = dict(zip(keys, map(rowx.__getitem__, where)))
             if bcols is not None:
                 bcol = bcols[j]
                 for i, keys, where in plans.with_buffers:
@@ -420,6 +492,8 @@ class Kept:
         else:  # in use elsewhere: held weakly (what they hold may reach the module)
             self.rows = self.flat = self.own_tables = None
             self.dicts, self.empties, self.used_empties, self.param_dicts = [], [], [], []
+            self.obj_dicts, self.atom_dicts = [], []
+            self.children, self.children_lens, self.child_values = [], [], []
             self.slot_dicts, self.slot_empties, self.buffer_dicts = [], [], []
             self.stripped = False
 
@@ -448,8 +522,13 @@ class Kept:
                 table.clear()
         if list(map(len, map(_BUFFERS, self.buffer_dicts))) != self.buffer_lens:
             clean = False  # a buffer registered or deleted in the step (its name, in a set)
+        if list(map(len, self.children)) != self.children_lens or not all(
+            map(is_, chain.from_iterable(map(dict.values, self.children)), self.child_values)
+        ):
+            clean = False  # a submodule replaced, added or deleted in the step
         deque(map(dict.__setitem__, self.slot_dicts, self.slot_keys, self.slot_empties), 0)
         deque(map(dict.update, dicts, self.nones), 0)
+        deque(map(dict.update, dicts, self.atom_dicts), 0)  # (a forward may have set one)
         if not clean or any(map(len, self.used_empties)) or list(map(len, dicts)) != self.n_keys:
             self._strip_carefully(dicts)
 
@@ -459,14 +538,24 @@ class Kept:
         something on itself."""
         assert self.own_tables is not None
         for s, table in enumerate(dicts):
-            keep = {*self.own_keys[s], *_PER_STEP, *self.nones[s]}
+            keep = {*self.own_keys[s], *_PER_STEP, *self.nones[s], *self.atom_dicts[s]}
             for key in [k for k in table if k not in keep]:
                 del table[key]
             table.update(self.nones[s])  # (also the ones a forward deleted)
+            table.update(self.atom_dicts[s])
             for index, key in enumerate(_EMPTY_KEYS):
                 empty = self.empties[s][index]
                 empty.clear()
                 table[key] = empty
+        m = self.plans.m
+        for j, row in enumerate(self.rows or ()):
+            rowx: list[Any] = [*row, None]
+            for (i, keys, where), children in zip(
+                self.plans.containers, self.children[j * len(self.plans.containers) :]
+            ):
+                children.clear()
+                children.update(zip(keys, map(rowx.__getitem__, where)))
+                dicts[j * m + i]["_modules"] = children
         for t in self.own_tables:
             t.clear()
 
@@ -474,6 +563,17 @@ class Kept:
 _MISSING = object()
 _NONE_ID = id(None)
 _EMPTY_KEYS = ("_modules", "_parameters", "_buffers")
+
+
+_ATOMS = frozenset(
+    (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+)
+
+
+def _is_atom(value: Any) -> bool:
+    """A value that references nothing else (so a shell may hold it between steps)."""
+    kind = type(value)
+    return kind in _ATOMS or (kind is tuple and all(map(_is_atom, value)))
 
 
 def _getter(keys: tuple[str, ...]) -> Any:
@@ -553,8 +653,9 @@ def take(
     The kept shells leave the cache until :func:`give_back`: a concurrent step on the same
     module builds its own, and a step that fails never hands back shells in an unknown state.
     ``before_build`` runs before new shells are built (a device check); ``prepare`` runs on
-    new replicas before what they hold of their own is recorded (replication callbacks).
-    ``kept`` is None when the module cannot be kept (TorchScript inside): fresh every call.
+    every new set of replicas (``fresh``), before what they hold of their own is recorded
+    (replication callbacks). ``kept`` is None when the module cannot be kept (TorchScript
+    inside): fresh every call.
     """
     key: Key = (tuple(devs), detach)
     with _LOCK:
@@ -573,10 +674,14 @@ def take(
     assert built.rows is not None
     replicas = [row[0] for row in built.rows]
     if not built.keepable:
+        if prepare is not None:
+            prepare(replicas)
         return replicas, None, True
     if prepare is not None:
         prepare(replicas)
         built.seal(every_shell=True)
+    if not built.keepable:
+        return replicas, None, True
     return replicas, built, True
 
 
