@@ -21,14 +21,16 @@ module as it is now:
 Guards: kept shells are used only while the module's tree is what it was when they were built:
 every submodule, parameter and buffer (``_modules``, ``_parameters``, ``_buffers``: keys, and
 values by identity), every module's class, training flag, in-place compiled forward
-(``m.compile()``) and the number of entries in its ``__dict__`` (a new attribute). Anything
-else rebuilds. Changes made in place on a parameter (``load_state_dict``,
-``requires_grad_(False)``, ``p.data = ...``) need no rebuild.
+(``m.compile()``) and the number of entries in its ``__dict__`` (a new attribute). A change to
+any of these rebuilds the shells, and so does a plain value that stops being an atom (below);
+other changes are re-bound at the next step, and changes made in place on a parameter
+(``load_state_dict``, ``requires_grad_(False)``, ``p.data = ...``) need nothing.
 
 Nothing the cache holds between steps reaches the module strongly (issue 20 item 7): the guards
 hold weak references (and ids checked only while those references are alive), keys, classes
 and flags. After a step, when nothing but the cache references the shells (their reference
-counts are what they were when built), they are stripped: the original's entries and the
+counts are what they were when built), they are stripped: the original's entries (but atoms:
+bools, numbers, strings, dtypes, devices and tuples of those, which reference nothing) and the
 step's parameters become None, the step's tables give way to the shell's own empty ones and
 its hook tables are emptied, so the shells are kept and refilled at the next step. When
 something else still holds them (an autograd graph through a full backward hook or gradient
