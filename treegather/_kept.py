@@ -228,7 +228,7 @@ class Kept:
             od = ods[s % m]
             skip = skips.get(own) or skips.setdefault(own, _PER_STEP.union(own))
             keys = tuple(filterfalse(skip.__contains__, od))
-            atom_keys = tuple(k for k in keys if _is_atom(od[k]))
+            atom_keys = tuple(k for k in keys if type(od[k]) in _ATOMS or _is_atom(od[k]))
             obj_keys = tuple(k for k in keys if k not in atom_keys)
             self.atom_keys.append(atom_keys)
             self.atom_getters.append(
