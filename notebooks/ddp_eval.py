@@ -1,28 +1,28 @@
-"""Gathering evaluation outputs under DDP with treegather.distributed.
+"""A DDP evaluation loop with ``DistributedSampler`` and ``treegather.distributed.Collector``.
 
 Run it on CPU with two processes (gloo), from the repository root:
 
     torchrun --nproc-per-node 2 notebooks/ddp_eval.py
 
-Every rank evaluates its own shard of a toy dataset: 21 samples over 2 ranks, so the shards are
-uneven (10 and 11 samples) and nothing is padded or duplicated, unlike ``DistributedSampler``.
-Each rank collects its outputs in one pytree: per-sample ids (strings), logits, labels,
-variable-length per-token scores, its mean loss and a little bookkeeping. One call,
-``treegather.distributed.gather(outputs, dst=0, layout, sizes=n)``, brings the whole tree to
-rank 0 in three collectives (whatever the number of leaves), with the same layout rules as the
-single-process ``treegather.gather``. Rank 0 then checks the result against evaluating the full
-dataset in one process.
+21 samples over 2 ranks: ``DistributedSampler`` pads the dataset to 22 (sample 0 twice) and
+interleaves the ranks (rank 0 gets 0, 2, 4, ..., rank 1 gets 1, 3, 5, ..., 0), shuffled here.
+Gathering the predictions as they come would give 22 rows in the sampler's order, the padding
+duplicate included, and a metric that is off. The Collector matches the rows of every batch to
+the indices the sampler yields for its rank, keeps everything local during the loop, and makes
+one exchange at the end: every sample exactly once, in dataset order, with per-sample ids
+(strings), logits, labels, variable-length per-token scores and the loss, on every rank. Rank 0
+then checks the result against evaluating the whole dataset in one process.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 try:
     import treegather as tg
@@ -34,57 +34,45 @@ import treegather.distributed as tgd
 N_SAMPLES, N_FEATURES, N_CLASSES, BATCH = 21, 8, 3, 4
 
 
-def dataset() -> dict[str, object]:
+class Toy(Dataset):
     """A toy evaluation set: features, labels, ids and a variable number of tokens per sample."""
-    g = torch.Generator().manual_seed(0)
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(N_SAMPLES, N_FEATURES, generator=g)
+        self.y = torch.randint(N_CLASSES, (N_SAMPLES,), generator=g)
+
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        return {"x": self.x[i], "y": self.y[i], "id": f"doc-{i:02d}", "n_tokens": 1 + i % 5}
+
+
+def outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, object]:
+    """One batch's outputs: every leaf per sample (batch dim first), except the loss."""
+    with torch.no_grad():
+        logits = model(batch["x"])
+    longest = int(batch["n_tokens"].max())
+    scores = torch.zeros(len(logits), longest)  # per-token scores, padded within the batch
+    for row, p, n in zip(scores, logits.softmax(1).amax(1), batch["n_tokens"].tolist()):
+        row[:n] = p * torch.linspace(1, 0.5, n)
     return {
-        "x": torch.randn(N_SAMPLES, N_FEATURES, generator=g),
-        "y": torch.randint(N_CLASSES, (N_SAMPLES,), generator=g),
-        "ids": [f"doc-{i:02d}" for i in range(N_SAMPLES)],
-        "n_tokens": [1 + i % 5 for i in range(N_SAMPLES)],
+        "ids": list(batch["id"]),  # a per-sample list of strings
+        "logits": logits,
+        "labels": batch["y"],
+        "token_scores": scores,
+        "loss": F.cross_entropy(logits, batch["y"]),  # one value per batch
     }
 
 
-def evaluate(model: torch.nn.Module, data: dict, indices: list[int]) -> dict[str, object]:
-    """Evaluate ``indices`` batch by batch; return this rank's outputs as one pytree."""
-    logits, labels, ids, scores, lengths, losses = [], [], [], [], [], []
-    for start in range(0, len(indices), BATCH):
-        batch = indices[start : start + BATCH]
-        x, y = data["x"][batch], data["y"][batch]
-        with torch.no_grad():
-            out = model(x)
-        logits.append(out)
-        labels.append(y)
-        ids += [data["ids"][i] for i in batch]
-        losses.append(F.cross_entropy(out, y, reduction="sum"))
-        for i, row in zip(batch, out):  # per-token scores of variable length
-            n = data["n_tokens"][i]
-            scores.append(row.softmax(0).max().repeat(n) * torch.linspace(1, 0.5, n))
-            lengths.append(n)
-    longest = max(lengths, default=0)
-    token_scores = torch.zeros(len(scores), longest)  # padded within the rank...
-    for row, s in zip(token_scores, scores):
-        row[: len(s)] = s
-    return {
-        "ids": ids,
-        "logits": torch.cat(logits),
-        "labels": torch.cat(labels),
-        "loss": torch.stack(losses).sum() / len(indices),
-        "token_scores": token_scores,  # ... and across ranks by pad() below
-        "token_lengths": torch.tensor(lengths),
-        "info": {"rank": dist.get_rank(), "samples": len(indices), "seconds": 0.0},
+LAYOUT = tg.by_path(
+    {
+        "ids": tg.cat_items(),  # one list of all ids, each once, in dataset order
+        "token_scores": tg.pad(0, fill=0.0),  # per sample, padded to the longest batch
+        "loss": tg.mean(),  # per batch: weighted by the batches' rows (padding included)
     }
-
-
-LAYOUT = {
-    "ids": tg.cat_items(),  # one list of all ids, in rank order
-    "logits": tg.cat(),  # uneven row counts are fine
-    "labels": tg.cat(),
-    "loss": tg.mean(),  # weighted by each rank's sizes= (its sample count)
-    "token_scores": tg.pad(0, fill=0.0),  # cat along dim 0, dim 1 padded to the longest rank
-    "token_lengths": tg.cat(),
-    "info": tg.as_list(),  # one dict per rank
-}
+)  # logits and labels: the default, cat() per sample
 
 
 def main() -> None:
@@ -93,42 +81,32 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(N_FEATURES, N_CLASSES))
     model.eval()
-    # Rank 0's settings reach every rank (the others pass None).
-    settings = tgd.broadcast({"split": "validation", "step": 1000} if rank == 0 else None, src=0)
+    data = Toy()
+    sampler = DistributedSampler(data, shuffle=True, seed=1)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
 
-    data = dataset()
-    bounds = [N_SAMPLES * r // world for r in range(world + 1)]
-    mine = list(range(bounds[rank], bounds[rank + 1]))  # contiguous, uneven shards
-    t0 = time.perf_counter()
-    outputs = evaluate(model, data, mine)
-    outputs["info"]["seconds"] = round(time.perf_counter() - t0, 3)
-
-    # Every rank gets the global counts (a sum over ranks) ...
-    totals = tgd.all_gather(
-        {
-            "correct": int((outputs["logits"].argmax(1) == outputs["labels"]).sum()),
-            "samples": len(mine),
-        },
-        tg.sum(),
-    )
-    # ... and rank 0 gets everything, in one call.
-    result = tgd.gather(outputs, dst=0, layout=LAYOUT, sizes=len(mine))
+    sampler.set_epoch(3)  # first: the Collector reads this epoch's order at its first add
+    collector = tgd.Collector(sampler)
+    seen = 0
+    for batch in loader:
+        collector.add(outputs(model, batch))  # no communication
+        seen += len(batch["x"])
+    result = collector.all_gather(LAYOUT)  # one exchange, every rank gets the result
 
     if rank == 0:
-        assert result["ids"] == data["ids"], "every sample exactly once, in order"
+        assert result["ids"] == [f"doc-{i:02d}" for i in range(N_SAMPLES)], "once, in order"
+        assert collector.indices is not None
+        assert collector.indices.tolist() == list(range(N_SAMPLES))
         with torch.no_grad():
-            full = model.module(data["x"])
+            full = model.module(data.x)
         assert torch.allclose(result["logits"], full, atol=1e-6)
-        assert torch.allclose(result["loss"], F.cross_entropy(full, data["y"]), atol=1e-6)
-        accuracy = totals["correct"] / totals["samples"]
-        print(f"split={settings['split']} step={settings['step']} ranks={world}")
-        print(
-            f"gathered {len(result['ids'])} samples: {[i['samples'] for i in result['info']]} per rank"
-        )
-        print(f"loss={result['loss'].item():.4f} accuracy={accuracy:.3f}")
-        print(
-            f"token_scores {tuple(result['token_scores'].shape)}, lengths {result['token_lengths'].tolist()}"
-        )
+        assert torch.equal(result["labels"], data.y)
+        accuracy = (result["logits"].argmax(1) == result["labels"]).float().mean()
+        exact = F.cross_entropy(result["logits"], result["labels"])  # from per-sample values
+        print(f"ranks={world}: each rank saw {seen} samples (the sampler pads to {seen * world})")
+        print(f"gathered {len(result['ids'])} samples, each once, in dataset order")
+        print(f"accuracy={accuracy:.3f} loss={exact:.4f} (batch-loss mean {result['loss']:.4f})")
+        print(f"token_scores {tuple(result['token_scores'].shape)}")
     dist.barrier()  # every rank done before the group goes (DDP's threads may abort otherwise)
     dist.destroy_process_group()
 

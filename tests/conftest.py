@@ -4,9 +4,11 @@ before every test."""
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
+from _pytest.doctest import DoctestItem
 from hypothesis import HealthCheck, settings
 
 import treegather
@@ -51,10 +53,51 @@ def devices(request: pytest.FixtureRequest) -> list[str]:
     return list(request.param)
 
 
+PACKAGE = pathlib.Path(treegather.__file__).resolve().parent
+DOCTESTS = pytest.StashKey[list[str]]()
+"""The doctests this run collected (when it collected the package), and those that skipped."""
+SKIPPED_DOCTESTS = pytest.StashKey[list[str]]()
+MIN_DOCTESTS = 20
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The doctests run once, in this session (the test command collects treegather/ with
+    # --doctest-modules): a run that collects the package must find them, or it fails here.
+    if any(pathlib.Path(arg).resolve() == PACKAGE for arg in config.args):
+        found = [item.nodeid for item in items if isinstance(item, DoctestItem)]
+        if len(found) <= MIN_DOCTESTS:
+            raise pytest.UsageError(
+                f"only {len(found)} doctests collected from treegather/ (expected more than "
+                f"{MIN_DOCTESTS}): is --doctest-modules still in pyproject.toml's addopts?"
+            )
+        config.stash[DOCTESTS] = found
+        config.stash[SKIPPED_DOCTESTS] = []
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs CUDA; none is available on this machine")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    skipped = _config.stash.get(SKIPPED_DOCTESTS, None) if _config is not None else None
+    if skipped is not None and report.skipped and "::" in report.nodeid:
+        if report.nodeid in _config.stash[DOCTESTS]:  # type: ignore[union-attr]
+            skipped.append(report.nodeid)
+
+
+_config: pytest.Config | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _config
+    _config = config
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A doctest that skipped did not run: the run fails (every example must run on CPU)."""
+    skipped = session.config.stash.get(SKIPPED_DOCTESTS, [])
+    if skipped:
+        print(f"\n{len(skipped)} doctest(s) skipped, which must run: {', '.join(skipped)}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -479,7 +479,7 @@ def test_v2_dotted_seed_key_names_a_dotted_key_and_a_nested_one_alike() -> None:
 
 
 def test_v2_translation_is_exact_paths_with_no_glob_escaping_and_no_cache() -> None:
-    from treegather.compat import _jactorch_layout as impl
+    from treegather.compat.jactorch import layout as impl
 
     for gone in ("translate", "_escape", "_check_dotted_keys", "_CACHE"):
         assert not hasattr(impl, gone), gone
@@ -497,16 +497,16 @@ def test_v2_translation_is_exact_paths_with_no_glob_escaping_and_no_cache() -> N
 
 
 def test_v2_padding_is_the_core_pad(monkeypatch: pytest.MonkeyPatch) -> None:
-    from treegather.compat import _jactorch_layout as impl
+    from treegather._rules import Pad
 
     calls: list[Any] = []
-    real = impl._pad
+    real = Pad.combine
 
-    def spy(rule: Any, col: Any, target: Any) -> Any:
+    def spy(rule: Any, col: Any, ctx: Any) -> Any:
         calls.append(rule)
-        return real(rule, col, target)
+        return real(rule, col, ctx)
 
-    monkeypatch.setattr(impl, "_pad", spy)
+    monkeypatch.setattr(Pad, "combine", spy)
     outputs = [{"s": torch.tensor([1, 2])}, {"s": torch.tensor([3])}]
     for spec in ("concat", "pad"):
         dict_gather_v2(outputs, -1, layout={"s": spec})

@@ -317,7 +317,7 @@ def test_a_name_of_the_input_and_of_a_keyword_is_a_layout_error() -> None:
 
 
 def test_single_input_layouts_resolve_alike_in_the_reference_and_compiled_paths() -> None:
-    from treegather._compiled import reference_only
+    from treegather._caches import reference_only
 
     batch, labels = _named_batch(), torch.arange(6)
     layouts = [

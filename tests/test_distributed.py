@@ -1,10 +1,12 @@
 """treegather.distributed across real processes: 2 and 3 gloo ranks on localhost.
 
-Each world size is one spawned group (a module-scoped fixture) that runs every check in a row,
-including the error cases (which must leave the group in step for the checks after them), and
-reports its results through a file per rank; the tests below only compare those results with
-the single-process :func:`treegather.gather` of the same per-rank trees. Every group runs under
-a hard deadline and its processes are joined, terminated or killed before the fixture returns.
+Each world size is one spawned group, shared with the other distributed test modules
+(:mod:`spawned_groups`), whose ranks run every check in a row, including the error cases (which
+must leave the group in step for the checks after them), once with the cached wire plan and
+once with the full exchange only, and report their results through a file per rank; the tests
+below only compare those results with the single-process :func:`treegather.gather` of the same
+per-rank trees. Every group runs under a hard deadline and its processes are joined, terminated
+or killed before the fixture returns.
 """
 
 from __future__ import annotations
@@ -13,10 +15,8 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -24,16 +24,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import spawned_groups
 import torch
 import torch.distributed as dist
+from spawned_groups import WORLD_SIZES
 
 import treegather as tg
 from treegather import _tree
+from treegather._caches import FAST_PATHS, reference_only
 
 pytestmark = pytest.mark.distributed
 
-GROUP_DEADLINE_S = 60.0
-WORLD_SIZES = (2, 3)
+GROUP_DEADLINE_S = 60.0  # the checks of one group, both paths; a torchrun example
 
 # ------------------------------------------------------------------------------------ corpus
 
@@ -348,10 +350,9 @@ def _bad_rank_waits(rank: int, world: int, bad: int, call: Callable[[], Any]) ->
     collective until every other rank is done with its call, as a rank that raised and went on
     with other work would: the others must not wait for it (they used to, until the process
     group's timeout)."""
-    import treegather.distributed as tgd
 
     store = dist.distributed_c10d._get_default_store()
-    key = f"{call.__qualname__}:{tgd._FAST_PATH}:done"
+    key = f"{call.__qualname__}:{FAST_PATHS.on}:done"
     try:
         return call()
     finally:
@@ -632,17 +633,17 @@ def _counting_full() -> Iterator[list[str]]:
     import treegather.distributed as tgd
 
     full: list[str] = []
-    real = tgd._full_all_gather
+    real = tgd.protocol._full_all_gather
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         full.append("full")
         return real(*args, **kwargs)
 
-    tgd._full_all_gather = counted
+    tgd.protocol._full_all_gather = counted
     try:
         yield full
     finally:
-        tgd._full_all_gather = real
+        tgd.protocol._full_all_gather = real
 
 
 def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
@@ -753,6 +754,21 @@ def _dim1(rank: int, world: int) -> Any:
     return tgd.all_gather({"h": torch.full((2, rank + 1), float(rank))}, dim=1)
 
 
+def _cleared_on_one_rank(rank: int, world: int) -> tuple[list[str], int, int]:
+    """clear_caches() on rank 0 only, between two wire-plan calls of one structure."""
+    import treegather.distributed as tgd
+
+    tree = _rows_tree(rank, 1)
+    tgd.all_gather(tree)  # the plan is cached and the inline capacity holds its payload
+    before = tgd.group.group(None).state.capacity
+    if rank == 0:
+        tg.clear_caches()
+    with _counting() as calls:
+        got = tgd.all_gather(tree)
+    assert_tree_equal(got, tg.gather([_rows_tree(r, 1) for r in range(world)], "cpu"))
+    return list(calls), before, tgd.group.group(None).state.capacity
+
+
 def _subgroup(sub: Any, rank: int, world: int) -> Any:
     import treegather.distributed as tgd
 
@@ -774,11 +790,26 @@ def _capture(fn: Callable[[], Any]) -> tuple[Any, ...]:
         return ("raised", type(exc).__name__, str(exc), traceback.format_exc())
 
 
+@spawned_groups.register("distributed.fast", budget_s=GROUP_DEADLINE_S / 2)
+def _fast_checks(rank: int, world: int) -> dict[Any, Any]:
+    return _checks(rank, world, fast=True)
+
+
+# The same processes run everything twice (spawning a group costs more than its checks).
+@spawned_groups.register("distributed.full", budget_s=GROUP_DEADLINE_S / 2)
+def _full_checks(rank: int, world: int) -> dict[Any, Any]:
+    return _checks(rank, world, fast=False)
+
+
 def _checks(rank: int, world: int, fast: bool) -> dict[Any, Any]:
     """Every check of one group, with the cached wire plan (``fast``) or the full exchange only."""
     import treegather.distributed as tgd
 
-    tgd._FAST_PATH = fast
+    with contextlib.nullcontext() if fast else reference_only():
+        return _checks_in_mode(rank, world, fast, tgd)
+
+
+def _checks_in_mode(rank: int, world: int, fast: bool, tgd: Any) -> dict[Any, Any]:
     results: dict[Any, Any] = {}
     for name in CASES:
         for op in OPS:
@@ -793,77 +824,13 @@ def _checks(rank: int, world: int, fast: bool) -> dict[Any, Any]:
     results["dim1"] = _capture(lambda: _dim1(rank, world))
     results["same_counts"] = _capture(lambda: _same_counts_checks(rank, world))
     results["alternating"] = _capture(lambda: _alternating(rank, world))
-    results["capacity"] = tgd._dist_group.group(None).state.capacity
+    results["capacity"] = tgd.group.group(None).state.capacity
     sub = dist.new_group([0, world - 1])  # every rank creates it; the middle rank stays out
     if rank in (0, world - 1):
         results["subgroup"] = _capture(lambda: _subgroup(sub, rank, world))
+    if fast:  # last: the caches of rank 0 differ from the others' after it
+        results["cleared_on_one_rank"] = _capture(lambda: _cleared_on_one_rank(rank, world))
     return results
-
-
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    # A fresh process that imported treegather (with this module) but not the collectives yet.
-    results: dict[Any, Any] = {"lazy": "treegather.distributed" not in sys.modules}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=30),
-        )
-        # The same processes run everything twice (spawning a group costs more than its checks).
-        results["fast"] = _checks(rank, world, fast=True)
-        results["full"] = _checks(rank, world, fast=False)
-    except Exception:
-        results["fatal"] = traceback.format_exc()
-    finally:
-        torch.save(results, Path(outdir) / f"rank{rank}.pt")
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_group(
-    world: int, outdir: Path, target: Callable[..., None] = _worker
-) -> list[dict[Any, Any]]:
-    """Spawn ``world`` ranks running ``target``; return each rank's results. No process survives."""
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=target, args=(r, world, port, str(outdir)), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + GROUP_DEADLINE_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    stragglers = [p for p in procs if p.is_alive()]
-    for p in stragglers:
-        p.terminate()
-    for p in stragglers:
-        p.join(5)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not any(p.is_alive() for p in procs)
-    assert not stragglers, (
-        f"{len(stragglers)} rank(s) still running after {GROUP_DEADLINE_S}s: killed"
-    )
-    assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
-    results = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        assert "fatal" not in res, f"rank {r}:\n{res['fatal']}"
-    return results
-
-
-_GROUPS: dict[int, list[dict[Any, Any]]] = {}
 
 
 @pytest.fixture(
@@ -876,10 +843,8 @@ def group_results(
 ) -> tuple[int, list[dict[Any, Any]]]:
     """Each world size's results with the cached wire plan, and with the full exchange only."""
     world, path = request.param
-    if world not in _GROUPS:
-        _GROUPS.clear()  # one group's results in memory at a time
-        _GROUPS[world] = run_group(world, tmp_path_factory.mktemp(f"dist{world}"))
-    return world, [{"lazy": res["lazy"], **res[path]} for res in _GROUPS[world]]
+    results = spawned_groups.results(world, tmp_path_factory)
+    return world, [{"lazy": res["lazy"], **res[f"distributed.{path}"]} for res in results]
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -933,7 +898,15 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
         tg.StructureMismatchError,
         ["outputs['x']", "str on rank 1", "Tensor(float32)"],
     ),
-    "dtype": (tg.ShapeMismatchError, ["outputs['scores']", "int64 on rank 1", "float32 on rank"]),
+    # gather's own message (the rule's): one dtype message, in one process or across ranks
+    "dtype": (
+        tg.ShapeMismatchError,
+        [
+            "outputs['scores']: cat(dim=0) needs one dtype in every replica",
+            "replica 0: torch.float32, replica 1: torch.int64",
+            "(replica i above is rank i)",
+        ],
+    ),
     "non_cat_dim_all_gather": (tg.ShapeMismatchError, ["['emb']", "replica 1: [2, 4]", "rank"]),
     "non_cat_dim_gather": (tg.ShapeMismatchError, ["['emb']", "replica 1: [2, 4]", "rank"]),
     "stack_shapes_gather": (tg.ShapeMismatchError, ["['h']", "stack"]),
@@ -1032,6 +1005,20 @@ def test_inline_capacity_is_the_same_on_every_rank(group_results: Any) -> None:
         assert 0 < capacities.pop() <= 256 << 10
 
 
+def test_clearing_caches_on_one_rank_keeps_the_group_in_step(group_results: Any) -> None:
+    """clear_caches() on rank 0 only: the group's facts and the wire plans are caches that rank 0
+    builds again; the inline capacity is protocol state that it keeps, so the next call is one
+    collective of the same size on every rank (a rank that forgot it would make gloo abort)."""
+    _, results = group_results
+    if "fast" not in results[0]:  # the group that runs everything on the full path
+        return
+    ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    found = [_ok(res["cleared_on_one_rank"]) for res in results]
+    for calls, before, after in found:
+        assert calls == [ag] and before == after > 0, (calls, before, after)
+    assert len({before for _, before, _ in found}) == 1, found
+
+
 def test_repeated_structure_takes_the_fingerprint_path(group_results: Any) -> None:
     """One collective, no full exchange (no pickled header), whatever the rows of each call;
     two when the payload does not fit the inline capacity (grown rows, large payloads)."""
@@ -1095,12 +1082,12 @@ def test_all_gather_returns_rank_0_key_order(group_results: Any) -> None:
                 assert list(out) == ["b", "a", "c"] and list(out["c"]) == ["y", "x"], out
 
 
-def test_ddp_eval_example_runs_under_torchrun() -> None:
-    """notebooks/ddp_eval.py, as the README launches it (``--standalone`` picks a free port)."""
+def _torchrun(script: str, nproc: int = 2) -> str:
+    """Run ``notebooks/<script>`` as the README launches it (``--standalone``: a free port)."""
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     proc = subprocess.Popen(
-        [*cmd, str(root / "notebooks" / "ddp_eval.py")],
+        [*cmd, "--nproc-per-node", str(nproc), str(root / "notebooks" / script)],
         cwd=root,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -1114,7 +1101,20 @@ def test_ddp_eval_example_runs_under_torchrun() -> None:
         proc.communicate()
         raise
     assert proc.returncode == 0, err[-3000:]
-    assert "gathered 21 samples: [10, 11] per rank" in out, out
+    return out
+
+
+def test_ddp_eval_example_runs_under_torchrun() -> None:
+    """notebooks/ddp_eval.py: DistributedSampler (padded, shuffled) and a Collector."""
+    out = _torchrun("ddp_eval.py")
+    assert "each rank saw 11 samples (the sampler pads to 22)" in out, out
+    assert "gathered 21 samples, each once, in dataset order" in out, out
+
+
+def test_contrastive_example_runs_under_torchrun() -> None:
+    """notebooks/contrastive.py: a CLIP-style loss with all_gather(sync_grads=True) under DDP."""
+    out = _torchrun("contrastive.py")
+    assert "every parameter's gradient equals one process" in out, out
 
 
 def test_dim_and_subgroups(group_results: Any) -> None:
@@ -1203,21 +1203,21 @@ def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:
     branch that packs where the tensors live, moves the whole payload in one copy and moves the
     received bytes to the target in one copy per rank runs here; on a GPU it is the same code.
     """
-    from treegather import _dist_payload, _wireplan
+    from treegather.distributed import payload, plan
 
     tree = {"x": torch.arange(12.0).view(6, 2), "n": torch.tensor(3), "s": "a", "b": [True]}
-    local = _wireplan.prepare(tree, None, 0, None)
+    local = plan.prepare(tree, None, 0, None)
     assert local is not None
-    stride = _wireplan.padded(local.nbytes)
+    stride = plan.padded(local.nbytes)
     direct = torch.empty(stride, dtype=torch.uint8)
-    assert _dist_payload.send(local, stride, torch.device("cpu"), direct)
+    assert payload.send(local, stride, torch.device("cpu"), direct)
     elsewhere = local._replace(devices=frozenset({torch.device("cpu", 0)}))
     staged = torch.empty(stride, dtype=torch.uint8)
-    assert _dist_payload.send(elsewhere, stride, torch.device("cpu"), staged)
+    assert payload.send(elsewhere, stride, torch.device("cpu"), staged)
     assert torch.equal(direct, staged)
-    payloads = _dist_payload.Payloads(staged, 0, stride)
-    received = _dist_payload.parse(local.plan, payloads, [local.nbytes], torch.device("cpu", 0))
-    assert_tree_equal(_dist_payload.unpack(local.plan, received), tg.gather([tree], "cpu"))
+    payloads = payload.Payloads(staged, 0, stride)
+    received = payload.parse(local.plan, payloads, [local.nbytes], torch.device("cpu", 0))
+    assert_tree_equal(payload.unpack(local.plan, received), tg.gather([tree], "cpu"))
 
 
 @tg.register_dataclass(static=["flag"])
@@ -1232,18 +1232,18 @@ class Flagged:
 def test_wire_plans_are_type_aware_and_cleared(world_of_one: None) -> None:
     """True, 1 and 1.0 as static metadata, and key orders, each get their own plan."""
     import treegather.distributed as tgd
-    from treegather import _wireplan
+    from treegather.distributed import plan
 
     tg.clear_caches()
-    assert _wireplan.plan_count() == 0
+    assert plan.plan_count() == 0
     for flag in (1, True, 1.0, True):
         out = tgd.all_gather({"m": Flagged(torch.ones(2), flag)})
         assert type(out["m"].flag) is type(flag)
     for keys in (("a", "b"), ("b", "a")):
         assert tuple(tgd.all_gather({k: torch.ones(1) for k in keys})) == keys
-    assert _wireplan.plan_count() == 5
+    assert plan.plan_count() == 5
     tg.clear_caches()
-    assert _wireplan.plan_count() == 0
+    assert plan.plan_count() == 0
 
 
 def test_results_are_built_from_the_calls_own_objects(world_of_one: None) -> None:
@@ -1305,23 +1305,45 @@ def test_a_tree_that_contains_itself_is_a_typed_error(world_of_one: None) -> Non
     assert tgd.all_gather({"x": torch.ones(1)})["x"].tolist() == [1.0]  # the group is in step
 
 
+def test_group_facts_are_a_registered_cache_and_the_capacity_is_not(world_of_one: None) -> None:
+    """A group's fixed facts are a cache that clear_caches() empties (they were kept in a table
+    outside the registry); the inline capacity beside them is protocol state, never cleared."""
+    import treegather.distributed as tgd
+    from treegather._caches import caches
+    from treegather.distributed import group
+
+    tree = {"x": torch.ones(3, 2), "n": torch.arange(3)}
+    for _ in range(2):
+        tgd.all_gather(tree)  # a wire plan, whose payload grows the inline capacity
+    (facts,) = [c for c in caches() if c.name == "distributed.groups"]
+    state = group.group(None).state
+    capacity = state.capacity
+    assert len(facts) == 1 and capacity > 0
+    tg.clear_caches()
+    assert len(facts) == 0
+    assert group.group(None).state is state and state.capacity == capacity
+    assert len(facts) == 1  # looked up again
+    assert_tree_equal(tgd.all_gather(tree), tg.gather([tree], "cpu"))
+    assert state.capacity == capacity
+
+
 def test_kept_receive_buffer(world_of_one: None) -> None:
     """A large wire-plan payload is received into a buffer the group keeps for its next call;
     results never alias it, other layouts never use it, clear_caches() releases it."""
     import treegather.distributed as tgd
-    from treegather import _dist_group
+    from treegather.distributed import group
 
     tg.clear_caches()
     first = tgd.all_gather(_wide(0, 1))
     second = tgd.all_gather(_wide(0, 2))
-    assert len(_dist_group._KEPT) == 1
+    assert len(group._KEPT) == 1
     assert_tree_equal(first, tg.gather([_wide(0, 1)], "cpu"))
     assert_tree_equal(second, tg.gather([_wide(0, 2)], "cpu"))
     tg.clear_caches()
-    assert len(_dist_group._KEPT) == 0
+    assert len(group._KEPT) == 0
     views = tgd.all_gather(_wide(0, 3), tg.first())  # may return views of the received bytes
     tgd.all_gather(_wide(0, 4), tg.first())
-    assert len(_dist_group._KEPT) == 0
+    assert len(group._KEPT) == 0
     assert_tree_equal(views, _wide(0, 3))
 
 
@@ -1362,13 +1384,13 @@ def test_cuda_tensors_one_rank(backend: str, monkeypatch: pytest.MonkeyPatch) ->
 
     torch.cuda.set_device(0)
     carriers: list[torch.device] = []
-    real = tgd._all_gather_into
+    real = tgd.protocol._all_gather_into
 
     def spy(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
         carriers.append(inp.device)
         real(out, inp, group)
 
-    monkeypatch.setattr(tgd, "_all_gather_into", spy)
+    monkeypatch.setattr(tgd.protocol, "_all_gather_into", spy)
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         tree = _cuda_tree(0)
@@ -1422,7 +1444,7 @@ def _cuda_gloo_worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 @pytest.mark.cuda
 def test_cuda_tensors_two_gloo_ranks(tmp_path: Path) -> None:
-    results = run_group(2, tmp_path, target=_cuda_gloo_worker)
+    results = spawned_groups.run_group(2, tmp_path, _cuda_gloo_worker, deadline_s=GROUP_DEADLINE_S)
     torch.cuda.set_device(0)
     expected = tg.gather([_cuda_tree(0), _cuda_tree(1)], "cuda:0")
     for rank, res in enumerate(results):
@@ -1458,10 +1480,10 @@ def test_layouts_past_the_first_leaf_fall_back(world_of_one: None) -> None:
     """The wire plan looks at the first tensor only; packing (inline) or the check before a
     separate payload finds a sparse leaf after it, and the full exchange reports it."""
     import treegather.distributed as tgd
-    from treegather import _dist_group
+    from treegather.distributed import group
 
     tree = {"a": torch.ones(2), "s": torch.eye(2).to_sparse()}
-    state = _dist_group.group(None).state
+    state = group.group(None).state
     for capacity in (0, 4096):  # a separate payload, then one inline with the row
         state.capacity = capacity
         with pytest.raises(tg.LeafTypeError, match=r"(?s)cannot send sparse.*outputs\['s'\]"):

@@ -1,6 +1,6 @@
 """Differential tests: the compiled layer against the plain path it optimises (issue 10, item 3).
 
-The reference is the public function run inside :func:`treegather._compiled.reference_only`
+The reference is the public function run inside :func:`treegather._caches.reference_only`
 (the plain steps, no cache). The same call through the public function (the compiled layer)
 must give exactly the same result (container types, dict key order, dtypes, values, shard
 sizes) or the same error type with the same message:
@@ -46,7 +46,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treegather as tg
-from treegather import _compiled
+from treegather import _caches, _compiled
 from treegather._rules import Pad
 
 MAIN_EXAMPLES = 520
@@ -74,7 +74,7 @@ def run(call: Callable[[], Any]) -> Outcome:
 
 
 def reference(call: Callable[[], Any]) -> Outcome:
-    with _compiled.reference_only():
+    with _caches.reference_only():
         return run(call)
 
 

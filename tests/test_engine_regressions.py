@@ -313,16 +313,16 @@ def test_data_parallel_model_no_refcycles() -> None:
 
 
 def _count_resolutions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count plans built: ``_layout._build`` is the work ``resolve`` does for a layout (it is
+    """Count plans built: ``_layout.plan._build`` is the work ``resolve`` does for a layout (it is
     what every path, cached or not, calls for a plan it does not have)."""
     count = [0]
-    build = _layout._build
+    build = _layout.plan._build
 
     def counting(*args: Any) -> Any:
         count[0] += 1
         return build(*args)
 
-    monkeypatch.setattr(_layout, "_build", counting)
+    monkeypatch.setattr(_layout.plan, "_build", counting)
     return count
 
 

@@ -584,7 +584,7 @@ def test_meta_tensors_gathered_onto_the_cpu_are_typed_errors(name: str) -> None:
     (gather sampled the first tensor position only: a later one came back on ``meta``, and at
     the first one torch's raw NotImplementedError came out), cold, through the compiled layer
     and on the reference path alike."""
-    from treegather._compiled import reference_only
+    from treegather._caches import reference_only
 
     outs, layout, dim, path = META_GATHERS[name]
     messages = set()

@@ -178,7 +178,7 @@ def test_weighted_mean_accumulates_wide_and_keeps_the_dtype(reference: bool) -> 
     """A float16 loss of 100.0 over two shards of 4096 rows is 100.0 (loss x rows was computed
     in float16: inf), bfloat16 and float32 alike; the result keeps the input's dtype, and its
     gradients are each replica's share of the rows."""
-    from treegather._compiled import reference_only
+    from treegather._caches import reference_only
 
     ctx = reference_only() if reference else contextlib.nullcontext()
     with ctx:

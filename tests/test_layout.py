@@ -160,7 +160,7 @@ def test_a_rule_factory_not_called_is_a_layout_error(name: str) -> None:
     """``{"loss": tg.mean}`` is a mistake, not a custom rule: a LayoutError naming the path and
     the call to write, when the layout is resolved (before any custom rule runs), in the
     reference and compiled paths alike, and from by_path patterns and defaults too."""
-    from treegather._compiled import reference_only
+    from treegather._caches import reference_only
 
     factory = getattr(tg, name)
     calls: list[Any] = []
@@ -335,8 +335,8 @@ def test_by_path_optional_is_part_of_the_layouts_value() -> None:
     assert repr(plain) == "by_path({'loss': 'mean', 'meta': 'first'}, default=None)"
     # the cached plan of one is never the other's: a warm optional layout does not hide the
     # plain one's error, in either order and on both paths
-    from treegather._compiled import reference_only
-    from treegather._dist_layout import layout_text
+    from treegather._caches import reference_only
+    from treegather.distributed.layout import layout_text
 
     label_free = [{k: v for k, v in o.items() if k != "loss"} for o in replica_outputs()]
     tg.clear_caches()
@@ -533,7 +533,7 @@ def test_equal_inline_tuple_path_layouts_share_one_plan(monkeypatch: pytest.Monk
 
 
 def test_exact_paths_resolve_alike_in_the_reference_and_compiled_paths() -> None:
-    from treegather._compiled import reference_only
+    from treegather._caches import reference_only
 
     outs = [{"[x]": r, "x": r, "a.b": torch.ones(1)} for r in range(2)]
     layouts = [

@@ -206,3 +206,28 @@ def test_the_issue_table(entry: str) -> None:
     else:
         torch.testing.assert_close(out, m(x))
     assert list(m.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+# -- run-time state stays beside the caller's objects, never on them --------------------------------
+
+
+def test_a_patched_module_keeps_nothing_of_a_step_on_itself() -> None:
+    model = nn.Linear(3, 2)
+    dp = tg.patch(nn.DataParallel(model), out_layout=tg.mean())
+    before = dict(vars(dp))
+    args, kwargs = dp.scatter((torch.ones(5, 3),), {}, ["cpu"] * 2)
+    outputs = [model(*a, **kw).sum() for a, kw in zip(args, kwargs)]
+    # the plain list of outputs is still weighted by the scatter's sizes (3 and 2 rows)
+    assert torch.allclose(dp.gather(outputs, "cpu"), (3 * outputs[0] + 2 * outputs[1]) / 5)
+    assert vars(dp).keys() == before.keys()
+    assert all(vars(dp)[k] is v for k, v in before.items())
+
+
+def test_the_fork_fan_out_writes_nothing_on_the_modules_it_forks() -> None:
+    scripted = torch.jit.script(nn.Linear(3, 2))
+    replicas = [scripted._replicate_for_data_parallel() for _ in range(2)]  # no concrete type
+    assert not any(hasattr(r, "_concrete_type") for r in replicas)
+    outs = tg.parallel_apply(replicas, [torch.ones(2, 3), torch.ones(1, 3)], backend="fork")
+    assert [tuple(o.shape) for o in outs] == [(2, 2), (1, 2)]
+    assert torch.allclose(outs[1], scripted(torch.ones(1, 3)))
+    assert not any(hasattr(r, "_concrete_type") for r in replicas)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import treegather as tg
-from treegather import _compiled
+from treegather import _caches, _compiled
 from treegather._compiled import transfer as _transfer
 from treegather._compiled.transfer import SMALL_BYTES, coalesced_to
 
@@ -90,7 +90,7 @@ def test_a_scatter_that_moves_pieces_gives_the_reference_shards(
     assert st is not None
     shards = _compiled._scatter_cpu_tensors(leaves, st, devs, 0, move=True)
     assert shards is not None and calls == [4, 4, 4]
-    with _compiled.reference_only():
+    with _caches.reference_only():
         expected = tg.scatter(batch, ["cpu"] * 3)
     assert shards.sizes == expected.sizes == (4, 3, 3)
     for got, want in zip(shards, expected, strict=True):
@@ -130,7 +130,7 @@ def test_gather_of_gpu_replicas_to_the_host_cats_coalesced_copies() -> None:
     outs = [{"a": torch.randn(2, 3), "b": [torch.arange(2), torch.ones(2, 1)]} for _ in range(3)]
     columns = list(zip(*[tg._tree.flatten(o)[0] for o in outs]))
     got = _compiled._cat_on_host(columns, CPU, 0)
-    with _compiled.reference_only():
+    with _caches.reference_only():
         want = tg._tree.flatten(tg.gather(outs, "cpu"))[0]
     assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
     assert torch.equal(_compiled._cat_on_host(columns[:1], CPU, 1)[0], torch.cat(columns[0], 1))

@@ -614,10 +614,10 @@ def test_an_encoder_decoder_cache_round_trips_and_a_user_registration_wins() -> 
         tg.register_node(cls, lambda c: ((), None), lambda aux, ch: "mine")
         assert tg.gather([cache, cache], "cpu") == "mine"
     finally:
-        from treegather import _transformers, _tree
+        from treegather import _transformers
+        from treegather._tree import registry
 
-        _tree._REGISTERED.discard(cls)
-        optree.unregister_pytree_node(cls, namespace=tg.NAMESPACE)
+        registry.unregister(cls)
         _transformers.register_caches(transformers.cache_utils)
     assert type(tg.gather([cache, cache], "cpu", sizes=(N, N))) is cls
 
@@ -679,7 +679,7 @@ def test_caches_are_nodes_only_once_transformers_is_in_use(order: str) -> None:
 
 
 def test_caches_scatter_and_gather_alike_on_the_compiled_and_reference_paths() -> None:
-    from treegather._compiled import reference_only
+    from treegather._caches import reference_only
     from treegather._compiled.structure import find
 
     _, cache, _ = _mistral_cache()

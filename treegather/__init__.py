@@ -13,6 +13,7 @@ stack, mean, sum, pad, as_list, first, cat_items or any callable on the way out.
 
 from __future__ import annotations
 
+from . import _transformers  # noqa: F401  (registers transformers' caches once it is in use)
 from ._apply import parallel_apply, parallel_apply_async
 from ._caches import clear_caches
 from ._data_parallel import data_parallel
@@ -23,13 +24,14 @@ from ._errors import (
     LayoutError,
     LeafTypeError,
     ShapeMismatchError,
+    StateError,
     StructureMismatchError,
     TreeDepthError,
     TreegatherError,
     UninitializedModuleError,
 )
 from ._explain import explain
-from ._explanation import ExplainedLeaf, Explanation
+from ._explain.table import ExplainedLeaf, Explanation
 from ._gather import gather
 from ._layout import ByPath, by_path
 from ._nn_data_parallel import DataParallel, patch
@@ -49,7 +51,8 @@ from ._rules import (
     stack,
     sum,
 )
-from ._scatter import Shards, scatter, scatter_kwargs
+from ._scatter import scatter, scatter_kwargs
+from ._shards import Shards
 from ._tree import NAMESPACE, register_dataclass, register_node
 
 __version__ = "0.1.0.dev0"
@@ -99,6 +102,7 @@ __all__ = [
     "ArgumentTypeError",
     "UninitializedModuleError",
     "TreeDepthError",
+    "StateError",
     # replicate, apply and the data-parallel entry points (issue 3)
     "replicate",
     "parallel_apply",

@@ -12,6 +12,14 @@ object it describes) created through this module, so that
 
 A cache lookup never formats, hashes or ``repr``\\ s user data it was not given as a key.
 
+One table is deliberately not a cache, and so not registered: the inline capacity of each
+:mod:`treegather.distributed` process group (``treegather.distributed.group.ProtocolState``),
+the one piece of protocol state treegather keeps. Every rank of a group must hold the same
+value (it sizes every call's first collective); clearing it on one rank would make that rank's
+next first collective another size, which gloo answers by aborting. What the group's calls
+cache beside it (the group's fixed facts, the wire plans and payload geometries, the kept
+receive buffer) is registered here.
+
 >>> cache = LRU("example", maxsize=2)
 >>> cache.put(typed_key(1), "int"); cache.put(typed_key(True), "bool")
 >>> cache.get(typed_key(1)), cache.get(typed_key(True)), cache.get(typed_key(1.0))
@@ -22,10 +30,11 @@ A cache lookup never formats, hashes or ``repr``\\ s user data it was not given 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any, Generic, TypeVar
 
 __all__ = [
@@ -189,6 +198,44 @@ def clear_caches() -> None:
         registered = list(_REGISTRY)
     for cache in registered:
         cache.clear()
+
+
+# ------------------------------------------------------------------------- the fast paths
+
+
+class _FastPaths(threading.local):
+    """Whether this thread may take a fast path (see :func:`reference_only`)."""
+
+    on = True
+
+
+FAST_PATHS = _FastPaths()
+"""``FAST_PATHS.on``: read by every fast path before it is taken (one thread-local read)."""
+
+
+@contextlib.contextmanager
+def reference_only() -> Iterator[None]:
+    """Within this block (in this thread) every fast path is off, all together: scatter and
+    gather run their reference steps (no compiled code, no cached structure or plan), a
+    data-parallel step builds fresh replicas instead of re-binding kept ones, and
+    :mod:`treegather.distributed` takes the full exchange instead of a cached wire plan (and a
+    :class:`~treegather.distributed.Collector` joins its values with :func:`treegather.gather`
+    instead of its own concatenation).
+
+    The one switch the differential tests run through: the same call with and without it
+    must give the same result, or the same error.
+
+    >>> import torch, treegather as tg
+    >>> with reference_only():
+    ...     tg.gather([torch.ones(1), torch.zeros(1)], "cpu")
+    tensor([1., 0.])
+    """
+    before = FAST_PATHS.on
+    FAST_PATHS.on = False
+    try:
+        yield
+    finally:
+        FAST_PATHS.on = before
 
 
 # ------------------------------------------------------------------------------- typed keys

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -17,6 +17,10 @@ DeviceLike = Union[int, str, torch.device]  # noqa: UP007 - a runtime alias
 # Keyed by (exact type, value): True == 1 and 1.0 == 1 hash alike and must not find cuda:1.
 _CACHE: LRU[tuple[type, object], torch.device] = LRU("devices", maxsize=256, trees=False)
 _KEY_TYPES = (int, str, torch.device)
+# Device lists, keyed by their items and the items' types.
+_LISTS: LRU[tuple[object, ...], tuple[torch.device, ...]] = LRU(
+    "device lists", maxsize=64, trees=False
+)
 
 
 def as_device(device: DeviceLike) -> torch.device:
@@ -142,6 +146,13 @@ def as_devices(
     if isinstance(devices, (int, str, torch.device)):
         return (as_device(devices),)
     items = devices if type(devices) in (list, tuple) else list(devices)
+    try:  # the same list each step: one lookup (keyed by every item and its type)
+        key: Any = (*items, *map(type, items))
+        hit = _LISTS.get(key)
+    except TypeError:  # an unhashable item: not a device, as_device says so below
+        key = hit = None
+    if hit is not None:
+        return hit
     try:
         out = tuple(as_device(d) for d in items)
     except DeviceError:
@@ -151,6 +162,32 @@ def as_devices(
         raise
     if not out:
         raise ValueError("devices must name at least one device")
+    # "cuda" and torch.device("cuda") mean the current device, which may change.
+    if key is not None and not any(
+        d.type == "cuda" and _without_index(x) for d, x in zip(out, items)
+    ):
+        _LISTS.put(key, out)
+    return out
+
+
+# The kind of a device tuple (by identity: as_devices hands back the same tuple for the same list).
+_KINDS: LRU[int, tuple[tuple[torch.device, ...], str]] = LRU(
+    "device kinds", maxsize=64, trees=False
+)
+
+
+def kind(devs: tuple[torch.device, ...]) -> str:
+    """``"cpu"`` or ``"cuda"`` when every device of ``devs`` is of that type, else ``"mixed"``.
+
+    >>> kind(as_devices(["cpu"] * 2)), kind(as_devices(["cpu", "meta"]))
+    ('cpu', 'mixed')
+    """
+    found = _KINDS.get(id(devs))
+    if found is not None and found[0] is devs:
+        return found[1]
+    types = {d.type for d in devs}
+    out = types.pop() if len(types) == 1 and types <= {"cpu", "cuda"} else "mixed"
+    _KINDS.put(id(devs), (devs, out))
     return out
 
 

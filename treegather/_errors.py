@@ -25,6 +25,7 @@ __all__ = [
     "ArgumentTypeError",
     "UninitializedModuleError",
     "TreeDepthError",
+    "StateError",
     "check_dim",
 ]
 
@@ -75,7 +76,13 @@ class TreeDepthError(TreegatherError, ValueError):
     closes, or where the limit is passed."""
 
 
+class StateError(TreegatherError, RuntimeError):
+    """An object is used out of order: a :class:`treegather.distributed.Collector` added to
+    or exchanged again after its exchange, without ``reset()``."""
+
+
 for _cls in (
+    StateError,
     TreegatherError,
     LayoutError,
     StructureMismatchError,

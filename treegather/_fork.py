@@ -9,6 +9,7 @@ caller then runs the replicas inline.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import linecache
 import warnings
@@ -53,13 +54,7 @@ def scripted_fanout(calls: list[Call]) -> list[torch.futures.Future[Any]] | None
             if cls is None:
                 cls = _fanout_class(signature)
                 _FANOUT_CLASSES.put(key, cls)
-            for c in calls:
-                module: Any = c[0]
-                if not hasattr(module, "_concrete_type"):
-                    module._concrete_type = torch._C.ConcreteModuleType.from_jit_type(
-                        module._c._type()
-                    )
-            fanout = torch.jit.script(cls([c[0] for c in calls]))
+            fanout = torch.jit.script(cls([_scriptable(c[0]) for c in calls]))
     except Exception:
         return None
     flat = [v for b in bound for v in b[0]]
@@ -80,6 +75,15 @@ def scripted_fanout(calls: list[Call]) -> list[torch.futures.Future[Any]] | None
 
 
 _LATEST_FORK: list[Any] = []
+
+
+def _scriptable(module: Any) -> Any:
+    """``module``, or where it lacks the concrete type scripting the fan-out needs (a replica
+    made by torch's ``_replicate_for_data_parallel``), a shallow copy of it that has one: the
+    same C++ module's tensors, a wrapper of its own. Nothing is written on the caller's module."""
+    if hasattr(module, "_concrete_type"):
+        return module
+    return copy.copy(module)  # (wrap_cpp_module gives the copy its concrete type)
 
 
 def _bind(call: Call) -> tuple[list[Any], list[str], str]:

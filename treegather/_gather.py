@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import _compiled
+from ._caches import FAST_PATHS
 from ._combine import combine_default, combine_planned, needs_move
 from ._devices import DeviceLike, as_device
 from ._errors import (
@@ -90,7 +91,18 @@ def gather(
         target = as_device(target_device)
     if sizes is not None:
         sizes = _check_sizes(sizes, k)
-    return _compiled.gather(outputs, target, layout, check_dim(dim, "gather"), sizes)
+    dim = check_dim(dim, "gather")
+    if not FAST_PATHS.on:
+        return gather_reference(outputs, target, layout, dim, sizes)
+    done = _compiled.gather(outputs, target, layout, dim, sizes)
+    if type(done) is not _compiled.Known:
+        return done  # the compiled layer did the whole step
+    if done.plan is None:  # it declined with nothing to go on
+        return gather_reference(outputs, target, layout, dim, sizes)
+    if done.columns is not None:  # every replica read, by position
+        return combine(outputs, done.columns, done.plan, target, dim, sizes)
+    assert done.leaves is not None
+    return gather_from(outputs, done.leaves, done.plan, target, dim, sizes)
 
 
 def _check_sizes(sizes: Sequence[int], k: int) -> tuple[int, ...]:

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._caches import WeakCache
+from ._caches import FAST_PATHS, WeakCache
 from ._replicate import (
     OWN_TABLES,
     _build_rows,
@@ -637,8 +637,9 @@ def _columns(
 
 def reusable(module: nn.Module, devs: Sequence[torch.device]) -> bool:
     """Kept shells are built for eager and compiled modules, not TorchScript (TorchScript
-    copies are made by TorchScript itself, every call)."""
-    return not isinstance(module, torch.jit.ScriptModule)
+    copies are made by TorchScript itself, every call), and never under
+    :func:`treegather._caches.reference_only` (fresh replicas every step)."""
+    return FAST_PATHS.on and not isinstance(module, torch.jit.ScriptModule)
 
 
 def take(

@@ -6,10 +6,8 @@ devices), so clarity wins over speed; nothing recurses on tree depth.
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -23,23 +21,12 @@ from ._errors import (
     safe_repr,
 )
 from ._layout import Plan, display_path
-from ._rules import Cat, CatItems, First, Mean, Pad, Stack, Sum, fill_fits
-from ._tree import NAMESPACE, describe, flatten, format_path, is_leaf, nodes
+from ._rules import HINTS, ROOT, Combining, GatherRule, default_rule
+from ._tree import NAMESPACE, describe, format_path, is_leaf
 
-__all__ = ["ROOT", "structure_error", "diagnose", "is_number", "where"]
+__all__ = ["ROOT", "structure_error", "diagnose"]
 
 Tensor = torch.Tensor
-ROOT = "outputs"
-
-
-def is_number(x: Any) -> bool:
-    """A Python/numpy number that is not a bool."""
-    return isinstance(x, numbers.Number) and not isinstance(x, bool)
-
-
-def where(node: Any) -> str:
-    """``"outputs['x']: "`` for a plan node (``""`` without one), to start an error message."""
-    return "" if node is None else f"{display_path(node, ROOT)}: "
 
 
 def _describe_node(x: Any) -> str:
@@ -144,20 +131,6 @@ def structure_error(outputs: Sequence[Any], plan: Plan) -> StructureMismatchErro
     )
 
 
-_HINTS = {
-    "shape": "pad() concatenates tensors whose other dims differ; as_list() keeps per-replica "
-    "values",
-    "dataclass": "register output dataclasses with treegather.register_dataclass(cls) (or "
-    "@treegather.register_dataclass above @dataclass): they then come back whole",
-    "dtype": "return one dtype from every replica (cast in the model, e.g. .float() or "
-    ".long()); torch would promote them, and an int64 id does not survive float32",
-    "meta": "a meta tensor has a shape and a dtype but no values (a model built or left on the "
-    "meta device): materialise it first (e.g. module.to_empty(device=...) and load the "
-    "weights), or keep it out of the outputs (as_list() leaves values untouched)",
-}
-MAX_PATHS = 10
-
-
 def diagnose(
     plan: Plan,
     columns: list[tuple[Any, ...]],
@@ -166,155 +139,42 @@ def diagnose(
     sizes: tuple[int, ...] | None = None,
     target: torch.device | None = None,
 ) -> Exception | None:
-    """Every leaf whose per-replica values do not fit its rule, as one error.
+    """Every position whose per-replica values do not fit its rule, as one error: each rule
+    says what it finds wrong (:meth:`treegather._rules.GatherRule.problem`).
 
     Returns ``None`` when nothing is wrong with the data: before any work (``exc=None``) all is
     well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged. With
     ``target`` (not the meta device), meta tensors that a rule would move there are problems.
     """
+    ctx = Combining(_NOWHERE if target is None else target, False, sizes, dim)
     problems: list[str] = []
     hints: dict[str, None] = {}
     type_problem = False
-    metas = target is not None and target.type != "meta"
     for pos, col in enumerate(columns):
         group = plan.groups[pos]
         if group is not None:
-            if metas and isinstance(group[2], (First, CatItems)):
-                found = _moved_metas(group[2], col, display_path(group[1], ROOT))
-                if found:
-                    problems.append(f"{found}: {_META.format(target=target)}")
-                    hints["meta"] = None
-                    type_problem = True
-            continue
-        rule = plan.rules[pos]
-        where = display_path(plan.node_of(pos), ROOT)
-        if metas and (rule is not None or isinstance(col[0], Tensor)):
-            on_meta = [r for r, v in enumerate(col) if isinstance(v, Tensor) and v.is_meta]
-            if on_meta:
-                replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in on_meta)
-                problems.append(f"{where}: {_META.format(target=target)} ({replicas})")
-                hints["meta"] = None
-                type_problem = True
-                continue
-        tensors = [isinstance(v, Tensor) for v in col]
-        rule_name = (
-            rule.describe()
-            if rule is not None
-            else (f"cat(dim={dim})" if tensors[0] else "as_list()")
-        )
-        classes = {type(v) for v in col if dataclasses.is_dataclass(v) and not isinstance(v, type)}
-        if classes and (rule is None or not all(tensors)):
-            names = ", ".join(sorted(c.__qualname__ for c in classes))
-            problems.append(
-                f"{where}: {names} is a dataclass treegather does not know, so {rule_name} "
-                "cannot look inside it; register it with treegather.register_dataclass"
-            )
-            hints["dataclass"] = None
-            type_problem = True
-            continue
-        if rule is None and not tensors[0]:
-            continue
-        if isinstance(rule, (Mean, Sum)) and all(is_number(v) for v in col):
-            continue
-        if not all(tensors):
-            bad = next(i for i, t in enumerate(tensors) if not t)
-            problems.append(
-                f"{where}: {rule_name} needs tensors, replica {bad} holds {describe(col[bad])}"
-            )
-            hints["shape"] = None
-            type_problem = True
-            continue
-        dtypes = [v.dtype for v in col]
-        if len(set(dtypes)) > 1:
-            problems.append(
-                f"{where}: {rule_name} needs one dtype in every replica, got "
-                + ", ".join(f"replica {i}: {d}" for i, d in enumerate(dtypes))
-            )
-            hints["dtype"] = None
-            continue
-        if isinstance(rule, Pad) and not fill_fits(rule.fill, dtypes[0]):
-            problems.append(
-                f"{where}: {rule_name}: fill {safe_repr(rule.fill)} cannot be stored in {dtypes[0]} "
-                "(padding would look like data, or be cut); pick a fill the dtype holds"
-            )
-            type_problem = True
-            continue
-        if isinstance(rule, Mean) and sizes is not None and len(sizes) > 1 and not any(sizes):
-            problems.append(
-                f"{where}: {rule_name} is weighted by sizes {list(sizes)}, which add up to 0"
-            )
-            continue
-        hints["shape"] = None
-        shapes = [tuple(v.shape) for v in col]
-        d = rule.dim if isinstance(rule, (Cat, Pad)) else dim
-        if isinstance(rule, (Stack, Mean, Sum)):
-            if len(set(shapes)) > 1:
-                problems.append(
-                    f"{where}: {rule_name} needs equal shapes, got {_by_replica(shapes)}"
-                )
-            elif isinstance(rule, Stack) and not -len(shapes[0]) - 1 <= rule.dim <= len(shapes[0]):
-                problems.append(
-                    f"{where}: {rule_name} is out of range for {len(shapes[0])}-dim tensors"
-                )
-        elif isinstance(rule, Pad):
-            if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
-                problems.append(
-                    f"{where}: {rule_name} needs tensors with the same number of dims (>= 1), got {_by_replica(shapes)}"
-                )
-            elif not -len(shapes[0]) <= d < len(shapes[0]):
-                problems.append(
-                    f"{where}: {rule_name} is out of range for {len(shapes[0])}-dim tensors"
-                )
+            node = group[1]
+            found = cast(GatherRule, group[2]).problem(col, ctx._replace(node=node))
         else:
-            ndims = {len(s) for s in shapes}
-            if ndims == {0}:
-                continue
-            if len(ndims) > 1:
-                problems.append(
-                    f"{where}: {rule_name} cannot mix 0-dim and n-dim tensors: {_by_replica(shapes)}"
-                    if 0 in ndims
-                    else f"{where}: {rule_name} needs tensors with the same number of dims, "
-                    f"got {_by_replica(shapes)}"
-                )
-                continue
-            nd = ndims.pop()
-            if not -nd <= d < nd:
-                problems.append(f"{where}: {rule_name} is out of range for {nd}-dim tensors")
-                continue
-            others = {tuple(s[: d % nd] + s[d % nd + 1 :]) for s in shapes}
-            if len(others) > 1:
-                problems.append(
-                    f"{where}: {rule_name} needs equal sizes in every dim but {d}, got {_by_replica(shapes)}"
-                )
+            node, given, shown = None, plan.rules[pos], ""
+            rule = cast(GatherRule, given) if given is not None else None
+            if rule is None:
+                rule, shown = default_rule(col[0], dim)
+            found = rule.problem(col, ctx, shown)
+        if found is None:
+            continue
+        path = found.path or display_path(node if node is not None else plan.node_of(pos), ROOT)
+        problems.append(f"{path}: {found.text}")
+        if found.hint is not None:
+            hints[found.hint] = None
+        type_problem = type_problem or found.type_problem
     if not problems:
         # Nothing wrong with the data: the caller re-raises the original exception (a custom
         # rule's own ValueError stays a ValueError).
         return None
-    hint = "; ".join(_HINTS[h] for h in hints) or None
+    hint = "; ".join(HINTS[h] for h in hints) or None
     cls = LeafTypeError if type_problem else ShapeMismatchError
     return cls(f"{bullet_list(problems, hint)}\n{EXPLAIN_POINTER}")
 
 
-_META = "a meta tensor holds no data to gather onto {target}"
-
-
-def _moved_metas(rule: Any, col: tuple[Any, ...], root: str) -> str:
-    """The paths of the meta tensors a whole-value rule would move (``first()``: replica 0's
-    value; ``cat_items()``: every replica's items), joined; ``""`` for none."""
-    values = col[:1] if isinstance(rule, First) else col
-    found: list[str] = []
-    for r, value in enumerate(values):
-        leaves, spec = flatten(value)
-        if not any(isinstance(x, Tensor) and x.is_meta for x in leaves):
-            continue
-        paths = [format_path(root, n.path) for n in nodes(spec) if n.spec.is_leaf()]
-        found += [
-            f"{p} (replica {r})"
-            for p, x in zip(paths, leaves)
-            if isinstance(x, Tensor) and x.is_meta
-        ]
-    return ", ".join(found[:MAX_PATHS]) + (" ..." if len(found) > MAX_PATHS else "")
-
-
-def _by_replica(shapes: Sequence[tuple[int, ...]]) -> str:
-    return ", ".join(f"replica {i}: {list(s)}" for i, s in enumerate(shapes))
+_NOWHERE = torch.device("meta")  # no target: nothing is moved, no meta tensor is a problem

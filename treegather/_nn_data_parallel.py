@@ -9,6 +9,7 @@ functional entry point is :func:`treegather.data_parallel` (:mod:`treegather._da
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -20,7 +21,8 @@ from ._devices import DeviceLike, as_device, as_devices
 from ._gather import gather
 from ._kept import Kept, give_back
 from ._replicate import replicate
-from ._scatter import Shards, scatter_kwargs
+from ._scatter import scatter_kwargs
+from ._shards import Shards
 from ._step import _check_module_device, _replicas_for_step, _trim_unsplit
 
 __all__ = ["DataParallel", "patch"]
@@ -163,12 +165,14 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
     ``dp.scatter`` and ``dp.gather`` become treegather's :func:`scatter_kwargs` and
     :func:`gather` with the given layouts and ``dp.dim``, also when ``dp`` has no devices
     (torch's own DataParallel still has both methods on a CPU-only machine, where its forward
-    is a plain call). The shard sizes of the latest scatter are kept on ``dp`` so that
-    ``mean()`` in ``out_layout`` is weighted exactly by torch's forward, which does not pass
-    them along; do not run one patched module's forward concurrently from several threads.
-    ``dp.replicate`` becomes :func:`treegather.replicate` (torch's own coalesced copies on
-    distinct CUDA devices, as before), so that a compiled model (``torch.compile(m)``) is
-    replicated without being changed; parallel_apply stays torch's.
+    is a plain call). ``dp.parallel_apply`` stays torch's, its outputs carrying the shard sizes
+    of its inputs, so that ``mean()`` in ``out_layout`` is weighted exactly by torch's forward
+    (which passes the scatter's result to parallel_apply and that one's to gather). A gather of
+    a plain list of outputs uses the sizes of ``dp``'s latest scatter, kept beside ``dp`` (in a
+    weak table of treegather's, never on ``dp``): do not interleave two such manual steps on one
+    patched module from several threads. ``dp.replicate`` becomes :func:`treegather.replicate`
+    (torch's own coalesced copies on distinct CUDA devices, as before), so that a compiled
+    model (``torch.compile(m)``) is replicated without being changed.
 
     Args:
         dp: the ``nn.DataParallel`` to patch (modified in place).
@@ -189,11 +193,22 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
         device_ids: Sequence[DeviceLike],
     ) -> tuple[Shards, Shards]:
         shards = scatter_kwargs(inputs, kwargs, device_ids, in_layout, dim=dim)
-        setattr(self, "_treegather_sizes", shards[0].sizes)  # noqa: B010 - nn.Module typing
+        _LATEST_SIZES[self] = shards[0].sizes
         return shards
 
+    apply = dp.parallel_apply  # torch's (or the class's own)
+
+    def parallel_apply_(
+        self: nn.DataParallel, replicas: Sequence[nn.Module], inputs: Any, kwargs: Any
+    ) -> Any:
+        outputs = apply(replicas, inputs, kwargs)
+        sizes = getattr(inputs, "sizes", None)  # the scatter's Shards
+        if sizes is None or len(sizes) != len(outputs):
+            return outputs
+        return Shards(list(outputs), sizes, tuple(getattr(inputs, "devices", ())))
+
     def gather_(self: nn.DataParallel, outputs: Any, output_device: DeviceLike) -> Any:
-        sizes = getattr(outputs, "sizes", None) or getattr(self, "_treegather_sizes", None)
+        sizes = getattr(outputs, "sizes", None) or _LATEST_SIZES.get(self)
         if sizes is not None and len(sizes) != len(outputs):
             sizes = None
         return gather(list(outputs), output_device, out_layout, dim=dim, sizes=sizes)
@@ -206,7 +221,16 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
     dp.scatter = types.MethodType(scatter, dp)  # type: ignore[method-assign]
     dp.gather = types.MethodType(gather_, dp)  # type: ignore[method-assign]
     dp.replicate = types.MethodType(replicate_, dp)  # type: ignore[method-assign]
+    dp.parallel_apply = types.MethodType(parallel_apply_, dp)  # type: ignore[method-assign]
     return dp
+
+
+# The shard sizes of a patched module's latest scatter, for a gather of a plain list of outputs
+# (torch's own forward passes Shards along, which carry them). State between two calls of one
+# module, kept beside it (weakly: it goes with the module), not on it; not a cache.
+_LATEST_SIZES: weakref.WeakKeyDictionary[nn.Module, tuple[int, ...] | None] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _as_shards(

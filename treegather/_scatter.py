@@ -7,18 +7,19 @@ every leaf, cut, place on devices. The public :func:`scatter` asks the compiled 
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from . import _compiled
+from ._caches import FAST_PATHS
 from ._devices import DeviceLike, as_devices
 from ._errors import EXPLAIN_POINTER, BatchSizeError, LeafTypeError, bullet_list, check_dim
 from ._layout import Plan, display_path, resolve
-from ._rules import Broadcast, Split
-from ._tree import INPUT_AND_KWARGS, Opaque, describe, flatten, move_tree
+from ._rules import Cut, Problem, default_cut
+from ._shards import Shards, balanced
+from ._tree import INPUT_AND_KWARGS, describe, flatten, move_tree
 
 __all__ = [
     "Shards",
@@ -32,32 +33,6 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-
-
-class Shards(list[Any]):
-    """The per-device trees :func:`scatter` returns: a list, plus what gather needs to know.
-
-    Attributes:
-        sizes: rows in each shard (``None`` when nothing was split); pass them to
-            :func:`gather` so that :func:`mean` is weighted exactly.
-        devices: the device of each shard, in order.
-    """
-
-    sizes: tuple[int, ...] | None
-    devices: tuple[torch.device, ...]
-
-    def __init__(
-        self,
-        trees: Sequence[Any] = (),
-        sizes: tuple[int, ...] | None = None,
-        devices: tuple[torch.device, ...] = (),
-    ) -> None:
-        super().__init__(trees)
-        self.sizes = sizes
-        self.devices = devices
-
-    def __repr__(self) -> str:
-        return f"Shards({list.__repr__(self)}, sizes={self.sizes}, devices={list(map(str, self.devices))})"
 
 
 def scatter(
@@ -95,9 +70,7 @@ def scatter(
     >>> [s["x"].tolist() for s in shards], shards.sizes, shards[3]["scale"]
     ([[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]], (3, 3, 2, 2), 2.0)
     """
-    return _compiled.scatter(
-        inputs, as_devices(devices), layout, check_dim(dim, "scatter"), "inputs"
-    )
+    return _scatter(inputs, as_devices(devices), layout, check_dim(dim, "scatter"), "inputs")
 
 
 def scatter_kwargs(
@@ -126,7 +99,7 @@ def scatter_kwargs(
         args = tuple(args)
     kw = {} if kwargs is None else dict(kwargs)
     dim = check_dim(dim, "scatter_kwargs")
-    shards = _compiled.scatter((args, kw), as_devices(devices), layout, dim, None)
+    shards = _scatter((args, kw), as_devices(devices), layout, dim, None)
     return (
         Shards([s[0] for s in shards], shards.sizes, shards.devices),
         Shards([s[1] for s in shards], shards.sizes, shards.devices),
@@ -155,7 +128,7 @@ def scatter_call(
     ([['a', 'b'], ['c', 'd']], Shards([{}, {}], sizes=(2, 2), devices=['cpu', 'cpu']))
     """
     tree, root = call_tree(inputs, kwargs)
-    shards = _compiled.scatter(tree, devs, layout, dim, root)
+    shards = _scatter(tree, devs, layout, dim, root)
     if root is None:
         return (
             Shards([s[0] for s in shards], shards.sizes, shards.devices),
@@ -176,14 +149,20 @@ def call_tree(inputs: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, str |
     return (inputs, kw), INPUT_AND_KWARGS
 
 
-def balanced(n: int, k: int) -> tuple[int, ...]:
-    """Rows per shard when ``n`` rows are split ``k`` ways, in ``torch.tensor_split`` order.
-
-    >>> balanced(10, 4)
-    (3, 3, 2, 2)
-    """
-    base, extra = divmod(n, k)
-    return (base + 1,) * extra + (base,) * (k - extra)
+def _scatter(
+    inputs: Any, devs: tuple[torch.device, ...], layout: Any, dim: int, root: str | None
+) -> Shards:
+    """The scatter step (arguments checked): the compiled layer does it, for a structure it
+    has seen, or declines with what it found (the leaves and the plan), and :func:`place`
+    does the rest; with every fast path off (:func:`treegather._caches.reference_only`), the
+    reference steps alone."""
+    if not FAST_PATHS.on:
+        return scatter_reference(inputs, devs, layout, dim, root)
+    done = _compiled.scatter(inputs, devs, layout, dim, root)
+    if type(done) is Shards:
+        return done
+    known = cast(_compiled.Known, done)
+    return place(inputs, cast(list, known.leaves), cast(Plan, known.plan), devs, dim, root)
 
 
 def scatter_reference(
@@ -225,22 +204,43 @@ class _Cuts(NamedTuple):
     explicit: dict[tuple[int, ...], list[int]]
 
 
+def survey(
+    up: list[Any], plan: Plan, dim: int, devs: tuple[torch.device, ...]
+) -> tuple[_Cuts, list[Cut | Problem]]:
+    """Pass 1: how every position is cut, as its rule says (:meth:`shard`), or what is wrong
+    with it; nothing is touched."""
+    cuts = _Cuts([], [], {}, {})
+    found: list[Cut | Problem] = []
+    meta_ok = all(d.type == "meta" for d in devs)
+    for pos, x in enumerate(up):
+        cut = classify(pos, x, plan, dim, meta_ok)
+        found.append(cut)
+        if isinstance(cut, Problem):
+            continue
+        if cut.kind == "split":
+            cuts.splits.append((pos, cut.dim))
+            if cut.sizes is not None:
+                cuts.explicit.setdefault(cut.sizes, []).append(pos)
+        elif cut.kind == "items":
+            cuts.items.append(pos)
+        else:
+            continue
+        cuts.lengths.setdefault(cut.rows, []).append(pos)
+    return cuts, found
+
+
 def _validate(
     up: list[Any], plan: Plan, dim: int, root: str | None, devs: tuple[torch.device, ...]
 ) -> _Cuts:
-    """Pass 1: classify every position and report every problem, before any tensor is touched."""
-    cuts = _Cuts([], [], {}, {})
-    problems: list[str] = []
-    type_problem = False
-    arrays: list[int] = []  # array-likes broadcast by default: wrong only next to split data
-    meta_ok = all(d.type == "meta" for d in devs)
-    for pos, x in enumerate(up):
-        found = _classify(pos, x, plan, dim, root, cuts, meta_ok)
-        if found is _ARRAY:
-            arrays.append(pos)
-        elif found is not None:
-            problems.append(found[0])
-            type_problem = type_problem or found[1]
+    """Pass 1, checked: every problem is reported, before any tensor is touched."""
+    cuts, found = survey(up, plan, dim, devs)
+    problems = [
+        f"{display_path(plan.node_of(pos), root)}: {p.text}"
+        for pos, p in enumerate(found)
+        if isinstance(p, Problem)
+    ]
+    type_problem = any(isinstance(p, Problem) and p.type_problem for p in found)
+    arrays = [pos for pos, c in enumerate(found) if isinstance(c, Cut) and c.kind == "array"]
     if cuts.lengths and arrays:
         type_problem = True
         problems.extend(
@@ -275,103 +275,18 @@ def _validate(
     return cuts
 
 
-_ARRAY: Any = ("array", True)  # marker: an array-like leaf the default rule broadcasts
-
-
-def _classify(
-    pos: int, x: Any, plan: Plan, dim: int, root: str | None, cuts: _Cuts, meta_ok: bool
-) -> tuple[str, bool] | None:
-    """Record position ``pos`` in ``cuts``; a problem (message, is-a-type-problem) or None."""
-
-    def where() -> str:  # only on errors: a node's path costs a walk of the structure
-        return display_path(plan.node_of(pos), root)
-
-    if plan.groups[pos] is not None:
-        if not isinstance(x, (list, tuple)):
-            return f"{where()}: split_items() needs a list or tuple, got {describe(x)}", True
-        cuts.items.append(pos)
-        cuts.lengths.setdefault(len(x), []).append(pos)
-        return None
-    rule = plan.rules[pos]
+def classify(pos: int, x: Any, plan: Plan, dim: int, meta_ok: bool) -> Cut | Problem:
+    """How position ``pos`` (value ``x``) is cut: its rule's :meth:`shard`, or the default's."""
+    group = plan.groups[pos]
+    if group is not None:
+        return group[2].shard(x, dim)  # type: ignore[attr-defined]
     if isinstance(x, Tensor) and x.is_meta and not meta_ok:
-        return (
-            f"{where()}: {describe(x)} is a meta tensor: it holds no data to place on a device",
-            True,
-        )
+        text = f"{describe(x)} is a meta tensor: it holds no data to place on a device"
+        return Problem(text, True)
+    rule = plan.rules[pos]
     if rule is None:
-        if not isinstance(x, Tensor):
-            return _sent_whole(x, where)
-        if x.dim() == 0:
-            return None
-        d = dim
-    elif isinstance(rule, Broadcast):
-        return None
-    elif isinstance(rule, Split):
-        if not isinstance(x, Tensor):
-            hint = (
-                " (use split_items() on a list of per-sample items)"
-                if isinstance(x, (str, bytes))
-                else ""
-            )
-            return f"{where()}: {rule.describe()} needs a tensor, got {describe(x)}{hint}", True
-        d = rule.dim
-        if rule.sizes is not None:
-            cuts.explicit.setdefault(rule.sizes, []).append(pos)
-    else:
-        raise AssertionError(rule)
-    if x.layout != torch.strided or x.is_nested:
-        kind = "nested" if x.is_nested else str(x.layout).replace("torch.", "")
-        return (
-            f"{where()}: split needs a dense (strided) tensor, got a {kind} tensor "
-            f"{describe(x)}; convert it with .to_dense() (or torch.nested.to_padded_tensor), "
-            "or mark it broadcast() in the layout"
-        ), True
-    nd = x.dim()
-    if not -nd <= d < nd or nd == 0:
-        return f"{where()}: cannot split along dim {d}: {describe(x)}", False
-    cuts.splits.append((pos, d))
-    cuts.lengths.setdefault(x.shape[d], []).append(pos)
-    return None
-
-
-def _sent_whole(x: Any, where: Callable[[], str]) -> tuple[str, bool] | None:
-    """A leaf the default rule would broadcast although it may hold the batch: a problem.
-
-    Unregistered dataclasses, dict/list subclasses, and any other mapping or sequence holding
-    tensors (``collections.UserDict`` -- the shape of transformers' ``BatchEncoding`` --, a
-    tuple subclass) are refused; numpy arrays of >= 1 dim are refused next to split data
-    (``_ARRAY``); so is an :class:`~treegather._tree.Opaque` value (a registered node that
-    cannot be split, such as a transformers ``StaticCache``), with its reason. Strings, numbers
-    and containers of plain values are broadcast.
-    """
-    if isinstance(x, Opaque):  # a registered node that cannot be split: it says why
-        return f"{where()}: {x.reason}", True
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return (
-            f"{where()}: {type(x).__qualname__} is a dataclass treegather does not know, so it "
-            "would be sent whole to every device; register it with "
-            "treegather.register_dataclass (or mark it broadcast() in the layout)"
-        ), True
-    if isinstance(x, (dict, list)):
-        # A dict/list subclass optree does not know is a leaf: without this check the whole
-        # batch inside it would silently go to every device.
-        base = "dict" if isinstance(x, dict) else "list"
-        return (
-            f"{where()}: {type(x).__qualname__} is a {base} subclass treegather does not know, so "
-            "it would be sent whole to every device; register it with treegather.register_node "
-            "(or mark it broadcast() in the layout)"
-        ), True
-    if isinstance(x, (Mapping, Sequence)) and not isinstance(x, (str, bytes)):
-        values = x.values() if isinstance(x, Mapping) else x
-        if any(isinstance(v, Tensor) for v in values):
-            return (
-                f"{where()}: {type(x).__qualname__} is a container treegather does not know "
-                "and it holds tensors, so it would be sent whole to every device; register it "
-                "with treegather.register_node (or mark it broadcast() in the layout)"
-            ), True
-    if type(x).__module__ == "numpy" and getattr(x, "ndim", 0) >= 1:
-        return _ARRAY
-    return None
+        return default_cut(x, dim)
+    return rule.shard(x, dim)  # type: ignore[attr-defined]
 
 
 def _shard_sizes(cuts: _Cuts, k: int) -> tuple[int, ...] | None:

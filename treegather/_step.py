@@ -16,7 +16,7 @@ from torch import nn
 
 from ._kept import Kept, reusable, take
 from ._replicate import replicate
-from ._scatter import Shards
+from ._shards import Shards
 
 
 def _trim_unsplit(args_shards: Shards, kwargs_shards: Shards) -> tuple[Shards, Shards]:

@@ -25,13 +25,14 @@ whenever torch's pytree registry has grown, which every transformers model impor
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ._tree import Opaque, register_node
+from ._tree.registry import Opaque, register_default, watch
 
 __all__ = ["register_caches"]
 
@@ -302,8 +303,6 @@ def register_caches(module: types.ModuleType) -> None:
 
     Classes already registered with treegather (by the user) are left as they are.
     """
-    from ._tree import _BRIDGED, _REGISTERED
-
     todo: list[tuple[type, Any, Any]] = []
     for name in _DYNAMIC:
         cls = getattr(module, name, None)
@@ -316,8 +315,23 @@ def register_caches(module: types.ModuleType) -> None:
         cls = getattr(module, name, None)
         if isinstance(cls, type):
             todo.append((cls, _flatten_whole(why), _unflatten_whole))
-    for cls, flatten, unflatten in todo:
-        if cls in _REGISTERED and cls not in _BRIDGED:
-            continue  # the user's own registration wins
-        register_node(cls, flatten, unflatten)
-        _BRIDGED.add(cls)  # as for the torch bridge: a later explicit registration replaces it
+    for cls, flatten, unflatten in todo:  # (the user's own registration wins)
+        register_default(cls, flatten, unflatten)
+
+
+_registered = False
+
+
+def _sync() -> None:
+    """Register the caches once ``transformers.cache_utils`` is loaded: called at import and
+    whenever torch's pytree registry has grown (which importing any transformers model does),
+    so there is no cost on the hot path, and ``import treegather`` never imports transformers."""
+    global _registered
+    module = sys.modules.get("transformers.cache_utils")
+    if _registered or module is None:
+        return
+    _registered = True
+    register_caches(module)
+
+
+watch(_sync)

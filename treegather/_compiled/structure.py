@@ -184,9 +184,13 @@ class Structure:
     def leaves_ok(self, leaves: list[Any]) -> bool:
         """Every value is a leaf (``flatten_up_to`` lets a subtree or None stand in for one)."""
         types = list(map(type, leaves))
-        if types.count(Tensor) == len(types):
-            return True
+        return types.count(Tensor) == len(types) or self.types_ok(types, leaves)
+
+    def types_ok(self, types: list[type], leaves: list[Any]) -> bool:
+        """:meth:`leaves_ok` for leaves whose ``types`` are read already (not all tensors)."""
         known = self.leaf_types
+        if known.issuperset(types):  # (one C pass: the types seen when the structure was made)
+            return True
         return all(t in known or _tree.is_leaf(v) for t, v in zip(types, leaves))
 
     def builder(self, k: int) -> Builder | None:

@@ -1,0 +1,40 @@
+"""The step benchmark runs end to end in seconds (tiny models), and its three ways do the same work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treegather.benchmarks import steps
+
+
+def test_run_steps_smoke() -> None:
+    pytest.importorskip("transformers")
+    rows = steps.run_steps(
+        ["bert12", "mlp50"],
+        [2],
+        rounds=1,
+        target_s=0.001,
+        bert_layers=1,
+        bert_vocab=50,
+        mlp_layers=2,
+    )
+    assert {(r["model"], r["impl"]) for r in rows} == {
+        (m, i) for m in ("bert12", "mlp50") for i in ("floor", "data_parallel", "fresh")
+    }
+    assert all(r["median_ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert all(r["ratio"] == 1.0 for r in rows if r["impl"] == "floor")
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_three_ways_compute_the_same_gradients(k: int) -> None:
+    torch.manual_seed(0)
+    model = steps._mlp(3, 8)
+    fns = steps._steps("mlp50", model, 10, k)
+    grads = []
+    for fn in fns.values():
+        fn()
+        grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(a, b)

@@ -1,0 +1,537 @@
+"""Evaluation and contrastive losses across ranks: ``Collector`` and ``all_gather(sync_grads=True)``.
+
+Single-process checks run here; the multi-process checks run in the spawned gloo groups of 2 and
+3 ranks shared with the other distributed test modules (:mod:`spawned_groups`: each rank writes
+its results to a file; the tests compare them with one process holding every rank's data), under
+a hard deadline. The group of 2 also runs the evaluation benchmark
+(``python -m treegather.benchmarks.evaluation``) on a small dataset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import spawned_groups
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from spawned_groups import WORLD_SIZES
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import treegather as tg
+import treegather.distributed as tgd
+from treegather._caches import reference_only
+from treegather.benchmarks import evaluation
+
+GROUP_DEADLINE_S = 90.0  # the checks below, in one group
+N = 11  # samples: uneven over 2 and 3 ranks, so DistributedSampler pads
+LAYOUT = tg.by_path({"names": tg.cat_items(), "loss": tg.mean()})
+
+
+def _dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.arange(N), torch.randn(N, 4, generator=g))
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3)
+
+
+def _outputs(net: torch.nn.Module, ids: torch.Tensor, x: torch.Tensor) -> dict[str, Any]:
+    with torch.no_grad():
+        logits = net(x)
+    return {
+        "logits": logits,
+        "ids": ids,
+        "names": [f"s{int(i)}" for i in ids],
+        "loss": F.cross_entropy(logits, ids % 3),
+    }
+
+
+def _reference(indices: list[int]) -> dict[str, Any]:
+    """One process evaluating ``indices`` (in index order) at once."""
+    ids, x = _dataset().tensors
+    picked = torch.tensor(sorted(set(indices)))
+    out = _outputs(_net(), ids[picked], x[picked])
+    return {"logits": out["logits"], "ids": out["ids"], "names": out["names"]}
+
+
+def _evaluate(loader: Any, col: tgd.Collector) -> tuple[list[int], list[float], list[int]]:
+    """Add every batch; return the indices seen, and each batch's loss and rows."""
+    net = _net()
+    seen, losses, rows = [], [], []
+    for ids, x in loader:
+        out = _outputs(net, ids, x)
+        col.add(out)
+        seen += ids.tolist()
+        losses.append(float(out["loss"]))
+        rows.append(len(ids))
+    return seen, losses, rows
+
+
+# ------------------------------------------------------------------------- one process
+
+
+def test_indices_put_rows_in_dataset_order_each_once() -> None:
+    col = tgd.Collector()
+    col.add({"x": torch.tensor([[3.0], [1.0]]), "tag": ["c", "a"]}, indices=[3, 1])
+    col.add({"x": torch.tensor([[2.0], [1.0]]), "tag": ["b", "a"]}, indices=torch.tensor([2, 1]))
+    out = col.all_gather({"x": tg.cat(), "tag": tg.cat_items()})
+    assert out["x"].flatten().tolist() == [1.0, 2.0, 3.0]
+    assert out["tag"] == ["a", "b", "c"]
+    assert col.indices is not None and col.indices.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("sampler_drop_last", [False, True])
+@pytest.mark.parametrize("loader_drop_last", [False, True])
+def test_one_process_with_a_sampler_equals_the_reference(
+    shuffle: bool, sampler_drop_last: bool, loader_drop_last: bool
+) -> None:
+    ds = _dataset()
+    sampler = DistributedSampler(
+        ds, num_replicas=2, rank=1, shuffle=shuffle, drop_last=sampler_drop_last, seed=5
+    )
+    sampler.set_epoch(3)
+    loader = DataLoader(ds, batch_size=2, sampler=sampler, drop_last=loader_drop_last)
+    col = tgd.Collector(sampler)
+    seen, losses, rows = _evaluate(loader, col)
+    out = col.all_gather(LAYOUT)
+    want = _reference(seen)
+    assert out["ids"].tolist() == sorted(set(seen))
+    assert col.indices is not None and col.indices.tolist() == sorted(set(seen))
+    assert torch.allclose(out["logits"], want["logits"])
+    assert out["names"] == want["names"]
+    # A per-batch value: the mean of every batch's loss, weighted by its rows.
+    expected = sum(lo * r for lo, r in zip(losses, rows)) / sum(rows)
+    assert out["loss"].item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_dataloader_means_its_sampler_and_pad_is_per_sample() -> None:
+    ds = _dataset()
+    loader = DataLoader(ds, batch_size=4, shuffle=False)
+    col = tgd.Collector(loader)
+    for ids, _ in loader:  # variable-length tokens per batch: padded per sample
+        tokens = torch.arange(len(ids) * (len(ids) + 1)).view(len(ids), len(ids) + 1)
+        col.add({"tokens": tokens, "n": torch.tensor(len(ids))})
+    out = col.all_gather({"tokens": tg.pad(0, fill=-1), "n": tg.as_list()})
+    assert out["tokens"].shape == (N, 5)
+    assert out["tokens"][-1].tolist() == [8, 9, 10, 11, -1]  # the last batch: 3 rows of 4
+    assert out["n"] == [torch.tensor(4), torch.tensor(4), torch.tensor(3)]  # one value per add
+
+
+def test_device_keeps_detached_copies_there() -> None:
+    col = tgd.Collector(device="cpu")
+    x = torch.ones(2, 2, requires_grad=True)
+    col.add({"x": x * 2}, indices=[0, 1])
+    out = col.all_gather()
+    assert not out["x"].requires_grad and out["x"].device.type == "cpu"
+
+
+def test_errors_name_the_add_and_the_path() -> None:
+    col = tgd.Collector(range(3))
+    col.add({"a": torch.zeros(2), "b": torch.zeros(3, 1)})
+    with pytest.raises(
+        tg.BatchSizeError, match=r"add #0: per-sample leaves disagree.*outputs\['a'\]"
+    ):
+        col.all_gather()
+    col = tgd.Collector(range(3))
+    col.add({"a": torch.zeros(2)})
+    col.add({"a": torch.zeros(2)})
+    with pytest.raises(
+        tg.BatchSizeError, match=r"add #1: 2 row\(s\), but the sampler has 1 of its 3"
+    ):
+        col.all_gather()
+    col = tgd.Collector()
+    col.add({"a": torch.zeros(2)})
+    with pytest.raises(tg.BatchSizeError, match="no indices= and no sampler"):
+        col.all_gather()
+    col = tgd.Collector()
+    col.add({"a": torch.zeros(2)}, indices=[0, 1])
+    col.add({"a": torch.zeros(2), "b": 1}, indices=[2, 3])
+    with pytest.raises(tg.StructureMismatchError, match="add #1 has another structure"):
+        col.all_gather()
+    col = tgd.Collector()
+    col.add({"a": torch.zeros(2)}, indices=[0])
+    with pytest.raises(tg.BatchSizeError, match=r"add #0: indices= has 1 index\(es\) for 2 row"):
+        col.all_gather()
+
+
+def test_exchange_then_add_needs_reset() -> None:
+    col = tgd.Collector()
+    col.add({"a": torch.zeros(1)}, indices=[0])
+    col.all_gather()
+    with pytest.raises(tg.StateError, match="call reset"):
+        col.add({"a": torch.zeros(1)}, indices=[1])
+    with pytest.raises(tg.StateError, match="exchanged twice"):
+        col.all_gather()
+    col.reset()
+    col.add({"a": torch.ones(1)}, indices=[5])
+    assert col.gather(dst=0)["a"].tolist() == [1.0]
+    assert isinstance(tg.StateError("x"), RuntimeError)
+
+
+def test_nothing_added_gives_none() -> None:
+    col = tgd.Collector()
+    assert col.all_gather() is None
+    assert col.indices is not None and col.indices.numel() == 0
+
+
+def test_add_keeps_what_it_was_given_under_no_grad() -> None:
+    """No communication, no flatten and no copy in add under no_grad (without device=)."""
+    col = tgd.Collector(range(1000))
+    outputs = {"x": torch.zeros(4, 3)}
+    with torch.no_grad():
+        col.add(outputs)
+    assert col._adds[0][0] is outputs
+    col.add({"x": torch.zeros(2, 3, requires_grad=True) * 2})  # grad mode: detached
+    assert not col._adds[1][0]["x"].requires_grad
+
+
+def test_reference_only_joins_the_adds_with_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the one fast-path switch, Collector joins its adds with treegather.gather (the
+    definition) instead of its own concatenation; the results are the same."""
+    import treegather._gather
+
+    calls: list[int] = []
+    real = treegather._gather.gather
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(treegather._gather, "gather", spy)
+
+    def collect() -> Any:
+        col = tgd.Collector()
+        col.add({"x": torch.arange(4.0).view(2, 2), "tag": ["b", "a"]}, indices=[1, 0])
+        col.add({"x": torch.ones(1, 2), "tag": ["c"]}, indices=[2])
+        return col.all_gather({"x": tg.cat(), "tag": tg.cat_items()})
+
+    fast = collect()
+    assert calls == []  # the Collector's own join
+    with reference_only():
+        reference = collect()
+    assert calls  # the definition
+    assert torch.equal(fast["x"], reference["x"])
+    assert fast["tag"] == reference["tag"] == ["a", "b", "c"]
+
+
+# ------------------------------------------------------------------------ across ranks
+
+
+@spawned_groups.register("eval.collector", budget_s=GROUP_DEADLINE_S / 2)
+def _collector_checks(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ds = _dataset()
+    for shuffle in (False, True):
+        for sampler_drop in (False, True):
+            for loader_drop in (False, True):
+                sampler = DistributedSampler(ds, shuffle=shuffle, drop_last=sampler_drop, seed=7)
+                sampler.set_epoch(2)
+                loader = DataLoader(ds, batch_size=2, sampler=sampler, drop_last=loader_drop)
+                col = tgd.Collector(sampler)
+                seen, losses, rows = _evaluate(loader, col)
+                key = (shuffle, sampler_drop, loader_drop)
+                out[("all", key)] = (col.all_gather(LAYOUT), col.indices, seen, losses, rows)
+                col.reset()
+                _evaluate(loader, col)
+                out[("dst", key)] = col.gather(LAYOUT, dst=world - 1)
+    # Errors where one rank differs: raised on every rank, promptly.
+    col = tgd.Collector()
+    n = 3 if rank == 1 else 2
+    col.add({"a": torch.zeros(n), "b": torch.zeros(2)}, indices=list(range(n)))
+    out["rows_on_one_rank"] = _capture(lambda: col.all_gather())
+    col = tgd.Collector()
+    col.add({"a": torch.zeros(2)} if rank else {"a": torch.zeros(2, dtype=torch.int64)}, [0, 1])
+    out["dtype_on_one_rank"] = _capture(lambda: col.gather(dst=0))
+    col = tgd.Collector()
+    if rank != 1:  # rank 1 has nothing: the others' samples come back
+        col.add({"a": torch.full((1,), float(rank))}, indices=[rank])
+    out["empty_rank"] = (col.all_gather(), col.indices)
+    # The final exchange is one all_gather of the existing machinery.
+    col = tgd.Collector()
+    for i in range(4):
+        col.add({"a": torch.ones(2, 3) * i}, indices=[4 * rank + i, 100 + 4 * rank + i])
+    with _counting() as calls:
+        col.all_gather()
+    with _counting() as plain:
+        tgd.all_gather(((torch.zeros(8), torch.zeros(4), {"a": torch.ones(8, 3)}), 1), tg.as_list())
+    out["collectives"] = (list(calls), list(plain))
+    return out
+
+
+def _clip_loss(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+    img, txt = F.normalize(img, dim=1), F.normalize(txt, dim=1)
+    logits = img @ txt.T * 10
+    labels = torch.arange(img.shape[0])
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def _clip_batches(world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    rows = [3, 2, 4][:world]  # uneven
+    xs = [
+        torch.randn(b, 5, generator=torch.Generator().manual_seed(10 + r))
+        for r, b in enumerate(rows)
+    ]
+    ys = [
+        torch.randn(b, 5, generator=torch.Generator().manual_seed(20 + r))
+        for r, b in enumerate(rows)
+    ]
+    return xs, ys
+
+
+@spawned_groups.register("eval.sync", budget_s=GROUP_DEADLINE_S / 2)
+def _sync_checks(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    xs, ys = _clip_batches(world)
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(5, 6)
+    x = xs[rank].clone().requires_grad_(True)
+    with _counting() as forward:
+        emb = tgd.all_gather(
+            {"img": lin(x), "txt": lin(ys[rank]), "tag": f"r{rank}"}, sync_grads=True
+        )
+    loss = _clip_loss(emb["img"], emb["txt"]) * (rank + 1)  # each rank's own loss
+    with _counting() as backward:
+        loss.backward()
+    weight = lin.weight.grad.clone()
+    dist.all_reduce(weight)  # what DDP would sum (it then divides by the world size)
+    out["clip"] = (x.grad, weight, lin.bias.grad.clone(), emb["tag"], list(forward), list(backward))
+    with _counting() as plain:  # the same call again, without sync_grads
+        tgd.all_gather({"img": lin(x), "txt": lin(ys[rank]), "tag": f"r{rank}"})
+    out["plain_forward"] = list(plain)
+    # Every rule, and a custom callable.
+    v = xs[rank][:2].clone().requires_grad_(True)
+    rules: dict[str, Any] = {
+        "cat": tg.cat(),
+        "stack": tg.stack(),
+        "pad": tg.pad(0),
+        "mean": tg.mean(),
+        "sum": tg.sum(),
+        "custom": _norms,
+    }
+    for name, rule in rules.items():
+        v.grad = None
+        value = v[: rank + 1] if name in ("cat", "pad") else v  # uneven rows where allowed
+        got = tgd.all_gather(
+            {"v": value * (rank + 1)}, {"v": rule}, sync_grads=True, sizes=rank + 1
+        )
+        _weighted(got["v"]).backward()
+        out[("rule", name)] = (got["v"].detach(), v.grad)
+    # Without sync_grads the result is detached, as before.
+    out["detached"] = tgd.all_gather({"v": v * 2})["v"].requires_grad
+    # One rank asks for sync_grads, another not: the same error on every rank.
+    out["sync_on_one_rank"] = _capture(lambda: tgd.all_gather({"v": v * 1}, sync_grads=rank == 0))
+    return out
+
+
+def _norms(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.stack([t.pow(2).sum() for t in values])
+
+
+def _weighted(t: torch.Tensor) -> torch.Tensor:
+    return (t * (torch.arange(t.numel(), dtype=t.dtype).view_as(t) + 1)).sum()
+
+
+def _capture(fn: Callable[[], Any]) -> tuple[Any, ...]:
+    try:
+        return ("ok", fn())
+    except Exception as exc:
+        return ("raised", type(exc).__name__, str(exc), traceback.format_exc())
+
+
+@contextlib.contextmanager
+def _counting() -> Iterator[list[str]]:
+    """Every all_gather / gather / broadcast / all_reduce that reaches the backend."""
+    names = ("all_gather_single", "all_gather_into_tensor", "all_gather", "gather", "broadcast")
+    names += ("all_reduce",)
+    calls: list[str] = []
+    saved = []
+    for name in names:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+
+        def counted(*args: Any, __fn: Any = fn, __name: str = name, **kwargs: Any) -> Any:
+            calls.append(__name)
+            return __fn(*args, **kwargs)
+
+        saved.append((name, fn))
+        setattr(dist, name, counted)
+    try:
+        yield calls
+    finally:
+        for name, fn in saved:
+            setattr(dist, name, fn)
+
+
+@spawned_groups.register("eval.bench", budget_s=30)
+def _benchmark_smoke_run(rank: int, world: int) -> Any:
+    """The evaluation benchmark on a small dataset, in the group of 2 (spawning costs more)."""
+    if world != 2:
+        return None
+    return evaluation.measure(300, batch=64, rounds=2, profile=True)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
+    """Each world size's results of the checks above, from the session's shared group."""
+    world = request.param
+    results = spawned_groups.results(world, tmp_path_factory)
+    return world, [
+        {
+            "collector": res["eval.collector"],
+            "sync": res["eval.sync"],
+            "benchmark": res["eval.bench"],
+        }
+        for res in results
+    ]
+
+
+pytestmark = pytest.mark.distributed
+
+
+def test_every_sample_once_in_dataset_order(ranks: Any) -> None:
+    world, results = ranks
+    for key in [(s, d, ld) for s in (False, True) for d in (False, True) for ld in (False, True)]:
+        seen = [i for res in results for i in res["collector"][("all", key)][2]]
+        losses = [x for res in results for x in res["collector"][("all", key)][3]]
+        rows = [x for res in results for x in res["collector"][("all", key)][4]]
+        want = _reference(seen)
+        for rank, res in enumerate(results):
+            got, indices, *_ = res["collector"][("all", key)]
+            assert got["ids"].tolist() == sorted(set(seen)), (key, rank)
+            assert indices.tolist() == sorted(set(seen))
+            assert torch.allclose(got["logits"], want["logits"])
+            assert got["names"] == want["names"]
+            expected = sum(lo * r for lo, r in zip(losses, rows)) / sum(rows)
+            assert got["loss"].item() == pytest.approx(expected, rel=1e-6)
+            dst = res["collector"][("dst", key)]
+            if rank == world - 1:
+                assert dst["ids"].tolist() == sorted(set(seen))
+            else:
+                assert dst is None
+        if not key[1] and not key[2]:  # nothing dropped: the whole dataset
+            assert sorted(set(seen)) == list(range(N))
+            assert len(seen) > N  # DistributedSampler padded (11 samples do not split evenly)
+
+
+def test_a_problem_on_one_rank_raises_on_every_rank(ranks: Any) -> None:
+    _, results = ranks
+    for res in results:
+        status, name, message, _ = res["collector"]["rows_on_one_rank"]
+        assert (status, name) == ("raised", "BatchSizeError"), message
+        assert message.startswith("on rank 1: add #0: per-sample leaves disagree")
+        status, name, message, _ = res["collector"]["dtype_on_one_rank"]
+        assert (status, name) == ("raised", "ShapeMismatchError"), message
+        assert "dtype" in message
+
+
+def test_a_rank_with_nothing_added(ranks: Any) -> None:
+    world, results = ranks
+    for res in results:
+        got, indices = res["collector"]["empty_rank"]
+        others = [r for r in range(world) if r != 1]
+        assert indices.tolist() == others
+        assert got["a"].tolist() == [float(r) for r in others]
+
+
+def test_the_final_exchange_is_one_all_gather(ranks: Any) -> None:
+    _, results = ranks
+    for res in results:
+        calls, plain = res["collector"]["collectives"]
+        assert calls == plain and calls, (calls, plain)
+
+
+def test_sync_grads_clip_loss_equals_one_process(ranks: Any) -> None:
+    world, results = ranks
+    xs, ys = _clip_batches(world)
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(5, 6)
+    x_all = [x.clone().requires_grad_(True) for x in xs]
+    img = torch.cat([lin(x) for x in x_all])
+    txt = torch.cat([lin(y) for y in ys])
+    total = sum(_clip_loss(img, txt) * (r + 1) for r in range(world))
+    total.backward()
+    for rank, res in enumerate(results):
+        x_grad, weight, _, tags, forward, backward = res["sync"]["clip"]
+        assert torch.allclose(x_grad, x_all[rank].grad, atol=1e-6), rank
+        assert torch.allclose(weight, lin.weight.grad, atol=1e-5), rank
+        assert tags == [f"r{r}" for r in range(world)]  # non-tensor leaves pass through
+        assert backward == ["all_reduce"], backward  # one collective for the whole tree
+        assert forward and forward == res["sync"]["plain_forward"], forward  # none added
+
+
+def test_sync_grads_every_rule(ranks: Any) -> None:
+    world, results = ranks
+    xs, _ = _clip_batches(world)
+    rules: dict[str, Any] = {
+        "cat": tg.cat(),
+        "stack": tg.stack(),
+        "pad": tg.pad(0),
+        "mean": tg.mean(),
+        "sum": tg.sum(),
+        "custom": _norms,
+    }
+    for name, rule in rules.items():
+        vs = [xs[r][:2].clone().requires_grad_(True) for r in range(world)]
+        values = [v[: r + 1] if name in ("cat", "pad") else v for r, v in enumerate(vs)]
+        want = tg.gather(
+            [{"v": value * (r + 1)} for r, value in enumerate(values)],
+            "cpu",
+            {"v": rule},
+            sizes=list(range(1, world + 1)),
+        )
+        (world * _weighted(want["v"])).backward()  # every rank's loss is the same function
+        for rank, res in enumerate(results):
+            got, grad = res["sync"][("rule", name)]
+            assert torch.allclose(got, want["v"].detach()), name
+            assert torch.allclose(grad, vs[rank].grad, atol=1e-6), (name, rank)
+
+
+def test_sync_grads_off_stays_detached_and_must_agree(ranks: Any) -> None:
+    _, results = ranks
+    for res in results:
+        assert res["sync"]["detached"] is False
+        status, name, message, _ = res["sync"]["sync_on_one_rank"]
+        assert (status, name) == ("raised", "LayoutError"), message
+        assert "sync_grads=True on rank 0" in message
+
+
+def test_the_evaluation_benchmark_runs(ranks: Any) -> None:
+    # Its figures are not checked (no timing asserts), only that every part ran and what it counts.
+    world, results = ranks
+    if world != 2:
+        pytest.skip("the benchmark's smoke run shares the group of 2 ranks")
+    for rank, res in enumerate(results):
+        bench = res["benchmark"]
+        assert (bench["samples"], bench["batch"], bench["world"], bench["rounds"]) == (
+            300,
+            64,
+            2,
+            2,
+        )
+        ex, add, sync = bench["exchange"], bench["add"], bench["sync_grads"]
+        assert all(ex[k] > 0 for k in ("exchange_ms", "floor_ms", "floor_names_ms"))
+        assert ex["exchange_cpu_ms"] > 0 and ex["floor_cpu_ms"] >= 0
+        assert ex["exchange_vs_floor"] > 0 and ex["exchange_vs_floor_names"] > 0
+        assert ex["collectives"] >= 1
+        if rank == 0:
+            assert "calls on rank 0" in ex["profile"] and "all_gather" in ex["profile"]
+        else:
+            assert ex["profile"] is None
+        assert add["adds"] == 3  # 150 samples per rank, batches of 64
+        assert all(add[k] > 0 for k in ("add_us", "add_cpu_us", "copy_us", "first_add_us"))
+        # sync_grads adds no collective to the forward and makes one in the backward.
+        assert sync["forward_sync_collectives"] == sync["forward_plain_collectives"]
+        assert sync["forward_sync_collectives"] and len(sync["backward_collectives"]) == 1
+        table = evaluation.format_table(bench)
+        assert table.count("\n|---") == 3 and "final exchange" in table

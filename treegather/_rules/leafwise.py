@@ -1,0 +1,370 @@
+"""The gather rules that combine tensors leaf by leaf: what they share, and cat, stack and pad.
+
+(``mean`` and ``sum`` are in :mod:`.reductions`.) On an inner node each applies to every leaf
+below it. Each class combines one leaf's
+per-replica values (:meth:`combine`: plain errors for bad data), says what is wrong with them
+(:meth:`problem`: the checks every such rule makes -- meta tensors, unregistered dataclasses,
+values that are no tensors, mixed dtypes -- then the rule's own, on the shapes) and what they
+become (:meth:`becomes`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import numbers
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from .._errors import safe_repr
+from .._tree import describe, dtype_text, shape_text
+from .base import Combining, GatherRule, Problem, by_replica, constructor, is_number
+
+__all__ = [
+    "META",
+    "Cat",
+    "LeafRule",
+    "Pad",
+    "Padded",
+    "Stack",
+    "cat",
+    "cat_values",
+    "fill_fits",
+    "one_dtype",
+    "pad",
+    "stack",
+    "to_target",
+]
+
+Tensor = torch.Tensor
+META = "a meta tensor holds no data to gather onto {target}"
+
+
+def one_dtype(col: Sequence[Tensor]) -> None:
+    """Refuse per-replica tensors of several dtypes (torch would promote them: an int64 id
+    becomes a float32 that cannot hold it); :meth:`LeafRule.problem` names each dtype."""
+    first = col[0].dtype
+    for v in col:
+        if v.dtype != first:
+            raise ValueError("per-replica tensors have different dtypes")
+
+
+def to_target(values: Sequence[Tensor], target: torch.device) -> list[Tensor]:
+    nb = target.type == "cuda"
+    return [v if v.device == target else v.to(target, non_blocking=nb) for v in values]
+
+
+def _times(n: int, k: int | None) -> int | str:
+    return n * k if k is not None else f"k*{n}"
+
+
+class LeafRule(GatherRule):
+    """A gather rule that combines the tensors of one leaf (applied to each leaf below a node)."""
+
+    numbers: ClassVar[bool] = False
+    """Python numbers are values too (``mean``, ``sum``)."""
+
+    def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
+        """The checks every leaf-wise rule makes, then :meth:`shape_problem`."""
+        shown = shown or self.describe()
+        if ctx.target.type != "meta":
+            on_meta = [r for r, v in enumerate(col) if isinstance(v, Tensor) and v.is_meta]
+            if on_meta:
+                replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in on_meta)
+                return Problem(f"{META.format(target=ctx.target)} ({replicas})", True, "meta")
+        tensors = [isinstance(v, Tensor) for v in col]
+        if not all(tensors):
+            found = _unknown_dataclasses(col)
+            if found:
+                return Problem(
+                    f"{found} is a dataclass treegather does not know, so {shown} cannot look "
+                    "inside it; register it with treegather.register_dataclass",
+                    True,
+                    "dataclass",
+                )
+            if self.numbers and all(is_number(v) for v in col):
+                return None
+            bad = tensors.index(False)
+            return Problem(
+                f"{shown} needs tensors, replica {bad} holds {describe(col[bad])}", True, "shape"
+            )
+        dtypes = [v.dtype for v in col]
+        if len(set(dtypes)) > 1:
+            return Problem(
+                f"{shown} needs one dtype in every replica, got "
+                + ", ".join(f"replica {i}: {d}" for i, d in enumerate(dtypes)),
+                hint="dtype",
+            )
+        return self.shape_problem([tuple(v.shape) for v in col], dtypes[0], ctx, shown)
+
+    def shape_problem(
+        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
+    ) -> Problem | None:
+        """What is wrong with tensors of these shapes (one dtype) under this rule."""
+        return None
+
+
+def _unknown_dataclasses(col: Sequence[Any]) -> str:
+    """The names of the dataclasses among ``col`` (values treegather cannot look inside)."""
+    classes = {type(v) for v in col if dataclasses.is_dataclass(v) and not isinstance(v, type)}
+    return ", ".join(sorted(c.__qualname__ for c in classes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cat(LeafRule, name="cat"):
+    """Concatenate along ``dim`` (the default for tensors; all 0-dim values: a vector)."""
+
+    dim: int = 0
+
+    @classmethod
+    def named(cls, dim: int) -> Cat:
+        return cls(dim)
+
+    def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
+        return cat_values(col, ctx.target, ctx.moving, self.dim)
+
+    def shape_problem(
+        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
+    ) -> Problem | None:
+        ndims = {len(s) for s in shapes}
+        if ndims == {0}:
+            return None
+        if len(ndims) > 1:
+            if 0 in ndims:
+                return Problem(
+                    f"{shown} cannot mix 0-dim and n-dim tensors: {by_replica(shapes)}",
+                    hint="shape",
+                )
+            text = f"{shown} needs tensors with the same number of dims, got {by_replica(shapes)}"
+            return Problem(text, hint="shape")
+        nd = ndims.pop()
+        d = self.dim
+        if not -nd <= d < nd:
+            return Problem(f"{shown} is out of range for {nd}-dim tensors", hint="shape")
+        if len({tuple(s[: d % nd] + s[d % nd + 1 :]) for s in shapes}) > 1:
+            text = f"{shown} needs equal sizes in every dim but {d}, got {by_replica(shapes)}"
+            return Problem(text, hint="shape")
+        return None
+
+    def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
+        if not isinstance(x, Tensor):
+            return "-", f"{self.describe()} needs a tensor, got {type(x).__qualname__}"
+        shape: list[Any] = list(x.shape)
+        nd = len(shape)
+        if nd == 0:
+            kk = "k" if k is None else str(k)
+            return f"Tensor({kk},) {dtype_text(x.dtype)} (0-dim values stacked)", None
+        if not -nd <= self.dim < nd:
+            return "-", f"{self.describe()}: dim {self.dim} is out of range for {nd}-dim tensors"
+        shape[self.dim % nd] = _times(shape[self.dim % nd], k)
+        return (
+            f"Tensor{shape_text(shape)} {dtype_text(x.dtype)} (if every replica is alike)",
+            None,
+        )
+
+
+def cat_values(col: Sequence[Tensor], target: torch.device, moving: bool, dim: int) -> Tensor:
+    """:class:`Cat`'s combine: one dtype, moved to ``target`` (0-dim values stacked)."""
+    one_dtype(col)
+    if moving:
+        col = to_target(col, target)
+    scalars = col[0].dim() == 0  # all 0-dim: the vector of them
+    try:
+        out = torch.stack(col) if scalars else torch.cat(col, dim)  # type: ignore[arg-type]
+    except RuntimeError:  # replicas on several devices
+        if moving:
+            raise
+        moved = to_target(col, target)
+        out = torch.stack(moved) if scalars else torch.cat(moved, dim)
+    return out if out.device == target else out.to(target)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack(LeafRule, name="stack"):
+    """Stack along a new ``dim``."""
+
+    dim: int = 0
+
+    @classmethod
+    def named(cls, dim: int) -> Stack:
+        return cls(dim)
+
+    def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
+        one_dtype(col)
+        return torch.stack(to_target(col, ctx.target), self.dim)
+
+    def shape_problem(
+        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
+    ) -> Problem | None:
+        if len(set(shapes)) > 1:
+            return Problem(f"{shown} needs equal shapes, got {by_replica(shapes)}", hint="shape")
+        nd = len(shapes[0])
+        if not -nd - 1 <= self.dim <= nd:
+            return Problem(f"{shown} is out of range for {nd}-dim tensors", hint="shape")
+        return None
+
+    def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
+        if not isinstance(x, Tensor):
+            return "-", f"{self.describe()} needs a tensor, got {type(x).__qualname__}"
+        shape: list[Any] = list(x.shape)
+        nd = len(shape)
+        if not -(nd + 1) <= self.dim <= nd:
+            return "-", f"{self.describe()}: dim {self.dim} is out of range for {nd}-dim tensors"
+        shape.insert(self.dim % (nd + 1), "k" if k is None else str(k))
+        return f"Tensor{shape_text(shape)} {dtype_text(x.dtype)}", None
+
+
+@dataclasses.dataclass(frozen=True)
+class Pad(LeafRule, name="pad"):
+    """Pad every other dim to the largest replica, then concatenate along ``dim``."""
+
+    dim: int = 0
+    fill: float = 0
+    lengths: bool = False
+
+    @classmethod
+    def named(cls, dim: int) -> Pad:
+        return cls(dim)
+
+    def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
+        one_dtype(col)
+        if not fill_fits(self.fill, col[0].dtype):
+            raise ValueError(f"pad(fill={safe_repr(self.fill)}) cannot be stored in {col[0].dtype}")
+        values = to_target(col, ctx.target)
+        ndim = values[0].dim()
+        if ndim == 0 or any(v.dim() != ndim for v in values):
+            raise ValueError("pad() needs tensors of the same number of dims (at least 1)")
+        if not -ndim <= self.dim < ndim:  # never wrap around: pad(dim=2) on 2-dim is a mistake
+            raise ValueError(f"pad(dim={self.dim}) is out of range for {ndim}-dim tensors")
+        d = self.dim % ndim
+        shape = [builtins.max(v.shape[j] for v in values) for j in range(ndim)]
+        padded = []
+        for v in values:
+            want = list(shape)
+            want[d] = v.shape[d]
+            if list(v.shape) == want:
+                padded.append(v)
+                continue
+            buf = v.new_full(want, self.fill)
+            buf[tuple(slice(0, s) for s in v.shape)] = v
+            padded.append(buf)
+        data = torch.cat(padded, d)
+        if not self.lengths:
+            return data
+        lengths = torch.tensor([list(v.shape) for v in values], dtype=torch.long, device=ctx.target)
+        return Padded(data, lengths)
+
+    def shape_problem(
+        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
+    ) -> Problem | None:
+        if not fill_fits(self.fill, dtype):
+            return Problem(
+                f"{shown}: fill {safe_repr(self.fill)} cannot be stored in {dtype} (padding would "
+                "look like data, or be cut); pick a fill the dtype holds",
+                True,
+            )
+        if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
+            text = f"{shown} needs tensors with the same number of dims (>= 1), got {by_replica(shapes)}"
+            return Problem(text, hint="shape")
+        nd = len(shapes[0])
+        if not -nd <= self.dim < nd:
+            return Problem(f"{shown} is out of range for {nd}-dim tensors", hint="shape")
+        return None
+
+    def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
+        if not isinstance(x, Tensor):
+            return "-", f"{self.describe()} needs a tensor, got {type(x).__qualname__}"
+        shape: list[Any] = list(x.shape)
+        nd = len(shape)
+        if nd == 0 or not -nd <= self.dim < nd:
+            return "-", f"{self.describe()} needs tensors of at least {max(1, self.dim + 1)} dim(s)"
+        shape[self.dim % nd] = _times(shape[self.dim % nd], k)
+        data = f"Tensor{shape_text(shape)} {dtype_text(x.dtype)}"
+        others = " (other dims padded to the largest replica)"
+        if self.lengths:
+            kk = "k" if k is None else str(k)
+            return f"Padded(data={data}, lengths=Tensor({kk}, {nd}) int64){others}", None
+        return data + others, None
+
+
+class Padded(NamedTuple):
+    """What :func:`pad` with ``lengths=True`` gathers a leaf into."""
+
+    data: torch.Tensor
+    """The per-replica tensors padded to a common shape and concatenated along the pad dim."""
+    lengths: torch.Tensor
+    """An int64 tensor of shape ``(replicas, ndim)``: each replica's original shape."""
+
+
+def fill_fits(fill: Any, dtype: torch.dtype) -> bool:
+    """Whether ``pad(fill=...)`` can be stored in ``dtype`` exactly (no wrap, no truncation).
+
+    >>> import torch
+    >>> fill_fits(-1, torch.uint8), fill_fits(1.5, torch.int64), fill_fits(True, torch.bool)
+    (False, False, True)
+    """
+    if isinstance(fill, bool):
+        return True  # False/True are 0/1 in every dtype
+    if not isinstance(fill, numbers.Number):
+        return False
+    if dtype.is_complex:
+        return True
+    if isinstance(fill, complex):
+        return False
+    if dtype.is_floating_point:
+        return True
+    value = float(fill)  # type: ignore[arg-type]
+    if not value.is_integer():  # 1.5, nan, inf
+        return False
+    if dtype == torch.bool:
+        return value in (0.0, 1.0)
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max
+
+
+# --------------------------------------------------------------------------- constructors
+
+
+@constructor(Cat)
+def cat(dim: int = 0) -> Cat:
+    """Gather rule: concatenate along ``dim`` (the default for tensors).
+
+    When every replica holds a 0-dim tensor the result is the vector of them, as in torch.
+
+    >>> import torch, treegather as tg
+    >>> tg.gather([torch.ones(1, 2), torch.zeros(1, 3)], "cpu", tg.cat(1))
+    tensor([[1., 1., 0., 0., 0.]])
+    """
+    return Cat(int(dim))
+
+
+@constructor(Stack)
+def stack(dim: int = 0) -> Stack:
+    """Gather rule: stack the per-replica tensors along a new ``dim``.
+
+    >>> import torch, treegather as tg
+    >>> tg.gather([torch.ones(2), torch.zeros(2)], "cpu", tg.stack()).shape
+    torch.Size([2, 2])
+    """
+    return Stack(int(dim))
+
+
+@constructor(Pad)
+def pad(dim: int = 0, fill: float = 0, lengths: bool = False) -> Pad:
+    """Gather rule: pad every other dim to the largest replica, then concatenate along ``dim``.
+
+    With ``lengths=True`` the leaf becomes ``Padded(data, lengths)``, ``lengths`` holding each
+    replica's original shape, shape ``(replicas, ndim)``.
+
+    >>> import torch, treegather as tg
+    >>> out = tg.gather([torch.ones(1, 2), torch.ones(1, 3)], "cpu", tg.pad(fill=-1, lengths=True))
+    >>> out.data
+    tensor([[ 1.,  1., -1.],
+            [ 1.,  1.,  1.]])
+    >>> out.lengths
+    tensor([[1, 2],
+            [1, 3]])
+    """
+    return Pad(int(dim), fill, bool(lengths))

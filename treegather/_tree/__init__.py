@@ -1,0 +1,58 @@
+"""The pytree layer: treegather's optree namespace, which classes are nodes, flattening, paths.
+
+:mod:`.registry` (the namespace, registration, the torch-pytree bridge, optional integrations),
+:mod:`.ops` (flatten, the plain definition), :mod:`.paths` (every node's path as the user would
+type it) and :mod:`.text` (how messages describe a value).
+"""
+
+from __future__ import annotations
+
+from .ops import depth_error, flatten, move_tree
+from .paths import (
+    INPUT_AND_KWARGS,
+    MAPPING_KINDS,
+    Node,
+    child_styles,
+    display_path,
+    format_path,
+    is_call_root,
+    leaf_nodes,
+    nodes,
+)
+from .registry import (
+    NAMESPACE,
+    Opaque,
+    is_leaf,
+    register_dataclass,
+    register_node,
+    registry_version,
+    sync,
+    watch,
+)
+from .text import describe, dtype_text, shape_text
+
+__all__ = [
+    "INPUT_AND_KWARGS",
+    "MAPPING_KINDS",
+    "NAMESPACE",
+    "Node",
+    "Opaque",
+    "child_styles",
+    "depth_error",
+    "describe",
+    "display_path",
+    "dtype_text",
+    "flatten",
+    "format_path",
+    "is_call_root",
+    "is_leaf",
+    "leaf_nodes",
+    "move_tree",
+    "nodes",
+    "register_dataclass",
+    "register_node",
+    "registry_version",
+    "shape_text",
+    "sync",
+    "watch",
+]

@@ -1,0 +1,393 @@
+"""Which classes are tree nodes: treegather's optree namespace and everything registered in it.
+
+:func:`register_dataclass` and :func:`register_node`; classes registered with torch's own pytree
+(``torch.utils._pytree.register_pytree_node``, as transformers does for every ``ModelOutput``),
+bridged on first use; optional integrations that register their classes once their library is
+in use (:func:`watch`: transformers' key/value caches); and :func:`registry_version`, which
+changes whenever any of this does (optree's own registry included), so that cached structures
+go stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar, overload
+
+import optree
+import torch.utils._pytree as _torch_pytree
+
+from .._caches import clear_tree_caches
+from .._errors import safe_repr
+
+__all__ = [
+    "NAMESPACE",
+    "Opaque",
+    "is_leaf",
+    "register_dataclass",
+    "register_node",
+    "register_default",
+    "registry_version",
+    "sync",
+    "unregister",
+    "watch",
+]
+
+
+NAMESPACE = "treegather"
+"""The optree namespace treegather registers its container classes in."""
+
+T = TypeVar("T")
+
+# ----------------------------------------------------------------------------- registration
+
+_REGISTERED: set[type] = set()
+# Classes registered only through the torch pytree bridge (or transformers' caches, registered
+# by treegather itself): an explicit treegather registration replaces it instead of failing
+# (whether the bridge ran first must not matter).
+_BRIDGED: set[type] = set()
+
+
+_version = 0
+
+
+def _invalidate() -> None:
+    """Every cached structure may depend on which classes are nodes: start cold."""
+    global _version
+    _version += 1
+    _note_optree_registry()  # (a registration through treegather is accounted for here)
+    clear_tree_caches()
+
+
+@overload
+def register_dataclass(cls: type[T], *, static: Iterable[str] = ()) -> type[T]: ...
+@overload
+def register_dataclass(
+    cls: None = None, *, static: Iterable[str] = ()
+) -> Callable[[type[T]], type[T]]: ...
+def register_dataclass(
+    cls: type[T] | None = None, *, static: Iterable[str] = ()
+) -> type[T] | Callable[[type[T]], type[T]]:
+    """Make a ``@dataclasses.dataclass`` a tree node whose fields are its children.
+
+    Use it as a function or as a decorator (above ``@dataclass``). Fields named in ``static``, or
+    declared with ``field(metadata={"static": True})``, are passed through untouched: never split,
+    never gathered, and replicas must agree on them. Frozen dataclasses and dataclasses that are
+    also ``OrderedDict`` subclasses (the shape of transformers' ``ModelOutput``) are rebuilt
+    through their constructor, so the result equals an object made the normal way.
+
+    Args:
+        cls: the dataclass; omit it to use ``register_dataclass(static=...)`` as a decorator.
+        static: names of fields that are metadata rather than data.
+
+    Returns:
+        ``cls`` itself (or a decorator returning it).
+
+    >>> import dataclasses, torch, treegather as tg
+    >>> @tg.register_dataclass
+    ... @dataclasses.dataclass
+    ... class Out:
+    ...     loss: torch.Tensor
+    ...     names: list
+    >>> out = tg.gather([Out(torch.tensor(1.0), ["a"]), Out(torch.tensor(3.0), ["b"])], "cpu",
+    ...                 tg.by_path({"loss": "mean", "names": tg.cat_items()}))
+    >>> out
+    Out(loss=tensor(2.), names=['a', 'b'])
+    """
+    if cls is None:
+        return functools.partial(register_dataclass, static=static)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(
+            f"register_dataclass expects a class decorated with @dataclasses.dataclass, got {cls!r}"
+            " (put @register_dataclass above @dataclass)"
+        )
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    static_names = set(static) | {f.name for f in fields if f.metadata.get("static", False)}
+    unknown = static_names - set(names)
+    if unknown:
+        raise ValueError(f"{cls.__qualname__} has no field(s) {sorted(unknown)} to mark static")
+    dynamic = tuple(n for n in names if n not in static_names)
+    statics = tuple(n for n in names if n in static_names)
+    init_names = tuple(f.name for f in fields if f.init)
+    late_names = tuple(f.name for f in fields if not f.init)
+
+    def flatten_fn(obj: Any) -> tuple[list[Any], tuple[Any, ...], tuple[str, ...]]:
+        return [getattr(obj, n) for n in dynamic], tuple(getattr(obj, n) for n in statics), dynamic
+
+    def unflatten_fn(meta: tuple[Any, ...], children: Iterable[Any]) -> Any:
+        values = dict(zip(dynamic, children))
+        values.update(zip(statics, meta))
+        obj = cls(**{n: values[n] for n in init_names})
+        for n in late_names:
+            object.__setattr__(obj, n, values[n])
+        return obj
+
+    _register(cls, flatten_fn, unflatten_fn)
+    return cls
+
+
+def register_node(
+    cls: type[T],
+    flatten: Callable[[Any], tuple[Sequence[Any], Any] | tuple[Sequence[Any], Any, Sequence[Any]]],
+    unflatten: Callable[[Any, Iterable[Any]], Any],
+) -> type[T]:
+    """Register any container class as a tree node, optree-style.
+
+    Args:
+        cls: the class.
+        flatten: ``obj -> (children, aux)`` or ``obj -> (children, aux, names)``; ``aux`` is
+            hashable metadata that replicas must agree on, ``names`` label the children in paths
+            and in :func:`by_path` patterns (default: their indices).
+        unflatten: ``(aux, children) -> obj``.
+
+    Returns:
+        ``cls``.
+
+    >>> import torch, treegather as tg
+    >>> class Pair:
+    ...     def __init__(self, a, b): self.a, self.b = a, b
+    >>> _ = tg.register_node(Pair, lambda p: ((p.a, p.b), None, ("a", "b")),
+    ...                      lambda aux, ch: Pair(*ch))
+    >>> shards = tg.scatter(Pair(torch.arange(4), torch.zeros(4)), ["cpu", "cpu"])
+    >>> shards[1].a
+    tensor([2, 3])
+    """
+    _register(cls, flatten, unflatten)
+    return cls
+
+
+def _register(cls: type, flatten_fn: Callable[..., Any], unflatten_fn: Callable[..., Any]) -> None:
+    if cls in _BRIDGED:
+        optree.unregister_pytree_node(cls, namespace=NAMESPACE)
+        _BRIDGED.discard(cls)
+        _REGISTERED.discard(cls)
+    if cls in _REGISTERED:
+        raise ValueError(f"{cls.__qualname__} is already registered with treegather")
+    optree.register_pytree_node(
+        cls,
+        flatten_fn,
+        unflatten_fn,
+        namespace=NAMESPACE,
+    )
+    _REGISTERED.add(cls)
+    _invalidate()
+
+
+def register_default(
+    cls: type, flatten_fn: Callable[..., Any], unflatten_fn: Callable[..., Any]
+) -> bool:
+    """Register ``cls`` as treegather's own choice (an integration's: transformers' caches),
+    which an explicit :func:`register_node` or :func:`register_dataclass` replaces, as it
+    replaces a class bridged from torch's pytree. ``False`` (nothing done) when the user
+    registered ``cls`` already: theirs wins."""
+    if cls in _REGISTERED and cls not in _BRIDGED:
+        return False
+    _register(cls, flatten_fn, unflatten_fn)
+    _BRIDGED.add(cls)
+    return True
+
+
+def unregister(cls: type) -> None:
+    """Forget ``cls`` (tests: an integration's classes registered afresh)."""
+    optree.unregister_pytree_node(cls, namespace=NAMESPACE)
+    _REGISTERED.discard(cls)
+    _BRIDGED.discard(cls)
+    _invalidate()
+
+
+class Opaque:
+    """A value a registered node holds whole, with the reason it cannot be split or combined.
+
+    A node's flatten returns one as its only child when this instance cannot be divided
+    batch-wise (a transformers ``StaticCache``): scatter refuses it, saying ``reason`` (unless
+    the layout says ``broadcast()``), and gather keeps the replicas' values as a list.
+    """
+
+    __slots__ = ("reason", "value")
+
+    def __init__(self, value: Any, reason: str) -> None:
+        self.value = value
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<{type(self.value).__qualname__}, kept whole>"
+
+
+# ----------------------------------------------------------------- torch.utils._pytree bridge
+
+_torch_synced = 0
+
+
+class _Context:
+    """Hashable wrapper for a torch pytree context (often a list of keys)."""
+
+    __slots__ = ("_key", "value")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        # (process-independent, and the same for equal contexts whose repr fails)
+        self._key = safe_repr(value, None, stable=True)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Context) and bool(self.value == other.value)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return self._key
+
+    def _typed_fields(self) -> tuple[Any, ...]:
+        """For :func:`treegather._caches.typed_key`: the context's value, types included."""
+        return (self.value,)
+
+
+def _bridge(cls: type, node_def: Any) -> None:
+    t_flatten = node_def.flatten_fn
+    t_unflatten = node_def.unflatten_fn
+
+    def flatten_fn(obj: Any) -> tuple[list[Any], _Context, tuple[Any, ...] | None]:
+        children, context = t_flatten(obj)
+        children = list(children)
+        names = None
+        if (
+            isinstance(context, (list, tuple))
+            and len(context) == len(children)
+            and all(isinstance(k, str) for k in context)
+        ):
+            names = tuple(context)
+        return children, _Context(context), names
+
+    def unflatten_fn(meta: _Context, children: Iterable[Any]) -> Any:
+        return t_unflatten(list(children), meta.value)
+
+    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)  # type: ignore[arg-type]
+    _REGISTERED.add(cls)
+    _BRIDGED.add(cls)
+
+
+_WATCHERS: list[Callable[[], None]] = []
+
+
+def watch(fn: Callable[[], None]) -> None:
+    """Call ``fn`` now and whenever torch's pytree registry has grown (an optional integration,
+    such as transformers' caches, registers its classes once its library is in use)."""
+    _WATCHERS.append(fn)
+    fn()
+
+
+def _sync_torch_registry() -> None:
+    """Bridge classes registered with torch's pytree since the last call (cheap when none are)."""
+    global _torch_synced
+    supported = _torch_pytree.SUPPORTED_NODES
+    if len(supported) == _torch_synced:
+        return
+    for fn in _WATCHERS:  # first: their classes are then treegather's, never bridged
+        fn()
+    for cls, node_def in list(supported.items()):
+        if not isinstance(cls, type) or cls in _REGISTERED:
+            continue
+        if (getattr(cls, "__module__", "") or "").startswith("torch"):
+            continue  # torch's own (torch.Size, return types, fx): leaves, as users expect
+        if (
+            cls in (tuple, list, dict)
+            or optree.is_namedtuple_class(cls)
+            or optree.is_structseq_class(cls)
+        ):
+            continue
+        try:
+            _bridge(cls, node_def)
+        except ValueError:  # registered with optree by other means: optree already knows it
+            _REGISTERED.add(cls)
+    _torch_synced = len(supported)
+    _invalidate()
+
+
+# -------------------------------------------------------------------- optree's own registry
+
+# A class may also be registered (or unregistered) with optree directly, in treegather's
+# namespace or in optree's global one, which applies to every namespace. optree keeps every
+# registration in one dict, keyed by the class (global) or by (namespace, class): a
+# registration appends an entry, an unregistration removes one, so any change changes its
+# length or its last entry. Both are read per call (the entry is held, so that its identity is
+# never reused); only when they changed are the entries that apply to treegather's namespace
+# compared with those seen last, and a difference makes every cached structure stale.
+_OPTREE_REGISTRY: dict[Any, Any] | None = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
+if not isinstance(_OPTREE_REGISTRY, dict):  # another optree: its registry size, per call
+    _OPTREE_REGISTRY = None
+_optree_size = getattr(getattr(optree, "_C", None), "get_registry_size", None)
+_optree_len = -1
+_optree_last: Any = None
+_optree_ours: dict[Any, Any] = {}
+
+
+def _optree_changed() -> bool:
+    """Whether optree's registry may have changed since :func:`_note_optree_registry` (cheap)."""
+    registry = _OPTREE_REGISTRY
+    if registry is None:
+        return _optree_size is not None and _optree_size(NAMESPACE) != _optree_len
+    if len(registry) != _optree_len:
+        return True
+    try:
+        return next(reversed(registry.values())) is not _optree_last
+    except (StopIteration, RuntimeError):  # empty, or changed while read
+        return True
+
+
+def _note_optree_registry() -> bool:
+    """Record optree's registry as it is now; whether its entries for treegather changed."""
+    global _optree_len, _optree_last, _optree_ours
+    registry = _OPTREE_REGISTRY
+    if registry is None:
+        size = -1 if _optree_size is None else _optree_size(NAMESPACE)
+        changed, _optree_len = size != _optree_len, size
+        return changed
+    items = list(registry.items())  # (one C call: a registration in another thread waits)
+    ours = {k: v for k, v in items if type(k) is not tuple or k[:1] == (NAMESPACE,)}
+    changed = ours.keys() != _optree_ours.keys() or any(
+        v is not _optree_ours[k] for k, v in ours.items()
+    )
+    _optree_len, _optree_last, _optree_ours = len(items), items[-1][1] if items else None, ours
+    return changed
+
+
+def _sync_optree_registry() -> None:
+    """Make cached structures stale when a class was (un)registered with optree directly."""
+    if _note_optree_registry():
+        _invalidate()
+
+
+_note_optree_registry()
+
+
+def is_leaf(value: Any) -> bool:
+    """Whether ``value`` is a leaf (not a registered container, not ``None``).
+
+    >>> is_leaf(1.0), is_leaf(None), is_leaf([1])
+    (True, False, False)
+    """
+    if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
+        _sync_torch_registry()
+    return optree.tree_is_leaf(value, namespace=NAMESPACE)
+
+
+def registry_version() -> int:
+    """A number that changes whenever treegather's idea of which classes are nodes changes.
+
+    Cached structures record it; a registration (here, with torch's pytree, or with optree
+    directly in treegather's namespace or the global one) makes them stale. Per call: two
+    length checks and one identity check.
+    """
+    if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
+        _sync_torch_registry()
+    if _optree_changed():
+        _sync_optree_registry()
+    return _version
+
+
+def sync() -> None:
+    """Catch up with torch's pytree registry (cheap when it has not grown)."""
+    if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
+        _sync_torch_registry()

@@ -1,0 +1,456 @@
+"""Benchmark :func:`treegather.distributed.all_gather` against the floor and what users write.
+
+Run ``python -m treegather.benchmarks.distributed`` (options: ``--leaves 10 100 1000``,
+``--large 10``, ``--world 2``, ``--repeats 45``, ``--json PATH``). It spawns ``world`` gloo ranks on localhost.
+Small trees hold ``n`` float32 leaves with ragged rows (leaf ``i`` on rank ``r`` is
+``[8 - (r + i) % 2, 4]``); the large tree holds ``--large`` leaves of ``[4096 - r, 256]`` float32
+(4 MiB each). For each tree the ranks time, each call after a barrier, the median of
+``repeats`` calls (fewer for slow columns) of the following, in interleaved rounds of one call
+per column so that drifting load on a shared machine hits every column alike:
+
+- ``floor``: one ``all_gather_into_tensor`` of a flat buffer that already holds the payload (the
+  largest rank's byte count, so no size exchange): what the transport costs, no pytree work;
+- ``treegather``: ``treegather.distributed.all_gather(tree)`` (a repeated structure: the cached
+  wire plan; one collective while the payload fits the group's inline capacity, else two; the
+  ``collectives`` entry counts them in one more call);
+- ``all_gather_object``: ``torch.distributed.all_gather_object`` of the tree, then a merge that
+  concatenates every leaf (pickles every tensor);
+- ``per-leaf``: for every leaf, all-gather its size, pad it to the largest rank's, all-gather it,
+  trim and concatenate (accelerate's ``pad_across_processes`` + ``gather`` approach and most
+  hand-written evaluation loops): two collectives per leaf;
+- ``accelerate``: ``accelerate.utils.pad_across_processes`` then ``gather``, when installed.
+
+Every column's result is checked equal to treegather's before timing. Each row reports the
+slowest rank's median, ``treegather`` as a multiple of the floor (the median over rounds of the
+two calls' ratio in the same round, as in :mod:`treegather.benchmarks.scatter_gather`), the
+others as multiples of ``treegather``, and the peak memory of one call on rank 0, measured in a separate untimed call
+as the rise of the process's resident-set high-water mark (Linux; buffers of a few hundred KiB
+and more are mapped fresh by each call and counted in full, smaller ones reuse freed memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["run", "format_table", "main", "counting", "spawn"]
+
+_LARGE_ROWS, _LARGE_COLS = 4096, 256
+
+
+def _small_tree(rank: int, leaves: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return {f"leaf{i}": torch.randn(8 - (rank + i) % 2, 4, generator=g) for i in range(leaves)}
+
+
+_tree = _small_tree  # the name notebooks/benchmark.ipynb imports
+
+
+def _large_tree(rank: int, leaves: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    shape = (_LARGE_ROWS - rank, _LARGE_COLS)
+    return {f"leaf{i}": torch.randn(*shape, generator=g) for i in range(leaves)}
+
+
+def _per_leaf_all_gather(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """accelerate-style: per leaf, all-gather the size, pad, all-gather, trim, concatenate."""
+    world = dist.get_world_size()
+    out = {}
+    for key, t in tree.items():
+        size = torch.tensor([t.shape[0]], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size)
+        rows = [int(s) for s in sizes]
+        padded = t.new_zeros((max(rows), *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+        out[key] = torch.cat([p[:n] for p, n in zip(parts, rows)])
+    return out
+
+
+def _object_all_gather(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``all_gather_object`` (pickles every tensor) and a merge that concatenates each leaf."""
+    trees: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(trees, tree)
+    return {key: torch.cat([t[key] for t in trees]) for key in tree}
+
+
+def _floor(tree: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """One all-gather of a flat buffer already holding this rank's payload (padded to the max)."""
+    world = dist.get_world_size()
+    mine = torch.tensor([sum(t.numel() * t.element_size() for t in tree.values())])
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine)
+    nbytes = max(int(s) for s in sizes)
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    flat = torch.cat([t.reshape(-1) for t in tree.values()]).view(torch.uint8)
+    buf[: flat.numel()] = flat
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def call() -> torch.Tensor:
+        out = torch.empty(nbytes * world, dtype=torch.uint8)
+        collective(out, buf)
+        return out
+
+    return call
+
+
+def _accelerate_gather() -> Callable[[Any], Any] | None:
+    try:
+        from accelerate import PartialState
+        from accelerate.utils import gather, pad_across_processes
+    except ImportError:
+        return None
+    try:
+        PartialState(cpu=True)  # attaches to the gloo group already initialised
+    except Exception:
+        return None
+
+    def run(tree: Any) -> Any:
+        return gather(pad_across_processes(tree, dim=0))
+
+    return run
+
+
+def _interleaved_ms(
+    columns: dict[str, tuple[Callable[[], Any], int]],
+) -> tuple[dict[str, float], float]:
+    """Median milliseconds per column, timed in rounds of one call per column, and the median
+    over rounds of treegather's time / the floor's time in the same round.
+
+    Interleaving keeps the columns' ratios meaningful on a machine whose load drifts: every
+    column sees the same conditions, and a per-round ratio cancels a slow phase (as in
+    :mod:`treegather.benchmarks.scatter_gather`). A column with fewer repeats sits out the later
+    rounds. Every rank waits for the slowest, so each column (and the ratio) reports the slowest
+    rank's median.
+    """
+    times: dict[str, list[float]] = {name: [] for name in columns}
+    for i in range(max(n for _, n in columns.values())):
+        for name, (fn, n) in columns.items():
+            if i >= n:
+                continue
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    ratios = [t / f for t, f in zip(times["treegather"], times["floor"])]
+    mine = torch.tensor(
+        [statistics.median(times[name]) * 1e3 for name in columns] + [statistics.median(ratios)]
+    )
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    slowest = torch.stack(every).amax(0).tolist()
+    return dict(zip(columns, slowest[:-1])), slowest[-1]
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _peak_mib(fn: Callable[[], Any]) -> float | None:
+    """How far one call raises this process's resident memory (Linux; ``None`` elsewhere).
+
+    Resets the RSS high-water mark (``/proc/self/clear_refs``), calls ``fn`` and reads how far
+    the mark rose above the RSS at the start. Large buffers are mapped fresh on every call and
+    counted in full; small ones reuse memory freed by earlier calls and barely show.
+    """
+    dist.barrier()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        start = _status_kib("VmRSS")
+    except OSError:
+        return None
+    result = fn()
+    del result
+    return max(0, _status_kib("VmHWM") - start) / 1024
+
+
+def _check_equal(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], name: str
+) -> None:
+    if list(got) != list(expected) or not all(torch.equal(got[k], expected[k]) for k in got):
+        raise AssertionError(f"{name} and treegather.distributed.all_gather results differ")
+
+
+def _row(
+    tree: dict[str, torch.Tensor], label: str, repeats: int, slow_repeats: int
+) -> dict[str, Any]:
+    import treegather.distributed as tgd
+
+    accelerate = _accelerate_gather()
+    expected = tgd.all_gather(tree)
+    _check_equal(_per_leaf_all_gather(tree), expected, "per-leaf")
+    _check_equal(_object_all_gather(tree), expected, "all_gather_object")
+    floor = _floor(tree)
+    columns: dict[str, tuple[Callable[[], Any], int]] = {
+        "floor": (floor, repeats),
+        "treegather": (lambda: tgd.all_gather(tree), repeats),
+        "object": (lambda: _object_all_gather(tree), slow_repeats),
+        "per_leaf": (lambda: _per_leaf_all_gather(tree), slow_repeats),
+    }
+    if accelerate is not None:
+        columns["accelerate"] = (lambda: accelerate(tree), slow_repeats)
+    row: dict[str, Any] = {"tree": label, "leaves": len(tree), "world": dist.get_world_size()}
+    row["payload_mib"] = sum(t.numel() * t.element_size() for t in tree.values()) / 2**20
+    for fn, _ in columns.values():
+        for _ in range(2):
+            fn()  # warm-up: the wire plan, allocator state
+    medians, ratio = _interleaved_ms(columns)
+    for name, ms in medians.items():
+        row[f"{name}_ms"] = ms
+    for name, (fn, _) in columns.items():
+        row[f"{name}_peak_mib"] = _peak_mib(fn)
+    row.setdefault("accelerate_ms", None)
+    row["treegather_vs_floor"] = ratio  # the median of per-round ratios
+    row["object_vs_treegather"] = row["object_ms"] / row["treegather_ms"]
+    row["per_leaf_vs_treegather"] = row["per_leaf_ms"] / row["treegather_ms"]
+    row["collectives"] = {
+        "floor": 1,
+        "treegather": _collectives(tgd, tree),
+        "object": 2,
+        "per_leaf": 2 * len(tree),
+    }
+    return row
+
+
+def _collectives(tgd: Any, tree: Any) -> int:
+    """How many collectives one more (repeated) call makes, as :func:`counting` sees them."""
+    with counting() as calls:
+        tgd.all_gather(tree)
+    return len(calls)
+
+
+COLLECTIVES = (
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_gather_object",
+    "gather",
+    "broadcast",
+    "all_reduce",
+)
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[list[str]]:
+    """The names of the ``torch.distributed`` collectives called while the block runs.
+
+    Wraps the module's functions (:data:`COLLECTIVES`), so it counts each call made through
+    ``torch.distributed`` (a collective that another calls inside torch counts once) and none
+    of treegather's internals needs to be known.
+    """
+    calls: list[str] = []
+    saved = []
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+
+        def counted(*args: Any, __fn: Any = fn, __name: str = name, **kwargs: Any) -> Any:
+            calls.append(__name)
+            return __fn(*args, **kwargs)
+
+        saved.append((name, fn))
+        setattr(dist, name, counted)
+    try:
+        yield calls
+    finally:
+        for name, fn in saved:
+            setattr(dist, name, fn)
+
+
+def init_rank(rank: int, world: int, port: int) -> None:
+    """Join the gloo group of ``world`` ranks on localhost ``port``, one intra-op thread."""
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+
+
+def _worker(
+    rank: int, world: int, port: int, leaves: Sequence[int], large: int, repeats: int, out: str
+) -> None:
+    init_rank(rank, world, port)
+    try:
+        rows = []
+        for n in leaves:
+            slow = max(3, repeats // 3) if n >= 1000 else repeats
+            rows.append(_row(_small_tree(rank, n), f"{n} x [8, 4]", repeats, slow))
+        if large:
+            label = f"{large} x [{_LARGE_ROWS}, {_LARGE_COLS}]"
+            few = max(3, repeats // 3)
+            rows.append(_row(_large_tree(rank, large), label, few, few))
+        if rank == 0:
+            Path(out).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(
+    leaves: Sequence[int] = (10, 100, 1000),
+    *,
+    large: int = 10,
+    world: int = 2,
+    repeats: int = 45,
+    timeout_s: float = 900.0,
+) -> list[dict[str, Any]]:
+    """Spawn ``world`` gloo ranks on localhost and time every column for each tree.
+
+    Args:
+        leaves: The small trees' sizes (number of ragged ``[8 - (r + i) % 2, 4]`` leaves).
+        large: How many ``[4096 - r, 256]`` float32 leaves the large tree holds (0: none).
+        world: How many ranks to spawn.
+        repeats: Timed calls per measurement (a third of that, at least 3, for the slow
+            columns at 1000 leaves and for the large tree). The default is 45: on a shared
+            2-core machine five runs' medians of per-round ratios at 100 leaves spread over
+            0.7x (2.3-3.0x), against 1.4x (2.2-3.6x) with 15 rounds.
+        timeout_s: Kill the ranks if they have not finished by then.
+
+    Returns:
+        One dict per tree: ``tree``, ``leaves``, ``world``, ``payload_mib``, ``<column>_ms`` and
+        ``<column>_peak_mib`` for ``floor``, ``treegather``, ``object``, ``per_leaf`` (and
+        ``accelerate_ms``, ``None`` without accelerate), the ratios ``treegather_vs_floor``,
+        ``object_vs_treegather``, ``per_leaf_vs_treegather``, and ``collectives`` per call.
+
+    Example:
+        >>> rows = run(leaves=(10,), large=0, repeats=2)
+        >>> rows[0]["tree"], rows[0]["collectives"]["treegather"], rows[0]["collectives"]["per_leaf"]
+        ('10 x [8, 4]', 1, 20)
+    """
+    rows: list[dict[str, Any]] = spawn(_worker, world, (tuple(leaves), large, repeats), timeout_s)
+    return rows
+
+
+def spawn(target: Callable[..., None], world: int, args: tuple[Any, ...], timeout_s: float) -> Any:
+    """Run ``target(rank, world, port, *args, out)`` in ``world`` spawned processes and return
+    what rank 0 wrote to the file ``out`` (JSON). Ranks still running after ``timeout_s`` are
+    killed; a rank that fails or times out is a ``RuntimeError``."""
+    import tempfile
+
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        full = (world, port, *args, out)
+        procs = [ctx.Process(target=target, args=(r, *full), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        codes = [p.exitcode for p in procs]
+        if codes != [0] * world or not os.path.exists(out):
+            raise RuntimeError(f"benchmark ranks failed or timed out (exit codes {codes})")
+        return json.loads(Path(out).read_text())
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Render :func:`run`'s rows as a Markdown table (time, then peak memory per call).
+
+    Example:
+        >>> row = {"tree": "10 x [8, 4]", "world": 2, "payload_mib": 0.001, "floor_ms": 0.5,
+        ...     "treegather_ms": 1.0, "object_ms": 3.0, "per_leaf_ms": 10.0,
+        ...     "accelerate_ms": None, "floor_peak_mib": 1.0, "treegather_peak_mib": 1.5,
+        ...     "object_peak_mib": 4.0, "per_leaf_peak_mib": 2.0, "treegather_vs_floor": 2.0,
+        ...     "object_vs_treegather": 3.0, "per_leaf_vs_treegather": 10.0}
+        >>> print(format_table([row]))  # doctest: +NORMALIZE_WHITESPACE
+        | tree (ranks) | floor | treegather | x floor | all_gather_object + merge | per-leaf | peak MiB (floor / treegather / object / per-leaf) |
+        |---|---:|---:|---:|---:|---:|---:|
+        | 10 x [8, 4] (2) | 0.50 ms | 1.00 ms | 2.0x | 3.00 ms (3.0x) | 10.00 ms (10.0x) | 1.0 / 1.5 / 4.0 / 2.0 |
+    """
+    with_acc = any(r.get("accelerate_ms") is not None for r in rows)
+    head = (
+        "| tree (ranks) | floor | treegather | x floor | all_gather_object + merge | per-leaf "
+        + ("| accelerate " if with_acc else "")
+        + "| peak MiB (floor / treegather / object / per-leaf) |"
+    )
+    lines = [head, "|---|" + "---:|" * (6 + with_acc)]
+    for r in rows:
+        acc = ""
+        if with_acc:
+            acc = "| n/a " if r.get("accelerate_ms") is None else f"| {r['accelerate_ms']:.2f} ms "
+        peaks = " / ".join(
+            "n/a" if r[f"{c}_peak_mib"] is None else f"{r[f'{c}_peak_mib']:.1f}"
+            for c in ("floor", "treegather", "object", "per_leaf")
+        )
+        lines.append(
+            f"| {r['tree']} ({r['world']}) | {r['floor_ms']:.2f} ms | {r['treegather_ms']:.2f} ms "
+            f"| {r['treegather_vs_floor']:.1f}x | {r['object_ms']:.2f} ms "
+            f"({r['object_vs_treegather']:.1f}x) | {r['per_leaf_ms']:.2f} ms "
+            f"({r['per_leaf_vs_treegather']:.1f}x) {acc}| {peaks} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: run the benchmark and print the table.
+
+    Example:
+        >>> main(["--leaves", "10", "--large", "0", "--repeats", "2"])  # doctest: +ELLIPSIS
+        | tree (ranks) | floor | treegather | x floor | ...
+        ...
+        0
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m treegather.benchmarks.distributed", description=__doc__
+    )
+    parser.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000])
+    parser.add_argument("--large", type=int, default=10, help="large leaves (0: no large tree)")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=45)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    rows = run(args.leaves, large=args.large, world=args.world, repeats=args.repeats)
+    print(format_table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The step benchmark: a data-parallel training step against the same shards run directly.
+
+``python -m treegather.benchmarks.steps`` prints one row per (model, K). Each round times, back to
+back with the order rotated, three ways to run one forward + backward step of a batch split
+into K shards on ``["cpu"] * K`` (serial backend, one intra-op thread):
+
+- ``floor``: the K shards through the module itself, one after the other, each loss weighted by
+  its shard's share of the batch (no scatter, replication or gather: the work any data-parallel
+  step must do);
+- ``data_parallel``: :func:`treegather.data_parallel` with its kept replicas (issue 14);
+- ``fresh``: the same call with the kept replicas dropped before each step (replicas rebuilt
+  every step, as ``torch.nn.DataParallel`` does).
+
+Models: a 12-layer tiny BERT (``BertConfig(hidden_size=32, num_hidden_layers=12,
+num_attention_heads=2, intermediate_size=37)``, needs ``transformers``) and a 50-layer MLP.
+Each ratio is the median over rounds of (time / floor time in the same round), as in
+:mod:`treegather.benchmarks.scatter_gather`; times are CPU time of this thread with the garbage collector off
+(one collection before each round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import treegather as tg
+from treegather._kept import _KEPT
+
+from .timing import prepare_allocator
+
+__all__ = ["run_steps", "main"]
+
+Step = Callable[[], Any]
+
+
+def _time(fn: Step, reps: int) -> float:
+    """CPU seconds of this thread per call, garbage collector off (collect once per round)."""
+    gc.disable()
+    try:
+        t0 = time.thread_time()
+        for _ in range(reps):
+            fn()
+        return (time.thread_time() - t0) / reps
+    finally:
+        gc.enable()
+
+
+def _mlp(layers: int, width: int) -> nn.Module:
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def _bert(layers: int, vocab: int) -> nn.Module | None:
+    try:
+        from transformers import BertConfig, BertModel
+    except ImportError:
+        return None
+    config = BertConfig(
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=37,
+        vocab_size=vocab,
+    )
+    return BertModel(config)
+
+
+def _steps(name: str, model: nn.Module, batch: int, k: int) -> dict[str, Step]:
+    """The three step functions for one model and K (each: zero grads, forward, backward)."""
+    devices = ["cpu"] * k
+    gen = torch.Generator().manual_seed(0)
+    if name.startswith("bert"):
+        vocab: int = getattr(model, "config").vocab_size  # noqa: B009 - a transformers model
+        ids = torch.randint(0, vocab, (batch, 16), generator=gen)
+        kwargs = {"input_ids": ids}
+
+        def loss_of(out: Any) -> torch.Tensor:
+            return out.last_hidden_state.pow(2).mean()
+
+        args: tuple[Any, ...] = ()
+    else:
+        kwargs = {}
+        width: int = next(model.parameters()).shape[1]
+        args = (torch.randn(batch, width, generator=gen),)
+
+        def loss_of(out: Any) -> torch.Tensor:
+            return out.pow(2).mean()
+
+    arg_shards, kwarg_shards = tg.scatter_kwargs(args, kwargs, devices)
+    weights = [n / batch for n in arg_shards.sizes or [batch]]
+
+    def floor() -> None:
+        model.zero_grad(set_to_none=True)
+        loss = sum(
+            loss_of(model(*a, **kw)) * w for a, kw, w in zip(arg_shards, kwarg_shards, weights)
+        )
+        loss.backward()  # type: ignore[union-attr]
+
+    def data_parallel() -> None:
+        model.zero_grad(set_to_none=True)
+        out = tg.data_parallel(model, args, devices, module_kwargs=kwargs, backend="serial")
+        loss_of(out).backward()
+
+    def fresh() -> None:
+        _KEPT.pop(model)
+        data_parallel()
+
+    return {"floor": floor, "data_parallel": data_parallel, "fresh": fresh}
+
+
+def run_steps(
+    models: Sequence[str] = ("bert12", "mlp50"),
+    ks: Sequence[int] = (2, 4),
+    *,
+    batch: int = 16,
+    rounds: int = 9,
+    target_s: float = 0.2,
+    bert_layers: int = 12,
+    bert_vocab: int = 30522,
+    mlp_layers: int = 50,
+    mlp_width: int = 32,
+) -> list[dict[str, Any]]:
+    """Time the three step functions per model and K; one row per (model, K, implementation).
+
+    >>> rows = run_steps(["mlp50"], [2], rounds=1, target_s=0.001, mlp_layers=2)
+    >>> sorted(r["impl"] for r in rows), rows[0]["model"]
+    (['data_parallel', 'floor', 'fresh'], 'mlp50')
+
+    Runs with one intra-op thread (restored on return). ``bert12`` is skipped (no rows)
+    when ``transformers`` is not installed. Smaller
+    ``bert_layers``, ``bert_vocab`` (BERT's default: 30522) and ``mlp_layers`` make a quick
+    smoke run.
+    """
+    prepare_allocator()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the benchmark's setting; restored on return
+    try:
+        return _run_steps(
+            models, ks, batch, rounds, target_s, bert_layers, bert_vocab, mlp_layers, mlp_width
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_steps(
+    models: Sequence[str],
+    ks: Sequence[int],
+    batch: int,
+    rounds: int,
+    target_s: float,
+    bert_layers: int,
+    bert_vocab: int,
+    mlp_layers: int,
+    mlp_width: int,
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        torch.manual_seed(0)
+        model = (
+            _bert(bert_layers, bert_vocab)
+            if name.startswith("bert")
+            else _mlp(mlp_layers, mlp_width)
+        )
+        if model is None:
+            continue
+        model.train()
+        for k in ks:
+            fns = _steps(name, model, batch, k)
+            for fn in fns.values():  # warm up: kept replicas, scatter/gather caches
+                for _ in range(3):
+                    fn()
+            reps = max(1, int(target_s / max(_time(fns["floor"], 2), 1e-7)))
+            samples: dict[str, list[float]] = {impl: [] for impl in fns}
+            names = list(fns)
+            for r in range(rounds):
+                gc.collect()
+                for impl in names[r % len(names) :] + names[: r % len(names)]:
+                    samples[impl].append(_time(fns[impl], reps))
+            for impl, ts in samples.items():
+                ratios = [t / f for t, f in zip(ts, samples["floor"])]
+                rows.append(
+                    {
+                        "model": name,
+                        "replicas": k,
+                        "impl": impl,
+                        "batch": batch,
+                        "median_ms": statistics.median(ts) * 1e3,
+                        "ratio": statistics.median(ratios),
+                    }
+                )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Run the step benchmark and print the table (``python -m treegather.benchmarks.steps --help``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m treegather.benchmarks.steps", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
+    parser.add_argument("--json", metavar="PATH", help="save the rows as JSON")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 9)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rounds = args.rounds or (5 if args.quick else 9)
+    target_s = 0.1 if args.quick else 0.2
+    print(
+        f"treegather {tg.__version__}, torch {torch.__version__}, python "
+        f"{platform.python_version()}; CPU x K ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores), serial backend; 1 intra-op thread; batch 16; "
+        f"median of {rounds} interleaved rounds; forward + backward per step"
+    )
+    print(f"{'model':8} {'K':>2} | {'floor ms':>9} {'data_parallel':>17} {'fresh replicas':>17}")
+    rows: list[dict[str, Any]] = []
+    for name in ("bert12", "mlp50"):
+        for k in (2, 4):
+            case = run_steps([name], [k], rounds=rounds, target_s=target_s)
+            if not case:
+                print(f"{name:8} {k:>2} | skipped: transformers is not installed", file=sys.stderr)
+                continue
+            rows.extend(case)
+            r = {row["impl"]: row for row in case}
+            print(
+                f"{name:8} {k:>2} | {r['floor']['median_ms']:>9.2f} "
+                f"{r['data_parallel']['median_ms']:>9.2f} {r['data_parallel']['ratio']:>5.2f}x "
+                f"{r['fresh']['median_ms']:>9.2f} {r['fresh']['ratio']:>5.2f}x",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
