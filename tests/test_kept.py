@@ -122,6 +122,10 @@ def _attribute(m: Net) -> None:
     m.scale = 3.0
 
 
+def _new_attribute(m: Net) -> None:
+    m.head.note = "new"
+
+
 def _half(m: Net) -> None:
     m.half()
 
@@ -146,6 +150,7 @@ CHANGES: dict[str, tuple[Callable[[Net], None], bool]] = {
     "replace_a_layer": (_replace_layer, False),
     "add_a_hook": (_add_hook, True),
     "plain_attribute": (_attribute, True),
+    "new_attribute": (_new_attribute, False),
     "half": (_half, False),  # buffers are replaced (parameters change dtype in place)
     "freeze_a_parameter": (_freeze, True),
     "swap_a_class": (_swap_class, False),

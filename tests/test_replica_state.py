@@ -212,11 +212,13 @@ class Assigning(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 2)
+        self.note = "the source's"
         SEEN.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         names = ("tag", "extra", "p", "b", "nb")
-        SEEN.append([n for n in names if hasattr(self, n)])
+        SEEN.append([n for n in names if hasattr(self, n)] + [self.note])
+        del self.note  # an attribute of the source's, deleted on the replica only
         self.tag = "replica"
         self.extra = nn.Identity()
         self.p = nn.Parameter(torch.zeros(2))
@@ -234,7 +236,7 @@ def test_what_a_forward_assigns_stays_in_its_replica(backend: str) -> None:
     for _ in range(3):
         out = tg.data_parallel(model, x, CPU3, backend=backend)  # type: ignore[arg-type]
         torch.testing.assert_close(out, model.lin(x))
-    assert SEEN == [[]] * 9
+    assert SEEN == [["the source's"]] * 9
     assert_unchanged(model, before)
     assert not hasattr(model.lin, "weight_note")
     assert "nb" not in model._non_persistent_buffers_set
@@ -557,3 +559,92 @@ def test_a_cold_bert_with_hidden_states_equals_one_device(entry: str) -> None:
     assert_unchanged(model, before)  # no output-capture hooks, no flag: the model is as it was
     assert sum(len(m._forward_hooks) for m in model.modules()) == 0
     assert len(model(**batch).hidden_states) == 3  # and called directly afterwards
+
+
+def test_a_bert_with_gradient_checkpointing_equals_one_device() -> None:
+    """transformers' gradient checkpointing runs each layer of a replica again during backward,
+    after data_parallel returned: the replica must still be whole then."""
+    model, ref = _cold_bert(), _cold_bert()
+    for m in (model, ref):
+        m.activation_checkpointing_enable()
+        m.train()
+    ids = torch.randint(0, 100, (7, 5), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = tg.data_parallel(model, (), CPU3, module_kwargs={"input_ids": ids})
+        out.last_hidden_state.pow(2).mean().backward()
+        ref(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_replicate_reuse_hands_back_the_replicas_you_hold() -> None:
+    model = Counted()
+    a = tg.replicate(model, CPU3, reuse=True)
+    a[1].note = "set on a replica"
+    b = tg.replicate(model, CPU3, reuse=True)
+    assert all(x is y for x, y in zip(a, b))  # the same objects, re-bound
+    assert not hasattr(b[1], "note")
+    del a, b
+    c = tg.replicate(model, CPU3, reuse=True)  # the previous ones are gone: new ones
+    x = torch.randn(2, 3)
+    for r in c:
+        torch.testing.assert_close(r(x), model(x))
+    ref = weakref.ref(model)
+    del model, c
+    gc.collect()
+    assert ref() is None
+
+
+class Rescaling(nn.Module):
+    """Reads an attribute of the source's and overwrites it on itself in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.scale: Any = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.scale() if callable(self.scale) else self.scale
+        self.scale = 100.0  # on the replica only: the next step sees the source's again
+        return self.lin(x) * scale
+
+
+def test_attribute_values_follow_the_source_and_not_the_last_forward() -> None:
+    model = Rescaling()
+    x = torch.randn(6, 3)
+    for scale in (2.0, 2.0, 3.0, 3.0):  # changed on the source between steps: re-bound
+        model.scale = scale
+        torch.testing.assert_close(tg.data_parallel(model, x, CPU3), model.lin(x) * scale)
+    assert model.scale == 3.0
+    model.scale = lambda: 5.0  # a function now (no value a replica may keep between steps)
+    torch.testing.assert_close(tg.data_parallel(model, x, CPU3), model.lin(x) * 5.0)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+class ReplacingChild(nn.Module):
+    """Replaces its child on itself after using it: the next step uses the source's again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.lin = nn.Linear(3, 2)
+        return out
+
+
+def test_a_child_replaced_in_forward_is_back_the_next_step() -> None:
+    model = ReplacingChild()
+    lin = model.lin
+    x = torch.randn(6, 3)
+    for _ in range(3):
+        torch.testing.assert_close(tg.data_parallel(model, x, CPU3), lin(x))
+    assert model.lin is lin

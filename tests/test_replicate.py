@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -159,3 +161,34 @@ def test_same_device_replicas_use_the_source_parameters() -> None:
         assert r.lin.weight is net.lin.weight
     for r in tg.replicate(net, ["cpu"] * 2, detach=True):
         assert r.lin.weight is not net.lin.weight and not r.lin.weight.requires_grad
+
+
+def test_replicas_made_by_torch_replicate_get_their_own_tables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On distinct CUDA devices torch's replicate builds fresh replicas (its replicas share the
+    source's hook tables and expose no parameters); treegather gives them tables and parameters
+    of their own. Without CUDA, torch's broadcast is stood in for by copies on the CPU."""
+    import importlib
+
+    import treegather._replicate as rep
+
+    torch_replicate = importlib.import_module("torch.nn.parallel.replicate")  # (not the function)
+
+    def broadcast(tensors: Any, devices: Any, detach: bool = False) -> list[list[torch.Tensor]]:
+        src = [t.detach() if detach else t for t in tensors]
+        return [src, *([t.clone() for t in src] for _ in devices[1:])] if tensors else []
+
+    monkeypatch.setattr(torch_replicate, "_broadcast_coalesced_reshape", broadcast)
+    monkeypatch.setattr(torch_replicate, "_get_device_index", lambda d, optional=False: d)
+    monkeypatch.setattr(rep, "_use_torch_broadcast", lambda module, devs: True)
+    net = _net("cpu")
+    net.lin.register_forward_hook(lambda m, args, out: out * 2)
+    replicas = tg.replicate(net, ["cpu"] * 2)
+    x = torch.randn(3, 4)
+    for r in replicas:
+        assert r.lin._forward_hooks is not net.lin._forward_hooks
+        assert [n for n, _ in r.named_parameters()] == [n for n, _ in net.named_parameters()]
+        r.head.register_forward_hook(lambda m, args, out: out * 0)
+        torch.testing.assert_close(r.eval()(x), torch.zeros(3, 3))
+    assert len(net.head._forward_hooks) == 0 and len(net.lin._forward_hooks) == 1

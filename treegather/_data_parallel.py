@@ -76,9 +76,9 @@ def data_parallel(
     A module's replicas are kept from step to step (held so that a deleted module frees
     them): each step re-binds them to the module as it is now (its attributes and hooks,
     buffers, and parameters on other devices), and a change to the module's tree (a replaced
-    layer, ``.eval()``, ``.half()``, compiling it) rebuilds them. Results equal fresh
-    replicas' exactly; concurrent steps on one module each get their own replicas. What a
-    replica's forward registers (hooks) or assigns on itself (attributes, submodules,
+    layer, a new attribute, ``.eval()``, ``.half()``, compiling it) rebuilds them. Results
+    equal fresh replicas' exactly; concurrent steps on one module each get their own replicas.
+    What a replica's forward registers (hooks) or assigns on itself (attributes, submodules,
     parameters, buffers) stays in that replica for that step: the module you pass never sees
     it, and neither does the next step.
 

@@ -5,12 +5,13 @@ every replica. Here the shells of a module's last replication for a device list 
 :class:`~treegather._caches.WeakCache` keyed by the module) and each step re-binds them to the
 module as it is now:
 
-- every shell's ``__dict__`` is rebuilt from its original's (so an attribute changed on the
-  module, ``m.scale = 3.0``, is seen at once, and one a replica's forward stored on itself is
-  gone the next step), with the shell's own tables: its submodule shells, this step's
-  parameters (in ``_parameters`` and as plain attributes) and buffers, and its own hook tables,
-  refilled with the original's hooks (a hook registered on the module between steps runs from
-  the next step on; one a replica registered is gone);
+- every shell keeps one ``__dict__`` of its own from step to step (its hook tables, copies of its
+  original's, and what replication bound into it); each step writes its original's plain
+  entries into it (a value changed on the module, ``m.scale = 3.0``, is seen at once), this
+  step's parameters (in ``_parameters`` and as attributes) and buffers, its submodule shells,
+  and refills its hook tables with the original's hooks (a hook registered on the module
+  between steps runs from the next step on; one a replica's forward registered is gone, as is
+  an attribute it stored on itself);
 - buffers: replica 0 shares the source's (on the source's device), every other replica gets
   fresh copies, so BatchNorm statistics move through replica 0 only, exactly as in torch;
 - parameters: on the source's device the shells hold the source parameters themselves, so
@@ -19,19 +20,27 @@ module as it is now:
 
 Guards: kept shells are used only while the module's tree is what it was when they were built:
 every submodule, parameter and buffer (``_modules``, ``_parameters``, ``_buffers``: keys, and
-values by identity), every module's class, training flag and in-place compiled forward
-(``m.compile()``). Anything else rebuilds. Changes made in place on a parameter
-(``load_state_dict``, ``requires_grad_(False)``, ``p.data = ...``) need no rebuild.
+values by identity), every module's class, training flag, in-place compiled forward
+(``m.compile()``) and the number of entries in its ``__dict__`` (a new attribute). A change to
+any of these rebuilds the shells, and so does a plain value that stops being an atom (below);
+other changes are re-bound at the next step, and changes made in place on a parameter
+(``load_state_dict``, ``requires_grad_(False)``, ``p.data = ...``) need nothing.
 
 Nothing the cache holds between steps reaches the module strongly (issue 20 item 7): the guards
 hold weak references (and ids checked only while those references are alive), keys, classes
 and flags. After a step, when nothing but the cache references the shells (their reference
-counts are what they were when built), their ``__dict__`` is stripped down to what is theirs
-(their hook tables, emptied, and what replication bound into them): the shells are kept and
-refilled at the next step. When something else still holds them (an autograd graph through a
-full backward hook or gradient checkpointing, the caller of ``replicate(reuse=True)``) they are
-left intact and held weakly: the next step refills them if they are still alive, and builds new
-ones if not. Either way a deleted module frees them.
+counts are what they were when built), they are stripped: the original's entries (but atoms:
+bools, numbers, strings, dtypes, devices and tuples of those, which reference nothing) and the
+step's parameters become None, the step's tables give way to the shell's own empty ones and
+its hook tables are emptied, so the shells are kept and refilled at the next step. When
+something else still holds them (an autograd graph through a full backward hook or gradient
+checkpointing, the caller of ``replicate(reuse=True)``) they are left intact and held weakly:
+the next step refills them if they are still alive, and builds new ones if not. Either way a
+deleted module frees them.
+
+The originals' hook tables are looked at only when a hook was registered somewhere since the
+last look (torch numbers every registration through its API: ``RemovableHandle.next_id``);
+the tables that hold something are copied every step.
 """
 
 from __future__ import annotations
@@ -40,22 +49,25 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from itertools import chain, compress, repeat
-from operator import is_not, itemgetter, or_
+from collections.abc import Callable, Sequence
+from itertools import chain, compress, filterfalse, repeat
+from operator import is_, is_not, itemgetter, le
 from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ._caches import FAST_PATHS, WeakCache
 from ._replicate import (
     OWN_TABLES,
     _build_rows,
     _check_replicatable,
+    _compiled_kind,
     _tensor_copies,
     check_initialized,
     params_copied,
+    tensors_of,
 )
 
 __all__ = ["Kept", "give_back", "kept_count", "reusable", "take"]
@@ -67,10 +79,12 @@ _PER_MODULE = 4
 _LOCK = threading.Lock()
 
 _TREE = itemgetter("_modules", "_parameters", "_buffers")
-_OWN_TABLES = itemgetter(*OWN_TABLES)
+_BUFFERS = itemgetter("_buffers")
 _PARAMETERS = itemgetter("_parameters")
+_OWN_TABLES = itemgetter(*OWN_TABLES)
 _DEREF = weakref.ref.__call__
 _PER_STEP = frozenset(("_modules", "_parameters", "_buffers"))
+_REQUIRED = frozenset((*OWN_TABLES, *_PER_STEP))
 _set_dict = object.__setattr__
 
 
@@ -78,33 +92,62 @@ class Kept:
     """The linked replica shells of one module for one device list, and what they were built from."""
 
     __slots__ = (
+        "atom_dicts",
+        "atom_getters",
+        "atom_keys",
+        "atom_values",
+        "atoms",
         "base_counts",
+        "buffer_dicts",
+        "buffer_lens",
+        "child_values",
+        "children",
+        "children_lens",
         "classes",
         "compiled_ids",
         "compiled_refs",
         "copy_params",
         "detach",
         "devs",
+        "dicts",
+        "empties",
         "flat",
         "keepable",
+        "n_keys",
         "n_params",
+        "nones",
+        "obj_at",
+        "obj_dicts",
+        "obj_getters",
+        "obj_keys",
+        "od_lens",
         "own_keys",
         "own_tables",
-        "owns",
+        "param_dicts",
         "plans",
         "refs",
         "root",
         "rows",
+        "shared",
         "shell_refs",
+        "slot_dicts",
+        "slot_empties",
+        "slot_keys",
+        "src_filled",
+        "stamp",
         "step",
+        "step_stamp",
         "stripped",
         "tensor_refs",
         "training",
         "tree_ids",
         "tree_keys",
+        "used_empties",
+        "wrappers",
     )
 
     def __init__(self, module: nn.Module, devs: tuple[torch.device, ...], detach: bool) -> None:
+        self.stamp = RemovableHandle.next_id  # before the shells copy the hook tables
         originals, rows = _build_rows(module, devs, detach)
         self.root = weakref.ref(module)  # the cache is keyed weakly by it: never hold it
         self.devs = devs
@@ -114,7 +157,7 @@ class Kept:
         # Shells are refilled from their originals' tables, so every original must have them
         # all (every nn.Module does); TorchScript copies live in C++ and are rebuilt each step.
         self.keepable = not any(isinstance(o, torch.jit.ScriptModule) for o in originals) and all(
-            key in od for od in ods for key in (*OWN_TABLES, *_PER_STEP)
+            map(le, repeat(_REQUIRED), map(dict.keys, ods))
         )
         if not self.keepable:
             return
@@ -122,46 +165,140 @@ class Kept:
         self.refs = [weakref.ref(o) for o in originals]
         self.classes = list(map(type, originals))  # a swapped __class__ is in no __dict__
         self.training = list(map(dict.get, ods, repeat("training")))
+        self.od_lens = list(map(len, ods))  # a new attribute on a module rebuilds
         tables = list(chain.from_iterable(map(_TREE, ods)))
         self.tree_keys = list(chain.from_iterable(tables))
         self.tree_ids = list(map(id, chain.from_iterable(map(dict.values, tables))))
+        width = len(OWN_TABLES)
+        lens = map(len, chain.from_iterable(map(_OWN_TABLES, ods)))
+        self.src_filled = list(compress(range(len(ods) * width), lens))
         compiled = list(map(dict.get, ods, repeat("_compiled_call_impl")))
         self.compiled_ids = list(map(id, compiled))
+        self.wrappers = [bool(_compiled_kind(o)) for o in originals]
         self.compiled_refs = [weakref.ref(f) for f in compiled if f is not None]
-        params, buffers = list(module.parameters()), list(module.buffers())
+        params, buffers = tensors_of(originals)
         self.n_params = len(params)
         self.tensor_refs = [weakref.ref(t) for t in (*params, *buffers)]
         self.copy_params = params_copied(params, devs, detach)
         self.plans = Plans(originals, params, buffers)
         flat = [s for row in rows for s in row]
         self.flat: list[nn.Module] | None = flat
-        self.shell_refs = [weakref.ref(s) for s in flat]
-        self.own_keys: list[tuple[str, ...]] = []
-        self.owns: list[dict[str, Any]] | None = None
         self.own_tables: list[Any] | None = None
+        self.shell_refs = [weakref.ref(s) for s in flat]
         self.seal()
         self.step: list[torch.Tensor] | None = None  # this step's tensors (not after a build)
+        self.step_stamp = self.stamp
         self.stripped = False
         # What references each shell when only this object does (its rows, the parent shells'
         # _modules tables, a compiled forward bound to it): compared after every step.
         self.base_counts = list(map(sys.getrefcount, self.flat))
 
-    def seal(self) -> None:
-        """Record what each shell holds of its own (after replication callbacks, if any)."""
+    def seal(self, *, every_shell: bool = False) -> None:
+        """Record what each shell's ``__dict__`` holds of its own: every entry that is not its
+        original's (its tables, ``_is_replica``, a compiled forward bound to it), besides the
+        original's plain entries and this step's tensors, which each step puts in and takes
+        out again. The replicas of one module hold the same keys, unless replication callbacks
+        ran on them (``every_shell``)."""
         flat = self.flat
         assert flat is not None
         m = self.plans.m
-        own_keys = []
-        for s, shell in enumerate(flat):
-            od = vars(self.refs[s % m]())
-            table = vars(shell)
-            skip = _PER_STEP.union(self.plans.pkeys[s % m])
-            own_keys.append(
-                tuple(k for k, v in table.items() if k not in skip and od.get(k, _MISSING) is not v)
+        ods = [vars(r()) for r in self.refs]
+        keys_of: list[tuple[str, ...]] = []
+        plain = (*OWN_TABLES, "_is_replica")  # what _shell gives a module that is not compiled
+        for s, shell in enumerate(flat if every_shell else flat[:m]):
+            if not every_shell and self.compiled_ids[s] == _NONE_ID and not self.wrappers[s]:
+                keys_of.append(plain)
+                continue
+            od, table = ods[s % m], vars(shell)
+            names = list(table)
+            theirs = map(od.get, names, repeat(_MISSING))
+            differ = compress(names, map(is_not, table.values(), theirs))
+            step = self.plans.pkeys[s % m]
+            keys_of.append(tuple(k for k in differ if k not in _PER_STEP and k not in step))
+        self.own_keys = keys_of if every_shell else keys_of * len(self.devs)
+        # The originals' plain entries: atoms (bools, numbers, strings, dtypes, devices, tuples
+        # of those) stay in the shells from step to step, compared by identity with the
+        # original's each step; anything else (configs, functions, methods bound to a module)
+        # is written in every step and replaced by None after it, like the step's parameters.
+        self.atom_keys, self.atom_getters, self.atom_values, self.atoms = [], [], [], []
+        self.obj_at, self.obj_keys, self.obj_getters, self.nones, self.n_keys = [], [], [], [], []
+        getters: dict[tuple[str, ...], Any] = {}
+        skips: dict[tuple[str, ...], frozenset[str]] = {}
+        for s, own in enumerate(keys_of):  # (per module, and per replica after callbacks)
+            od = ods[s % m]
+            skip = skips.get(own) or skips.setdefault(own, _PER_STEP.union(own))
+            keys = tuple(filterfalse(skip.__contains__, od))
+            atom_keys = tuple(k for k in keys if type(od[k]) in _ATOMS or _is_atom(od[k]))
+            obj_keys = tuple(k for k in keys if k not in atom_keys)
+            self.atom_keys.append(atom_keys)
+            self.atom_getters.append(
+                getters.get(atom_keys) or getters.setdefault(atom_keys, _getter(atom_keys))
             )
-        self.own_keys = own_keys
-        self.owns = [{k: table[k] for k in keys} for table, keys in zip(map(vars, flat), own_keys)]
-        self.own_tables = list(chain.from_iterable(map(_OWN_TABLES, self.owns)))
+            if not atom_keys:  # (every module has some: ``training``, ...; not this one)
+                self.keepable = False
+                return
+            self.atom_values.append(self.atom_getters[-1](od))
+            self.atoms.append(dict(zip(atom_keys, self.atom_values[-1])))
+            if obj_keys:
+                self.obj_at.append(s)
+                self.obj_keys.append(obj_keys)
+                self.obj_getters.append(
+                    getters.get(obj_keys) or getters.setdefault(obj_keys, _getter(obj_keys))
+                )
+            attrs = tuple(k for k, p in od["_parameters"].items() if p is not None)
+            self.nones.append(dict.fromkeys(obj_keys + attrs))  # what they become after a step
+            self.n_keys.append(len(own) + len(_PER_STEP) + len(keys) + len(attrs))
+        self.shared = not every_shell  # the replicas of a module share these (read only)
+        if self.shared:
+            self.nones, self.n_keys = self.nones * len(self.devs), self.n_keys * len(self.devs)
+        self._adopt(list(map(vars, flat)), ods)
+
+    def _adopt(self, dicts: list[dict[str, Any]], ods: list[dict[str, Any]]) -> None:
+        """Take the shells' ``__dict__`` as they are: their own tables, and the empty tables
+        that stand in for this step's submodules, parameters and buffers between steps."""
+        self.dicts = dicts
+        self.own_tables = list(chain.from_iterable(map(_OWN_TABLES, dicts)))
+        n = len(self.devs)
+        self.empties = []
+        used: list[dict[str, Any]] = []
+        # Where a step puts tables of its own (submodules, parameters, buffers), and the empty
+        # ones that stand in for them between steps; the buffer tables' sizes are checked.
+        self.slot_dicts, self.slot_keys, self.slot_empties = [], [], []
+        self.buffer_dicts, self.buffer_lens = [], []
+        self.children, self.children_lens = [], []  # submodule tables, kept from step to step
+        for table, od in zip(dicts, ods * n):
+            row: list[dict[str, Any]] = []
+            for key in _EMPTY_KEYS:  # the shell's own empty table where its original has none
+                empty: dict[str, Any]
+                if not od[key]:
+                    empty = table[key]
+                    used.append(empty)
+                elif key == "_modules":
+                    empty = {}  # (the shell's submodules stay: they are its own)
+                    self.children.append(table[key])
+                    self.children_lens.append(len(od[key]))
+                else:
+                    empty = {}
+                    self.slot_dicts.append(table)
+                    self.slot_keys.append(key)
+                    self.slot_empties.append(empty)
+                row.append(empty)
+            if od["_buffers"]:
+                self.buffer_dicts.append(table)
+                self.buffer_lens.append(len(od["_buffers"]))
+            self.empties.append(row)
+        self.used_empties = used
+        m = self.plans.m
+        self.param_dicts = [
+            [dicts[j * m + i] for i, _, _ in self.plans.with_params] for j in range(n)
+        ]
+        # Per replica, the shells whose originals hold entries other than atoms.
+        if self.shared:
+            self.obj_dicts = [[dicts[j * m + s] for s in self.obj_at] for j in range(n)]
+        else:
+            self.obj_dicts = [[dicts[s] for s in self.obj_at]]
+        self.atom_dicts = self.atoms * n if self.shared else self.atoms
+        self.child_values = list(chain.from_iterable(map(dict.values, self.children)))
 
     def _current(
         self, module: nn.Module
@@ -173,6 +310,8 @@ class Kept:
         if not all(map(is_not, mods, repeat(None))) or list(map(type, mods)) != self.classes:
             return None
         ods = list(map(vars, mods))
+        if list(map(len, ods)) != self.od_lens:
+            return None
         if list(map(dict.get, ods, repeat("training"))) != self.training:
             return None
         try:
@@ -202,11 +341,11 @@ class Kept:
             return None
         _, ods, tensors = current
         m, n = self.plans.m, len(self.devs)
+        changed = self._changed_atoms(ods)
+        if changed is None:
+            return None
         olds: list[dict[str, Any]] | None = None
-        if self.stripped:
-            rows, owns, own_tables = self.rows, self.owns, self.own_tables
-            assert rows is not None and owns is not None and own_tables is not None
-        else:
+        if not self.stripped:  # intact shells, held weakly: give them fresh dicts of their own
             alive = list(map(_DEREF, self.shell_refs))
             if not all(map(is_not, alive, repeat(None))):
                 return None
@@ -214,22 +353,129 @@ class Kept:
             del alive
             olds = list(map(vars, flat))
             try:
-                owns = [{k: old[k] for k in keys} for old, keys in zip(olds, self.own_keys)]
-                own_tables = list(chain.from_iterable(map(_OWN_TABLES, owns)))
+                dicts = [{k: old[k] for k in keys} for old, keys in zip(olds, self.own_keys)]
             except KeyError:  # the last forward deleted something of its own: build anew
                 return None
-            rows = [flat[j * m : (j + 1) * m] for j in range(n)]
-            self.rows, self.flat, self.owns, self.own_tables = rows, flat, owns, own_tables
-        _reset_tables(ods, own_tables, n, clear=not self.stripped)
+            for table in dicts:
+                for key in _EMPTY_KEYS:
+                    table[key] = {}
+            new_rows = [flat[j * m : (j + 1) * m] for j in range(n)]
+            for j, row in enumerate(new_rows):
+                rowx: list[Any] = [*row, None]
+                for i, keys, where in self.plans.containers:
+                    dicts[j * m + i]["_modules"] = dict(zip(keys, map(rowx.__getitem__, where)))
+            deque(map(_set_dict, flat, repeat("__dict__"), dicts), 0)
+            self.rows = new_rows
+            self.flat = flat
+            self._adopt(dicts, ods)
+            deque(map(dict.update, dicts, self.atom_dicts), 0)
+        else:
+            for s in changed:  # an atom changed on a module: every replica of it gets it
+                for table in self.dicts[s % m :: m] if self.shared else self.dicts[s : s + 1]:
+                    table.update(self.atoms[s])
+        rows = self.rows
+        assert rows is not None and self.own_tables is not None
+        self._sync_tables(ods, self.own_tables, n, intact=olds is not None)
         params, buffers = tensors[: self.n_params], tensors[self.n_params :]
         pcols = _columns(params, self.devs, self.detach, True) if self.copy_params else None
         bcols = None
         if buffers and (copy_buffers or olds is None):
             bcols = _columns(buffers, self.devs, self.detach, False)
-        _fill(rows, owns, ods, self.plans, pcols, bcols, olds)
+        self._fill(rows, ods, pcols, bcols, olds)
         self.step = tensors
+        self.step_stamp = RemovableHandle.next_id
         self.stripped = False
         return [row[0] for row in rows]
+
+    def _changed_atoms(self, ods: list[dict[str, Any]]) -> list[int] | None:
+        """Which entries of ``atom_values`` changed on their modules (their new values
+        recorded), or None when one is no atom any more (the shells are rebuilt)."""
+        sources = ods if self.shared else ods * len(self.devs)
+        now = list(map(itemgetter.__call__, self.atom_getters, sources))
+        if all(map(is_, chain.from_iterable(now), chain.from_iterable(self.atom_values))):
+            return []
+        changed = []
+        for s, (new, old) in enumerate(zip(now, self.atom_values)):
+            if not all(map(is_, new, old)):
+                if not all(map(_is_atom, new)):
+                    return None
+                self.atom_values[s] = new
+                self.atoms[s].update(zip(self.atom_keys[s], new))
+                changed.append(s)
+        return changed
+
+    def _sync_tables(
+        self, ods: list[dict[str, Any]], own_tables: list[Any], n: int, *, intact: bool
+    ) -> None:
+        """Give every shell's own tables its original's contents (hooks, non-persistent names).
+
+        Which of the originals' tables hold something is looked up again only when a hook was
+        registered anywhere since the last look (torch numbers every registration: the
+        ``RemovableHandle`` counter); the contents of those tables are copied every step (a
+        hook removed from the module is gone at once). Own tables are empty after a strip;
+        intact shells' tables (held weakly) may hold what their last forward registered.
+        """
+        width = len(OWN_TABLES)
+        stamp = RemovableHandle.next_id
+        if stamp != self.stamp:
+            self.stamp = stamp
+            lens = map(len, chain.from_iterable(map(_OWN_TABLES, ods)))
+            self.src_filled = list(compress(range(len(ods) * width), lens))
+        filled = self.src_filled
+        sources = [ods[p // width][OWN_TABLES[p % width]] for p in filled]
+        per_replica = len(ods) * width
+        if intact:
+            for at in compress(range(len(own_tables)), map(len, own_tables)):
+                own_tables[at].clear()
+        for j in range(n):
+            for p, src in zip(filled, sources):
+                table = own_tables[j * per_replica + p]
+                table.clear()
+                table.update(src)
+
+    def _fill(
+        self,
+        rows: list[list[nn.Module]],
+        ods: list[dict[str, Any]],
+        pcols: list[list[Any]] | None,
+        bcols: list[list[Any]] | None,
+        olds: list[dict[str, Any]] | None,
+    ) -> None:
+        """Put this step's entries into every shell's ``__dict__``: its original's plain entries
+        (in C, one pass per replica), this step's parameters (also as attributes, as in torch),
+        submodule shells and buffers (Python only for the modules that have some)."""
+        plans = self.plans
+        m = plans.m
+        owners = [ods[i] for i, _, _ in plans.with_params]
+        obj_ods = [ods[s % m] for s in self.obj_at]
+        for j in range(len(rows)):
+            dicts = self.dicts[j * m : (j + 1) * m]
+            if self.shared or j == 0:
+                targets = self.obj_dicts[j]
+                values = map(itemgetter.__call__, self.obj_getters, obj_ods)
+                deque(map(dict.update, targets, map(zip, self.obj_keys, values)), 0)
+            if pcols is None:  # the source parameters themselves
+                params = list(map(dict.copy, map(_PARAMETERS, owners)))
+            else:
+                pcol = pcols[j]
+                params = [
+                    dict(zip(keys, map(pcol.__getitem__, where)))
+                    for _, keys, where in plans.with_params
+                ]
+            holders = self.param_dicts[j]
+            deque(map(dict.update, holders, params), 0)  # as attributes too, as in torch
+            deque(map(dict.__setitem__, holders, repeat("_parameters"), params), 0)
+            for i, key in plans.none_params:
+                del dicts[i][key]
+            if bcols is not None:
+                bcol = bcols[j]
+                for i, keys, where in plans.with_buffers:
+                    dicts[i]["_buffers"] = dict(zip(keys, map(bcol.__getitem__, where)))
+            elif plans.with_buffers:  # copy_buffers=False: each replica keeps its own buffers
+                assert olds is not None
+                for i, keys, _ in plans.with_buffers:
+                    own = olds[j * m + i]["_buffers"]
+                    dicts[i]["_buffers"] = {key: own.get(key) for key in keys}
 
     def on(self, device: torch.device) -> bool:
         """Every parameter and buffer of the module is on ``device`` (in a step that reused the
@@ -241,27 +487,109 @@ class Kept:
         """After a step: strip the shells if nothing else holds them, else let go of them."""
         self.step = None
         flat = self.flat
-        assert flat is not None and self.own_tables is not None and self.owns is not None
+        assert flat is not None
         if list(map(sys.getrefcount, flat)) == self.base_counts:
-            own_tables = self.own_tables
-            for table in compress(own_tables, map(len, own_tables)):
-                table.clear()
-            for shell, own in zip(flat, self.owns):
-                _set_dict(shell, "__dict__", own)
+            self._strip(flat)
             self.stripped = True
         else:  # in use elsewhere: held weakly (what they hold may reach the module)
-            self.rows = self.flat = self.owns = self.own_tables = None
+            self.rows = self.flat = self.own_tables = None
+            self.dicts, self.empties, self.used_empties, self.param_dicts = [], [], [], []
+            self.obj_dicts, self.atom_dicts = [], []
+            self.children, self.children_lens, self.child_values = [], [], []
+            self.slot_dicts, self.slot_empties, self.buffer_dicts = [], [], []
             self.stripped = False
+
+    def _strip(self, flat: list[nn.Module]) -> None:
+        """Take out of every shell's ``__dict__`` what is its original's or this step's.
+
+        Each shell keeps one ``__dict__`` from step to step, with the same keys: its own entries
+        stay, the original's plain entries and this step's parameters become None, this step's
+        tables give way to empty ones of its own (nothing is inserted, deleted, allocated or
+        freed, and nothing of the originals is held). A forward that stored, registered or
+        deleted something on itself is found by the sizes and set right by
+        :meth:`_strip_carefully`.
+        """
+        m, n = self.plans.m, len(self.devs)
+        dicts = self.dicts
+        own_tables = self.own_tables
+        assert own_tables is not None
+        clean = RemovableHandle.next_id == self.step_stamp  # no hook registered in the step
+        if clean:  # the own tables hold the originals' hooks, where those have some
+            per_replica = len(OWN_TABLES) * m
+            for j in range(n):
+                for p in self.src_filled:
+                    own_tables[j * per_replica + p].clear()
+        else:
+            for table in compress(own_tables, map(len, own_tables)):
+                table.clear()
+        if list(map(len, map(_BUFFERS, self.buffer_dicts))) != self.buffer_lens:
+            clean = False  # a buffer registered or deleted in the step (its name, in a set)
+        if list(map(len, self.children)) != self.children_lens or not all(
+            map(is_, chain.from_iterable(map(dict.values, self.children)), self.child_values)
+        ):
+            clean = False  # a submodule replaced, added or deleted in the step
+        deque(map(dict.__setitem__, self.slot_dicts, self.slot_keys, self.slot_empties), 0)
+        deque(map(dict.update, dicts, self.nones), 0)
+        deque(map(dict.update, dicts, self.atom_dicts), 0)  # (a forward may have set one)
+        if not clean or any(map(len, self.used_empties)) or list(map(len, dicts)) != self.n_keys:
+            self._strip_carefully(dicts)
+
+    def _strip_carefully(self, dicts: list[dict[str, Any]]) -> None:
+        """Each shell's ``__dict__`` back to exactly its own entries, and every own table
+        emptied (the next step refills them): after a forward stored, registered or deleted
+        something on itself."""
+        assert self.own_tables is not None
+        for s, table in enumerate(dicts):
+            keep = {*self.own_keys[s], *_PER_STEP, *self.nones[s], *self.atom_dicts[s]}
+            for key in [k for k in table if k not in keep]:
+                del table[key]
+            table.update(self.nones[s])  # (also the ones a forward deleted)
+            table.update(self.atom_dicts[s])
+            for index, key in enumerate(_EMPTY_KEYS):
+                empty = self.empties[s][index]
+                empty.clear()
+                table[key] = empty
+        m = self.plans.m
+        for j, row in enumerate(self.rows or ()):
+            rowx: list[Any] = [*row, None]
+            for (i, keys, where), children in zip(
+                self.plans.containers, self.children[j * len(self.plans.containers) :]
+            ):
+                children.clear()
+                children.update(zip(keys, map(rowx.__getitem__, where)))
+                dicts[j * m + i]["_modules"] = children
+        for t in self.own_tables:
+            t.clear()
 
 
 _MISSING = object()
+_NONE_ID = id(None)
+_EMPTY_KEYS = ("_modules", "_parameters", "_buffers")
+
+
+_ATOMS = frozenset(
+    (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+)
+
+
+def _is_atom(value: Any) -> bool:
+    """A value that references nothing else (so a shell may hold it between steps)."""
+    kind = type(value)
+    return kind in _ATOMS or (kind is tuple and all(map(_is_atom, value)))
+
+
+def _getter(keys: tuple[str, ...]) -> Any:
+    """An itemgetter giving a tuple whose first ``len(keys)`` items are those keys' values."""
+    if len(keys) > 1:
+        return itemgetter(*keys)
+    return itemgetter(*(keys or ("_modules",)) * 2)  # (one key: itemgetter gives no tuple)
 
 
 class Plans:
     """Where each shell's submodules, parameters and buffers come from every step: only the
     modules that have some are listed (most have no children, many no parameters)."""
 
-    __slots__ = ("containers", "m", "none_params", "pkeys", "with_buffers", "with_params")
+    __slots__ = ("bkeys", "containers", "m", "none_params", "pkeys", "with_buffers", "with_params")
 
     def __init__(
         self,
@@ -274,6 +602,7 @@ class Plans:
         b_at = {id(b): k for k, b in enumerate(buffers)}
         self.m = len(originals)
         self.pkeys = [tuple(o._parameters) for o in originals]
+        self.bkeys = [tuple(o._buffers) for o in originals]
         # (module, keys, positions in the row / in this step's column; the last one is None)
         self.containers: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
         self.with_params: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
@@ -306,76 +635,6 @@ def _columns(
     return [[*(c[j] for c in per_tensor), None] for j in range(len(devs))]
 
 
-def _reset_tables(ods: list[dict[str, Any]], own_tables: list[Any], n: int, *, clear: bool) -> None:
-    """Give every shell's own tables its original's contents (hooks, non-persistent names).
-
-    Own tables are empty after a strip (``clear=False``: only the originals' non-empty tables
-    need copying); intact shells' tables may hold what their last forward registered.
-    """
-    src = list(chain.from_iterable(map(_OWN_TABLES, ods)))
-    lens = list(map(len, src))
-    dirty: Iterable[int]
-    if clear:
-        dirty = compress(range(len(own_tables)), map(or_, map(len, own_tables), lens * n))
-    elif any(lens):
-        width = len(src)
-        dirty = (j * width + p for j in range(n) for p in compress(range(width), lens))
-    else:
-        return
-    for at in dirty:
-        table = own_tables[at]
-        table.clear()
-        table.update(src[at % len(src)])
-
-
-def _fill(
-    rows: list[list[nn.Module]],
-    owns: list[dict[str, Any]],
-    ods: list[dict[str, Any]],
-    plans: Plans,
-    pcols: list[list[Any]] | None,
-    bcols: list[list[Any]] | None,
-    olds: list[dict[str, Any]] | None,
-) -> None:
-    """Rebuild every shell's ``__dict__``: its original's, its own entries, this step's tensors.
-
-    One pass in C per step of the work for every shell (copy, update, set), Python only for
-    the modules that have submodules, copied parameters or buffers.
-    """
-    m = plans.m
-    for j, row in enumerate(rows):
-        tables = list(map(dict.copy, ods))
-        deque(map(dict.update, tables, owns[j * m : (j + 1) * m]), 0)
-        if pcols is None:  # the source parameters themselves
-            params = list(map(dict.copy, map(_PARAMETERS, ods)))
-        else:
-            pcol = pcols[j]
-            params = [{} for _ in range(m)]
-            for i, keys, where in plans.with_params:
-                params[i] = dict(zip(keys, map(pcol.__getitem__, where)))
-        deque(map(dict.update, tables, params), 0)  # parameters as attributes, as in torch
-        deque(map(dict.__setitem__, tables, repeat("_parameters"), params), 0)
-        for i, key in plans.none_params:
-            del tables[i][key]
-        children: list[dict[str, Any]] = [{} for _ in range(m)]
-        rowx: list[Any] = [*row, None]
-        for i, keys, where in plans.containers:
-            children[i] = dict(zip(keys, map(rowx.__getitem__, where)))
-        deque(map(dict.__setitem__, tables, repeat("_modules"), children), 0)
-        buffers: list[dict[str, Any]] = [{} for _ in range(m)]
-        if bcols is not None:
-            bcol = bcols[j]
-            for i, keys, where in plans.with_buffers:
-                buffers[i] = dict(zip(keys, map(bcol.__getitem__, where)))
-        elif plans.with_buffers:  # copy_buffers=False: each replica keeps its own buffers
-            assert olds is not None
-            for i, keys, _ in plans.with_buffers:
-                own = olds[j * m + i]["_buffers"]
-                buffers[i] = {key: own.get(key) for key in keys}
-        deque(map(dict.__setitem__, tables, repeat("_buffers"), buffers), 0)
-        deque(map(_set_dict, row, repeat("__dict__"), tables), 0)
-
-
 def reusable(module: nn.Module, devs: Sequence[torch.device]) -> bool:
     """Kept shells are built for eager and compiled modules, not TorchScript (TorchScript
     copies are made by TorchScript itself, every call), and never under
@@ -397,8 +656,9 @@ def take(
     The kept shells leave the cache until :func:`give_back`: a concurrent step on the same
     module builds its own, and a step that fails never hands back shells in an unknown state.
     ``before_build`` runs before new shells are built (a device check); ``prepare`` runs on
-    new replicas before what they hold of their own is recorded (replication callbacks).
-    ``kept`` is None when the module cannot be kept (TorchScript inside): fresh every call.
+    every new set of replicas (``fresh``), before what they hold of their own is recorded
+    (replication callbacks). ``kept`` is None when the module cannot be kept (TorchScript
+    inside): fresh every call.
     """
     key: Key = (tuple(devs), detach)
     with _LOCK:
@@ -417,10 +677,14 @@ def take(
     assert built.rows is not None
     replicas = [row[0] for row in built.rows]
     if not built.keepable:
+        if prepare is not None:
+            prepare(replicas)
         return replicas, None, True
     if prepare is not None:
         prepare(replicas)
-        built.seal()
+        built.seal(every_shell=True)
+    if not built.keepable:
+        return replicas, None, True
     return replicas, built, True
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
+from operator import itemgetter, methodcaller
 from typing import Any, TypeVar, overload
 
 import torch
@@ -39,6 +41,9 @@ OWN_TABLES: tuple[str, ...] = tuple(
     for key, value in vars(nn.Module()).items()
     if isinstance(value, (dict, set)) and key not in ("_parameters", "_buffers", "_modules")
 )
+_own_tables_of = itemgetter(*OWN_TABLES)
+_copy = methodcaller("copy")
+_values = methodcaller("values")
 
 
 @overload
@@ -108,8 +113,9 @@ def replicate(
             is unchanged, re-bound to the module as it is now (its attributes, hooks, buffers
             and parameters; what :func:`data_parallel` and :class:`DataParallel` do every
             step). They are the same objects each call: use one call's replicas before the
-            next, from one thread. A replaced layer, parameter or buffer, a swapped class,
-            ``.eval()`` / ``.train()`` or a compiled forward rebuilds them; replicas you no
+            next, from one thread. A replaced layer, parameter or buffer, a new attribute, a
+            swapped class, ``.eval()`` / ``.train()`` or a compiled forward rebuilds them (a
+            new hook or a changed attribute value is re-bound); replicas you no
             longer hold are rebuilt too (the cache holds nothing that keeps the module alive:
             a deleted module frees them). TorchScript modules are replicated anew every call.
 
@@ -189,22 +195,25 @@ def check_initialized(module: nn.Module, n_devices: int) -> None:
     objects, or fail inside torch. Every such module is listed, by its ``named_modules()``
     path under ``model``.
     """
-    from torch.nn.parameter import is_lazy
+    from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
+    tables = [t for m in module.modules() for t in (m._parameters, m._buffers)]
+    tensors = chain.from_iterable(map(_values, tables))  # (TorchScript's tables are no dicts)
+    if not any(map(isinstance, tensors, repeat(UninitializedTensorMixin))):
+        return
     lazy: list[str] = []
     for name, m in module.named_modules(prefix="model"):
-        tensors = [*m._parameters.items(), *m._buffers.items()]
-        names = [key for key, t in tensors if t is not None and is_lazy(t)]
+        found = [*m._parameters.items(), *m._buffers.items()]
+        names = [key for key, t in found if isinstance(t, UninitializedTensorMixin)]
         if names:
             lazy.append(f"{name} ({type(m).__name__}: {', '.join(names)})")
-    if lazy:
-        where = "1 device" if n_devices == 1 else f"{n_devices} devices"
-        raise UninitializedModuleError(
-            f"cannot replicate a module with uninitialized (lazy) parameters onto {where}: "
-            f"{'; '.join(lazy)}. Run one forward on one device first (model(batch), or "
-            "data_parallel / DataParallel with a single device, which calls the module "
-            "itself) so that torch infers their shapes; then replicate it"
-        )
+    where = "1 device" if n_devices == 1 else f"{n_devices} devices"
+    raise UninitializedModuleError(
+        f"cannot replicate a module with uninitialized (lazy) parameters onto {where}: "
+        f"{'; '.join(lazy)}. Run one forward on one device first (model(batch), or "
+        "data_parallel / DataParallel with a single device, which calls the module "
+        "itself) so that torch infers their shapes; then replicate it"
+    )
 
 
 def _check_replicatable(module: nn.Module) -> None:
@@ -262,7 +271,7 @@ def _build_rows(
     position = {id(m): i for i, m in enumerate(originals)}
     kinds = [_compiled_kind(m) for m in originals]
     rows = [[_shell(m) for m in originals] for _ in range(n)]
-    tensor_copies = _tensor_copies(module.parameters(), module.buffers(), devs, detach)
+    tensor_copies = _tensor_copies(*tensors_of(originals), devs, detach)
 
     for i, orig in enumerate(originals):
         scripted = isinstance(orig, torch.jit.ScriptModule)
@@ -288,6 +297,14 @@ def _build_rows(
             for j in range(n):
                 _rebind_compiled(rows[j][i], originals[i], kind)
     return originals, rows
+
+
+def tensors_of(originals: Sequence[nn.Module]) -> tuple[list[Any], list[Any]]:
+    """``module.parameters()`` and ``module.buffers()`` from ``list(module.modules())``: the same
+    tensors in the same order (each once, where it first appears), without walking the tree."""
+    params = dict.fromkeys(p for m in originals for p in m._parameters.values() if p is not None)
+    buffers = dict.fromkeys(b for m in originals for b in m._buffers.values() if b is not None)
+    return list(params), list(buffers)
 
 
 def _tensor_copies(
@@ -364,9 +381,12 @@ def _shell(m: nn.Module) -> nn.Module:
         return m._replicate_for_data_parallel()
     shell = m.__new__(type(m))
     table = m.__dict__.copy()
-    for key in OWN_TABLES:
-        if key in table:
-            table[key] = table[key].copy()
+    try:
+        table.update(zip(OWN_TABLES, map(_copy, _own_tables_of(table))))
+    except KeyError:  # a module without some of torch's tables
+        for key in OWN_TABLES:
+            if key in table:
+                table[key] = table[key].copy()
     table["_parameters"] = {}
     table["_buffers"] = m._buffers.copy()
     table["_modules"] = m._modules.copy()
@@ -390,7 +410,8 @@ def _own_tables(module: nn.Module, replica: nn.Module) -> None:
                 table[key] = table[key].copy()
         params = table["_parameters"]
         for key, param in orig._parameters.items():
-            params[key] = None if param is None else table[key]
+            if key not in params:  # (a copy that is a Parameter was registered as one)
+                params[key] = None if param is None else table[key]
 
 
 def _link_script_shell(

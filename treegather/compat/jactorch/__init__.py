@@ -386,10 +386,7 @@ class JacDataParallel(DataParallel):
             # Held here from call to call (the kept cache holds replicas only weakly while
             # something else does): the replicas, and what the callbacks gave them, stay.
             self.__dict__["_persistent_replicas"] = modules
-            if kept is None:
-                if callback is not None:
-                    callback(modules)
-            else:
+            if kept is not None:
                 give_back(kept)
             return modules
         modules = super().replicate(module, device_ids)
