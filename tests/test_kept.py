@@ -19,8 +19,8 @@ from module_state import assert_unchanged, snapshot
 from torch import nn
 
 import treegather as tg
-import treegather._step as step_module
-from treegather._kept import kept_count
+import treegather._parallel.step as step_module
+from treegather._parallel.kept import kept_count
 
 
 class Net(nn.Module):
@@ -471,7 +471,7 @@ def test_kept_replicas_take_one_coalesced_broadcast_per_step(
     what is tested here is the binding: every step's copies reach the kept shells, gradients
     reach the source through them, and the results equal fresh replicas' bit for bit.
     """
-    import treegather._replicate as rep
+    import treegather._parallel.shells as rep
 
     calls: list[tuple[int, bool]] = []
 

@@ -16,7 +16,7 @@ from module_state import assert_unchanged, snapshot
 from torch import nn
 
 import treegather as tg
-import treegather._replicate as replicate_module
+import treegather._parallel.shells as replicate_module
 
 Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any], tuple[Any, ...], dict[str, Any]]
 
@@ -168,7 +168,7 @@ def test_replication_failure_leaves_the_module_unchanged(
     model, args, kwargs, _, _ = CORPUS[name]()
     before = snapshot(model)
     n_params = len(list(model.parameters()))
-    real = replicate_module._param_copies
+    real = replicate_module.param_copies
     calls: list[int] = []
 
     def failing(t: torch.Tensor, devs: Any, detach: bool) -> list[torch.Tensor]:
@@ -177,7 +177,7 @@ def test_replication_failure_leaves_the_module_unchanged(
             raise MemoryError("simulated: out of memory while copying a parameter")
         return real(t, devs, detach)
 
-    monkeypatch.setattr(replicate_module, "_param_copies", failing)
+    monkeypatch.setattr(replicate_module, "param_copies", failing)
     with pytest.raises(MemoryError, match="simulated"):
         _run(entry, model, args, kwargs)
     assert_unchanged(model, before)

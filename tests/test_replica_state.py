@@ -26,7 +26,7 @@ from module_state import assert_unchanged, snapshot
 from torch import nn
 
 import treegather as tg
-from treegather._kept import _KEPT, kept_count
+from treegather._parallel.kept import _KEPT, kept_count
 
 CPU3 = ["cpu"] * 3
 

@@ -171,7 +171,7 @@ def test_replicas_made_by_torch_replicate_get_their_own_tables(
     of their own. Without CUDA, torch's broadcast is stood in for by copies on the CPU."""
     import importlib
 
-    import treegather._replicate as rep
+    import treegather._parallel.shells as rep
 
     torch_replicate = importlib.import_module("torch.nn.parallel.replicate")  # (not the function)
 

@@ -14,9 +14,7 @@ stack, mean, sum, pad, as_list, first, cat_items or any callable on the way out.
 from __future__ import annotations
 
 from . import _transformers  # noqa: F401  (registers transformers' caches once it is in use)
-from ._apply import parallel_apply, parallel_apply_async
 from ._caches import clear_caches
-from ._data_parallel import data_parallel
 from ._errors import (
     ArgumentTypeError,
     BatchSizeError,
@@ -34,8 +32,14 @@ from ._explain import explain
 from ._explain.table import ExplainedLeaf, Explanation
 from ._gather import gather
 from ._layout import ByPath, by_path
-from ._nn_data_parallel import DataParallel, patch
-from ._replicate import replicate
+from ._parallel import (
+    DataParallel,
+    data_parallel,
+    parallel_apply,
+    parallel_apply_async,
+    patch,
+    replicate,
+)
 from ._rules import (
     Padded,
     Rule,

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import treegather as tg
-from treegather._kept import _KEPT
+from treegather._parallel.kept import _KEPT
 
 from .timing import prepare_allocator
 

@@ -17,8 +17,8 @@ import torch
 
 from ..._devices import DeviceLike, as_device, as_devices
 from ..._gather import gather
-from ..._kept import give_back, reusable, take
-from ..._nn_data_parallel import DataParallel
+from ..._parallel.kept import give_back, reusable, take
+from ..._parallel.nn import DataParallel
 from ..._rules import broadcast
 from ..._scatter import scatter
 from ..._shards import Shards

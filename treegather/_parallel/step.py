@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ._kept import Kept, reusable, take
-from ._replicate import replicate
-from ._shards import Shards
+from .._shards import Shards
+from .kept import Kept, reusable, take
+from .replicate import replicate
 
 
 def _trim_unsplit(args_shards: Shards, kwargs_shards: Shards) -> tuple[Shards, Shards]:

@@ -16,14 +16,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ._apply import Backend, parallel_apply
-from ._devices import DeviceLike, as_device, as_devices
-from ._gather import gather
-from ._kept import Kept, give_back
-from ._replicate import replicate
-from ._scatter import scatter_kwargs
-from ._shards import Shards
-from ._step import _check_module_device, _replicas_for_step, _trim_unsplit
+from .._devices import DeviceLike, as_device, as_devices
+from .._gather import gather
+from .._scatter import scatter_kwargs
+from .._shards import Shards
+from .apply import Backend, parallel_apply
+from .kept import Kept, give_back
+from .replicate import replicate
+from .step import _check_module_device, _replicas_for_step, _trim_unsplit
 
 __all__ = ["DataParallel", "patch"]
 

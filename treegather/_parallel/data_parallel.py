@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._apply import Backend, parallel_apply
-from ._devices import DeviceLike, as_device, as_devices
-from ._errors import check_dim
-from ._gather import gather
-from ._kept import Kept, give_back
-from ._scatter import scatter_call
-from ._step import _check_module_device, _replicas_for_step, _trim_unsplit
-from ._under_compile import _compiler_active, _outside_compiler
+from .._devices import DeviceLike, as_device, as_devices
+from .._errors import check_dim
+from .._gather import gather
+from .._scatter import scatter_call
+from .apply import Backend, parallel_apply
+from .kept import Kept, give_back
+from .step import _check_module_device, _replicas_for_step, _trim_unsplit
+from .under_compile import _compiler_active, _outside_compiler
 
 __all__ = ["data_parallel"]
 

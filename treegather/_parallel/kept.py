@@ -58,8 +58,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._caches import FAST_PATHS, WeakCache
-from ._replicate import (
+from .._caches import FAST_PATHS, WeakCache
+from .shells import (
     OWN_TABLES,
     _build_rows,
     _check_replicatable,

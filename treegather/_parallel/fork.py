@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._caches import LRU, typed_key
+from .._caches import LRU, typed_key
 
 __all__ = ["Call", "is_script_module", "quiet_jit", "scripted_fanout"]
 

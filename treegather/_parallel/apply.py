@@ -39,10 +39,10 @@ from typing import Any, Literal
 
 import torch
 
-from ._devices import DeviceLike, as_device
-from ._failures import combine_failures
-from ._fork import Call, is_script_module, scripted_fanout
-from ._tree import flatten
+from .._devices import DeviceLike, as_device
+from .._tree import flatten
+from .failures import combine_failures
+from .fork import Call, is_script_module, scripted_fanout
 
 __all__ = ["parallel_apply", "parallel_apply_async", "Backend"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._caches import LRU
+from .._caches import LRU
 
 
 def _compiler_active() -> bool:
