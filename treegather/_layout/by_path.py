@@ -379,6 +379,10 @@ def _two_meanings(
     return f"{sides[0]} or {sides[1]}"
 
 
+Match = tuple[tuple[int, int], "str | tuple[Any, ...]", Node, "Rule | None"]
+"""One pattern's hit on one node: (score, pattern, node, rule)."""
+
+
 def assign_by_path(
     all_nodes: list[Node],
     layout: ByPath,
@@ -391,11 +395,63 @@ def assign_by_path(
 
     ``unmatched``, when given, receives the optional patterns that match nothing here.
     """
+    matches, optional_hit = _matches(all_nodes, layout, phase, dim, root, unmatched)
+    if layout.default is None:
+        default, default_source = None, RuleSource("default")
+    else:
+        default = to_rule(layout.default, phase, dim, "by_path default")
+        default_source = RuleSource("by_path default")
+    leaf_nodes = [nd for nd in all_nodes if nd.spec.is_leaf()]
+    best = _best_per_leaf(matches, all_nodes[0].stop if all_nodes else 0, leaf_nodes, root)
+
+    def source(pattern: Pattern) -> RuleSource:
+        optional = bool(optional_hit) and typed_key(pattern) in optional_hit
+        return RuleSource("pattern", pattern, None, optional)
+
+    out: list[tuple[Node, Rule | None, RuleSource]] = []
+    seen_groups: set[int] = set()
+    for i, cur in enumerate(best):
+        if cur is None:
+            out.append((leaf_nodes[i], default, default_source))
+            continue
+        _, pattern, node, rule = cur
+        if rule is None or not rule.whole:
+            out.append((leaf_nodes[i], rule, source(pattern)))
+        elif id(node) not in seen_groups:
+            _check_whole(node, rule, pattern, best, root)
+            seen_groups.add(id(node))
+            out.append((node, rule, source(pattern)))
+    # Whole-value rules on empty nodes (None, {}) still apply: as_list on None gives [None, ...].
+    for _, pattern, node, rule in matches:
+        if node.start == node.stop and rule is not None and rule.whole:
+            enclosing = [
+                m
+                for m in matches
+                if m[2] is not node
+                and m[3] is not None
+                and m[3].whole
+                and m[2].raw == node.raw[: len(m[2].raw)]
+            ]
+            if not enclosing:
+                out.append((node, rule, source(pattern)))
+    return out
+
+
+def _matches(
+    all_nodes: list[Node],
+    layout: ByPath,
+    phase: str,
+    dim: int,
+    root: str | None,
+    unmatched: list[Pattern] | None,
+) -> tuple[list[Match], set[Any]]:
+    """Every pattern's hits (a pattern matching nothing, or two things, is an error), and the
+    optional patterns that matched."""
     seg_of = _levels(all_nodes, root)
     problems: list[str] = []
     two_ways = 0
     optional_hit: set[Any] = set()
-    matches: list[tuple[tuple[int, int], str | tuple[Any, ...], Node, Rule | None]] = []
+    matches: list[Match] = []
     for (pattern, pat_segs, value), optional in zip(layout.patterns, layout._optional_at):
         if isinstance(pattern, tuple):
             hit = [(nd, len(pat_segs)) for nd, levels in seg_of if _match_exact(pat_segs, levels)]
@@ -437,14 +493,14 @@ def assign_by_path(
                 "the input's key and 'name' for the keyword argument"
             )
         raise layout_error(bullet_list(problems, "; ".join(hints)))
-    if layout.default is None:
-        default, default_source = None, RuleSource("default")
-    else:
-        default = to_rule(layout.default, phase, dim, "by_path default")
-        default_source = RuleSource("by_path default")
-    # Per leaf: the best match among the nodes on its path.
-    n = all_nodes[0].stop if all_nodes else 0
-    best: list[tuple[tuple[int, int], str | tuple[Any, ...], Node, Rule | None] | None] = [None] * n
+    return matches, optional_hit
+
+
+def _best_per_leaf(
+    matches: list[Match], n: int, leaf_nodes: list[Node], root: str | None
+) -> list[Match | None]:
+    """Per leaf, the best match among the nodes on its path (an exact tie is an error)."""
+    best: list[Match | None] = [None] * n
     ties: dict[int, list[str | tuple[Any, ...]]] = {}
     for match in sorted(matches, key=lambda m: m[0], reverse=True):
         score, pattern, node, _ = match
@@ -454,7 +510,6 @@ def assign_by_path(
                 best[i] = match
             elif cur[0] == score and cur[1] != pattern:
                 ties.setdefault(i, [cur[1]]).append(pattern)
-    leaf_nodes = [nd for nd in all_nodes if nd.spec.is_leaf()]
     if ties:
         problems = [
             f"{display_path(leaf_nodes[i], root)} is matched equally well by "
@@ -462,51 +517,24 @@ def assign_by_path(
             for i, pats in sorted(ties.items())
         ]
         raise layout_error(bullet_list(problems, "make one pattern more specific"))
+    return best
 
-    def source(pattern: Pattern) -> RuleSource:
-        optional = bool(optional_hit) and typed_key(pattern) in optional_hit
-        return RuleSource("pattern", pattern, None, optional)
 
-    out: list[tuple[Node, Rule | None, RuleSource]] = []
-    seen_groups: set[int] = set()
-    for i in range(n):
-        cur = best[i]
-        if cur is None:
-            out.append((leaf_nodes[i], default, default_source))
-            continue
-        _, pattern, node, rule = cur
-        if rule is not None and rule.whole:
-            if id(node) in seen_groups:
-                continue
-            inside = [best[j] for j in range(node.start, node.stop)]
-            stray = [m for m in inside if m is None or m[2] is not node]
-            if stray:
-                other = next(m for m in stray if m is not None) if any(stray) else None
-                where = display_path(node, root)
-                raise layout_error(
-                    f"{rule.describe()} on {where} (pattern {path_text(pattern)}) takes the "
-                    "subtree whole, "
-                    + (
-                        f"but pattern {path_text(other[1])} sets a rule inside it"
-                        if other
-                        else "but part of it is matched elsewhere"
-                    )
-                )
-            seen_groups.add(id(node))
-            out.append((node, rule, source(pattern)))
-        else:
-            out.append((leaf_nodes[i], rule, source(pattern)))
-    # Whole-value rules on empty nodes (None, {}) still apply: as_list on None gives [None, ...].
-    for _, pattern, node, rule in matches:
-        if node.start == node.stop and rule is not None and rule.whole:
-            enclosing = [
-                m
-                for m in matches
-                if m[2] is not node
-                and m[3] is not None
-                and m[3].whole
-                and m[2].raw == node.raw[: len(m[2].raw)]
-            ]
-            if not enclosing:
-                out.append((node, rule, source(pattern)))
-    return out
+def _check_whole(
+    node: Node, rule: Rule, pattern: Pattern, best: list[Match | None], root: str | None
+) -> None:
+    """A whole-value rule takes its node whole: no other pattern may set a rule inside it."""
+    inside = [best[j] for j in range(node.start, node.stop)]
+    stray = [m for m in inside if m is None or m[2] is not node]
+    if not stray:
+        return
+    other = next(m for m in stray if m is not None) if any(stray) else None
+    where = display_path(node, root)
+    raise layout_error(
+        f"{rule.describe()} on {where} (pattern {path_text(pattern)}) takes the subtree whole, "
+        + (
+            f"but pattern {path_text(other[1])} sets a rule inside it"
+            if other
+            else "but part of it is matched elsewhere"
+        )
+    )
