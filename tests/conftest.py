@@ -101,3 +101,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if skipped:
         print(f"\n{len(skipped)} doctest(s) skipped, which must run: {', '.join(skipped)}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+TORCHRUN_DEADLINE_S = 120.0  # the three scripts below, one launch
+
+
+@pytest.fixture(scope="session")
+def torchrun_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The stdout of each script that runs under ``torchrun --nproc-per-node 2`` (the
+    notebooks' scripts, the README's "Across processes" blocks), from one launch."""
+    import readme_blocks
+    import torchrun_scripts
+
+    tmp = tmp_path_factory.mktemp("torchrun")
+    readme = tmp / "readme_across.py"
+    readme.write_text(readme_blocks.across_script())
+    notebooks = torchrun_scripts.ROOT / "notebooks"
+    scripts = {
+        "ddp_eval": notebooks / "ddp_eval.py",
+        "contrastive": notebooks / "contrastive.py",
+        "readme": readme,
+    }
+    return torchrun_scripts.launch(scripts, tmp, TORCHRUN_DEADLINE_S)

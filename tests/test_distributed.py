@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing
-import os
 import subprocess
 import sys
 import traceback
@@ -1082,38 +1081,16 @@ def test_all_gather_returns_rank_0_key_order(group_results: Any) -> None:
                 assert list(out) == ["b", "a", "c"] and list(out["c"]) == ["y", "x"], out
 
 
-def _torchrun(script: str, nproc: int = 2) -> str:
-    """Run ``notebooks/<script>`` as the README launches it (``--standalone``: a free port)."""
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = subprocess.Popen(
-        [*cmd, "--nproc-per-node", str(nproc), str(root / "notebooks" / script)],
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # one process group: torchrun and its workers
-    )
-    try:
-        out, err = proc.communicate(timeout=GROUP_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, err[-3000:]
-    return out
-
-
-def test_ddp_eval_example_runs_under_torchrun() -> None:
+def test_ddp_eval_example_runs_under_torchrun(torchrun_outputs: dict[str, str]) -> None:
     """notebooks/ddp_eval.py: DistributedSampler (padded, shuffled) and a Collector."""
-    out = _torchrun("ddp_eval.py")
+    out = torchrun_outputs["ddp_eval"]
     assert "each rank saw 11 samples (the sampler pads to 22)" in out, out
     assert "gathered 21 samples, each once, in dataset order" in out, out
 
 
-def test_contrastive_example_runs_under_torchrun() -> None:
+def test_contrastive_example_runs_under_torchrun(torchrun_outputs: dict[str, str]) -> None:
     """notebooks/contrastive.py: a CLIP-style loss with all_gather(sync_grads=True) under DDP."""
-    out = _torchrun("contrastive.py")
+    out = torchrun_outputs["contrastive"]
     assert "every parameter's gradient equals one process" in out, out
 
 

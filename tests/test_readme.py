@@ -11,41 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
-import re
-import subprocess
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
+import readme_blocks
 import torch
 
 import treegather as tg
 
-ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-DEADLINE_S = 90.0
-
-
-def _blocks() -> list[tuple[str, str, str]]:
-    """(section, language, code) of every fenced block, in order."""
-    out, section = [], ""
-    fence = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-    pos = 0
-    for m in fence.finditer(README):
-        for line in README[pos : m.start()].splitlines():
-            if line.startswith("## "):
-                section = line[3:].strip()
-        pos = m.end()
-        out.append((section, m.group(1), m.group(2)))
-    return out
-
-
-BLOCKS = _blocks()
-LOCAL = [(s, c) for s, lang, c in BLOCKS if lang == "python" and s != "Across processes"]
-ACROSS = [c for s, lang, c in BLOCKS if lang == "python" and s == "Across processes"]
+ROOT = readme_blocks.ROOT
+BLOCKS, LOCAL, ACROSS = readme_blocks.BLOCKS, readme_blocks.LOCAL, readme_blocks.ACROSS
 
 
 def _run(code: str) -> tuple[dict[str, Any], str]:
@@ -153,45 +130,9 @@ def test_explain_output_is_what_explain_prints() -> None:
     assert strip == "\n".join(line.rstrip() for line in table.strip().splitlines())
 
 
-def _across_script() -> str:
-    setup, by_hand, collector, contrastive = ACROSS
-    return "\n".join(
-        [
-            setup,
-            by_hand,
-            "hand_ids, hand_logits = ids, logits",
-            "assert hand_ids.tolist() == list(range(11)), hand_ids",
-            collector,
-            "assert torch.equal(result['logits'], hand_logits)",
-            "assert result['logits'].shape == (11, 3)",
-            contrastive,
-            "assert all(p.grad is not None for p in model.parameters())",
-            "print(f'rank {dist.get_rank()}: README blocks ok')",
-            "dist.destroy_process_group()",
-        ]
-    )
-
-
 @pytest.mark.distributed
-def test_across_processes_blocks_run_under_torchrun(tmp_path: Path) -> None:
-    script = tmp_path / "readme_across.py"
-    script.write_text(_across_script())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [*cmd, str(script)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,  # one process group: torchrun and its workers
-    )
-    try:
-        out, err = proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, err[-3000:]
+def test_across_processes_blocks_run_under_torchrun(torchrun_outputs: dict[str, str]) -> None:
+    """The blocks, with checks of what they claim, under ``torchrun --nproc-per-node 2``
+    (``readme_blocks.across_script``)."""
+    out = torchrun_outputs["readme"]
     assert "rank 0: README blocks ok" in out and "rank 1: README blocks ok" in out, out
