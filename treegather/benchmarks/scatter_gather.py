@@ -25,7 +25,7 @@ happens to end, freeing a call's results can return memory to the OS that the ne
 back in: hundreds of page faults per call, landing on one implementation or another by chance
 (at 1000 leaves: 0.92x for treegather in one run, 1.45x in another). ``--cold-allocator``
 skips this step; the page faults per call are in the ``--json`` rows either way. ``--quick``
-runs in about two minutes, ``--json PATH`` saves the rows. The method and the last measured
+runs in about a minute, ``--json PATH`` saves the rows. The method and the last measured
 tables are in ``treegather/benchmarks/README.md``.
 """
 
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smaller grid (10 / 100 / 1000 leaves of [8K, 4], K = 4), about two minutes",
+        help="a smaller grid (10 / 100 / 1000 leaves of [8K, 4], K = 4), about a minute",
     )
     parser.add_argument("--json", metavar="PATH", help="save the rows as JSON")
     parser.add_argument("--leaves", type=int, nargs="*", help="override the leaf counts")
