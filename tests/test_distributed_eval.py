@@ -9,9 +9,8 @@ a hard deadline. The group of 2 also runs the evaluation benchmark
 
 from __future__ import annotations
 
-import contextlib
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ import treegather as tg
 import treegather.distributed as tgd
 from treegather._caches import reference_only
 from treegather.benchmarks import evaluation
+from treegather.benchmarks.distributed import counting
 
 GROUP_DEADLINE_S = 90.0  # the checks below, in one group
 N = 11  # samples: uneven over 2 and 3 ranks, so DistributedSampler pads
@@ -258,9 +258,9 @@ def _collector_checks(rank: int, world: int) -> dict[str, Any]:
     col = tgd.Collector()
     for i in range(4):
         col.add({"a": torch.ones(2, 3) * i}, indices=[4 * rank + i, 100 + 4 * rank + i])
-    with _counting() as calls:
+    with counting() as calls:
         col.all_gather()
-    with _counting() as plain:
+    with counting() as plain:
         tgd.all_gather(((torch.zeros(8), torch.zeros(4), {"a": torch.ones(8, 3)}), 1), tg.as_list())
     out["collectives"] = (list(calls), list(plain))
     return out
@@ -293,17 +293,17 @@ def _sync_checks(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(1)
     lin = torch.nn.Linear(5, 6)
     x = xs[rank].clone().requires_grad_(True)
-    with _counting() as forward:
+    with counting() as forward:
         emb = tgd.all_gather(
             {"img": lin(x), "txt": lin(ys[rank]), "tag": f"r{rank}"}, sync_grads=True
         )
     loss = _clip_loss(emb["img"], emb["txt"]) * (rank + 1)  # each rank's own loss
-    with _counting() as backward:
+    with counting() as backward:
         loss.backward()
     weight = lin.weight.grad.clone()
     dist.all_reduce(weight)  # what DDP would sum (it then divides by the world size)
     out["clip"] = (x.grad, weight, lin.bias.grad.clone(), emb["tag"], list(forward), list(backward))
-    with _counting() as plain:  # the same call again, without sync_grads
+    with counting() as plain:  # the same call again, without sync_grads
         tgd.all_gather({"img": lin(x), "txt": lin(ys[rank]), "tag": f"r{rank}"})
     out["plain_forward"] = list(plain)
     # Every rule, and a custom callable.
@@ -344,31 +344,6 @@ def _capture(fn: Callable[[], Any]) -> tuple[Any, ...]:
         return ("ok", fn())
     except Exception as exc:
         return ("raised", type(exc).__name__, str(exc), traceback.format_exc())
-
-
-@contextlib.contextmanager
-def _counting() -> Iterator[list[str]]:
-    """Every all_gather / gather / broadcast / all_reduce that reaches the backend."""
-    names = ("all_gather_single", "all_gather_into_tensor", "all_gather", "gather", "broadcast")
-    names += ("all_reduce",)
-    calls: list[str] = []
-    saved = []
-    for name in names:
-        fn = getattr(dist, name, None)
-        if fn is None:
-            continue
-
-        def counted(*args: Any, __fn: Any = fn, __name: str = name, **kwargs: Any) -> Any:
-            calls.append(__name)
-            return __fn(*args, **kwargs)
-
-        saved.append((name, fn))
-        setattr(dist, name, counted)
-    try:
-        yield calls
-    finally:
-        for name, fn in saved:
-            setattr(dist, name, fn)
 
 
 @spawned_groups.register("eval.bench", budget_s=30)

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run", "format_table", "main", "counting", "spawn"]
+__all__ = ["run", "format_table", "main", "counting", "flat_all_gather", "spawn"]
 
 _LARGE_ROWS, _LARGE_COLS = 4096, 256
 
@@ -96,14 +96,20 @@ def _floor(tree: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
     mine = torch.tensor([sum(t.numel() * t.element_size() for t in tree.values())])
     sizes = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(sizes, mine)
-    nbytes = max(int(s) for s in sizes)
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    buf = torch.zeros(max(int(s) for s in sizes), dtype=torch.uint8)
     flat = torch.cat([t.reshape(-1) for t in tree.values()]).view(torch.uint8)
     buf[: flat.numel()] = flat
+    return flat_all_gather(buf)
+
+
+def flat_all_gather(buf: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One ``all_gather_into_tensor`` of ``buf`` (uint8, as long on every rank): the floor of
+    the benchmarks that compare against one collective of the payload's bytes."""
+    world = dist.get_world_size()
     collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def call() -> torch.Tensor:
-        out = torch.empty(nbytes * world, dtype=torch.uint8)
+        out = torch.empty(buf.numel() * world, dtype=torch.uint8)
         collective(out, buf)
         return out
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import counting, init_rank, spawn
+from .distributed import counting, flat_all_gather, init_rank, spawn
 
 __all__ = ["run", "measure", "format_table", "main"]
 
@@ -85,17 +85,8 @@ def _slowest(values: list[float]) -> list[float]:
 
 def _flat_all_gather(nbytes: int) -> Callable[[], torch.Tensor]:
     """One ``all_gather_into_tensor`` of ``nbytes`` per rank (the largest rank's count)."""
-    world = dist.get_world_size()
     nbytes = int(_slowest([float(nbytes)])[0])
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-    def call() -> torch.Tensor:
-        out = torch.empty(nbytes * world, dtype=torch.uint8)
-        collective(out, buf)
-        return out
-
-    return call
+    return flat_all_gather(torch.zeros(nbytes, dtype=torch.uint8))
 
 
 def _timed(fn: Callable[[], Any]) -> float:
