@@ -64,8 +64,7 @@ def shape_of(spec: str, k: int) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Run the benchmark and print the table (``python -m treegather.benchmarks --help``)."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m treegather.benchmarks", description=__doc__.split("\n")[0]
     )
@@ -101,6 +100,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         action="store_true",
         help="also time whole data-parallel training steps (python -m treegather.benchmarks.steps)",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Run the benchmark and print the table (``python -m treegather.benchmarks --help``)."""
+    parser = _parser()
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
@@ -116,61 +121,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             shape_of(spec, 1)
         except ValueError:
             parser.error(f"--shapes: {spec!r} is not a shape such as 128x256 or 8Kx4")
-    rows: list[dict[str, Any]] = []
-    if args.device == "cuda":
-        where = f"cuda:0 x K ({torch.cuda.get_device_name(0)}), batch from the CPU"
-    else:
-        where = f"CPU x K ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    print(
-        f"treegather {tg.__version__}, torch {torch.__version__}, python "
-        f"{platform.python_version()}; {where}; 1 intra-op thread; median of {rounds} interleaved "
-        f"rounds; {'cold allocator' if args.cold_allocator else 'one 16 MiB tensor freed first'}"
-    )
-    print("ratios to the floor, each the median of per-round ratios; ahead: the lowest ratio")
-    print(
-        f"{'op':8} {'leaves':>6} {'shape':>9} {'K':>2} | {'floor us':>9} {'treegather':>16} "
-        + " ".join(f"{p:>10}" for p in PEERS)
-        + f" | {'ahead':>10}"
-    )
-    for spec in shapes:
-        for n in leaves:
-            for k in ks:
-                shape = shape_of(spec, k)
-                case = run_case(
-                    n,
-                    shape,
-                    k,
-                    rounds=rounds,
-                    device=args.device,
-                    warm_allocator=not args.cold_allocator,
-                )
-                rows.extend(case)
-                for op in ("scatter", "gather"):
-                    r = {row["impl"]: row for row in case if row["op"] == op}
-                    ratios = {
-                        name: r[name]["ratio"] for name in ("treegather", *PEERS) if name in r
-                    }
-                    peers = " ".join(
-                        f"{r[p]['ratio']:>9.2f}x" if p in r else f"{'-':>10}" for p in PEERS
-                    )
-                    print(
-                        f"{op:8} {n:>6} {'x'.join(map(str, shape)):>9} {k:>2} | "
-                        f"{r['floor']['median_us']:>9.1f} "
-                        f"{r['treegather']['median_us']:>9.1f} {r['treegather']['ratio']:>5.2f}x "
-                        f"{peers} | {min(ratios, key=ratios.__getitem__):>10}",
-                        flush=True,
-                    )
-    engine_leaves = [n for n in leaves if n >= 100] or leaves[-1:]
-    print("\ncompiled layer, K=4 (8x4 tensors):")
-    print(f"{'op':8} {'leaves':>6} {'case':>16} | {'baseline us':>11} {'us':>9} {'ratio':>7}")
-    for n in engine_leaves:
-        for row in engine_cases(n, rounds=rounds):
-            rows.append(row)
-            print(
-                f"{row['op']:8} {n:>6} {row['impl']:>16} | {row['baseline_us']:>11.1f} "
-                f"{row['median_us']:>9.1f} {row['ratio']:>6.2f}x",
-                flush=True,
-            )
+    rows = _grid(shapes, leaves, ks, rounds, args.device, not args.cold_allocator)
+    rows += _engine_rows([n for n in leaves if n >= 100] or leaves[-1:], rounds)
     if args.steps:
         from . import steps
 
@@ -192,6 +144,65 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+    return rows
+
+
+def _grid(
+    shapes: list[str], leaves: list[int], ks: list[int], rounds: int, device: str, warm: bool
+) -> list[dict[str, Any]]:
+    """Every case of the grid, timed and printed as it finishes (the header first)."""
+    rows: list[dict[str, Any]] = []
+    if device == "cuda":
+        where = f"cuda:0 x K ({torch.cuda.get_device_name(0)}), batch from the CPU"
+    else:
+        where = f"CPU x K ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    print(
+        f"treegather {tg.__version__}, torch {torch.__version__}, python "
+        f"{platform.python_version()}; {where}; 1 intra-op thread; median of {rounds} interleaved "
+        f"rounds; {'one 16 MiB tensor freed first' if warm else 'cold allocator'}"
+    )
+    print("ratios to the floor, each the median of per-round ratios; ahead: the lowest ratio")
+    print(
+        f"{'op':8} {'leaves':>6} {'shape':>9} {'K':>2} | {'floor us':>9} {'treegather':>16} "
+        + " ".join(f"{p:>10}" for p in PEERS)
+        + f" | {'ahead':>10}"
+    )
+    for spec in shapes:
+        for n in leaves:
+            for k in ks:
+                shape = shape_of(spec, k)
+                case = run_case(n, shape, k, rounds=rounds, device=device, warm_allocator=warm)
+                rows.extend(case)
+                for op in ("scatter", "gather"):
+                    print(_grid_line(op, n, shape, k, case), flush=True)
+    return rows
+
+
+def _grid_line(op: str, n: int, shape: Sequence[int], k: int, case: list[dict[str, Any]]) -> str:
+    r = {row["impl"]: row for row in case if row["op"] == op}
+    ratios = {name: r[name]["ratio"] for name in ("treegather", *PEERS) if name in r}
+    peers = " ".join(f"{r[p]['ratio']:>9.2f}x" if p in r else f"{'-':>10}" for p in PEERS)
+    return (
+        f"{op:8} {n:>6} {'x'.join(map(str, shape)):>9} {k:>2} | "
+        f"{r['floor']['median_us']:>9.1f} "
+        f"{r['treegather']['median_us']:>9.1f} {r['treegather']['ratio']:>5.2f}x "
+        f"{peers} | {min(ratios, key=ratios.__getitem__):>10}"
+    )
+
+
+def _engine_rows(leaves: list[int], rounds: int) -> list[dict[str, Any]]:
+    """The compiled layer's rows (:func:`~treegather.benchmarks.engine.engine_cases`), printed."""
+    rows: list[dict[str, Any]] = []
+    print("\ncompiled layer, K=4 (8x4 tensors):")
+    print(f"{'op':8} {'leaves':>6} {'case':>16} | {'baseline us':>11} {'us':>9} {'ratio':>7}")
+    for n in leaves:
+        for row in engine_cases(n, rounds=rounds):
+            rows.append(row)
+            print(
+                f"{row['op']:8} {n:>6} {row['impl']:>16} | {row['baseline_us']:>11.1f} "
+                f"{row['median_us']:>9.1f} {row['ratio']:>6.2f}x",
+                flush=True,
+            )
     return rows
 
 
