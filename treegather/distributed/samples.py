@@ -285,10 +285,14 @@ def moved(tree: Any, device: torch.device | None) -> Any:
     leaves, st, spec = recognise(tree, ROOT)
     types = list(map(type, leaves))
     tensors = {t for t in set(types) if issubclass(t, Tensor)}  # (a few distinct types)
-    for i, t in enumerate(types):
-        if t in tensors:
-            x = leaves[i].detach()
-            leaves[i] = x if device is None or x.device == device else x.to(device)
+    at = [i for i, t in enumerate(types) if t in tensors]
+    if not any(
+        leaves[i].requires_grad or (device is not None and leaves[i].device != device) for i in at
+    ):
+        return tree  # nothing to detach or move: kept as given (as an add with no device is)
+    for i in at:
+        x = leaves[i].detach()
+        leaves[i] = x if device is None or x.device == device else x.to(device)
     rebuild = st.rebuild if st is not None and spec is st.spec else spec.unflatten
     return rebuild(leaves)
 
