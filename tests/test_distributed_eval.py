@@ -193,6 +193,20 @@ def test_add_keeps_what_it_was_given_under_no_grad() -> None:
     assert not col._adds[1][0]["x"].requires_grad
 
 
+def test_add_with_device_moves_only_what_needs_it() -> None:
+    """device=: outputs already there and needing no grad are kept as given; with a tensor
+    that requires grad, that one is detached and the others kept."""
+    col = tgd.Collector(device="cpu")
+    there = {"x": torch.zeros(2, 3), "names": ["a", "b"]}
+    col.add(there, indices=[0, 1])
+    assert col._adds[0][0] is there
+    x = torch.ones(2, 3, requires_grad=True)
+    kept = torch.zeros(2)
+    col.add({"x": x * 2, "k": kept}, indices=[2, 3])
+    added = col._adds[1][0]
+    assert not added["x"].requires_grad and added["k"] is kept
+
+
 def test_reference_only_joins_the_adds_with_gather(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the one fast-path switch, Collector joins its adds with treegather.gather (the
     definition) instead of its own concatenation; the results are the same."""
