@@ -280,8 +280,9 @@ def dataset_order(idx: Tensor) -> tuple[Tensor | None, Tensor]:
 
 def moved(tree: Any, device: torch.device | None) -> Any:
     """``tree`` with its tensors detached (and on ``device``): the leaves read as the compiled
-    layer reads a structure it has seen (one generated call), the tensors alone touched, the
-    tree rebuilt the same way."""
+    layer reads a structure it has seen (one generated call), only the tensors that require
+    grad or sit elsewhere touched, the tree rebuilt the same way (``tree`` itself when none
+    does)."""
     leaves, st, spec = recognise(tree, ROOT)
     types = list(map(type, leaves))
     tensors = {t for t in set(types) if issubclass(t, Tensor)}  # (a few distinct types)
@@ -291,7 +292,8 @@ def moved(tree: Any, device: torch.device | None) -> Any:
     ):
         return tree  # nothing to detach or move: kept as given (as an add with no device is)
     for i in at:
-        x = leaves[i].detach()
+        x = leaves[i]
+        x = x.detach() if x.requires_grad else x
         leaves[i] = x if device is None or x.device == device else x.to(device)
     rebuild = st.rebuild if st is not None and spec is st.spec else spec.unflatten
     return rebuild(leaves)
