@@ -8,10 +8,11 @@ baseline; ``prepare_allocator`` puts the allocator in a training process's state
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +63,27 @@ def _time(
         gc.enable()
 
 
+_FROZEN = [0]  # how deep frozen_heap() calls are nested
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Everything alive now moves to the garbage collector's permanent generation for the
+    block: each timing sample's collection (see :func:`_time`) then visits what the timed
+    code made since, not the process' whole heap (a full collection with torch imported takes
+    ~0.1 s, more in a test session; it was 97% of a quick run). Nested blocks freeze once."""
+    if _FROZEN[0] == 0:
+        gc.collect()
+        gc.freeze()
+    _FROZEN[0] += 1
+    try:
+        yield
+    finally:
+        _FROZEN[0] -= 1
+        if _FROZEN[0] == 0:
+            gc.unfreeze()
+
+
 def _compare(
     fns: dict[str, Callable[[], Any]],
     baseline: str,
@@ -74,12 +96,7 @@ def _compare(
     for fn in fns.values():  # warm up (caches, treegather's compiled guards and builders)
         for _ in range(3):
             fn()
-    # Everything alive now moves to the permanent generation: each sample's collection then
-    # visits what the implementations made since (a full collection of the process' heap,
-    # ~0.1 s with torch imported, was 97% of a quick run).
-    gc.collect()
-    gc.freeze()
-    try:
+    with frozen_heap():
         reps = max(1, int(target_s / max(_time(fns[baseline], 3, clock)[0], 1e-7)))
         samples: dict[str, list[float]] = {name: [] for name in fns}
         faults = dict.fromkeys(fns, 0)
@@ -90,8 +107,6 @@ def _compare(
                 seconds, new_faults = _time(fns[name], reps, clock)
                 samples[name].append(seconds)
                 faults[name] += new_faults
-    finally:
-        gc.unfreeze()
     # The ratio is the median of per-round ratios: each round times every implementation back
     # to back, so slow phases of a shared machine cancel out.
     return {
