@@ -10,6 +10,10 @@ per column so that drifting load on a shared machine hits every column alike:
 
 - ``floor``: one ``all_gather_into_tensor`` of a flat buffer that already holds the payload (the
   largest rank's byte count, so no size exchange): what the transport costs, no pytree work;
+- ``floor + layout``: the same collective, then every leaf laid out from the received bytes
+  (the ranks' pieces of each leaf concatenated, one ``torch.cat`` per leaf, as in the result):
+  the floor as issue 21 defines it, one collective of the payload plus one copy laying it out
+  leaf by leaf;
 - ``treegather``: ``treegather.distributed.all_gather(tree)`` (a repeated structure: the cached
   wire plan; one collective while the payload fits the group's inline capacity, else two; the
   ``collectives`` entry counts them in one more call);
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import socket
@@ -102,6 +107,65 @@ def _floor(tree: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
     return flat_all_gather(buf)
 
 
+def _laid_out(tree: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
+    """:func:`_floor`'s collective, then one copy laying the received bytes out leaf by leaf,
+    the cheaper way for the tree (every rank's shapes exchanged once, beforehand): for leaves
+    of 64 KiB and more, one ``torch.cat`` of the ranks' pieces per leaf; for small ones, one
+    ``index_select`` making each leaf's pieces adjacent, then the leaves cut from it in one
+    call when they share their trailing dims (as the benchmark's trees do), else one view per
+    leaf. The benchmark's trees have one dtype."""
+    world = dist.get_world_size()
+    dtype = next(iter(tree.values())).dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    mine = [tuple(t.shape) for t in tree.values()]
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    count = max(sum(math.prod(s) for s in shapes) for shapes in every)  # elements per rank
+    buf = torch.zeros(count * size, dtype=torch.uint8)
+    flat = torch.cat([t.reshape(-1) for t in tree.values()]).view(torch.uint8)
+    buf[: flat.numel()] = flat
+    collective = flat_all_gather(buf)
+    starts = [r * count for r in range(world)]
+    sizes, shapes = [], []
+    pieces: list[list[tuple[int, int, tuple[int, ...]]]] = []  # per leaf: each rank's piece
+    for k in range(len(tree)):
+        pieces.append([])
+        for r in range(world):
+            n = math.prod(every[r][k])
+            pieces[-1].append((starts[r], n, every[r][k]))
+            starts[r] += n
+        parts = [every[r][k] for r in range(world)]
+        shapes.append((sum(p[0] for p in parts), *parts[0][1:]))
+        sizes.append(math.prod(shapes[-1]))
+    keys = list(tree)
+    if count * size >= 64 * 1024 * len(tree):  # large leaves: one torch.cat per leaf is the copy
+
+        def call_large() -> dict[str, torch.Tensor]:
+            got = collective().view(dtype)
+            return {
+                key: torch.cat([got[at : at + n].view(shape) for at, n, shape in leaf])
+                for key, leaf in zip(keys, pieces)
+            }
+
+        return call_large
+    perm = torch.cat([torch.arange(at, at + n) for leaf in pieces for at, n, _ in leaf])
+    tail = shapes[0][1:]
+    if all(shape[1:] == tail for shape in shapes):  # (the benchmark's trees): one split in C
+        rows = [shape[0] for shape in shapes]
+
+        def call() -> dict[str, torch.Tensor]:
+            laid = collective().view(dtype).index_select(0, perm)  # the one copy
+            return dict(zip(keys, laid.view(-1, *tail).unsafe_split_with_sizes(rows)))
+
+        return call
+
+    def call_any() -> dict[str, torch.Tensor]:
+        laid = collective().view(dtype).index_select(0, perm)
+        return {key: part.view(shape) for key, part, shape in zip(keys, laid.split(sizes), shapes)}
+
+    return call_any
+
+
 def flat_all_gather(buf: torch.Tensor) -> Callable[[], torch.Tensor]:
     """One ``all_gather_into_tensor`` of ``buf`` (uint8, as long on every rank): the floor of
     the benchmarks that compare against one collective of the payload's bytes."""
@@ -135,9 +199,10 @@ def _accelerate_gather() -> Callable[[Any], Any] | None:
 
 def _interleaved_ms(
     columns: dict[str, tuple[Callable[[], Any], int]],
-) -> tuple[dict[str, float], float]:
-    """Median milliseconds per column, timed in rounds of one call per column, and the median
-    over rounds of treegather's time / the floor's time in the same round.
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median milliseconds per column, timed in rounds of one call per column, and for each
+    floor (``floor``, ``laid_out``) the median over rounds of treegather's time / the floor's
+    time in the same round.
 
     Interleaving keeps the columns' ratios meaningful on a machine whose load drifts: every
     column sees the same conditions, and a per-round ratio cancels a slow phase (as in
@@ -154,14 +219,15 @@ def _interleaved_ms(
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    ratios = [t / f for t, f in zip(times["treegather"], times["floor"])]
-    mine = torch.tensor(
-        [statistics.median(times[name]) * 1e3 for name in columns] + [statistics.median(ratios)]
-    )
+    bases = [b for b in ("floor", "laid_out") if b in times]
+    ratios = [
+        statistics.median(t / f for t, f in zip(times["treegather"], times[b])) for b in bases
+    ]
+    mine = torch.tensor([statistics.median(times[name]) * 1e3 for name in columns] + ratios)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     slowest = torch.stack(every).amax(0).tolist()
-    return dict(zip(columns, slowest[:-1])), slowest[-1]
+    return dict(zip(columns, slowest[: len(columns)])), dict(zip(bases, slowest[len(columns) :]))
 
 
 def _status_kib(field: str) -> int:
@@ -207,9 +273,11 @@ def _row(
     expected = tgd.all_gather(tree)
     _check_equal(_per_leaf_all_gather(tree), expected, "per-leaf")
     _check_equal(_object_all_gather(tree), expected, "all_gather_object")
-    floor = _floor(tree)
+    floor, laid_out = _floor(tree), _laid_out(tree)
+    _check_equal(laid_out(), expected, "floor + layout")
     columns: dict[str, tuple[Callable[[], Any], int]] = {
         "floor": (floor, repeats),
+        "laid_out": (laid_out, repeats),
         "treegather": (lambda: tgd.all_gather(tree), repeats),
         "object": (lambda: _object_all_gather(tree), slow_repeats),
         "per_leaf": (lambda: _per_leaf_all_gather(tree), slow_repeats),
@@ -221,17 +289,19 @@ def _row(
     for fn, _ in columns.values():
         for _ in range(2):
             fn()  # warm-up: the wire plan, allocator state
-    medians, ratio = _interleaved_ms(columns)
+    medians, ratios = _interleaved_ms(columns)
     for name, ms in medians.items():
         row[f"{name}_ms"] = ms
     for name, (fn, _) in columns.items():
         row[f"{name}_peak_mib"] = _peak_mib(fn)
     row.setdefault("accelerate_ms", None)
-    row["treegather_vs_floor"] = ratio  # the median of per-round ratios
+    row["treegather_vs_floor"] = ratios["floor"]  # the median of per-round ratios
+    row["treegather_vs_laid_out"] = ratios["laid_out"]
     row["object_vs_treegather"] = row["object_ms"] / row["treegather_ms"]
     row["per_leaf_vs_treegather"] = row["per_leaf_ms"] / row["treegather_ms"]
     row["collectives"] = {
         "floor": 1,
+        "laid_out": 1,
         "treegather": _collectives(tgd, tree),
         "object": 2,
         "per_leaf": 2 * len(tree),
@@ -352,9 +422,10 @@ def run(
 
     Returns:
         One dict per tree: ``tree``, ``leaves``, ``world``, ``payload_mib``, ``<column>_ms`` and
-        ``<column>_peak_mib`` for ``floor``, ``treegather``, ``object``, ``per_leaf`` (and
-        ``accelerate_ms``, ``None`` without accelerate), the ratios ``treegather_vs_floor``,
-        ``object_vs_treegather``, ``per_leaf_vs_treegather``, and ``collectives`` per call.
+        ``<column>_peak_mib`` for ``floor``, ``laid_out`` (floor + layout), ``treegather``,
+        ``object``, ``per_leaf`` (and ``accelerate_ms``, ``None`` without accelerate), the
+        ratios ``treegather_vs_floor``, ``treegather_vs_laid_out``, ``object_vs_treegather``,
+        ``per_leaf_vs_treegather``, and ``collectives`` per call.
 
     Example:
         >>> rows = run(leaves=(10,), large=0, repeats=2)
@@ -400,22 +471,24 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
     Example:
         >>> row = {"tree": "10 x [8, 4]", "world": 2, "payload_mib": 0.001, "floor_ms": 0.5,
-        ...     "treegather_ms": 1.0, "object_ms": 3.0, "per_leaf_ms": 10.0,
+        ...     "laid_out_ms": 0.8, "treegather_ms": 1.0, "object_ms": 3.0, "per_leaf_ms": 10.0,
         ...     "accelerate_ms": None, "floor_peak_mib": 1.0, "treegather_peak_mib": 1.5,
         ...     "object_peak_mib": 4.0, "per_leaf_peak_mib": 2.0, "treegather_vs_floor": 2.0,
-        ...     "object_vs_treegather": 3.0, "per_leaf_vs_treegather": 10.0}
+        ...     "treegather_vs_laid_out": 1.25, "object_vs_treegather": 3.0,
+        ...     "per_leaf_vs_treegather": 10.0}
         >>> print(format_table([row]))  # doctest: +NORMALIZE_WHITESPACE
-        | tree (ranks) | floor | treegather | x floor | all_gather_object + merge | per-leaf | peak MiB (floor / treegather / object / per-leaf) |
-        |---|---:|---:|---:|---:|---:|---:|
-        | 10 x [8, 4] (2) | 0.50 ms | 1.00 ms | 2.0x | 3.00 ms (3.0x) | 10.00 ms (10.0x) | 1.0 / 1.5 / 4.0 / 2.0 |
+        | tree (ranks) | floor | floor + layout | treegather | x floor | x floor + layout | all_gather_object + merge | per-leaf | peak MiB (floor / treegather / object / per-leaf) |
+        |---|---:|---:|---:|---:|---:|---:|---:|---:|
+        | 10 x [8, 4] (2) | 0.50 ms | 0.80 ms | 1.00 ms | 2.0x | 1.2x | 3.00 ms (3.0x) | 10.00 ms (10.0x) | 1.0 / 1.5 / 4.0 / 2.0 |
     """
     with_acc = any(r.get("accelerate_ms") is not None for r in rows)
     head = (
-        "| tree (ranks) | floor | treegather | x floor | all_gather_object + merge | per-leaf "
+        "| tree (ranks) | floor | floor + layout | treegather | x floor | x floor + layout "
+        "| all_gather_object + merge | per-leaf "
         + ("| accelerate " if with_acc else "")
         + "| peak MiB (floor / treegather / object / per-leaf) |"
     )
-    lines = [head, "|---|" + "---:|" * (6 + with_acc)]
+    lines = [head, "|---|" + "---:|" * (8 + with_acc)]
     for r in rows:
         acc = ""
         if with_acc:
@@ -425,8 +498,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             for c in ("floor", "treegather", "object", "per_leaf")
         )
         lines.append(
-            f"| {r['tree']} ({r['world']}) | {r['floor_ms']:.2f} ms | {r['treegather_ms']:.2f} ms "
-            f"| {r['treegather_vs_floor']:.1f}x | {r['object_ms']:.2f} ms "
+            f"| {r['tree']} ({r['world']}) | {r['floor_ms']:.2f} ms | {r['laid_out_ms']:.2f} ms "
+            f"| {r['treegather_ms']:.2f} ms | {r['treegather_vs_floor']:.1f}x "
+            f"| {r['treegather_vs_laid_out']:.1f}x | {r['object_ms']:.2f} ms "
             f"({r['object_vs_treegather']:.1f}x) | {r['per_leaf_ms']:.2f} ms "
             f"({r['per_leaf_vs_treegather']:.1f}x) {acc}| {peaks} |"
         )
@@ -438,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Example:
         >>> main(["--leaves", "10", "--large", "0", "--repeats", "2"])  # doctest: +ELLIPSIS
-        | tree (ranks) | floor | treegather | x floor | ...
+        | tree (ranks) | floor | floor + layout | treegather | x floor | x floor + layout | ...
         ...
         0
     """
