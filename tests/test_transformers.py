@@ -654,23 +654,44 @@ import treegather as tg
 """
 
 
+@pytest.fixture(scope="module")
+def import_orders() -> dict[str, tuple[int, str, str]]:
+    """Both import orders below, each in a fresh interpreter, started side by side (their
+    imports of torch and transformers overlap): ``(returncode, stdout, stderr)`` per order."""
+    procs = {
+        order: subprocess.Popen(
+            [sys.executable, "-c", code + _USE],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        for order, code in (("later", _LATER), ("exported", _EXPORTED))
+    }
+    out = {}
+    for order, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise
+        out[order] = (proc.returncode, stdout, stderr)
+    return out
+
+
 @pytest.mark.parametrize("order", ["later", "exported"])
-def test_caches_are_nodes_only_once_transformers_is_in_use(order: str) -> None:
+def test_caches_are_nodes_only_once_transformers_is_in_use(
+    order: str, import_orders: dict[str, tuple[int, str, str]]
+) -> None:
     # later: treegather used without transformers never imports it; imported afterwards, its
     # caches become nodes. exported: transformers first, its caches already registered with
     # torch's pytree (generic flattening): treegather's own registration is the one used.
-    code = (_LATER if order == "later" else _EXPORTED) + _USE
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    returncode, stdout, stderr = import_orders[order]
+    assert returncode == 0, stderr[-3000:]
     # one working cache: the window a number (not one per replica), paths by name
-    assert proc.stdout.split() == [
+    assert stdout.split() == [
         "DynamicSlidingWindowLayer",
         "3",
         "5",
