@@ -322,15 +322,7 @@ def _sync_checks(rank: int, world: int) -> dict[str, Any]:
     out["plain_forward"] = list(plain)
     # Every rule, and a custom callable.
     v = xs[rank][:2].clone().requires_grad_(True)
-    rules: dict[str, Any] = {
-        "cat": tg.cat(),
-        "stack": tg.stack(),
-        "pad": tg.pad(0),
-        "mean": tg.mean(),
-        "sum": tg.sum(),
-        "custom": _norms,
-    }
-    for name, rule in rules.items():
+    for name, rule in SYNC_RULES.items():
         v.grad = None
         value = v[: rank + 1] if name in ("cat", "pad") else v  # uneven rows where allowed
         got = tgd.all_gather(
@@ -347,6 +339,17 @@ def _sync_checks(rank: int, world: int) -> dict[str, Any]:
 
 def _norms(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack([t.pow(2).sum() for t in values])
+
+
+# Every rule sync_grads supports, and a custom callable (the worker and the check share it).
+SYNC_RULES: dict[str, Any] = {
+    "cat": tg.cat(),
+    "stack": tg.stack(),
+    "pad": tg.pad(0),
+    "mean": tg.mean(),
+    "sum": tg.sum(),
+    "custom": _norms,
+}
 
 
 def _weighted(t: torch.Tensor) -> torch.Tensor:
@@ -462,15 +465,7 @@ def test_sync_grads_clip_loss_equals_one_process(ranks: Any) -> None:
 def test_sync_grads_every_rule(ranks: Any) -> None:
     world, results = ranks
     xs, _ = _clip_batches(world)
-    rules: dict[str, Any] = {
-        "cat": tg.cat(),
-        "stack": tg.stack(),
-        "pad": tg.pad(0),
-        "mean": tg.mean(),
-        "sum": tg.sum(),
-        "custom": _norms,
-    }
-    for name, rule in rules.items():
+    for name, rule in SYNC_RULES.items():
         vs = [xs[r][:2].clone().requires_grad_(True) for r in range(world)]
         values = [v[: r + 1] if name in ("cat", "pad") else v for r, v in enumerate(vs)]
         want = tg.gather(

@@ -112,21 +112,15 @@ def _laid_out(tree: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Ten
     the cheaper way for the tree (every rank's shapes exchanged once, beforehand): for leaves
     of 64 KiB and more, one ``torch.cat`` of the ranks' pieces per leaf; for small ones, one
     ``index_select`` making each leaf's pieces adjacent, then the leaves cut from it in one
-    call when they share their trailing dims (as the benchmark's trees do), else one view per
-    leaf. The benchmark's trees have one dtype."""
+    call. The benchmark's trees have one dtype and one trailing shape."""
     world = dist.get_world_size()
     dtype = next(iter(tree.values())).dtype
-    size = torch.empty((), dtype=dtype).element_size()
-    mine = [tuple(t.shape) for t in tree.values()]
+    tail = next(iter(tree.values())).shape[1:]
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, [tuple(t.shape) for t in tree.values()])
     count = max(sum(math.prod(s) for s in shapes) for shapes in every)  # elements per rank
-    buf = torch.zeros(count * size, dtype=torch.uint8)
-    flat = torch.cat([t.reshape(-1) for t in tree.values()]).view(torch.uint8)
-    buf[: flat.numel()] = flat
-    collective = flat_all_gather(buf)
+    collective = _floor(tree)  # (each rank's bytes padded to the largest: count elements)
     starts = [r * count for r in range(world)]
-    sizes, shapes = [], []
     pieces: list[list[tuple[int, int, tuple[int, ...]]]] = []  # per leaf: each rank's piece
     for k in range(len(tree)):
         pieces.append([])
@@ -134,11 +128,8 @@ def _laid_out(tree: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Ten
             n = math.prod(every[r][k])
             pieces[-1].append((starts[r], n, every[r][k]))
             starts[r] += n
-        parts = [every[r][k] for r in range(world)]
-        shapes.append((sum(p[0] for p in parts), *parts[0][1:]))
-        sizes.append(math.prod(shapes[-1]))
     keys = list(tree)
-    if count * size >= 64 * 1024 * len(tree):  # large leaves: one torch.cat per leaf is the copy
+    if count * dtype.itemsize >= 64 * 1024 * len(tree):  # large leaves: a torch.cat per leaf
 
         def call_large() -> dict[str, torch.Tensor]:
             got = collective().view(dtype)
@@ -149,21 +140,13 @@ def _laid_out(tree: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Ten
 
         return call_large
     perm = torch.cat([torch.arange(at, at + n) for leaf in pieces for at, n, _ in leaf])
-    tail = shapes[0][1:]
-    if all(shape[1:] == tail for shape in shapes):  # (the benchmark's trees): one split in C
-        rows = [shape[0] for shape in shapes]
+    rows = [sum(shape[0] for _, _, shape in leaf) for leaf in pieces]
 
-        def call() -> dict[str, torch.Tensor]:
-            laid = collective().view(dtype).index_select(0, perm)  # the one copy
-            return dict(zip(keys, laid.view(-1, *tail).unsafe_split_with_sizes(rows)))
+    def call() -> dict[str, torch.Tensor]:
+        laid = collective().view(dtype).index_select(0, perm)  # the one copy
+        return dict(zip(keys, laid.view(-1, *tail).unsafe_split_with_sizes(rows)))
 
-        return call
-
-    def call_any() -> dict[str, torch.Tensor]:
-        laid = collective().view(dtype).index_select(0, perm)
-        return {key: part.view(shape) for key, part, shape in zip(keys, laid.split(sizes), shapes)}
-
-    return call_any
+    return call
 
 
 def flat_all_gather(buf: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -16,12 +16,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _errors
 from .._devices import DeviceLike, as_device
 from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import AsList
-from . import protocol
+from . import errors, protocol
 from .samples import (
     CROSS,
     PER_ADD,
@@ -51,13 +50,6 @@ class _Problem(NamedTuple):
 
     error: str  # the error class's name
     message: str
-
-
-_ERRORS: dict[str, type[TreegatherError]] = {
-    cls.__name__: cls
-    for cls in vars(_errors).values()
-    if isinstance(cls, type) and issubclass(cls, TreegatherError)
-}
 
 
 class Collector:
@@ -365,7 +357,7 @@ def _ranks(group: Any) -> list[int]:
 
 
 def _problem_error(problems: list[tuple[int, _Problem]]) -> TreegatherError:
-    cls = _ERRORS.get(problems[0][1].error, TreegatherError)
+    cls = errors.ERROR_CLASSES.get(problems[0][1].error, TreegatherError)
     by_message: dict[str, list[int]] = {}
     for rank, p in problems:
         by_message.setdefault(p.message, []).append(rank)

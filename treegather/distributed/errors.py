@@ -17,16 +17,11 @@ from typing import Any, NoReturn
 import torch
 from optree import PyTreeSpec
 
-from .. import _tree
+from .. import _errors, _tree
 from .._errors import (
-    ArgumentTypeError,
     BatchSizeError,
-    DeviceError,
     LayoutError,
-    LeafTypeError,
-    ShapeMismatchError,
     StructureMismatchError,
-    TreeDepthError,
     TreegatherError,
 )
 from .._layout import resolve
@@ -46,19 +41,12 @@ __all__ = [
     "rebuild_error",
 ]
 
+# Every treegather error, by name: what a rank's error header (or a Collector's problem) names,
+# raised again as that class on every rank.
 ERROR_CLASSES: dict[str, type[TreegatherError]] = {
     cls.__name__: cls
-    for cls in (
-        ArgumentTypeError,
-        BatchSizeError,
-        DeviceError,
-        LayoutError,
-        LeafTypeError,
-        ShapeMismatchError,
-        StructureMismatchError,
-        TreeDepthError,
-        TreegatherError,
-    )
+    for cls in vars(_errors).values()
+    if isinstance(cls, type) and issubclass(cls, TreegatherError)
 }
 
 
