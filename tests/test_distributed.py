@@ -31,6 +31,7 @@ from spawned_groups import WORLD_SIZES
 import treegather as tg
 from treegather import _tree
 from treegather._caches import FAST_PATHS, reference_only
+from treegather.distributed.preamble import MAX_INLINE
 
 pytestmark = pytest.mark.distributed
 
@@ -602,9 +603,16 @@ def _rows_tree(rank: int, step: int) -> Any:
     }
 
 
+# Rows of 1 KiB (256 float32) that make a leaf larger than any inline payload.
+WIDE_ROWS = MAX_INLINE // 1024 + 20
+
+
 def _wide(rank: int, step: int = 0) -> Any:
-    """One float32 leaf of 300 KiB and more per rank: larger than any inline payload."""
-    return {"x": torch.full((rank + 300, 256), float(rank + step)), "n": torch.arange(rank + 1)}
+    """One float32 leaf of over MAX_INLINE bytes per rank: larger than any inline payload."""
+    return {
+        "x": torch.full((rank + WIDE_ROWS, 256), float(rank + step)),
+        "n": torch.arange(rank + 1),
+    }
 
 
 def _alternating(rank: int, world: int) -> bool:
@@ -716,8 +724,9 @@ def _counts_tree(rank: int, change: str = "") -> Any:
 def _wide_pair(rank: int, change: bool) -> Any:
     """Two leaves of one region, larger than any inline payload; ``change`` reshapes the
     second one with the same element count."""
-    y = torch.arange(300 * 256.0).view(300, 256) + rank
-    return {"x": torch.full((rank + 300, 256), float(rank)), "y": y.view(600, 128) if change else y}
+    y = torch.arange(WIDE_ROWS * 256.0).view(WIDE_ROWS, 256) + rank
+    x = torch.full((rank + WIDE_ROWS, 256), float(rank))
+    return {"x": x, "y": y.view(2 * WIDE_ROWS, 128) if change else y}
 
 
 def _same_counts_checks(rank: int, world: int) -> list[tuple[str, int]]:

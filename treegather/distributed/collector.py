@@ -11,27 +11,32 @@ of the existing machinery: every dataset sample exactly once, in index order.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from operator import itemgetter
 from typing import Any, NamedTuple
 
 import torch
 
+from .._caches import FAST_PATHS
 from .._devices import DeviceLike, as_device
 from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import AsList
-from . import errors, protocol
+from . import columns, errors, protocol
+from .columns import Payload
 from .samples import (
     CROSS,
     PER_ADD,
     SAMPLES,
+    Mine,
     Opaque,
+    Texts,
     arrived,
     dataset_order,
     gather_noted,
     is_loader,
     join,
     moved,
+    place,
+    placed,
     plan_of,
     read_order,
     rows_per_add,
@@ -182,34 +187,47 @@ class Collector:
             )
         self._done = True
         plans: dict[Any, tuple[Plan, list[int]]] = {}
+        local: Any = None
+        own: list[Any] = []
         try:
-            local: Any = self._local(layout, plans)
+            if self._adds:
+                local, own = self._local(layout, plans)
         except TreegatherError as exc:  # raised on every rank, after the exchange
             local = _Problem(type(exc).__name__, str(exc))
 
         def finish(payloads: list[Any]) -> Any:
             return self._combine(payloads, layout, plans)
 
+        if FAST_PATHS.on and _initialized():  # every rank's bytes in one collective
+            fast = columns.exchange(local, own, layout, dst, self._group)
+            if fast is not None:
+                result = finish(fast.payloads)  # on every rank: its errors reach every rank
+                if fast.is_root:
+                    return result
+                self.indices = None
+                return None
         return _exchange(local, dst, self._group, finish)
 
-    def _local(self, layout: Any, plans: dict[Any, Any]) -> _Payload | None:
-        """This rank's adds concatenated: per-sample leaves in one piece, the others listed."""
-        if not self._adds:
-            return None
+    def _local(self, layout: Any, plans: dict[Any, Any]) -> tuple[Payload, list[Any]]:
+        """This rank's adds concatenated: per-sample leaves in one piece, the others listed;
+        and those values before they were made to travel."""
         trees = [tree for tree, _ in self._adds]
         plan, kinds, spec0 = plan_of(trees[0], layout)
         plans[spec0] = (plan, kinds)
         up = plan.up_spec
-        values = []
-        for a, tree in enumerate(trees):
-            try:
-                values.append(up.flatten_up_to(tree))
-            except (ValueError, TypeError):
-                raise StructureMismatchError(
-                    f"add #{a} has another structure than add #0 (outputs of every batch must "
-                    "have the same keys, fields and lengths; per-sample lists go under "
-                    "cat_items())"
-                ) from None
+        try:
+            values = list(map(up.flatten_up_to, trees))
+        except (ValueError, TypeError):
+            for a, tree in enumerate(trees):
+                try:
+                    up.flatten_up_to(tree)
+                except (ValueError, TypeError):
+                    raise StructureMismatchError(
+                        f"add #{a} has another structure than add #0 (outputs of every batch "
+                        "must have the same keys, fields and lengths; per-sample lists go under "
+                        "cat_items())"
+                    ) from None
+            raise
         rows = rows_per_add(values, plan, kinds)
         idx = self._indices(rows)
         device = self._target(values)
@@ -223,9 +241,15 @@ class Collector:
                 gather_noted(trees, device, adds, rows, "add #{i} of this rank")
             )
 
-        combined = join(list(zip(*values)), kinds, rules, device, reference, per_add=True)
-        wrapped = tuple(travelling(v) if k != SAMPLES else v for k, v in zip(kinds, combined))
-        return _Payload(idx, torch.tensor(rows), wrapped, Opaque((spec0, tuple(kinds))))
+        types: dict[int, set[type]] = {}
+        combined = join(
+            list(zip(*values)), kinds, rules, device, reference, per_add=True, types=types
+        )
+        wrapped = tuple(
+            v if k == SAMPLES else travelling(v, types.get(p))
+            for p, (k, v) in enumerate(zip(kinds, combined))
+        )
+        return Payload(idx, torch.tensor(rows), wrapped, Opaque((spec0, tuple(kinds)))), combined
 
     def _indices(self, rows: list[int]) -> Tensor:
         order = self._order
@@ -293,45 +317,36 @@ class Collector:
         plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
         device = self._target()
         rules = rules_of(plan)
-        idx = torch.cat([p.indices for _, p in present])
         rows = torch.cat([p.rows for _, p in present]).tolist()
         up = plan.up_spec
+        order = dataset_order([p.indices for _, p in present])
         per_rank = [[arrived(v) for v in p.values] for _, p in present]
-        if len(per_rank) > 1:
+        plain = [
+            all(isinstance(p.values[j], (Texts, Mine)) for _, p in present)
+            for j in range(len(kinds))
+        ]
+        out = place(list(zip(*per_rank)), kinds, rules, device, order, plain)
+        if out is None:  # the definition: join by gather's rules, then pick the rows
+            if len(per_rank) > 1:
 
-            def reference() -> list[Any]:  # the definition: gather over the ranks
-                cross = up.unflatten([CROSS[k](r) for k, r in zip(kinds, rules)])
-                trees = [up.unflatten(v) for v in per_rank]
-                names = [r for r, _ in present]
-                return up.flatten_up_to(gather_noted(trees, device, cross, None, "rank {r}", names))
+                def reference() -> list[Any]:  # the definition: gather over the ranks
+                    cross = up.unflatten([CROSS[k](r) for k, r in zip(kinds, rules)])
+                    trees = [up.unflatten(v) for v in per_rank]
+                    names = [r for r, _ in present]
+                    return up.flatten_up_to(
+                        gather_noted(trees, device, cross, None, "rank {r}", names)
+                    )
 
-            values = join(list(zip(*per_rank)), kinds, rules, device, reference)
-        else:
-            values = per_rank[0]
-        perm, kept = dataset_order(idx)
-        out: list[Any] = []
-        for kind, rule, value in zip(kinds, rules, values):
-            if kind == PER_ADD:
-                out.append(gather_noted(value, device, rule, rows, "add #{i}"))
-            elif perm is None:
-                out.append(value)
-            elif isinstance(value, Tensor):
-                out.append(value.index_select(0, perm.to(value.device)))
+                values = join(list(zip(*per_rank)), kinds, rules, device, reference)
             else:
-                picked = perm.tolist()
-                items = list(itemgetter(*picked)(value)) if len(picked) > 1 else [value[picked[0]]]
-                out.append(tuple(items) if isinstance(value, tuple) else items)
-        self.indices = kept
+                values = per_rank[0]
+            picked = order._replace(runs=None)  # the rows one after the other: picked by perm
+            out = [v if k == PER_ADD else placed([v], picked) for k, v in zip(kinds, values)]
+        for p, (kind, rule) in enumerate(zip(kinds, rules)):
+            if kind == PER_ADD:
+                out[p] = gather_noted(out[p], device, rule, rows, "add #{i}")
+        self.indices = order.kept
         return up.unflatten(out)
-
-
-class _Payload(NamedTuple):
-    """One rank's adds, as they travel."""
-
-    indices: Tensor  # the dataset index of every row, in add order
-    rows: Tensor  # rows per add
-    values: tuple[Any, ...]  # per plan position: per-sample tensors whole, lists opaque
-    shape: Opaque  # (the structure of the rank's first add, what each position is)
 
 
 def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[Any]], Any]) -> Any:
@@ -348,10 +363,16 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
     return protocol.gather(local, dst, AsList(), group, 0, None, finish)
 
 
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _ranks(group: Any) -> list[int]:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _initialized():
         return [0]
     return list(dist.get_process_group_ranks(group or dist.group.WORLD))
 

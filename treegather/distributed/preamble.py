@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import array
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, NoReturn
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "First",
     "check_calls",
     "exchange",
+    "exchange_written",
     "next_capacity",
     "raise_problems",
     "row",
@@ -53,13 +54,18 @@ __all__ = [
 ]
 
 MAGIC = 0x7467_6472  # identifies a treegather preamble
-ALL_GATHER, GATHER, BROADCAST = 1, 2, 3
-CALL_NAMES = {ALL_GATHER: "all_gather", GATHER: "gather", BROADCAST: "broadcast"}
+ALL_GATHER, GATHER, BROADCAST, COLLECT = 1, 2, 3, 4
+CALL_NAMES = {
+    ALL_GATHER: "all_gather",
+    GATHER: "gather",
+    BROADCAST: "broadcast",
+    COLLECT: "Collector.all_gather/gather",
+}
 # Positions in a row.
 CALL, ROOT, HEADER, NBYTES, PLACEMENT, DIGEST, INLINE, PROBLEM = 1, 2, 3, 4, 5, slice(6, 8), 8, 9
 ROW_INTS = 10
 ROW_BYTES = 8 * ROW_INTS  # a multiple of 16: the inline payload starts aligned
-MAX_INLINE = 256 << 10  # bytes per rank; larger payloads take their own collective
+MAX_INLINE = 1 << 20  # bytes per rank; larger payloads take their own collective
 _GRAIN = 1 << 10
 
 
@@ -147,8 +153,9 @@ def next_capacity(capacity: int, rows: Sequence[Sequence[int]]) -> int:
     """The inline capacity after a call whose first collective returned ``rows``.
 
     A function of ``rows`` alone (and the previous capacity), so the same on every rank. Only
-    an agreed wire-plan call (all-gather or gather) moves it: up to its largest payload plus a
-    quarter when that did not fit, down when the payloads shrank below a quarter of it.
+    an agreed wire-plan call (all-gather or gather, or a Collector's exchange) moves it: up to
+    its largest payload plus a quarter when that did not fit, down when the payloads shrank
+    below a quarter of it.
 
     >>> rows = [row(ALL_GATHER, -1, (0, 3000), 0, (5, 6), True)] * 2  # 3000-byte payloads
     >>> next_capacity(0, rows), next_capacity(4096, rows), next_capacity(65536, rows)
@@ -157,7 +164,11 @@ def next_capacity(capacity: int, rows: Sequence[Sequence[int]]) -> int:
     0
     """
     calls = {r[CALL] for r in rows}
-    if len(calls) > 1 or calls.pop() not in (ALL_GATHER, GATHER) or not digests_agree(rows):
+    if (
+        len(calls) > 1
+        or calls.pop() not in (ALL_GATHER, GATHER, COLLECT)
+        or not digests_agree(rows)
+    ):
         return capacity
     need = max(r[NBYTES] for r in rows)
     if need > MAX_INLINE or capacity // 4 <= need <= capacity:
@@ -247,3 +258,41 @@ def _fill(
     if area:
         mine[ROW_BYTES:].zero_()
     return fast, False
+
+
+def exchange_written(
+    collective: Collective,
+    g: Group,
+    call: int,
+    root: int,
+    digest: tuple[int, int],
+    nbytes: int,
+    write: Callable[[torch.Tensor], None],
+    problem: Problem | None = None,
+) -> tuple[list[list[int]], Payloads]:
+    """The first collective of a call whose payload ``write`` packs itself (a Collector's).
+
+    The same collective as :func:`exchange` (``ROW_BYTES`` plus the group's inline capacity
+    per rank, the same row), so that ranks making different calls still meet in one collective
+    of one size and raise the same error. ``digest`` ``(0, 0)``: this rank sends no payload.
+    ``write(out)`` fills ``nbytes`` bytes when they fit the inline area. Returns every rank's
+    row and the buffer (each rank's inline payload at ``ROW_BYTES`` of its slot).
+    """
+    area = g.state.capacity
+    stride = ROW_BYTES + area
+    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
+    mine = out[g.rank * stride : (g.rank + 1) * stride]
+    inline = problem is None and digest != (0, 0) and nbytes <= area
+    sent = digest if problem is None else (0, 0)
+    write_row(mine, row(call, root, (0, nbytes), 0, sent, inline, problem is not None))
+    if inline:
+        write(mine[ROW_BYTES : ROW_BYTES + nbytes])
+    if area:
+        mine[ROW_BYTES + (nbytes if inline else 0) :].zero_()
+    collective(out, mine, g.handle)
+    rows: list[list[int]] = out.view(len(g.ranks), stride)[:, :ROW_BYTES].view(torch.int64).tolist()
+    g.state.capacity = next_capacity(g.state.capacity, rows)
+    if any(r[PROBLEM] for r in rows):
+        raise_problems(collective, g, rows, problem)
+    check_calls(g.ranks, rows)
+    return rows, Payloads(out, ROW_BYTES, stride)

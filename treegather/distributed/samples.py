@@ -5,15 +5,16 @@ Each position of one add's plan is per sample (``SAMPLES``: tensors under ``cat(
 ``pad(0)``; ``ITEMS``: lists under ``cat_items()``) or one value per add (``PER_ADD``).
 :func:`join` joins a column of values as its rule does, taking the gather rules themselves
 (:func:`treegather.gather`) whenever anything is unusual; :func:`dataset_order` gives the
-positions that put rows in index order, each index once; lists of strings travel as one UTF-8
-tensor (:func:`travelling`, :func:`arrived`).
+positions that put rows in index order, each index once (:func:`placed` puts them there); lists
+of strings travel as one UTF-8 tensor (:func:`travelling`, :func:`arrived`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -30,8 +31,10 @@ __all__ = [
     "CROSS",
     "ITEMS",
     "Opaque",
+    "Order",
     "PER_ADD",
     "SAMPLES",
+    "Mine",
     "Texts",
     "arrived",
     "dataset_order",
@@ -39,6 +42,8 @@ __all__ = [
     "is_loader",
     "join",
     "moved",
+    "place",
+    "placed",
     "plan_of",
     "read_order",
     "rows_per_add",
@@ -66,8 +71,8 @@ class Opaque:
 
 
 class Texts(NamedTuple):
-    """A list of strings as it travels: their UTF-8 bytes, one tensor (no pickling), with the
-    separator that no string holds."""
+    """A list of strings (``str`` exactly) as it travels: their UTF-8 bytes, one tensor (no
+    pickling), joined by a separator that no string holds."""
 
     data: Tensor  # uint8
     items: int  # how many strings
@@ -76,19 +81,27 @@ class Texts(NamedTuple):
 SEP = "\x00"
 
 
-def travelling(value: Any) -> Any:
-    """A list that travels whole: strings as bytes in a tensor, anything else pickled once."""
-    if type(value) is list and value and set(map(type, value)) == {str}:
-        joined = SEP.join(value)
-        if joined.count(SEP) == len(value) - 1:  # no string holds the separator
-            data = torch.frombuffer(bytearray(joined.encode()), dtype=torch.uint8)
-            return Texts(data, len(value))
+class Mine(Opaque):
+    """This rank's own list of strings, as it was added (this rank need not decode it)."""
+
+    __slots__ = ()
+
+
+def travelling(value: Any, types: set[type] | None = None) -> Any:
+    """A value that travels whole: a list of strings as UTF-8 bytes in a tensor, anything else
+    pickled once. ``types``: the types of its items, when the caller has them."""
+    if type(value) is list and value:
+        if (set(map(type, value)) if types is None else types) == {str}:
+            joined = SEP.join(value)
+            if joined.count(SEP) == len(value) - 1:  # no string holds the separator
+                data = torch.frombuffer(bytearray(joined.encode()), dtype=torch.uint8)
+                return Texts(data, len(value))
     return Opaque(value)
 
 
 def arrived(value: Any) -> Any:
     """What :func:`travelling` sent, back as it was."""
-    if isinstance(value, Opaque):
+    if isinstance(value, Opaque):  # (Mine too)
         return value.value
     if isinstance(value, Texts):
         return tensor_bytes(value.data).decode().split(SEP) if value.items else []
@@ -141,15 +154,18 @@ def rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[
             "to samples"
         )
     sample = [p for p, k in enumerate(kinds) if k != PER_ADD]
-    try:  # every per-sample value's len, one C pass per position; equal: the rows
-        lengths = [list(map(len, (row[p] for row in values))) for p in sample]
+    columns = list(zip(*values)) if values else []
+    try:  # every per-sample value's rows, one C pass per position; equal: the rows
+        lengths = [
+            list(map(_ROWS if type(columns[p][0]) is Tensor else len, columns[p])) for p in sample
+        ]
         if all(n == lengths[0] for n in lengths[1:]) and all(
             type(row[p]) is Tensor or type(row[p]) in (list, tuple)
             for row in values[:1]
             for p in sample
         ):
             return lengths[0]
-    except TypeError:  # a 0-dim tensor, a value with no len: named below
+    except (TypeError, IndexError, AttributeError):  # a 0-dim tensor, no len: named below
         pass
     rows: list[int] = []
     problems: list[str] = []
@@ -177,6 +193,9 @@ def rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[
             "give leaves that are not per sample another rule (stack(), sum(), as_list(), ...)"
         )
     return rows
+
+
+_ROWS = operator.methodcaller("size", 0)  # a tensor's rows, in C (IndexError for 0-dim)
 
 
 def count(value: Any) -> int:
@@ -216,19 +235,21 @@ def join(
     reference: Callable[[], list[Any]],
     *,
     per_add: bool = False,
+    types: dict[int, set[type]] | None = None,
 ) -> list[Any]:
     """Each position's values (one per add, or one per rank) joined as its rule joins them:
     tensors concatenated (``cat``) or padded (``pad``), lists one after the other. Anything
     unusual (a dtype, shape or device that differs, a value of another kind, tensors among
     list items) takes ``reference`` instead, :func:`treegather.gather` with the same rules,
     which gives the same result or names the problem; so does every call under
-    :func:`treegather._caches.reference_only`.
+    :func:`treegather._caches.reference_only`. ``types`` receives the item types of each list
+    position it joined.
     """
     if not FAST_PATHS.on:  # the one fast-path switch: the definition only
         return reference()
     out: list[Any] = []
     with torch.no_grad():  # results are detached
-        for kind, rule, col in zip(kinds, rules, columns):
+        for p, (kind, rule, col) in enumerate(zip(kinds, rules, columns)):
             if kind == SAMPLES:
                 if not alike(col, device, same_tail=not isinstance(rule, Pad)):
                     return reference()
@@ -242,8 +263,11 @@ def join(
                 if not all(type(v) in (list, tuple) for v in col):
                     return reference()
                 items = list(chain.from_iterable(col))
-                if Tensor in set(map(type, items)):  # tensors among the items: moved there
+                found = set(map(type, items))
+                if Tensor in found:  # tensors among the items: moved there
                     return reference()
+                if types is not None:
+                    types[p] = found
                 out.append(tuple(items) if type(col[0]) is tuple else items)
     return out
 
@@ -268,14 +292,177 @@ DEVICE = attrgetter("device")
 SHAPE = attrgetter("shape")
 
 
-def dataset_order(idx: Tensor) -> tuple[Tensor | None, Tensor]:
-    """Positions that put ``idx`` in order, each index once (the first seen), and the result."""
-    if idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()):
-        return None, idx
-    ordered, perm = torch.sort(idx, stable=True)
-    first = torch.ones_like(ordered, dtype=torch.bool)
-    first[1:] = ordered[1:] != ordered[:-1]
-    return perm[first], ordered[first]
+class Order(NamedTuple):
+    """Where the ranks' rows go: each dataset index once (the first seen), in index order."""
+
+    kept: Tensor  # the result's dataset indices, in order
+    perm: Tensor | None  # positions in the rows one after the other, in result order (None: as is)
+    # Per part: (first result position, step, rows kept) when its kept rows are a prefix of its
+    # rows that lands on evenly spaced positions (DistributedSampler without shuffling); None:
+    # some part's do not.
+    runs: list[tuple[int, int, int]] | None
+
+
+def dataset_order(parts: Sequence[Tensor]) -> Order:
+    """The order of the rows of ``parts`` (int64 dataset indices, one part per rank), each
+    index once (the first seen), in index order.
+
+    >>> o = dataset_order([torch.tensor([0, 2, 4]), torch.tensor([1, 3, 0])])  # 5 samples, padded
+    >>> o.kept.tolist(), o.perm.tolist(), o.runs
+    ([0, 1, 2, 3, 4], [0, 3, 1, 4, 2], [(0, 2, 3), (1, 2, 2)])
+    """
+    idx = torch.cat(list(parts)) if len(parts) != 1 else parts[0].clone()
+    n = idx.numel()
+    if n < 2 or bool((idx[1:] > idx[:-1]).all()):
+        return Order(idx, None, None)
+    found = _interleaved(parts)
+    if found is not None:
+        return found
+    lo, hi = (int(v) for v in torch.aminmax(idx))
+    if lo >= 0 and hi < 2 * n + 1024:  # dense indices: one scatter, no sort
+        first = torch.full((hi + 1,), n, dtype=torch.int64)
+        first.scatter_reduce_(0, idx, torch.arange(n), "amin")
+        kept = (first < n).nonzero().squeeze(1)
+        perm = first.index_select(0, kept)
+    else:
+        ordered, order = torch.sort(idx, stable=True)
+        keep = torch.ones_like(ordered, dtype=torch.bool)
+        keep[1:] = ordered[1:] != ordered[:-1]
+        perm, kept = order[keep], ordered[keep]
+    return Order(kept, perm, _runs([p.numel() for p in parts], perm, n))
+
+
+def _interleaved(parts: Sequence[Tensor]) -> Order | None:
+    """The order of ranks that each hold every S-th index of one range (S ranks; what
+    ``DistributedSampler(shuffle=False)`` gives), their padding duplicates after: a few tensor
+    operations per rank instead of a scatter over every row. ``None`` when the rows are not so.
+
+    Exact: the ranks' runs tile the range once, and every row after a rank's run repeats an
+    index that a run at or before that rank holds (so the first seen is the run's).
+    """
+    live = [(r, p) for r, p in enumerate(parts) if p.numel()]
+    step = len(live)
+    starts = torch.cat([p[:1] for _, p in live]).tolist()
+    lo = min(starts)
+    if sorted(starts) != list(range(lo, lo + step)):
+        return None
+    kept_rows = []
+    for (_, p), a in zip(live, starts):
+        run = p == torch.arange(a, a + step * p.numel(), step)
+        kept_rows.append(int(run.cumprod(0).sum()))
+    total = sum(kept_rows)
+    owner = [0] * step  # the rank whose run holds each residue
+    for (r, _), a, k in zip(live, starts, kept_rows):
+        if k != (total - (a - lo) + step - 1) // step:
+            return None
+        owner[a - lo] = r
+    owners = torch.tensor(owner)
+    for (r, p), k in zip(live, kept_rows):
+        tail = p[k:]
+        if tail.numel() and not (
+            bool(((tail >= lo) & (tail < lo + total)).all())
+            and bool((owners[(tail - lo) % step] <= r).all())
+        ):
+            return None
+    runs = [(0, 1, 0)] * len(parts)
+    perm = torch.empty(total, dtype=torch.int64)
+    offsets = [0]
+    for p in parts:
+        offsets.append(offsets[-1] + p.numel())
+    for (r, _), a, k in zip(live, starts, kept_rows):
+        runs[r] = (a - lo, step, k)
+        if k:
+            perm[a - lo :: step] = torch.arange(offsets[r], offsets[r] + k)
+    return Order(torch.arange(lo, lo + total), perm, runs)
+
+
+def _runs(lengths: list[int], perm: Tensor, n: int) -> list[tuple[int, int, int]] | None:
+    """Each part's (first position, step, rows kept), or ``None`` (see :class:`Order`)."""
+    dest = torch.full((n,), -1, dtype=torch.int64)
+    dest[perm] = torch.arange(perm.numel())
+    runs, at = [], 0
+    for m in lengths:
+        d = dest[at : at + m]
+        at += m
+        kept = int((d >= 0).sum())
+        if kept == 0:
+            runs.append((0, 1, 0))
+            continue
+        start = int(d[0])
+        step = int(d[1]) - start if kept > 1 else 1
+        if start < 0 or step <= 0:
+            return None
+        if kept > 1 and not torch.equal(d[:kept], torch.arange(start, start + step * kept, step)):
+            return None
+        runs.append((start, step, kept))
+    return runs
+
+
+def placed(values: Sequence[Any], order: Order) -> Any:
+    """One position's values of every part (tensors of one dtype and trailing shape, or lists
+    of non-tensors), in the result's order: each part's kept rows copied to their positions
+    (``order.runs``), else concatenated and picked. Tensors are new ones (never views of a
+    part) and lists new lists."""
+    total = order.kept.numel()
+    first = values[0]
+    if type(first) is Tensor:
+        if order.runs is None:  # (a new tensor always: never a view of what was received)
+            if order.perm is not None:
+                rows = torch.cat(list(values)) if len(values) > 1 else first
+                return rows.index_select(0, order.perm)
+            return torch.cat(list(values)) if len(values) > 1 else first.clone()
+        out = first.new_empty((total, *first.shape[1:]))
+        for (start, step, kept), v in zip(order.runs, values):
+            if kept:
+                out[start : start + step * (kept - 1) + 1 : step] = v[:kept]
+        return out
+    joined: list[Any]
+    if order.runs is None:
+        joined = list(chain.from_iterable(values))
+        if order.perm is not None:
+            picked = order.perm.tolist()
+            joined = list(itemgetter(*picked)(joined)) if len(picked) > 1 else [joined[picked[0]]]
+    else:
+        joined = [None] * total
+        for (start, step, kept), v in zip(order.runs, values):
+            if kept:
+                joined[start : start + step * (kept - 1) + 1 : step] = v[:kept]
+    return tuple(joined) if type(first) is tuple else joined
+
+
+def place(
+    columns: list[tuple[Any, ...]],
+    kinds: list[int],
+    rules: list[Rule | None],
+    device: torch.device,
+    order: Order,
+    plain: list[bool],
+) -> list[Any] | None:
+    """Each position's values of every rank put in the result's order in one step
+    (:func:`placed`; per-add values one list after the other), or ``None`` when anything is
+    unusual (a dtype, shape or device that differs, ``pad``, a value of another kind, tensors
+    among list items; ``plain``: the positions known to hold strings only): the caller then
+    joins by the rules (:func:`join`) and picks the rows. Always ``None`` under
+    :func:`treegather._caches.reference_only`.
+    """
+    if not FAST_PATHS.on:
+        return None
+    out: list[Any] = []
+    with torch.no_grad():
+        for kind, rule, col, known in zip(kinds, rules, columns, plain):
+            if kind == SAMPLES:
+                if isinstance(rule, Pad) or not alike(col, device, same_tail=True):
+                    return None
+                out.append(placed(col, order))
+            elif kind == PER_ADD:
+                out.append(list(chain.from_iterable(col)))
+            else:
+                if not all(type(v) in (list, tuple) for v in col) or len(set(map(type, col))) > 1:
+                    return None
+                if not known and any(Tensor in set(map(type, v)) for v in col):
+                    return None
+                out.append(placed(col, order))
+    return out
 
 
 def moved(tree: Any, device: torch.device | None) -> Any:

@@ -1,0 +1,270 @@
+"""A Collector's payload, and its exchange in one collective (the fast layer beside the definition).
+
+One rank's adds, joined by :class:`~treegather.distributed.collector.Collector`, are a
+:class:`Payload`: the dataset index of every row, the rows of every add, and per position of
+the plan of one add one value: a tensor of every row (per-sample tensors), a list of strings
+as :class:`~treegather.distributed.samples.Texts`, anything else
+:class:`~treegather.distributed.samples.Opaque`.
+
+The *definition* of the exchange is one :func:`treegather.distributed.all_gather` of every
+rank's payload under ``as_list()`` (the existing machinery; ``gather``: to ``dst``). This module
+is the fast way to the same payloads: when every rank's payload has the same digest (the
+structure of its first add and what each position is, each tensor's dtype and trailing shape,
+the layout), every rank's bytes travel in the call's first collective, after its row
+(:func:`~treegather.distributed.preamble.exchange_written`), or in one more all-gather when one
+does not fit the group's inline capacity. Otherwise (a rank with a problem or with nothing
+added, a digest that differs, a value this layer does not pack, tensors off the CPU) that rank's
+row carries no digest, and every rank takes the definition, one collective later.
+:func:`treegather.reference_only` turns this layer off.
+
+One rank's bytes, each part starting 16-byte aligned::
+
+    [head: rows, adds, pickled bytes, then (bytes, items) per position] [dataset index per row]
+    [rows per add] [per position: a tensor's bytes or UTF-8 bytes] [pickled: the Opaque values]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .._caches import LRU
+from . import preamble
+from .group import Group, root_rank
+from .group import group as process_group
+from .layout import layout_text
+from .plan import _PACKABLE, padded
+from .samples import Mine, Opaque, Texts
+
+__all__ = ["Payload", "exchange"]
+
+Tensor = torch.Tensor
+INT64 = 8
+HEAD = 3  # rows, adds, pickled bytes; then two ints per position
+# Per (structure, what each position is, the layout's key): the digest the ranks compare.
+_DIGESTS: LRU[Any, tuple[int, int] | None] = LRU("distributed.collector_digests", maxsize=64)
+
+
+class Payload(NamedTuple):
+    """One rank's adds, as they travel."""
+
+    indices: Tensor  # the dataset index of every row, in add order
+    rows: Tensor  # rows per add
+    values: tuple[Any, ...]  # per plan position: per-sample tensors whole, lists opaque
+    shape: Opaque  # (the structure of the rank's first add, what each position is)
+
+
+class Exchanged(NamedTuple):
+    """What :func:`exchange` returns when every rank's payload took the fast way."""
+
+    payloads: list[Payload]  # every rank's, in group rank order
+    is_root: bool  # this rank is ``dst`` (always, for an all-gather)
+
+
+class _Packed(NamedTuple):
+    digest: tuple[int, int]
+    descs: tuple[tuple[Any, ...], ...]  # per position: ("t", dtype, trailing), ("s",), ("o",)
+    head: list[int]
+    parts: list[Tensor]  # uint8, flat, one per part (the head first)
+    spans: list[tuple[int, int]]  # (start, bytes) of each part
+    nbytes: int
+
+
+def exchange(
+    local: Any, own: Sequence[Any], layout: Any, dst: int | None, group: Any
+) -> Exchanged | None:
+    """Every rank's :class:`Payload`, each rank's bytes in one collective (with the call's row),
+    or ``None``: some rank cannot take this way, so every rank takes the definition.
+
+    ``local`` is this rank's payload, or anything else when it has none to send (a problem to
+    report, nothing added): then this rank sends no digest. ``own``: its values before they
+    were made to travel (its strings are taken from there, not decoded). A ``dst`` that names no rank
+    reaches every rank in this first collective, and every rank raises it.
+    """
+    g = process_group(group)
+    root, problem = (-1, None) if dst is None else root_rank(g, dst, "dst")
+    packed = _pack(local, layout) if isinstance(local, Payload) and g.device.type == "cpu" else None
+    digest, nbytes = (packed.digest, packed.nbytes) if packed is not None else ((0, 0), 0)
+
+    def write(out: Tensor) -> None:
+        assert packed is not None
+        _write(packed, out)
+
+    rows, first = preamble.exchange_written(
+        _all_gather_into, g, preamble.COLLECT, root, digest, nbytes, write, problem
+    )
+    if packed is None or not preamble.digests_agree(rows):
+        return None
+    if preamble.all_inline(rows):
+        buf, base, stride = first.buf, first.offset, first.stride
+    else:
+        stride = padded(max(r[preamble.NBYTES] for r in rows))
+        buf = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
+        mine = buf[g.rank * stride : (g.rank + 1) * stride]
+        _write(packed, mine)
+        mine[packed.nbytes :].zero_()
+        _all_gather_into(buf, mine, g.handle)
+        base = 0
+    assert isinstance(local, Payload)
+    return Exchanged(_read(g, buf, base, stride, packed, local, own), root in (-1, g.rank))
+
+
+def _all_gather_into(out: Tensor, inp: Tensor, group: Any) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+# -------------------------------------------------------------------------------- packing
+
+
+def _pack(local: Payload, layout: Any) -> _Packed | None:
+    """This rank's bytes, or ``None`` when a value is not one this layer packs."""
+    descs: list[tuple[Any, ...]] = []
+    head = [local.indices.numel(), local.rows.numel(), 0]
+    parts = [_bytes(local.indices), _bytes(local.rows)]
+    opaque: list[Any] = []
+    for value in local.values:
+        if type(value) is Tensor:
+            if (
+                value.dim() == 0
+                or value.dtype not in _PACKABLE
+                or value.layout != torch.strided
+                or value.device.type != "cpu"
+                or value.requires_grad
+            ):
+                return None
+            descs.append(("t", value.dtype, tuple(value.shape[1:])))
+            data = _bytes(value)
+            head += [data.numel(), value.shape[0]]
+        elif type(value) is Texts:
+            descs.append(("s",))
+            data = value.data
+            head += [data.numel(), value.items]
+        elif type(value) is Opaque:
+            descs.append(("o",))
+            opaque.append(value.value)
+            head += [0, 0]
+            continue
+        else:
+            return None
+        parts.append(data)
+    if opaque:
+        try:
+            blob = pickle.dumps(opaque, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return None  # the definition names what cannot travel
+        head[2] = len(blob)
+        parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    digest = _digest(local.shape.value, tuple(descs), layout)
+    if digest is None:
+        return None
+    parts.insert(0, torch.tensor(head, dtype=torch.int64).view(torch.uint8))
+    spans, nbytes = _spans(head, descs)
+    return _Packed(digest, tuple(descs), head, parts, spans, nbytes)
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """``t``'s values as flat ``uint8`` (a view when it is dense)."""
+    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _spans(head: Sequence[int], descs: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int]:
+    """(start, bytes) of every part of a rank's bytes, from its head; and their total."""
+    sizes = [INT64 * len(head), INT64 * head[0], INT64 * head[1]]
+    sizes += [head[HEAD + 2 * j] for j, d in enumerate(descs) if d[0] != "o"]
+    if head[2]:
+        sizes.append(head[2])
+    spans, at = [], 0
+    for n in sizes:
+        spans.append((at, n))
+        at += padded(n)
+    return spans, at
+
+
+def _write(packed: _Packed, out: Tensor) -> None:
+    """Write the parts into ``out`` (``uint8``, at least ``nbytes``), the gaps zeroed."""
+    end = 0
+    for (start, n), part in zip(packed.spans, packed.parts):
+        if start > end:
+            out[end:start].zero_()
+        out[start : start + n].copy_(part)
+        end = start + n
+    if packed.nbytes > end:
+        out[end : packed.nbytes].zero_()
+
+
+def _digest(
+    shape: tuple[Any, Any], descs: tuple[tuple[Any, ...], ...], layout: Any
+) -> tuple[int, int] | None:
+    """What must agree between the ranks, as two int64 (``(0, 0)`` is "no digest")."""
+    spec, kinds = shape
+    text = layout_text(layout, 0)[0]
+    key = (spec, tuple(kinds), descs, text)
+    found = _DIGESTS.get(key, False)
+    if found is not False:
+        return found
+    try:
+        h = hashlib.blake2b(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16)
+    except Exception:
+        found = None
+    else:
+        h.update(repr((list(kinds), [tuple(map(str, d)) for d in descs], text)).encode())
+        raw = h.digest()
+        found = (
+            int.from_bytes(raw[:8], "little", signed=True) or 1,
+            int.from_bytes(raw[8:], "little", signed=True),
+        )
+    _DIGESTS.put(key, found)
+    return found
+
+
+# -------------------------------------------------------------------------------- reading
+
+
+def _read(
+    g: Group,
+    buf: Tensor,
+    base: int,
+    stride: int,
+    mine: _Packed,
+    local: Payload,
+    own: Sequence[Any],
+) -> list[Payload]:
+    """Every rank's payload from the buffer (views of it); this rank's strings as it sent them."""
+    world = len(g.ranks)
+    width = INT64 * len(mine.head)
+    heads: list[list[int]] = (
+        buf.view(world, stride)[:, base : base + width].view(torch.int64).tolist()
+    )
+    out: list[Payload] = []
+    for r, head in enumerate(heads):
+        at = r * stride + base
+        spans, _ = _spans(head, mine.descs)
+        parts = [buf[at + s : at + s + n] for s, n in spans]
+        rows = head[0]
+        values: list[Any] = []
+        k = 3
+        blob = pickle.loads(parts[-1].numpy().tobytes()) if head[2] else []
+        opaque = iter(blob)
+        for j, desc in enumerate(mine.descs):
+            if desc[0] == "t":
+                dtype, trailing = desc[1], desc[2]
+                values.append(parts[k].view(dtype).view(rows, *trailing))
+                k += 1
+            elif desc[0] == "s":  # this rank's own strings as they were added (not decoded)
+                items = head[HEAD + 2 * j + 1]
+                values.append(Mine(own[j]) if r == g.rank else Texts(parts[k], items))
+                k += 1
+            else:
+                values.append(Opaque(next(opaque)))
+        out.append(
+            Payload(
+                parts[1].view(torch.int64), parts[2].view(torch.int64), tuple(values), local.shape
+            )
+        )
+    return out
