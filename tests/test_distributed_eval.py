@@ -9,6 +9,9 @@ a hard deadline. The group of 2 also runs the evaluation benchmark
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import functools
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +21,7 @@ import spawned_groups
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from corpus import assert_tree_equal
 from spawned_groups import WORLD_SIZES
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -280,6 +284,158 @@ def _collector_checks(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+class Label(enum.StrEnum):
+    """A ``str`` subclass as a per-sample item: it must arrive as itself, on every rank."""
+
+    CAT = "cat"
+    DOG = "dog"
+
+
+def _rows(rank: int, n: int, base: int = 0) -> list[int]:
+    return [base + 10 * rank + i for i in range(n)]
+
+
+# Per case: each rank's adds ((outputs, indices) for a rank and a world size) and the layout.
+# Every case runs through the fast layer and the definition (reference_only), whose results
+# must be equal; FAST says which cases the fast layer takes whole (the others fall back).
+FAST_CASES: dict[str, tuple[Callable[[int, int], list[tuple[Any, list[int]]]], Any]] = {
+    "tensors_and_strings": (
+        lambda r, w: [
+            ({"x": torch.full((2, 3), float(r)), "s": [f"r{r}a", f"r{r}b"]}, _rows(r, 2)),
+            ({"x": torch.ones(1, 3), "s": ["é\u2603"]}, _rows(r, 1, 5)),
+        ],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
+    "separator_in_a_string": (  # the UTF-8 form cannot hold it: pickled instead
+        lambda r, w: [({"x": torch.zeros(2), "s": ["a\x00b", str(r)]}, _rows(r, 2))],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
+    "str_subclass_items": (
+        lambda r, w: [({"x": torch.zeros(2), "s": [Label.CAT, Label.DOG]}, _rows(r, 2))],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
+    "other_items": (
+        lambda r, w: [({"x": torch.zeros(3), "s": [r, (r, "t"), None]}, _rows(r, 3))],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
+    "tensor_items": (
+        lambda r, w: [
+            ({"x": torch.zeros(2), "s": [torch.ones(1) * r, torch.zeros(2)]}, _rows(r, 2))
+        ],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
+    "dtypes": (
+        lambda r, w: [
+            (
+                {
+                    "h": torch.full((2, 2), r + 0.5, dtype=torch.float16),
+                    "b": torch.full((2,), r + 0.25, dtype=torch.bfloat16),
+                    "m": torch.tensor([True, bool(r)]),
+                    "c": torch.full((2, 1), complex(r, 1), dtype=torch.complex64),
+                    "i": torch.full((2, 3), r, dtype=torch.int8),
+                },
+                _rows(r, 2),
+            )
+        ],
+        None,
+    ),
+    "per_add_values": (  # a batch loss and a stacked per-batch vector, one value per add
+        lambda r, w: [
+            (
+                {
+                    "x": torch.ones(n, 2) * r,
+                    "loss": torch.tensor(r + n / 2),
+                    "v": torch.arange(3.0) * n,
+                },
+                _rows(r, n, 3 * n),
+            )
+            for n in (1, 2)
+        ],
+        tg.by_path({"loss": tg.mean(), "v": tg.stack()}),
+    ),
+    "empty_add_and_nested": (
+        lambda r, w: [
+            ({"a": {"x": torch.zeros(0, 2)}, "t": ([], torch.zeros(0))}, []),
+            ({"a": {"x": torch.ones(2, 2) * r}, "t": (["p", "q"], torch.arange(2.0))}, _rows(r, 2)),
+        ],
+        tg.by_path({"t.0": tg.cat_items()}),
+    ),
+    "pad_uneven_between_ranks": (  # trailing shapes differ per rank: the definition pads
+        lambda r, w: [({"x": torch.ones(2, r + 1)}, _rows(r, 2))],
+        {"x": tg.pad(0)},
+    ),
+    "duplicates_across_ranks": (  # every rank sends index 0: rank 0's row is kept
+        lambda r, w: [({"x": torch.full((2,), float(r)), "s": [f"{r}", "z"]}, [0, 100 + r])],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
+    "shuffled_indices": (
+        lambda r, w: [
+            (
+                {"x": torch.arange(3.0) + r, "s": list("abc")},
+                [(7 * (r + 3 * i)) % 31 for i in range(3)],
+            )
+        ],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
+}
+SLOW = {"pad_uneven_between_ranks"}  # ranks' payloads differ in shape: the definition
+
+
+def _collected(adds: list[tuple[Any, list[int]]], layout: Any, dst: int | None = None) -> Any:
+    col = tgd.Collector()
+    for outputs, indices in adds:
+        col.add(outputs, indices=indices)
+    got = col.all_gather(layout) if dst is None else col.gather(layout, dst=dst)
+    return got, col.indices
+
+
+@spawned_groups.register("eval.fast", budget_s=GROUP_DEADLINE_S / 2)
+def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
+    """Each case through the fast layer and through the definition: results and who took it."""
+    from treegather.distributed import columns
+
+    took: list[bool] = []
+    real = columns.exchange
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        took.append(found is not None)
+        return found
+
+    out: dict[str, Any] = {}
+    columns.exchange = spy
+    try:
+        for name, (adds, layout) in FAST_CASES.items():
+            for mode in ("fast", "reference"):
+                took.clear()
+                with reference_only() if mode == "reference" else contextlib.nullcontext():
+                    got = _capture(functools.partial(_collected, adds(rank, world), layout))
+                out[(name, mode)] = (got, list(took))
+            # gather: dst gets the result (every rank computes it, so that errors reach all)
+            got = _capture(functools.partial(_collected, adds(rank, world), layout, world - 1))
+            out[(name, "dst")] = got
+    finally:
+        columns.exchange = real
+    # A dst that names no rank, on one rank only: every rank raises.
+    col = tgd.Collector()
+    col.add({"x": torch.zeros(1)}, indices=[rank])
+    out["bad_dst_on_one_rank"] = _capture(lambda: col.gather(dst=world + 5 if rank == 0 else 0))
+    # One rank exchanges a Collector, the others call all_gather: the same error, no hang.
+    col = tgd.Collector()
+    col.add({"x": torch.zeros(1)}, indices=[rank])
+    out["other_call_on_one_rank"] = _capture(
+        lambda: col.all_gather() if rank == 0 else tgd.all_gather({"x": torch.zeros(1)})
+    )
+    # A repeated evaluation that fits the group's inline area: one collective.
+    for _ in range(2):
+        col = tgd.Collector()
+        col.add({"x": torch.ones(4, 3), "s": list("abcd")}, indices=_rows(rank, 4))
+        with counting() as calls:
+            col.all_gather(tg.by_path({"s": tg.cat_items()}))
+    out["repeated_collectives"] = list(calls)
+    return out
+
+
 def _clip_loss(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
     img, txt = F.normalize(img, dim=1), F.normalize(txt, dim=1)
     logits = img @ txt.T * 10
@@ -381,6 +537,7 @@ def ranks(
     return world, [
         {
             "collector": res["eval.collector"],
+            "fast": res["eval.fast"],
             "sync": res["eval.sync"],
             "benchmark": res["eval.bench"],
         }
@@ -519,3 +676,67 @@ def test_the_evaluation_benchmark_runs(ranks: Any) -> None:
         assert sync["forward_sync_collectives"] and len(sync["backward_collectives"]) == 1
         table = evaluation.format_table(bench)
         assert table.count("\n|---") == 3 and "final exchange" in table
+
+
+def _one_process(name: str, world: int) -> tuple[Any, Any]:
+    """The case in one process (no group): every rank's adds into one Collector."""
+    adds, layout = FAST_CASES[name]
+    col = tgd.Collector()
+    for r in range(world):
+        for outputs, indices in adds(r, world):
+            col.add(outputs, indices=indices)
+    return col.all_gather(layout), col.indices
+
+
+@pytest.mark.parametrize("name", sorted(FAST_CASES))
+def test_the_fast_layer_equals_the_definition(ranks: Any, name: str) -> None:
+    """Every case gives the same result through the Collector's one-collective exchange as
+    through the definition (reference_only), on every rank, and the same as one process with
+    every rank's adds; the fast layer takes every case whose payloads agree."""
+    world, results = ranks
+    want = _one_process(name, world)
+    for rank, res in enumerate(results):
+        (fast, took), (ref, ref_took) = (
+            res["fast"][(name, "fast")],
+            res["fast"][(name, "reference")],
+        )
+        assert fast[0] == "ok", fast[-1]
+        assert ref[0] == "ok", ref[-1]
+        assert ref_took == []  # reference_only: the definition only
+        assert took == [name not in SLOW], (rank, took)
+        assert_tree_equal(fast[1], ref[1])
+        assert_tree_equal(fast[1], want)
+        dst = res["fast"][(name, "dst")]
+        assert dst[0] == "ok", dst[-1]
+        if rank == world - 1:
+            assert_tree_equal(dst[1], want)
+        else:
+            assert dst[1] == (None, None)
+
+
+def test_the_fast_layer_keeps_types_and_first_rows(ranks: Any) -> None:
+    world, results = ranks
+    for res in results:
+        (_, (got, indices)), _ = res["fast"][("str_subclass_items", "fast")]
+        assert [type(s) for s in got["s"]] == [Label] * (2 * world)
+        (_, (got, indices)), _ = res["fast"][("duplicates_across_ranks", "fast")]
+        assert indices.tolist() == [0, *(100 + r for r in range(world))]
+        assert got["x"].tolist() == [0.0, *(float(r) for r in range(world))]
+        assert got["s"] == ["0", *("z" for _ in range(world))]
+
+
+def test_fast_layer_errors_reach_every_rank(ranks: Any) -> None:
+    world, results = ranks
+    for res in results:
+        status, name, message, _ = res["fast"]["bad_dst_on_one_rank"]
+        assert (status, name) == ("raised", "ValueError"), message
+        assert f"dst={world + 5}" in message or str(world + 5) in message
+        status, name, message, _ = res["fast"]["other_call_on_one_rank"]
+        assert (status, name) == ("raised", "StructureMismatchError"), message
+        assert "Collector" in message and "all_gather" in message
+
+
+def test_a_repeated_evaluation_is_one_collective(ranks: Any) -> None:
+    _, results = ranks
+    for res in results:
+        assert len(res["fast"]["repeated_collectives"]) == 1, res["fast"]["repeated_collectives"]
