@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import itertools
+import random
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -238,6 +240,62 @@ def test_reference_only_joins_the_adds_with_gather(monkeypatch: pytest.MonkeyPat
     assert calls  # the definition
     assert torch.equal(fast["x"], reference["x"])
     assert fast["tag"] == reference["tag"] == ["a", "b", "c"]
+
+
+def _first_seen(parts: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """The definition of the dataset order: a stable sort, each index's first row kept."""
+    idx = torch.cat(parts)
+    ordered, perm = torch.sort(idx, stable=True)
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    keep[1:] = ordered[1:] != ordered[:-1]
+    return perm[keep].tolist(), ordered[keep].tolist()
+
+
+def _check_order(parts: list[torch.Tensor]) -> bool:
+    """dataset_order equals the definition; its runs, when it has them, pick the same rows.
+    True when no row needed picking one by one (runs, or the rows were in order already)."""
+    from treegather.distributed.samples import dataset_order
+
+    order = dataset_order(parts)
+    perm, kept = _first_seen(parts)
+    assert order.kept.tolist() == kept, parts
+    assert (order.perm.tolist() if order.perm is not None else list(range(len(kept)))) == perm
+    if order.runs is None:
+        return order.perm is None
+    picked: list[int | None] = [None] * len(kept)
+    at = 0
+    for (start, step, n), part in zip(order.runs, parts):
+        for j in range(n):
+            picked[start + step * j] = at + j
+        at += part.numel()
+    assert picked == perm, (parts, order)
+    return True
+
+
+def test_dataset_order_equals_a_stable_sort() -> None:
+    """The order (DistributedSampler's interleaving found without a sort, a scatter for dense
+    indices, a sort otherwise) equals the stable-sort definition: on every sampler
+    configuration cut at random points, and on random small index lists."""
+    rng = random.Random(0)
+    for n, world, shuffle, drop in itertools.product(range(1, 24), (1, 2, 3, 4), (0, 1), (0, 1)):
+        parts, whole = [], True
+        for r in range(world):
+            got = list(DistributedSampler(range(n), world, r, bool(shuffle), 3, bool(drop)))
+            cut = rng.randint(0, len(got)) if rng.random() < 0.3 else len(got)
+            whole = whole and cut == len(got)
+            parts.append(torch.tensor(got[:cut], dtype=torch.int64))
+        if sum(p.numel() for p in parts) > 1:
+            runs = _check_order(parts)
+            if world > 1 and not shuffle and whole and n > world:  # the interleaving, found
+                assert runs, (n, world, drop)
+    for _ in range(3000):
+        parts = [
+            torch.tensor([rng.randint(0, 7) for _ in range(rng.randint(0, 5))], dtype=torch.int64)
+            for _ in range(rng.randint(1, 4))
+        ]
+        if sum(p.numel() for p in parts):
+            _check_order(parts)
+    _check_order([torch.tensor([10**12, 5, 10**12 - 1])])  # sparse indices: the sort
 
 
 # ------------------------------------------------------------------------ across ranks
