@@ -330,7 +330,7 @@ def _collector_checks(rank: int, world: int) -> dict[str, Any]:
     if rank != 1:  # rank 1 has nothing: the others' samples come back
         col.add({"a": torch.full((1,), float(rank))}, indices=[rank])
     out["empty_rank"] = (col.all_gather(), col.indices)
-    # The final exchange is one all_gather of the existing machinery.
+    # The final exchange costs what one all_gather of a tree of its size costs.
     col = tgd.Collector()
     for i in range(4):
         col.add({"a": torch.ones(2, 3) * i}, indices=[4 * rank + i, 100 + 4 * rank + i])
@@ -723,6 +723,19 @@ def test_the_evaluation_benchmark_runs(ranks: Any) -> None:
         assert ex["exchange_cpu_ms"] > 0 and ex["floor_cpu_ms"] >= 0
         assert ex["exchange_vs_floor"] > 0 and ex["exchange_vs_floor_names"] > 0
         assert ex["collectives"] >= 1
+        assert ex["floor_decoded_ms"] > 0 and ex["exchange_vs_floor_decoded"] > 0
+        tensors = bench["exchange_tensors"]
+        assert set(tensors) == {
+            "exchange_ms",
+            "floor_ms",
+            "exchange_vs_floor",
+            "exchange_cpu_ms",
+            "floor_cpu_ms",
+            "collectives",
+        }
+        assert all(tensors[k] > 0 for k in ("exchange_ms", "floor_ms", "exchange_vs_floor"))
+        assert tensors["exchange_cpu_ms"] > 0 and tensors["floor_cpu_ms"] >= 0
+        assert tensors["collectives"] == 1
         if rank == 0:
             assert "calls on rank 0" in ex["profile"] and "all_gather" in ex["profile"]
         else:
@@ -734,6 +747,7 @@ def test_the_evaluation_benchmark_runs(ranks: Any) -> None:
         assert sync["forward_sync_collectives"] and len(sync["backward_collectives"]) == 1
         table = evaluation.format_table(bench)
         assert table.count("\n|---") == 3 and "final exchange" in table
+        assert "floor + decoded names" in table and "logits, ids (no layout)" in table
 
 
 def _one_process(name: str, world: int) -> tuple[Any, Any]:

@@ -9,13 +9,19 @@ strs}``, made before any timing (no model runs). It measures:
 
 - **the final exchange**: ``col.all_gather(tg.by_path({"names": tg.cat_items()}))`` after every
   batch was added (the adds untimed), against one ``all_gather_into_tensor`` of a flat buffer
-  of the same tensor bytes (the logits and ids of the largest rank; ``floor``), and of the same
-  bytes plus the pickled names (``floor_names``). Each round times the three, in rotating order,
-  each call after a barrier with the garbage collector off; the ratios are the medians of the
-  per-round ratios, and every figure is the slowest rank's; the calling thread's CPU time of
-  the exchange and of the floor tells the call's own work from the wait for the transfer. The
-  result is checked against the dataset (every sample once, in index order) before timing.
-  ``--profile`` adds a cProfile of rank 0's exchanges.
+  of the same tensor bytes (the logits and ids of the largest rank; ``floor``), of the same
+  bytes plus the pickled names (``floor_names``), and of this rank's tensor bytes plus its
+  names' UTF-8 bytes joined by ``"\\x00"`` followed by decoding every other rank's names from
+  the bytes it sent into one list of all ranks' names (``floor_decoded``: the least an exchange
+  that returns Python strings must do; each rank's byte counts are exchanged once, untimed).
+  Each round times the four, in rotating order, each call after a barrier with the garbage
+  collector off; the ratios are the medians of the per-round ratios, and every figure is the
+  slowest rank's; the calling thread's CPU time of the exchange and of the floor tells the
+  call's own work from the wait for the transfer. Before timing, the result is checked against
+  the dataset (every sample once, in index order), and the decoded floor's against every
+  rank's bytes and names (in rank order). ``--profile`` adds a cProfile of rank 0's exchanges.
+- **the final exchange of tensors only**: the same batches without ``"names"``,
+  ``col.all_gather()`` with no layout, against ``floor`` in the same way.
 - **one add** (``col.add(outputs)`` under ``torch.no_grad()``; and with ``Collector(sampler,
   device="cpu")``), in µs of this thread's CPU time per add, the garbage collector off, next to
   the cost of copying the batch (``clone()`` of its tensors), and the first add of an epoch
@@ -26,8 +32,9 @@ strs}``, made before any timing (no model runs). It measures:
   wrapping ``torch.distributed``'s functions (:func:`~treegather.benchmarks.distributed.counting`);
   with each one's median wall time.
 
-The targets (issue 21): the exchange at most 1.5x the floor, an add at most 20 µs plus its copy,
-``sync_grads`` adding no collective to the forward and one to the backward.
+The targets (issue 21): the exchange at most 1.5x ``floor`` (the tensor bytes alone; the other
+floors show how much of the distance the names account for), an add at most 20 µs plus its
+copy, ``sync_grads`` adding no collective to the forward and one to the backward.
 """
 
 from __future__ import annotations
@@ -75,12 +82,18 @@ def _batches(order: list[int], batch: int, data: tuple[Any, ...]) -> list[Output
     return out
 
 
-def _slowest(values: list[float]) -> list[float]:
-    """Each value's maximum over the ranks."""
+def _per_rank(values: list[float]) -> torch.Tensor:
+    """Every rank's ``values`` (one ``all_gather``): a ``[world, len(values)]`` float64 tensor."""
     mine = torch.tensor(values, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return torch.stack(every).amax(0).tolist()
+    return torch.stack(every)
+
+
+def _slowest(values: list[float]) -> list[float]:
+    """Each value's maximum over the ranks."""
+    result: list[float] = _per_rank(values).amax(0).tolist()
+    return result
 
 
 def _flat_all_gather(nbytes: int) -> Callable[[], torch.Tensor]:
@@ -109,14 +122,55 @@ def _timed_cpu(fn: Callable[[], Any]) -> tuple[float, float]:
         gc.enable()
 
 
-def _exchange_row(
-    sampler: Any, batches: list[Outputs], data: tuple[Any, ...], rounds: int, profile: bool
-) -> dict[str, Any]:
-    import treegather as tg
-    import treegather.distributed as tgd
+def _decoded_floor(tensors: torch.Tensor, names: list[str]) -> Callable[[], Any]:
+    """The least an exchange that returns Python strings must do: one ``all_gather_into_tensor``
+    of this rank's ``tensors`` (uint8) and its ``names`` (UTF-8, joined by ``"\\x00"``), padded
+    to the largest rank's size, then every other rank's names decoded from the bytes it sent
+    and one list of all ranks' names made (in rank order; this rank's own list reused).
 
-    layout = tg.by_path({"names": tg.cat_items()})
-    col = tgd.Collector(sampler)
+    Each rank's byte counts are exchanged once here, untimed, and the call's result (the
+    received bytes and the list) is checked against every rank's before it is returned.
+    """
+    encoded = "\x00".join(names).encode()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = [
+        [int(v) for v in row]
+        for row in _per_rank([tensors.numel(), len(encoded), len(names)]).tolist()
+    ]
+    width = max(t + n for t, n, _ in sizes)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[: tensors.numel()] = tensors
+    if encoded:
+        buf[tensors.numel() : tensors.numel() + len(encoded)] = torch.frombuffer(
+            bytearray(encoded), dtype=torch.uint8
+        )
+    gather = flat_all_gather(buf)
+
+    def call() -> tuple[torch.Tensor, list[str]]:
+        out = gather()
+        raw = out.numpy()
+        every: list[str] = []
+        for r, (t, n, count) in enumerate(sizes):
+            if r == rank:
+                every += names
+            elif count:
+                start = r * width + t
+                every += raw[start : start + n].tobytes().decode().split("\x00")
+        return out, every
+
+    sent: list[Any] = [None] * world
+    dist.all_gather_object(sent, (tensors.numpy().tobytes(), names))
+    out, every = call()
+    raw = out.numpy()
+    if every != [n for _, theirs in sent for n in theirs] or any(
+        raw[r * width : r * width + len(t)].tobytes() != t for r, (t, _) in enumerate(sent)
+    ):
+        raise AssertionError("the decoded floor did not receive every rank's bytes and names")
+    return call
+
+
+def _filler(col: Any, batches: list[Outputs]) -> Callable[[], Any]:
+    """A call that resets ``col`` and adds every batch (under ``no_grad``), ready to exchange."""
 
     def filled() -> Any:
         col.reset()
@@ -125,54 +179,111 @@ def _exchange_row(
                 col.add(out)
         return col
 
-    # Checked against the dataset before timing: every sample once, in index order.
-    result = filled().all_gather(layout)
+    return filled
+
+
+def _check(result: Any, data: tuple[Any, ...], keys: tuple[str, ...]) -> None:
+    """``result`` is ``data`` (its ``keys``): every sample once, in index order."""
     logits, ids, names = data
     if not (
-        torch.equal(result["logits"], logits)
+        set(result) == set(keys)
+        and torch.equal(result["logits"], logits)
         and torch.equal(result["ids"], ids)
-        and result["names"] == names
+        and ("names" not in keys or result["names"] == names)
     ):
         raise AssertionError("the Collector's result is not the dataset in index order")
-    with counting() as calls:
-        filled().all_gather(layout)
-    tensor_bytes = sum(b["logits"].nbytes + b["ids"].nbytes for b in batches)
-    names_bytes = len(pickle.dumps([n for b in batches for n in b["names"]]))
-    columns: dict[str, Callable[[], Any]] = {
-        "exchange": lambda: col.all_gather(layout),
-        "floor": _flat_all_gather(tensor_bytes),
-        "floor_names": _flat_all_gather(tensor_bytes + names_bytes),
-    }
-    for _ in range(2):  # warm-up: plans, the group's buffers, the allocator
-        for name, fn in columns.items():
+
+
+def _versus(
+    filled: Callable[[], Any], columns: dict[str, Callable[[], Any]], rounds: int
+) -> dict[str, Any]:
+    """The exchange (``columns["exchange"]``, each call after ``filled()``) against its floors
+    (the other columns, ``"floor"`` among them); every figure the slowest rank's.
+
+    Two warm-up passes (plans, the group's buffers, the allocator), then ``rounds`` rounds of
+    every column once, in an order rotated from round to round, each call after a barrier with
+    the garbage collector off. Returns ``{column}_ms`` (the medians), ``exchange_vs_{floor}``
+    for every floor (the medians of the per-round ratios), and ``exchange_cpu_ms`` and
+    ``floor_cpu_ms`` (the calling thread's CPU time, medians).
+    """
+    names = list(columns)
+    for _ in range(2):
+        for name in names:
             if name == "exchange":
                 filled()
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in columns}
-    cpu: dict[str, list[float]] = {name: [] for name in columns}
-    names_ = list(columns)
+            columns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         filled()
         gc.collect()
-        for name in names_[r % 3 :] + names_[: r % 3]:
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
             wall, spent = _timed_cpu(columns[name])
             times[name].append(wall)
             cpu[name].append(spent)
-    ratios = [
-        statistics.median(e / f for e, f in zip(times["exchange"], times[floor]))
-        for floor in ("floor", "floor_names")
-    ]
-    medians = [statistics.median(times[name]) * 1e3 for name in names_]
-    cpu_ms = [statistics.median(cpu[name]) * 1e3 for name in ("exchange", "floor")]
-    slowest = _slowest([*medians, *ratios, *cpu_ms])
-    row: dict[str, Any] = {f"{name}_ms": ms for name, ms in zip(names_, slowest)}
-    row["exchange_vs_floor"], row["exchange_vs_floor_names"] = slowest[3:5]
-    row["exchange_cpu_ms"], row["floor_cpu_ms"] = slowest[5:]
-    row["tensor_mib_per_rank"] = tensor_bytes / 2**20
+    figures = {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in names}
+    for floor in names[1:]:
+        ratios = (e / f for e, f in zip(times["exchange"], times[floor]))
+        figures[f"exchange_vs_{floor}"] = statistics.median(ratios)
+    for name in ("exchange", "floor"):
+        figures[f"{name}_cpu_ms"] = statistics.median(cpu[name]) * 1e3
+    return dict(zip(figures, _slowest(list(figures.values()))))
+
+
+def _tensor_bytes(batches: list[Outputs]) -> torch.Tensor:
+    """This rank's logits and ids as one flat uint8 tensor."""
+    return torch.cat(
+        [b[key].reshape(-1).view(torch.uint8) for key in ("logits", "ids") for b in batches]
+    )
+
+
+def _exchange_row(
+    sampler: Any, batches: list[Outputs], data: tuple[Any, ...], rounds: int, profile: bool
+) -> dict[str, Any]:
+    import treegather as tg
+    import treegather.distributed as tgd
+
+    layout = tg.by_path({"names": tg.cat_items()})
+    col = tgd.Collector(sampler)
+    filled = _filler(col, batches)
+    # Checked against the dataset before timing: every sample once, in index order.
+    _check(filled().all_gather(layout), data, ("logits", "ids", "names"))
+    with counting() as calls:
+        filled().all_gather(layout)
+    tensors = _tensor_bytes(batches)
+    names = [n for b in batches for n in b["names"]]
+    names_bytes = len(pickle.dumps(names))
+    columns: dict[str, Callable[[], Any]] = {
+        "exchange": lambda: col.all_gather(layout),
+        "floor": _flat_all_gather(tensors.numel()),
+        "floor_names": _flat_all_gather(tensors.numel() + names_bytes),
+        "floor_decoded": _decoded_floor(tensors, names),
+    }
+    row = _versus(filled, columns, rounds)
+    row["tensor_mib_per_rank"] = tensors.numel() / 2**20
     row["names_mib_per_rank"] = names_bytes / 2**20
     row["collectives"] = len(calls)
     if profile:
         row["profile"] = _profiled(filled, lambda: col.all_gather(layout), max(3, rounds // 3))
+    return row
+
+
+def _tensors_row(
+    sampler: Any, batches: list[Outputs], data: tuple[Any, ...], rounds: int
+) -> dict[str, Any]:
+    """The same batches without their names, ``col.all_gather()`` with no layout."""
+    import treegather.distributed as tgd
+
+    plain = [{"logits": b["logits"], "ids": b["ids"]} for b in batches]
+    col = tgd.Collector(sampler)
+    filled = _filler(col, plain)
+    _check(filled().all_gather(), data, ("logits", "ids"))
+    with counting() as calls:
+        filled().all_gather()
+    floor = _flat_all_gather(sum(b["logits"].nbytes + b["ids"].nbytes for b in plain))
+    row = _versus(filled, {"exchange": col.all_gather, "floor": floor}, rounds)
+    row["collectives"] = len(calls)
     return row
 
 
@@ -299,7 +410,7 @@ def _sync_grads_row(batch: int, rounds: int) -> dict[str, Any]:
 def measure(
     samples: int = 10_000, *, batch: int = 64, rounds: int = 25, profile: bool = False
 ) -> dict[str, Any]:
-    """Measure the three parts in the process group this process is in (every rank calls it).
+    """Measure the four parts in the process group this process is in (every rank calls it).
 
     What :func:`run` does on each spawned rank; the figures are the slowest rank's, the same on
     every rank (the profile is rank 0's: ``None`` elsewhere). Arguments as for :func:`run`.
@@ -318,6 +429,7 @@ def measure(
     gc.freeze()
     try:
         result["exchange"] = _exchange_row(sampler, batches, data, rounds, profile)
+        result["exchange_tensors"] = _tensors_row(sampler, batches, data, rounds)
         result["add"] = _add_row(sampler, batches, rounds)
         result["sync_grads"] = _sync_grads_row(batch, rounds)
     finally:
@@ -353,7 +465,7 @@ def run(
     profile: bool = False,
     timeout_s: float = 900.0,
 ) -> dict[str, Any]:
-    """Spawn ``world`` gloo ranks on localhost and measure the three parts.
+    """Spawn ``world`` gloo ranks on localhost and measure the four parts.
 
     Args:
         samples: The dataset's size (each rank evaluates its ``DistributedSampler`` share).
@@ -364,13 +476,17 @@ def run(
         timeout_s: Kill the ranks if they have not finished by then.
 
     Returns:
-        ``samples``, ``batch``, ``world``, ``rounds`` and three dicts: ``exchange``
-        (``exchange_ms``, ``floor_ms``, ``floor_names_ms``, ``exchange_vs_floor``,
-        ``exchange_vs_floor_names``, ``exchange_cpu_ms`` and ``floor_cpu_ms`` (the calling
-        thread's CPU time), the MiB per rank, ``collectives``), ``add`` (``add_us``,
-        ``add_cpu_us``, ``copy_us`` per batch, ``first_add_us``, ``first_add_cpu_us``, ``adds``)
-        and ``sync_grads`` (``forward_sync_ms``, ``forward_plain_ms``, ``step_sync_ms``, and the
-        collectives' names in ``forward_sync_collectives``, ``forward_plain_collectives``,
+        ``samples``, ``batch``, ``world``, ``rounds`` and four dicts: ``exchange``
+        (``exchange_ms``, ``floor_ms``, ``floor_names_ms``, ``floor_decoded_ms``,
+        ``exchange_vs_floor``, ``exchange_vs_floor_names``, ``exchange_vs_floor_decoded``,
+        ``exchange_cpu_ms`` and ``floor_cpu_ms`` (the calling thread's CPU time),
+        ``tensor_mib_per_rank``, ``names_mib_per_rank``, ``collectives``, and with ``profile``
+        ``profile``), ``exchange_tensors`` (the outputs without names: ``exchange_ms``,
+        ``floor_ms``, ``exchange_vs_floor``, ``exchange_cpu_ms``, ``floor_cpu_ms``,
+        ``collectives``), ``add`` (``add_us``, ``add_cpu_us``, ``copy_us`` per batch,
+        ``first_add_us``, ``first_add_cpu_us``, ``adds``) and ``sync_grads``
+        (``forward_sync_ms``, ``forward_plain_ms``, ``step_sync_ms``, and the collectives' names
+        in ``forward_sync_collectives``, ``forward_plain_collectives``,
         ``backward_collectives``). Times are the slowest rank's.
     """
     result: dict[str, Any] = spawn(_worker, world, (samples, batch, rounds, profile), timeout_s)
@@ -378,14 +494,18 @@ def run(
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """Render :func:`run`'s result as three Markdown tables.
+    """Render :func:`run`'s result as three Markdown tables (the final exchanges, one add,
+    ``sync_grads``).
 
     Example:
         >>> result = {"samples": 10000, "batch": 64, "world": 2, "rounds": 25,
         ...     "exchange": {"exchange_ms": 2.0, "floor_ms": 1.0, "floor_names_ms": 1.5,
-        ...         "exchange_vs_floor": 2.0, "exchange_vs_floor_names": 1.3,
+        ...         "floor_decoded_ms": 1.6, "exchange_vs_floor": 2.0,
+        ...         "exchange_vs_floor_names": 1.3, "exchange_vs_floor_decoded": 1.25,
         ...         "tensor_mib_per_rank": 0.23, "names_mib_per_rank": 0.07, "collectives": 2,
         ...         "exchange_cpu_ms": 1.2, "floor_cpu_ms": 0.1},
+        ...     "exchange_tensors": {"exchange_ms": 1.4, "floor_ms": 1.0, "exchange_vs_floor": 1.4,
+        ...         "exchange_cpu_ms": 0.5, "floor_cpu_ms": 0.1, "collectives": 1},
         ...     "add": {"add_us": 3.0, "add_cpu_us": 9.0, "copy_us": 4.0, "first_add_us": 90.0,
         ...         "first_add_cpu_us": 95.0, "adds": 79},
         ...     "sync_grads": {"forward_sync_ms": 1.1, "forward_plain_ms": 1.0,
@@ -394,9 +514,10 @@ def format_table(result: dict[str, Any]) -> str:
         ...         "backward_collectives": ["all_reduce"]}}
         >>> print(format_table(result))  # doctest: +NORMALIZE_WHITESPACE
         Collector evaluation: 10000 samples, batches of 64, 2 gloo ranks, 25 rounds
-        | final exchange | floor (tensor bytes) | x floor | floor + pickled names | x floor + names | collectives | CPU ms in the calling thread (exchange / floor) |
-        |---:|---:|---:|---:|---:|---:|---:|
-        | 2.00 ms | 1.00 ms | 2.00x | 1.50 ms | 1.30x | 2 | 1.20 / 0.10 |
+        | final exchange | time | floor (tensor bytes) | x floor | floor + pickled names | x floor + names | floor + decoded names | x floor + decoded | collectives | CPU ms in the calling thread (exchange / floor) |
+        |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+        | logits, ids, names | 2.00 ms | 1.00 ms | 2.00x | 1.50 ms | 1.30x | 1.60 ms | 1.25x | 2 | 1.20 / 0.10 |
+        | logits, ids (no layout) | 1.40 ms | 1.00 ms | 1.40x | - | - | - | - | 1 | 0.50 / 0.10 |
         <BLANKLINE>
         | add (no_grad) | add (device="cpu") | copy of the batch | first add (reads the sampler) | adds per rank |
         |---:|---:|---:|---:|---:|
@@ -406,16 +527,30 @@ def format_table(result: dict[str, Any]) -> str:
         |---|---:|---:|---:|---:|---:|---:|
         | one batch | 1 | 1 | 1 (all_reduce) | 1.10 ms | 1.00 ms | 2.50 ms |
     """
-    ex, add, sg = result["exchange"], result["add"], result["sync_grads"]
+    ex, tensors = result["exchange"], result["exchange_tensors"]
+    add, sg = result["add"], result["sync_grads"]
+
+    def exchange(what: str, row: dict[str, Any], names: str) -> str:
+        return (
+            f"| {what} | {row['exchange_ms']:.2f} ms | {row['floor_ms']:.2f} ms "
+            f"| {row['exchange_vs_floor']:.2f}x | {names} | {row['collectives']} "
+            f"| {row['exchange_cpu_ms']:.2f} / {row['floor_cpu_ms']:.2f} |"
+        )
+
     lines = [
         f"Collector evaluation: {result['samples']} samples, batches of {result['batch']}, "
         f"{result['world']} gloo ranks, {result['rounds']} rounds",
-        "| final exchange | floor (tensor bytes) | x floor | floor + pickled names "
-        "| x floor + names | collectives | CPU ms in the calling thread (exchange / floor) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {ex['exchange_ms']:.2f} ms | {ex['floor_ms']:.2f} ms | {ex['exchange_vs_floor']:.2f}x "
-        f"| {ex['floor_names_ms']:.2f} ms | {ex['exchange_vs_floor_names']:.2f}x "
-        f"| {ex['collectives']} | {ex['exchange_cpu_ms']:.2f} / {ex['floor_cpu_ms']:.2f} |",
+        "| final exchange | time | floor (tensor bytes) | x floor | floor + pickled names "
+        "| x floor + names | floor + decoded names | x floor + decoded | collectives "
+        "| CPU ms in the calling thread (exchange / floor) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        exchange(
+            "logits, ids, names",
+            ex,
+            f"{ex['floor_names_ms']:.2f} ms | {ex['exchange_vs_floor_names']:.2f}x "
+            f"| {ex['floor_decoded_ms']:.2f} ms | {ex['exchange_vs_floor_decoded']:.2f}x",
+        ),
+        exchange("logits, ids (no layout)", tensors, " | ".join(["-"] * 4)),
         "",
         '| add (no_grad) | add (device="cpu") | copy of the batch '
         "| first add (reads the sampler) | adds per rank |",
