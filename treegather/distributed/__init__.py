@@ -9,7 +9,7 @@ evaluation's outputs on each rank and exchanges them once, each sample once, in 
 
 The number of collectives does not grow with the number of leaves: a repeated structure (only
 the batch rows changing) costs one collective while its payload fits the group's inline
-capacity (a few hundred KiB per rank), else two (``gather``: one more, for the outcome); a new
+capacity (up to 1 MiB per rank), else two (``gather``: one more, for the outcome); a new
 structure takes the full exchange of a pickled header and the tensor bytes, which is the
 definition of results and errors. Only all-gather, gather and broadcast are used, which never
 look at the values: ``bool``, ``bfloat16``, complex and float8 leaves travel on any backend;
@@ -44,8 +44,10 @@ structure) and :mod:`~treegather.distributed.payload` (its bytes),
 :mod:`~treegather.distributed.errors` (the same error on every rank),
 :mod:`~treegather.distributed.outcome` (``gather``'s outcome from ``dst``),
 :mod:`~treegather.distributed.combine` (the results, by the single-process rules),
-:mod:`~treegather.distributed.grads` (``sync_grads``) and
-:mod:`~treegather.distributed.collector` (:class:`Collector`).
+:mod:`~treegather.distributed.grads` (``sync_grads``),
+:mod:`~treegather.distributed.collector` (:class:`Collector`),
+:mod:`~treegather.distributed.samples` (its per-sample values, and their dataset order) and
+:mod:`~treegather.distributed.columns` (its exchange in one collective).
 
 Security:
     Non-tensor leaves and the headers travel as :mod:`pickle` data and are unpickled on the
@@ -81,7 +83,7 @@ def all_gather(
     callable, ...) for the whole tree, a prefix of it, or :func:`~treegather.by_path` patterns.
 
     A repeated structure (only the batch rows changing) costs one collective while its payload
-    fits the group's inline capacity (a few hundred KiB per rank), else two, and no pickling for
+    fits the group's inline capacity (up to 1 MiB per rank), else two, and no pickling for
     an all-tensor tree (:mod:`~treegather.distributed.protocol` counts every case). Every rank must
     call it with a tree of the same structure (nodes the layout takes whole, such as per-sample
     lists under ``cat_items()``, may differ) and the same ``layout``/``dim``; otherwise every

@@ -4,8 +4,15 @@ A DDP evaluation loop sees each rank's samples in the order its sampler yields t
 ``DistributedSampler`` pads the dataset so that every rank gets as many samples (the first
 samples again) and interleaves the ranks. :class:`Collector` matches the rows of every
 :meth:`~Collector.add` to the indices the sampler yields for this rank, keeps everything local
-until :meth:`~Collector.all_gather` (or :meth:`~Collector.gather`), and then makes one exchange
-of the existing machinery: every dataset sample exactly once, in index order.
+until :meth:`~Collector.all_gather` (or :meth:`~Collector.gather`), and then makes one exchange:
+every dataset sample exactly once, in index order.
+
+The exchange's definition is one :func:`treegather.distributed.all_gather` (``gather``: to
+``dst``) of every rank's adds joined (:class:`~treegather.distributed.columns.Payload`) under
+``as_list()``. Its fast layer (:mod:`~treegather.distributed.columns`) packs them into the
+call's first collective when every rank's payload agrees, so a repeated evaluation costs one
+collective; the rows are then put in dataset order per rank
+(:func:`~treegather.distributed.samples.dataset_order`, :func:`~treegather.distributed.samples.place`).
 """
 
 from __future__ import annotations
@@ -168,13 +175,15 @@ class Collector:
         """Every rank's adds, combined on every rank: each sample once, in index order.
 
         ``layout`` is a layout of one add's outputs, as for :func:`treegather.gather`.
-        One :func:`treegather.distributed.all_gather` of this rank's adds, concatenated.
-        ``None`` when no rank added anything.
+        One collective while every rank's adds agree and fit the group's inline capacity (see
+        the module), else what one :func:`treegather.distributed.all_gather` of this rank's
+        adds, concatenated, costs, plus one. ``None`` when no rank added anything.
         """
         return self._exchange(layout, None)
 
     def gather(self, layout: Any = None, *, dst: int = 0) -> Any:
-        """As :meth:`all_gather`, but the result is built on rank ``dst`` only (``None`` elsewhere)."""
+        """As :meth:`all_gather`, but the result is returned on rank ``dst`` only (``None``
+        elsewhere, where :attr:`indices` is ``None`` too)."""
         return self._exchange(layout, dst)
 
     # ---------------------------------------------------------------------------- exchange

@@ -170,7 +170,9 @@ def _pack(local: Payload, layout: Any) -> _Packed | None:
 
 def _bytes(t: Tensor) -> Tensor:
     """``t``'s values as flat ``uint8`` (a view when it is dense)."""
-    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    if t.is_conj() or t.is_neg() or not t.is_contiguous():
+        t = t.resolve_conj().resolve_neg().contiguous()
+    return t.view(-1).view(torch.uint8)
 
 
 def _spans(head: Sequence[int], descs: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int]:

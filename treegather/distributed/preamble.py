@@ -13,8 +13,9 @@ that names no rank): the rank still joins the exchange, and then every rank join
 learn each such rank's message and raises the same error, instead of the others waiting for
 a rank that raised on its own.
 When every rank sent the same digest and its payload inline, that one collective is the whole
-call (``gather``: plus the outcome): a repeated structure of up to a few hundred KiB per rank
-costs one collective, like a single ``all_gather`` of its bytes. Otherwise the payload (or the
+call (``gather``: plus the outcome): a repeated structure of up to ``MAX_INLINE`` (1 MiB) per
+rank costs one collective, like a single ``all_gather`` of its bytes. A Collector's exchange
+(``COLLECT``, :func:`exchange_written`) uses the same collective, with a payload it packs itself. Otherwise the payload (or the
 full exchange) follows in a collective of its own, and the inline bytes are not read.
 
 ``capacity`` is the process group's protocol state

@@ -282,9 +282,10 @@ def alike(col: tuple[Any, ...], device: torch.device, *, same_tail: bool) -> boo
         return False
     if len(set(map(DTYPE, col))) != 1 or len(set(map(DEVICE, col))) != 1:
         return False
+    shapes = set(map(SHAPE, col))  # a few distinct ones: the rows differ, the rest should not
     if same_tail:
-        return len({shape[1:] for shape in map(SHAPE, col)}) == 1
-    return len(set(map(Tensor.dim, col))) == 1
+        return len({shape[1:] for shape in shapes}) == 1
+    return len(set(map(len, shapes))) == 1
 
 
 DTYPE = attrgetter("dtype")
