@@ -326,7 +326,6 @@ class Collector:
         plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
         device = self._target()
         rules = rules_of(plan)
-        rows = torch.cat([p.rows for _, p in present]).tolist()
         up = plan.up_spec
         order = dataset_order([p.indices for _, p in present])
         per_rank = [[arrived(v) for v in p.values] for _, p in present]
@@ -351,9 +350,11 @@ class Collector:
                 values = per_rank[0]
             picked = order._replace(runs=None)  # the rows one after the other: picked by perm
             out = [v if k == PER_ADD else placed([v], picked) for k, v in zip(kinds, values)]
-        for p, (kind, rule) in enumerate(zip(kinds, rules)):
-            if kind == PER_ADD:
-                out[p] = gather_noted(out[p], device, rule, rows, "add #{i}")
+        if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
+            rows = torch.cat([p.rows for _, p in present]).tolist()
+            for p, (kind, rule) in enumerate(zip(kinds, rules)):
+                if kind == PER_ADD:
+                    out[p] = gather_noted(out[p], device, rule, rows, "add #{i}")
         self.indices = order.kept
         return up.unflatten(out)
 

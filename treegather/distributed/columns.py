@@ -14,7 +14,8 @@ the layout), every rank's bytes travel in the call's first collective, after its
 (:func:`~treegather.distributed.preamble.exchange_written`), or in one more all-gather when one
 does not fit the group's inline capacity. Otherwise (a rank with a problem or with nothing
 added, a digest that differs, a value this layer does not pack, tensors off the CPU) that rank's
-row carries no digest, and every rank takes the definition, one collective later.
+row carries no digest, and every rank takes the definition, one collective later. On a group
+whose exchanges run on the GPU (NCCL) every rank takes the definition at once.
 :func:`treegather.reference_only` turns this layer off.
 
 One rank's bytes, each part starting 16-byte aligned::
@@ -79,7 +80,8 @@ def exchange(
     local: Any, own: Sequence[Any], layout: Any, dst: int | None, group: Any
 ) -> Exchanged | None:
     """Every rank's :class:`Payload`, each rank's bytes in one collective (with the call's row),
-    or ``None``: some rank cannot take this way, so every rank takes the definition.
+    or ``None``: some rank cannot take this way, so every rank takes the definition. A group
+    whose small exchanges run off the CPU (NCCL) takes the definition with no collective here.
 
     ``local`` is this rank's payload, or anything else when it has none to send (a problem to
     report, nothing added): then this rank sends no digest. ``own``: its values before they
@@ -87,8 +89,10 @@ def exchange(
     reaches every rank in this first collective, and every rank raises it.
     """
     g = process_group(group)
+    if g.device.type != "cpu":  # (the same on every rank of the group) the definition, at once
+        return None
     root, problem = (-1, None) if dst is None else root_rank(g, dst, "dst")
-    packed = _pack(local, layout) if isinstance(local, Payload) and g.device.type == "cpu" else None
+    packed = _pack(local, layout) if isinstance(local, Payload) else None
     digest, nbytes = (packed.digest, packed.nbytes) if packed is not None else ((0, 0), 0)
 
     def write(out: Tensor) -> None:

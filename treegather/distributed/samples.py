@@ -314,11 +314,13 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
     """
     idx = torch.cat(list(parts)) if len(parts) != 1 else parts[0].clone()
     n = idx.numel()
-    if n < 2 or bool((idx[1:] > idx[:-1]).all()):
+    if n < 2:
         return Order(idx, None, None)
     found = _interleaved(parts)
     if found is not None:
         return found
+    if bool((idx[1:] > idx[:-1]).all()):
+        return Order(idx, None, None)
     lo, hi = (int(v) for v in torch.aminmax(idx))
     if lo >= 0 and hi < 2 * n + 1024:  # dense indices: one scatter, no sort
         first = torch.full((hi + 1,), n, dtype=torch.int64)
