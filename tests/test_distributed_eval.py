@@ -254,21 +254,23 @@ def _first_seen(parts: list[torch.Tensor]) -> tuple[list[int], list[int]]:
 def _check_order(parts: list[torch.Tensor]) -> bool:
     """dataset_order equals the definition; its runs, when it has them, pick the same rows.
     True when no row needed picking one by one (runs, or the rows were in order already)."""
-    from treegather.distributed.samples import dataset_order
+    from treegather.distributed.samples import by_position, dataset_order
 
     order = dataset_order(parts)
     perm, kept = _first_seen(parts)
     assert order.kept.tolist() == kept, parts
-    assert (order.perm.tolist() if order.perm is not None else list(range(len(kept)))) == perm
+    picked = by_position(order, parts)
+    assert picked.runs is None
+    assert (picked.perm.tolist() if picked.perm is not None else list(range(len(kept)))) == perm
     if order.runs is None:
         return order.perm is None
-    picked: list[int | None] = [None] * len(kept)
+    chosen: list[int | None] = [None] * len(kept)
     at = 0
     for (start, step, n), part in zip(order.runs, parts):
         for j in range(n):
-            picked[start + step * j] = at + j
+            chosen[start + step * j] = at + j
         at += part.numel()
-    assert picked == perm, (parts, order)
+    assert chosen == perm, (parts, order)
     return True
 
 

@@ -37,6 +37,7 @@ from .samples import (
     Opaque,
     Texts,
     arrived,
+    by_position,
     dataset_order,
     gather_noted,
     is_loader,
@@ -348,7 +349,7 @@ class Collector:
                 values = join(list(zip(*per_rank)), kinds, rules, device, reference)
             else:
                 values = per_rank[0]
-            picked = order._replace(runs=None)  # the rows one after the other: picked by perm
+            picked = by_position(order, [p.indices for _, p in present])  # (one after another)
             out = [v if k == PER_ADD else placed([v], picked) for k, v in zip(kinds, values)]
         if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
             rows = torch.cat([p.rows for _, p in present]).tolist()

@@ -130,7 +130,7 @@ def _pack(local: Payload, layout: Any) -> _Packed | None:
     """This rank's bytes, or ``None`` when a value is not one this layer packs."""
     descs: list[tuple[Any, ...]] = []
     head = [local.indices.numel(), local.rows.numel(), 0]
-    parts = [_bytes(local.indices), _bytes(local.rows)]
+    parts = [_bytes(local.indices), local.rows.view(torch.uint8)]  # (rows: made dense here)
     opaque: list[Any] = []
     for value in local.values:
         if type(value) is Tensor:

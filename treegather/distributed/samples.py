@@ -37,6 +37,7 @@ __all__ = [
     "Mine",
     "Texts",
     "arrived",
+    "by_position",
     "dataset_order",
     "gather_noted",
     "is_loader",
@@ -297,7 +298,9 @@ class Order(NamedTuple):
     """Where the ranks' rows go: each dataset index once (the first seen), in index order."""
 
     kept: Tensor  # the result's dataset indices, in order
-    perm: Tensor | None  # positions in the rows one after the other, in result order (None: as is)
+    # Positions in the rows one after the other, in result order; None: as they are (or, with
+    # runs, not worked out: see by_position).
+    perm: Tensor | None
     # Per part: (first result position, step, rows kept) when its kept rows are a prefix of its
     # rows that lands on evenly spaced positions (DistributedSampler without shuffling); None:
     # some part's do not.
@@ -308,18 +311,18 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
     """The order of the rows of ``parts`` (int64 dataset indices, one part per rank), each
     index once (the first seen), in index order.
 
-    >>> o = dataset_order([torch.tensor([0, 2, 4]), torch.tensor([1, 3, 0])])  # 5 samples, padded
-    >>> o.kept.tolist(), o.perm.tolist(), o.runs
-    ([0, 1, 2, 3, 4], [0, 3, 1, 4, 2], [(0, 2, 3), (1, 2, 2)])
+    >>> parts = [torch.tensor([0, 2, 4]), torch.tensor([1, 3, 0])]  # 5 samples on 2 ranks, padded
+    >>> o = dataset_order(parts)
+    >>> o.kept.tolist(), o.runs, by_position(o, parts).perm.tolist()
+    ([0, 1, 2, 3, 4], [(0, 2, 3), (1, 2, 2)], [0, 3, 1, 4, 2])
     """
+    n = sum(p.numel() for p in parts)
+    if n >= 2:
+        found = _interleaved(parts)
+        if found is not None:
+            return found
     idx = torch.cat(list(parts)) if len(parts) != 1 else parts[0].clone()
-    n = idx.numel()
-    if n < 2:
-        return Order(idx, None, None)
-    found = _interleaved(parts)
-    if found is not None:
-        return found
-    if bool((idx[1:] > idx[:-1]).all()):
+    if n < 2 or bool((idx[1:] > idx[:-1]).all()):
         return Order(idx, None, None)
     lo, hi = (int(v) for v in torch.aminmax(idx))
     if lo >= 0 and hi < 2 * n + 1024:  # dense indices: one scatter, no sort
@@ -345,38 +348,46 @@ def _interleaved(parts: Sequence[Tensor]) -> Order | None:
     """
     live = [(r, p) for r, p in enumerate(parts) if p.numel()]
     step = len(live)
-    starts = torch.cat([p[:1] for _, p in live]).tolist()
+    starts = [int(p[0]) for _, p in live]
     lo = min(starts)
     if sorted(starts) != list(range(lo, lo + step)):
         return None
     kept_rows = []
     for (_, p), a in zip(live, starts):
-        run = p == torch.arange(a, a + step * p.numel(), step)
-        kept_rows.append(int(run.cumprod(0).sum()))
+        line = torch.arange(a, a + step * p.numel(), step)
+        whole = torch.equal(p, line)
+        kept_rows.append(p.numel() if whole else int((p == line).cumprod(0).sum()))
     total = sum(kept_rows)
     owner = [0] * step  # the rank whose run holds each residue
     for (r, _), a, k in zip(live, starts, kept_rows):
         if k != (total - (a - lo) + step - 1) // step:
             return None
         owner[a - lo] = r
-    owners = torch.tensor(owner)
     for (r, p), k in zip(live, kept_rows):
-        tail = p[k:]
-        if tail.numel() and not (
-            bool(((tail >= lo) & (tail < lo + total)).all())
-            and bool((owners[(tail - lo) % step] <= r).all())
-        ):
-            return None
+        if k < p.numel():
+            tail = p[k:]
+            if not (
+                bool(((tail >= lo) & (tail < lo + total)).all())
+                and bool((torch.tensor(owner)[(tail - lo) % step] <= r).all())
+            ):
+                return None
     runs = [(0, 1, 0)] * len(parts)
-    perm = torch.empty(total, dtype=torch.int64)
-    offsets = [0]
-    for p in parts:
-        offsets.append(offsets[-1] + p.numel())
     for (r, _), a, k in zip(live, starts, kept_rows):
         runs[r] = (a - lo, step, k)
-        if k:
-            perm[a - lo :: step] = torch.arange(offsets[r], offsets[r] + k)
-    return Order(torch.arange(lo, lo + total), perm, runs)
+    return Order(torch.arange(lo, lo + total), None, runs)
+
+
+def by_position(order: Order, parts: Sequence[Tensor]) -> Order:
+    """``order`` with its rows picked by position (``perm``) instead of by runs."""
+    if order.runs is None or order.perm is not None:
+        return order._replace(runs=None)
+    perm = torch.empty(order.kept.numel(), dtype=torch.int64)
+    at = 0
+    for (start, step, kept), part in zip(order.runs, parts):
+        if kept:
+            perm[start : start + step * (kept - 1) + 1 : step] = torch.arange(at, at + kept)
+        at += part.numel()
+    return Order(order.kept, perm, None)
 
 
 def _runs(lengths: list[int], perm: Tensor, n: int) -> list[tuple[int, int, int]] | None:
