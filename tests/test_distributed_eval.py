@@ -428,6 +428,16 @@ FAST_CASES: dict[str, tuple[Callable[[int, int], list[tuple[Any, list[int]]]], A
         lambda r, w: [({"x": torch.full((2,), float(r)), "s": [f"{r}", "z"]}, [0, 100 + r])],
         tg.by_path({"s": tg.cat_items()}),
     ),
+    "larger_than_the_inline_area": (  # over MAX_INLINE per rank: one more all-gather
+        lambda r, w: [
+            (
+                {"x": torch.full((160, 1024), float(r)), "s": ["q"] * 160},
+                [1000 * i + 200 * r + j for j in range(160)],
+            )
+            for i in range(2)
+        ],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
     "shuffled_indices": (
         lambda r, w: [
             (
@@ -469,8 +479,10 @@ def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
             for mode in ("fast", "reference"):
                 took.clear()
                 with reference_only() if mode == "reference" else contextlib.nullcontext():
-                    got = _capture(functools.partial(_collected, adds(rank, world), layout))
+                    with counting() as calls:
+                        got = _capture(functools.partial(_collected, adds(rank, world), layout))
                 out[(name, mode)] = (got, list(took))
+                out[(name, mode, "collectives")] = len(calls)
             # gather: dst gets the result (every rank computes it, so that errors reach all)
             got = _capture(functools.partial(_collected, adds(rank, world), layout, world - 1))
             out[(name, "dst")] = got
@@ -780,6 +792,8 @@ def test_the_fast_layer_equals_the_definition(ranks: Any, name: str) -> None:
         assert took == [name not in SLOW], (rank, took)
         assert_tree_equal(fast[1], ref[1])
         assert_tree_equal(fast[1], want)
+        if name == "larger_than_the_inline_area":  # the row, then every rank's payload
+            assert res["fast"][(name, "fast", "collectives")] == 2
         dst = res["fast"][(name, "dst")]
         assert dst[0] == "ok", dst[-1]
         if rank == world - 1:
