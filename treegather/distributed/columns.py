@@ -32,11 +32,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from .._caches import LRU
 from . import preamble
-from .group import Group, root_rank
+from .group import Group, all_gather_into, root_rank
 from .group import group as process_group
 from .layout import layout_text
 from .plan import _PACKABLE, padded
@@ -100,7 +99,7 @@ def exchange(
         _write(packed, out)
 
     rows, first = preamble.exchange_written(
-        _all_gather_into, g, preamble.COLLECT, root, digest, nbytes, write, problem
+        all_gather_into, g, preamble.COLLECT, root, digest, nbytes, write, problem
     )
     if packed is None or not preamble.digests_agree(rows):
         return None
@@ -112,15 +111,10 @@ def exchange(
         mine = buf[g.rank * stride : (g.rank + 1) * stride]
         _write(packed, mine)
         mine[packed.nbytes :].zero_()
-        _all_gather_into(buf, mine, g.handle)
+        all_gather_into(buf, mine, g.handle)
         base = 0
     assert isinstance(local, Payload)
     return Exchanged(_read(g, buf, base, stride, packed, local, own), root in (-1, g.rank))
-
-
-def _all_gather_into(out: Tensor, inp: Tensor, group: Any) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
 
 
 # -------------------------------------------------------------------------------- packing

@@ -41,6 +41,7 @@ from .._errors import ArgumentTypeError
 __all__ = [
     "BAD_ROOT",
     "Collective",
+    "all_gather_into",
     "Facts",
     "Group",
     "ProtocolState",
@@ -95,6 +96,14 @@ class Group(NamedTuple):
 
 # An all-gather into a tensor: ``collective(out, inp, group)``.
 Collective = Callable[[torch.Tensor, torch.Tensor, Any], None]
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """The :data:`Collective` of every call: ``inp`` of each rank into ``out``, in rank order."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
 # The fixed facts of each process group: a cache, keyed weakly by the ProcessGroup.
 _FACTS: WeakCache[Any, Facts] = WeakCache("distributed.groups", maxsize=64, trees=False)
 # The protocol state of each process group: NOT a cache (see the module docstring), so not in
