@@ -38,7 +38,7 @@ from . import preamble
 from .group import Group, all_gather_into, root_rank
 from .group import group as process_group
 from .layout import layout_text
-from .plan import _PACKABLE, padded
+from .plan import PACKABLE, padded
 from .samples import Mine, Opaque, Texts
 
 __all__ = ["Payload", "exchange"]
@@ -130,7 +130,7 @@ def _pack(local: Payload, layout: Any) -> _Packed | None:
         if type(value) is Tensor:
             if (
                 value.dim() == 0
-                or value.dtype not in _PACKABLE
+                or value.dtype not in PACKABLE
                 or value.layout != torch.strided
                 or value.device.type != "cpu"
                 or value.requires_grad

@@ -45,7 +45,16 @@ from .._rules import Cat
 from . import wire
 from .layout import layout_text
 
-__all__ = ["Local", "WirePlan", "checked", "clear_plans", "padded", "plan_count", "prepare"]
+__all__ = [
+    "PACKABLE",
+    "Local",
+    "WirePlan",
+    "checked",
+    "clear_plans",
+    "padded",
+    "plan_count",
+    "prepare",
+]
 
 ALIGN = 16
 INT64 = 8
@@ -55,7 +64,7 @@ _PLANS: LRU[Any, WirePlan | None] = LRU("distributed.wire_plans", maxsize=64)
 # The call seen last per (structure, layout key, sizes given): its dtypes, exact shapes and plan.
 _LAST: LRU[Any, _Seen] = LRU("distributed.wire_plans_last", maxsize=64)
 # dtypes torch.cat and torch.stack write into a view of the send buffer on every device.
-_PACKABLE = frozenset(
+PACKABLE = frozenset(
     {
         torch.float64,
         torch.float32,
@@ -403,7 +412,7 @@ def _build(
     grads: tuple[int, ...] | None = None,
 ) -> WirePlan | None:
     """The plan for one key (a cache miss: about what one full-exchange call costs locally)."""
-    if any(d is not None and d not in _PACKABLE for d in dtypes):
+    if any(d is not None and d not in PACKABLE for d in dtypes):
         return None  # float8, quantized, ...: the full exchange carries them as raw bytes
     try:
         resolved = _layout.resolve(spec, layout, "gather", dim, "outputs")
