@@ -488,6 +488,17 @@ def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
             out[(name, "dst")] = got
     finally:
         columns.exchange = real
+    # What the combine raises (per-batch vectors that cannot stack: one rank's are longer)
+    # reaches every rank, whether the payloads came with the rows or went to dst alone.
+    for size in ("small", "large"):
+        rows = 4 if size == "small" else 320  # 320 rows of 4 KiB: over the inline area
+        adds = [
+            ({"x": torch.zeros(rows, 1024), "v": torch.zeros(2 + (rank == 1))}, _rows(rank, rows))
+        ]
+        for how, dst in (("all", None), ("dst", 0)):
+            out[("combine_error", size, how)] = _capture(
+                functools.partial(_collected, adds, tg.by_path({"v": tg.stack()}), dst)
+            )
     # A dst that names no rank, on one rank only: every rank raises.
     col = tgd.Collector()
     col.add({"x": torch.zeros(1)}, indices=[rank])
@@ -822,6 +833,17 @@ def test_fast_layer_errors_reach_every_rank(ranks: Any) -> None:
         status, name, message, _ = res["fast"]["other_call_on_one_rank"]
         assert (status, name) == ("raised", "StructureMismatchError"), message
         assert "Collector" in message and "all_gather" in message
+
+
+def test_fast_layer_combine_errors_reach_every_rank(ranks: Any) -> None:
+    _, results = ranks
+    for res in results:
+        for size in ("small", "large"):
+            for how in ("all", "dst"):
+                status, name, message, _ = res["fast"][("combine_error", size, how)]
+                assert (status, name) == ("raised", "ShapeMismatchError"), (size, how, message)
+                assert "outputs['v']" in message and "stack" in message, message
+                assert "add #0 of rank 1" in message, message
 
 
 def test_a_repeated_evaluation_is_one_collective(ranks: Any) -> None:

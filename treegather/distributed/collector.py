@@ -27,6 +27,7 @@ from .._devices import DeviceLike, as_device
 from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import AsList
+from .._tree import display_path
 from . import columns, errors, protocol
 from .columns import Payload
 from .samples import (
@@ -184,7 +185,8 @@ class Collector:
 
     def gather(self, layout: Any = None, *, dst: int = 0) -> Any:
         """As :meth:`all_gather`, but the result is returned on rank ``dst`` only (``None``
-        elsewhere, where :attr:`indices` is ``None`` too)."""
+        elsewhere, where :attr:`indices` is ``None`` too); adds too large to come with the
+        call's first collective go to ``dst`` alone."""
         return self._exchange(layout, dst)
 
     # ---------------------------------------------------------------------------- exchange
@@ -209,13 +211,11 @@ class Collector:
             return self._combine(payloads, layout, plans)
 
         if FAST_PATHS.on and _initialized():  # every rank's bytes in one collective
-            fast = columns.exchange(local, own, layout, dst, self._group)
-            if fast is not None:
-                result = finish(fast.payloads)  # on every rank: its errors reach every rank
-                if fast.is_root:
-                    return result
-                self.indices = None
-                return None
+            done = columns.exchange(local, own, layout, dst, self._group, finish)
+            if done is not None:
+                if not done.is_root:
+                    self.indices = None
+                return done.result if done.is_root else None
         return _exchange(local, dst, self._group, finish)
 
     def _local(self, layout: Any, plans: dict[Any, Any]) -> tuple[Payload, list[Any]]:
@@ -353,9 +353,20 @@ class Collector:
             out = [v if k == PER_ADD else placed([v], picked) for k, v in zip(kinds, values)]
         if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
             rows = torch.cat([p.rows for _, p in present]).tolist()
+            many = len(present) > 1
+            names = [
+                f"add #{a}" + (f" of rank {r}" if many else "")
+                for r, pl in present
+                for a in range(pl.rows.numel())
+            ]
             for p, (kind, rule) in enumerate(zip(kinds, rules)):
                 if kind == PER_ADD:
-                    out[p] = gather_noted(out[p], device, rule, rows, "add #{i}")
+                    try:
+                        out[p] = gather_noted(out[p], device, rule, rows, "{r}", names)
+                    except TreegatherError as exc:  # its paths start at the value: say where
+                        text, where = str(exc), display_path(plan.node_of(p), ROOT)
+                        text = where + text[len(ROOT) :] if text.startswith(ROOT) else text
+                        raise type(exc)(text) from None
         self.indices = order.kept
         return up.unflatten(out)
 

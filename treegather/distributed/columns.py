@@ -28,20 +28,21 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from .._caches import LRU
-from . import preamble
+from . import outcome, preamble
 from .group import Group, all_gather_into, root_rank
 from .group import group as process_group
 from .layout import layout_text
 from .plan import PACKABLE, padded
 from .samples import Mine, Opaque, Texts
 
-__all__ = ["Payload", "exchange"]
+__all__ = ["Done", "Payload", "exchange"]
 
 Tensor = torch.Tensor
 INT64 = 8
@@ -59,10 +60,10 @@ class Payload(NamedTuple):
     shape: Opaque  # (the structure of the rank's first add, what each position is)
 
 
-class Exchanged(NamedTuple):
+class Done(NamedTuple):
     """What :func:`exchange` returns when every rank's payload took the fast way."""
 
-    payloads: list[Payload]  # every rank's, in group rank order
+    result: Any  # what ``finish`` made of every rank's payloads (None on a rank other than dst)
     is_root: bool  # this rank is ``dst`` (always, for an all-gather)
 
 
@@ -76,11 +77,22 @@ class _Packed(NamedTuple):
 
 
 def exchange(
-    local: Any, own: Sequence[Any], layout: Any, dst: int | None, group: Any
-) -> Exchanged | None:
-    """Every rank's :class:`Payload`, each rank's bytes in one collective (with the call's row),
-    or ``None``: some rank cannot take this way, so every rank takes the definition. A group
-    whose small exchanges run off the CPU (NCCL) takes the definition with no collective here.
+    local: Any,
+    own: Sequence[Any],
+    layout: Any,
+    dst: int | None,
+    group: Any,
+    finish: Callable[[list[Payload]], Any],
+) -> Done | None:
+    """``finish`` of every rank's :class:`Payload` (in group rank order), each rank's bytes in
+    one collective with the call's row, or ``None``: some rank cannot take this way, so every
+    rank takes the definition. A group whose small exchanges run off the CPU (NCCL) takes the
+    definition with no collective here.
+
+    When the payloads came with the rows (or for an all-gather) every rank has them all and
+    runs ``finish``, so that what it raises, it raises on every rank. A gather whose payloads
+    do not fit sends them to ``dst`` alone (one ``gather``); ``dst`` runs ``finish`` and
+    broadcasts the outcome, as :func:`treegather.distributed.gather` does.
 
     ``local`` is this rank's payload, or anything else when it has none to send (a problem to
     report, nothing added): then this rank sends no digest. ``own``: its values before they
@@ -103,18 +115,29 @@ def exchange(
     )
     if packed is None or not preamble.digests_agree(rows):
         return None
+    assert isinstance(local, Payload)
+    is_root = root in (-1, g.rank)
     if preamble.all_inline(rows):
-        buf, base, stride = first.buf, first.offset, first.stride
-    else:
-        stride = padded(max(r[preamble.NBYTES] for r in rows))
+        payloads = _read(g, first.buf, first.offset, first.stride, packed, local, own)
+        return Done(finish(payloads), is_root)
+    stride = padded(max(r[preamble.NBYTES] for r in rows))
+    if dst is None:
         buf = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
         mine = buf[g.rank * stride : (g.rank + 1) * stride]
         _write(packed, mine)
         mine[packed.nbytes :].zero_()
         all_gather_into(buf, mine, g.handle)
-        base = 0
-    assert isinstance(local, Payload)
-    return Exchanged(_read(g, buf, base, stride, packed, local, own), root in (-1, g.rank))
+        return Done(finish(_read(g, buf, 0, stride, packed, local, own)), True)
+    send = torch.empty(stride, dtype=torch.uint8, device=g.device)
+    _write(packed, send)
+    send[packed.nbytes :].zero_()
+    if not is_root:
+        dist.gather(send, None, dst=dst, group=g.handle)
+        return Done(outcome.finish_gather(g, dst, root, lambda: None), False)
+    buf = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
+    dist.gather(send, list(buf.view(len(g.ranks), stride)), dst=dst, group=g.handle)
+    payloads = _read(g, buf, 0, stride, packed, local, own)
+    return Done(outcome.finish_gather(g, dst, root, lambda: finish(payloads)), True)
 
 
 # -------------------------------------------------------------------------------- packing

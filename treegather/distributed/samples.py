@@ -212,7 +212,7 @@ def gather_noted(
     layout: Any,
     sizes: list[int] | None,
     replica: str,
-    names: list[int] | None = None,
+    names: Sequence[Any] | None = None,
 ) -> Any:
     """:func:`treegather.gather` of the adds' (or ranks') values; its errors say what a
     replica is here."""
