@@ -12,7 +12,7 @@ is the fast way to the same payloads: when every rank's payload has the same dig
 structure of its first add and what each position is, each tensor's dtype and trailing shape,
 the layout), every rank's bytes travel in the call's first collective, after its row
 (:func:`~treegather.distributed.preamble.exchange_written`), or in one more all-gather when one
-does not fit the group's inline capacity. Otherwise (a rank with a problem or with nothing
+does not fit the group's inline capacity (``gather``: a gather to ``dst``, then the outcome). Otherwise (a rank with a problem or with nothing
 added, a digest that differs, a value this layer does not pack, tensors off the CPU) that rank's
 row carries no digest, and every rank takes the definition, one collective later. On a group
 whose exchanges run on the GPU (NCCL) every rank takes the definition at once.
