@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import spawned_groups
 import torch
@@ -211,6 +212,36 @@ def test_add_with_device_moves_only_what_needs_it() -> None:
     col.add({"x": x * 2, "k": kept}, indices=[2, 3])
     added = col._adds[1][0]
     assert not added["x"].requires_grad and added["k"] is kept
+
+
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        {"a": {"x": torch.ones(2, requires_grad=True) * 2}},  # nested
+        {"l": [torch.ones(1, requires_grad=True) * 2, "s"]},  # inside a list
+        {"p": torch.nn.Parameter(torch.ones(2))},  # a tensor subclass
+        {"t": (torch.ones(2, requires_grad=True) * 2,), "n": None},
+    ],
+    ids=["nested", "in_a_list", "parameter", "in_a_tuple"],
+)
+def test_add_detaches_what_needs_it_wherever_it_is(outputs: dict[str, Any]) -> None:
+    """A dict of tensors and plain lists is told settled without flattening; anything else
+    (a nested node, a tensor in a list, a Parameter) is flattened and its tensors detached."""
+    col = tgd.Collector(device="cpu")
+    col.add(outputs, indices=[0, 1])
+    added = col._adds[0][0]
+    assert added is not outputs
+    leaves = [
+        x for x in optree.tree_leaves(added, namespace="treegather") if isinstance(x, torch.Tensor)
+    ]
+    assert leaves and not any(x.requires_grad for x in leaves)
+
+
+def test_add_keeps_plain_outputs_as_given() -> None:
+    col = tgd.Collector(device="cpu")
+    plain = {"x": torch.zeros(2), "n": 3, "f": 0.5, "s": "a", "none": None, "l": ["a", 1, None]}
+    col.add(plain, indices=[0, 1])
+    assert col._adds[0][0] is plain
 
 
 def test_reference_only_joins_the_adds_with_gather(monkeypatch: pytest.MonkeyPatch) -> None:

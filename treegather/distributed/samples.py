@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from itertools import chain
+from itertools import chain, compress
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
@@ -290,6 +290,7 @@ def alike(col: tuple[Any, ...], device: torch.device, *, same_tail: bool) -> boo
 
 
 DTYPE = attrgetter("dtype")
+REQUIRES_GRAD = attrgetter("requires_grad")
 DEVICE = attrgetter("device")
 SHAPE = attrgetter("shape")
 
@@ -484,20 +485,42 @@ def moved(tree: Any, device: torch.device | None) -> Any:
     layer reads a structure it has seen (one generated call), only the tensors that require
     grad or sit elsewhere touched, the tree rebuilt the same way (``tree`` itself when none
     does)."""
+    if type(tree) is dict and _settled(tree, device):
+        return tree
     leaves, st, spec = recognise(tree, ROOT)
-    types = list(map(type, leaves))
-    tensors = {t for t in set(types) if issubclass(t, Tensor)}  # (a few distinct types)
-    at = [i for i, t in enumerate(types) if t in tensors]
-    if not any(
-        leaves[i].requires_grad or (device is not None and leaves[i].device != device) for i in at
-    ):
+    tensors = {t for t in set(map(type, leaves)) if issubclass(t, Tensor)}  # (a few types)
+    if not tensors:
+        return tree
+    found = list(compress(leaves, map(tensors.__contains__, map(type, leaves))))  # (C passes)
+    grads = any(map(REQUIRES_GRAD, found))
+    if not grads and (device is None or set(map(DEVICE, found)) == {device}):
         return tree  # nothing to detach or move: kept as given (as an add with no device is)
+    at = [i for i, x in enumerate(leaves) if type(x) in tensors]
     for i in at:
         x = leaves[i]
         x = x.detach() if x.requires_grad else x
         leaves[i] = x if device is None or x.device == device else x.to(device)
     rebuild = st.rebuild if st is not None and spec is st.spec else spec.unflatten
     return rebuild(leaves)
+
+
+_PLAIN = frozenset({str, int, float, bool, type(None), bytes})
+
+
+def _settled(outputs: dict[Any, Any], device: torch.device | None) -> bool:
+    """Whether a dict of outputs (tensors, lists of plain values, plain values: what most
+    evaluations return) has no tensor to detach or move, told without flattening it."""
+    for value in outputs.values():
+        kind = type(value)
+        if kind is Tensor:
+            if value.requires_grad or (device is not None and value.device != device):
+                return False
+        elif kind is list or kind is tuple:
+            if not set(map(type, value)) <= _PLAIN:
+                return False
+        elif kind not in _PLAIN:
+            return False
+    return True
 
 
 def is_loader(obj: Any) -> bool:
