@@ -550,6 +550,74 @@ def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _tiny_bert() -> Any:
+    """A BERT classifier from a tiny config (no download), eager attention (it returns them)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=3,
+        attn_implementation="eager",
+    )
+    return BertForSequenceClassification(config).eval()
+
+
+HF_SAMPLES = 13  # uneven on 2 ranks: DistributedSampler pads
+
+
+def _hf_tokens() -> torch.Tensor:
+    return torch.randint(0, 50, (HF_SAMPLES, 7), generator=torch.Generator().manual_seed(1))
+
+
+@spawned_groups.register("eval.hf", budget_s=30)
+def _hf_checks(rank: int, world: int) -> Any:
+    """A cold BERT's outputs (hidden states, attentions) under DistributedSampler, collected
+    through the fast layer (spied), in the group of 2 (transformers is slow to import)."""
+    if world != 2:
+        return None
+    from treegather.distributed import columns
+
+    model, tokens = _tiny_bert(), _hf_tokens()
+    dataset = TensorDataset(tokens, torch.arange(HF_SAMPLES))
+    out: dict[str, Any] = {}
+    took: list[bool] = []
+    real = columns.exchange
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        took.append(found is not None)
+        return found
+
+    columns.exchange = spy
+    try:
+        for shuffle in (False, True):
+            sampler = DistributedSampler(dataset, shuffle=shuffle, seed=5)
+            col = tgd.Collector(sampler)
+            with torch.no_grad():
+                for x, _ in DataLoader(dataset, batch_size=3, sampler=sampler):
+                    col.add(model(input_ids=x, output_hidden_states=True, output_attentions=True))
+            got = col.all_gather()
+            out[shuffle] = (type(got).__name__, _fields(got), col.indices, list(took))
+            took.clear()
+    finally:
+        columns.exchange = real
+    with torch.no_grad():  # one process, every sample at once
+        want = model(input_ids=tokens, output_hidden_states=True, output_attentions=True)
+    out["one_process"] = (type(want).__name__, _fields(want))
+    return out
+
+
+def _fields(output: Any) -> dict[str, Any]:
+    """A ModelOutput's fields as a plain dict (so that the test process need not import
+    transformers to read them)."""
+    return {k: output[k] for k in ("logits", "hidden_states", "attentions")}
+
+
 def _clip_loss(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
     img, txt = F.normalize(img, dim=1), F.normalize(txt, dim=1)
     logits = img @ txt.T * 10
@@ -652,6 +720,7 @@ def ranks(
         {
             "collector": res["eval.collector"],
             "fast": res["eval.fast"],
+            "hf": res["eval.hf"],
             "sync": res["eval.sync"],
             "benchmark": res["eval.bench"],
         }
@@ -881,3 +950,25 @@ def test_a_repeated_evaluation_is_one_collective(ranks: Any) -> None:
     _, results = ranks
     for res in results:
         assert len(res["fast"]["repeated_collectives"]) == 1, res["fast"]["repeated_collectives"]
+
+
+@pytest.mark.transformers
+def test_a_cold_transformers_evaluation_equals_one_process(ranks: Any) -> None:
+    """BERT outputs with hidden states and attentions, evaluated cold on 2 ranks under
+    DistributedSampler (padded, shuffled or not), come back whole through the one-collective
+    exchange: a SequenceClassifierOutput equal to one process running every sample."""
+    world, results = ranks
+    if world != 2:
+        pytest.skip("the transformers check runs in the group of 2 ranks")
+    for res in results:
+        kind, want = res["hf"]["one_process"]
+        for shuffle in (False, True):
+            name, got, indices, took = res["hf"][shuffle]
+            assert took == [True], took
+            assert indices.tolist() == list(range(HF_SAMPLES))
+            assert name == kind == "SequenceClassifierOutput"
+            assert torch.allclose(got["logits"], want["logits"], atol=1e-5)
+            for field, count in (("hidden_states", 3), ("attentions", 2)):  # 2 layers
+                assert len(got[field]) == len(want[field]) == count, field
+                for a, b in zip(got[field], want[field]):
+                    assert torch.allclose(a, b, atol=1e-5), field
