@@ -12,7 +12,8 @@ The exchange's definition is one :func:`treegather.distributed.all_gather` (``ga
 ``as_list()``. Its fast layer (:mod:`~treegather.distributed.columns`) packs them into the
 call's first collective when every rank's payload agrees, so a repeated evaluation costs one
 collective; the rows are then put in dataset order per rank
-(:func:`~treegather.distributed.samples.dataset_order`, :func:`~treegather.distributed.samples.place`).
+(:func:`~treegather.distributed.samples.dataset_order`,
+:func:`~treegather.distributed.samples.place`).
 """
 
 from __future__ import annotations

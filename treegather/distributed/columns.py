@@ -12,10 +12,11 @@ is the fast way to the same payloads: when every rank's payload has the same dig
 structure of its first add and what each position is, each tensor's dtype and trailing shape,
 the layout), every rank's bytes travel in the call's first collective, after its row
 (:func:`~treegather.distributed.preamble.exchange_written`), or in one more all-gather when one
-does not fit the group's inline capacity (``gather``: a gather to ``dst``, then the outcome). Otherwise (a rank with a problem or with nothing
-added, a digest that differs, a value this layer does not pack, tensors off the CPU) that rank's
-row carries no digest, and every rank takes the definition, one collective later. On a group
-whose exchanges run on the GPU (NCCL) every rank takes the definition at once.
+does not fit the group's inline capacity (``gather``: a gather to ``dst``, then the outcome).
+Otherwise (a rank with a problem or with nothing added, a digest that differs, a value this
+layer does not pack, tensors off the CPU) that rank's row carries no digest, and every rank
+takes the definition, one collective later. On a group whose exchanges run on the GPU (NCCL)
+every rank takes the definition at once.
 :func:`treegather.reference_only` turns this layer off.
 
 One rank's bytes, each part starting 16-byte aligned::
@@ -41,12 +42,14 @@ from .group import group as process_group
 from .layout import layout_text
 from .plan import PACKABLE, padded
 from .samples import Mine, Opaque, Texts
+from .wire import tensor_bytes
 
 __all__ = ["Done", "Payload", "exchange"]
 
 Tensor = torch.Tensor
 INT64 = 8
 HEAD = 3  # rows, adds, pickled bytes; then two ints per position
+FIRST_VALUE = 3  # the parts: the head, the dataset indices, the rows per add, then the values
 # Per (structure, what each position is, the layout's key): the digest the ranks compare.
 _DIGESTS: LRU[Any, tuple[int, int] | None] = LRU("distributed.collector_digests", maxsize=64)
 
@@ -56,7 +59,7 @@ class Payload(NamedTuple):
 
     indices: Tensor  # the dataset index of every row, in add order
     rows: Tensor  # rows per add
-    values: tuple[Any, ...]  # per plan position: per-sample tensors whole, lists opaque
+    values: tuple[Any, ...]  # per plan position: a tensor of every row, Texts, or Opaque
     shape: Opaque  # (the structure of the rank's first add, what each position is)
 
 
@@ -96,8 +99,8 @@ def exchange(
 
     ``local`` is this rank's payload, or anything else when it has none to send (a problem to
     report, nothing added): then this rank sends no digest. ``own``: its values before they
-    were made to travel (its strings are taken from there, not decoded). A ``dst`` that names no rank
-    reaches every rank in this first collective, and every rank raises it.
+    were made to travel (its strings are taken from there, not decoded). A ``dst`` that names
+    no rank reaches every rank in this first collective, and every rank raises it.
     """
     g = process_group(group)
     if g.device.type != "cpu":  # (the same on every rank of the group) the definition, at once
@@ -271,8 +274,8 @@ def _read(
         parts = [buf[at + s : at + s + n] for s, n in spans]
         rows = head[0]
         values: list[Any] = []
-        k = 3
-        blob = pickle.loads(parts[-1].numpy().tobytes()) if head[2] else []
+        k = FIRST_VALUE
+        blob = pickle.loads(tensor_bytes(parts[-1])) if head[2] else []
         opaque = iter(blob)
         for j, desc in enumerate(mine.descs):
             if desc[0] == "t":

@@ -15,8 +15,9 @@ a rank that raised on its own.
 When every rank sent the same digest and its payload inline, that one collective is the whole
 call (``gather``: plus the outcome): a repeated structure of up to ``MAX_INLINE`` (1 MiB) per
 rank costs one collective, like a single ``all_gather`` of its bytes. A Collector's exchange
-(``COLLECT``, :func:`exchange_written`) uses the same collective, with a payload it packs itself. Otherwise the payload (or the
-full exchange) follows in a collective of its own, and the inline bytes are not read.
+(``COLLECT``, :func:`exchange_written`) uses the same collective, with a payload it packs
+itself. Otherwise the payload (or the full exchange) follows in a collective of its own, and
+the inline bytes are not read.
 
 ``capacity`` is the process group's protocol state
 (:class:`~treegather.distributed.group.ProtocolState`, not a cache): every rank computes the
