@@ -11,11 +11,14 @@ it announces on torchrun's store. A script that raises ends the launch, naming i
 
 Output goes to files, so that a worker outliving its launcher cannot hold a pipe open; past the
 deadline the launch is stopped (SIGTERM, which torchrun passes on to its workers, then SIGKILL).
+A rank still in one script after ``STUCK_AFTER_S`` dumps its stacks to stderr, which the
+failure shows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import runpy
 import signal
@@ -62,6 +65,9 @@ def launch(
         text = (out_dir / "launch.err").read_text()
         at = text.find(" failed:\n")  # the first script failure a rank reported
         shown = text[max(0, at - 200) :][:4000] if at >= 0 else text[-4000:]
+        stacks = text.find(STUCK)  # where a rank was, when it was slow to finish a script
+        if stacks >= 0:
+            shown += "\n...\n" + text[stacks:][:4000]
         why = f"stopped after {deadline_s:.0f} s" if late else f"failed (rc {proc.returncode})"
         raise AssertionError(f"torchrun {why}:\n{shown}")
     return {
@@ -82,7 +88,7 @@ def _own_store(name: str, rank: int) -> None:
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=STORE_WAIT_S),
     )
     if rank == 0:
         with socket.socket() as s:
@@ -96,6 +102,11 @@ def _own_store(name: str, rank: int) -> None:
     )
 
 
+STORE_WAIT_S = 90  # how long a rank waits for rank 0 to start the next script (the launch: 120)
+STUCK_AFTER_S = 30  # a script this slow on a rank dumps that rank's stacks to stderr
+STUCK = "Timeout ("  # how faulthandler heads the stacks it dumps
+
+
 def _main(argv: list[str]) -> None:
     rank = int(os.environ["RANK"])
     out_dir = Path(os.environ["TORCHRUN_SCRIPTS_OUT"])
@@ -104,9 +115,11 @@ def _main(argv: list[str]) -> None:
         name, path = arg.split("=", 1)
         os.environ.update(MASTER_ADDR=agent[0], MASTER_PORT=agent[1])
         with (out_dir / f"{name}.{rank}.txt").open("w") as out, contextlib.redirect_stdout(out):
+            faulthandler.dump_traceback_later(STUCK_AFTER_S, file=sys.stderr)
             try:
                 _own_store(name, rank)
                 runpy.run_path(path, run_name="__main__")
+                faulthandler.cancel_dump_traceback_later()
             except BaseException:
                 print(f"rank {rank}: {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
                 sys.stderr.flush()
