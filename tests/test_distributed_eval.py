@@ -15,7 +15,7 @@ import functools
 import itertools
 import random
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -490,9 +490,10 @@ def _collected(adds: list[tuple[Any, list[int]]], layout: Any, dst: int | None =
     return got, col.indices
 
 
-@spawned_groups.register("eval.fast", budget_s=GROUP_DEADLINE_S / 2)
-def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
-    """Each case through the fast layer and through the definition: results and who took it."""
+@contextlib.contextmanager
+def _fast_layer_taken() -> Iterator[list[bool]]:
+    """A list that records, for each Collector exchange meanwhile, whether the fast layer
+    took it (``columns.exchange`` spied)."""
     from treegather.distributed import columns
 
     took: list[bool] = []
@@ -503,9 +504,18 @@ def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
         took.append(found is not None)
         return found
 
-    out: dict[str, Any] = {}
     columns.exchange = spy
     try:
+        yield took
+    finally:
+        columns.exchange = real
+
+
+@spawned_groups.register("eval.fast", budget_s=GROUP_DEADLINE_S / 2)
+def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
+    """Each case through the fast layer and through the definition: results and who took it."""
+    out: dict[str, Any] = {}
+    with _fast_layer_taken() as took:
         for name, (adds, layout) in FAST_CASES.items():
             for mode in ("fast", "reference"):
                 took.clear()
@@ -514,11 +524,9 @@ def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
                         got = _capture(functools.partial(_collected, adds(rank, world), layout))
                 out[(name, mode)] = (got, list(took))
                 out[(name, mode, "collectives")] = len(calls)
-            # gather: dst gets the result (every rank computes it, so that errors reach all)
+            # gather: dst gets the result (what the combine raises reaches every rank)
             got = _capture(functools.partial(_collected, adds(rank, world), layout, world - 1))
             out[(name, "dst")] = got
-    finally:
-        columns.exchange = real
     # What the combine raises (per-batch vectors that cannot stack: one rank's are longer)
     # reaches every rank, whether the payloads came with the rows or went to dst alone.
     for size in ("small", "large"):
@@ -580,21 +588,10 @@ def _hf_checks(rank: int, world: int) -> Any:
     through the fast layer (spied), in the group of 2 (transformers is slow to import)."""
     if world != 2:
         return None
-    from treegather.distributed import columns
-
     model, tokens = _tiny_bert(), _hf_tokens()
     dataset = TensorDataset(tokens, torch.arange(HF_SAMPLES))
     out: dict[str, Any] = {}
-    took: list[bool] = []
-    real = columns.exchange
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        found = real(*args, **kwargs)
-        took.append(found is not None)
-        return found
-
-    columns.exchange = spy
-    try:
+    with _fast_layer_taken() as took:
         for shuffle in (False, True):
             sampler = DistributedSampler(dataset, shuffle=shuffle, seed=5)
             col = tgd.Collector(sampler)
@@ -604,8 +601,6 @@ def _hf_checks(rank: int, world: int) -> Any:
             got = col.all_gather()
             out[shuffle] = (type(got).__name__, _fields(got), col.indices, list(took))
             took.clear()
-    finally:
-        columns.exchange = real
     with torch.no_grad():  # one process, every sample at once
         want = model(input_ids=tokens, output_hidden_states=True, output_attentions=True)
     out["one_process"] = (type(want).__name__, _fields(want))

@@ -66,7 +66,7 @@ class Payload(NamedTuple):
 class Done(NamedTuple):
     """What :func:`exchange` returns when every rank's payload took the fast way."""
 
-    result: Any  # what ``finish`` made of every rank's payloads (None on a rank other than dst)
+    result: Any  # what ``finish`` made of every rank's payloads (not returned but on dst)
     is_root: bool  # this rank is ``dst`` (always, for an all-gather)
 
 

@@ -223,16 +223,9 @@ def exchange(
         inline = False
     else:
         fast, inline = _fill(g, mine, (call, root, lengths, placement), fast)
-    # In place: this rank's chunk of the output is its input (NCCL and gloo both accept that).
-    collective(out, mine, g.handle)
     n = ROW_INTS + (fast.plan.head_ints if inline and fast is not None else 0)
-    ints: list[list[int]] = out.view(len(g.ranks), stride)[:, : 8 * n].view(torch.int64).tolist()
+    ints = _exchanged(collective, g, out, mine, n, problem)
     rows = [values[:ROW_INTS] for values in ints]
-    # From the rows alone, before anything can raise: every rank keeps the same capacity.
-    g.state.capacity = next_capacity(g.state.capacity, rows)
-    if any(r[PROBLEM] for r in rows):
-        raise_problems(collective, g, rows, problem)
-    check_calls(g.ranks, rows)
     heads = [values[ROW_INTS:] for values in ints] if n > ROW_INTS else None
     payloads = Payloads(out, ROW_BYTES, stride, heads)
     nbytes = [r[NBYTES] for r in rows]
@@ -291,10 +284,28 @@ def exchange_written(
         write(mine[ROW_BYTES : ROW_BYTES + nbytes])
     if area:
         mine[ROW_BYTES + (nbytes if inline else 0) :].zero_()
+    rows = _exchanged(collective, g, out, mine, ROW_INTS, problem)
+    return rows, Payloads(out, ROW_BYTES, stride)
+
+
+def _exchanged(
+    collective: Collective,
+    g: Group,
+    out: torch.Tensor,
+    mine: torch.Tensor,
+    n: int,
+    problem: Problem | None,
+) -> list[list[int]]:
+    """The first collective, once this rank's slot ``mine`` of ``out`` is written: every
+    rank's first ``n`` ints (its row, then the head of an inline payload), the capacity moved
+    on, the ranks' problems raised, the calls checked."""
+    # In place: this rank's chunk of the output is its input (NCCL and gloo both accept that).
     collective(out, mine, g.handle)
-    rows: list[list[int]] = out.view(len(g.ranks), stride)[:, :ROW_BYTES].view(torch.int64).tolist()
+    ints: list[list[int]] = out.view(len(g.ranks), -1)[:, : 8 * n].view(torch.int64).tolist()
+    rows = [values[:ROW_INTS] for values in ints]
+    # From the rows alone, before anything can raise: every rank keeps the same capacity.
     g.state.capacity = next_capacity(g.state.capacity, rows)
     if any(r[PROBLEM] for r in rows):
         raise_problems(collective, g, rows, problem)
     check_calls(g.ranks, rows)
-    return rows, Payloads(out, ROW_BYTES, stride)
+    return ints
