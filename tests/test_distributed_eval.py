@@ -285,9 +285,15 @@ def _first_seen(parts: list[torch.Tensor]) -> tuple[list[int], list[int]]:
 def _check_order(parts: list[torch.Tensor]) -> bool:
     """dataset_order equals the definition; its runs, when it has them, pick the same rows.
     True when no row needed picking one by one (runs, or the rows were in order already)."""
+    from treegather.distributed.columns import leading_run
     from treegather.distributed.samples import by_position, dataset_order
 
     order = dataset_order(parts)
+    # Told each part's leading run (as the fast layer's senders tell it): the same order.
+    told = dataset_order(parts, [leading_run(p) for p in parts])
+    assert told.kept.tolist() == order.kept.tolist() and told.runs == order.runs, parts
+    assert (told.perm is None) == (order.perm is None), parts
+    assert told.perm is None or told.perm.tolist() == order.perm.tolist(), parts
     perm, kept = _first_seen(parts)
     assert order.kept.tolist() == kept, parts
     picked = by_position(order, parts)
@@ -310,7 +316,8 @@ def test_dataset_order_equals_a_stable_sort() -> None:
     indices, a sort otherwise) equals the stable-sort definition: on every sampler
     configuration cut at random points, and on random small index lists."""
     rng = random.Random(0)
-    for n, world, shuffle, drop in itertools.product(range(1, 24), (1, 2, 3, 4), (0, 1), (0, 1)):
+    sizes = [*range(1, 24), 40, 67, 101]  # (from 16 rows per rank, leading runs are sent)
+    for n, world, shuffle, drop in itertools.product(sizes, (1, 2, 3, 4), (0, 1), (0, 1)):
         parts, whole = [], True
         for r in range(world):
             got = list(DistributedSampler(range(n), world, r, bool(shuffle), 3, bool(drop)))
@@ -328,6 +335,15 @@ def test_dataset_order_equals_a_stable_sort() -> None:
         ]
         if sum(p.numel() for p in parts):
             _check_order(parts)
+    for _ in range(300):  # leading runs (sent as three ints) with arbitrary tails after them
+        world = rng.randint(1, 4)
+        step = world if rng.random() < 0.7 else rng.randint(1, 5)
+        parts = []
+        for r in range(world):
+            run = list(range(r, r + step * rng.randint(16, 24), step))
+            tail = [rng.randint(0, run[-1] + 3) for _ in range(rng.randint(0, 3))]
+            parts.append(torch.tensor(run + tail, dtype=torch.int64))
+        _check_order(parts)
     _check_order([torch.tensor([10**12, 5, 10**12 - 1])])  # sparse indices: the sort
 
 

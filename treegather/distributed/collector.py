@@ -9,9 +9,11 @@ every dataset sample exactly once, in index order.
 
 The exchange's definition is one :func:`treegather.distributed.all_gather` (``gather``: to
 ``dst``) of every rank's adds joined (:class:`~treegather.distributed.columns.Payload`) under
-``as_list()``. Its fast layer (:mod:`~treegather.distributed.columns`) packs them into the
-call's first collective when every rank's payload agrees, so a repeated evaluation costs one
-collective; the rows are then put in dataset order per rank
+``as_list()``. Its fast layer keeps the adds as columns while they come (a dict with the same
+keys at every add: :mod:`~treegather.distributed.staging`, so the exchange joins each key once
+instead of flattening and checking every add) and packs them into the call's first collective
+when every rank's payload agrees (:mod:`~treegather.distributed.columns`), so a repeated
+evaluation costs one collective; the rows are then put in dataset order per rank
 (:func:`~treegather.distributed.samples.dataset_order`,
 :func:`~treegather.distributed.samples.place`).
 """
@@ -30,7 +32,7 @@ from .._layout import Plan, resolve
 from .._rules import AsList
 from .._tree import display_path
 from . import columns, errors, protocol
-from .columns import Payload
+from .columns import MIN_RUN, Payload
 from .samples import (
     CROSS,
     PER_ADD,
@@ -53,6 +55,7 @@ from .samples import (
     rules_of,
     travelling,
 )
+from .staging import Columns
 
 __all__ = ["Collector"]
 
@@ -133,7 +136,10 @@ class Collector:
         self._device = None if device is None else as_device(device)
         self._group = group
         self._adds: list[tuple[Any, Sequence[int] | Tensor | None]] = []
+        self._columns = Columns()  # the same adds, by key (the fast layer's local half)
         self._order: Tensor | None = None  # this epoch's indices of the sampler
+        self._run = (0, 0, 0)  # their leading arithmetic run (columns.leading_run)
+        self._given = False  # some add passed indices=
         self._done = False
         self.indices: Tensor | None = None
         """The dataset indices of the last exchange's result, in order (``None`` before one)."""
@@ -145,7 +151,10 @@ class Collector:
     def reset(self) -> None:
         """Forget every add (and the sampler's order): ready for the next epoch."""
         self._adds = []
+        self._columns = Columns()
         self._order = None
+        self._run = (0, 0, 0)
+        self._given = False
         self._done = False
         self.indices = None
 
@@ -156,7 +165,9 @@ class Collector:
         indices) or, without them, to the next indices of the sampler. With the Collector's
         ``device``, tensors are moved there (detached); without it they are kept as they are
         (detached when grad mode is on: evaluate under ``torch.no_grad()`` and nothing is
-        copied or flattened here).
+        copied or flattened here). A dict's values are noted per key as they come (a few
+        attribute reads per key; lists of strings are encoded once), which the exchange then
+        joins without going over every add again.
 
         Raises:
             StateError: the Collector was exchanged already; call :meth:`reset` first.
@@ -170,9 +181,13 @@ class Collector:
             outputs = moved(outputs, self._device)
         elif torch.is_grad_enabled():
             outputs = moved(outputs, None)
-        if indices is None and self._order is None and self._sampler is not None:
+        if indices is not None:
+            self._given = True
+        elif self._order is None and self._sampler is not None:
             self._order = read_order(self._sampler)
+            self._run = columns.leading_run(self._order)
         self._adds.append((outputs, indices))
+        self._columns.add(outputs)
 
     def all_gather(self, layout: Any = None) -> Any:
         """Every rank's adds, combined on every rank: each sample once, in index order.
@@ -225,6 +240,17 @@ class Collector:
         trees = [tree for tree, _ in self._adds]
         plan, kinds, spec0 = plan_of(trees[0], layout)
         plans[spec0] = (plan, kinds)
+        shape = Opaque((spec0, tuple(kinds)))
+        if FAST_PATHS.on:  # the same values, from the columns the adds filled
+            staged = self._columns.joined(plan, kinds, rules_of(plan), trees[0], self._device)
+            if staged is not None:
+                rows = staged.rows
+                idx, run = self._indices(rows), None
+                if self._sampled(idx.numel()):  # the sampler's first rows: their run is known
+                    first, step, n = self._run
+                    run = (first, step, min(n, idx.numel())) if idx.numel() >= MIN_RUN else None
+                travel = staged.travelling
+                return Payload(idx, torch.tensor(rows), travel, shape, run), staged.combined
         up = plan.up_spec
         try:
             values = list(map(up.flatten_up_to, trees))
@@ -260,13 +286,19 @@ class Collector:
             v if k == SAMPLES else travelling(v, types.get(p))
             for p, (k, v) in enumerate(zip(kinds, combined))
         )
-        return Payload(idx, torch.tensor(rows), wrapped, Opaque((spec0, tuple(kinds)))), combined
+        return Payload(idx, torch.tensor(rows), wrapped, shape), combined
+
+    def _sampled(self, total: int) -> bool:
+        """Whether the indices of ``total`` rows are the sampler's first (no add passed
+        ``indices=``)."""
+        order = self._order
+        return order is not None and total <= len(order) and not self._given
 
     def _indices(self, rows: list[int]) -> Tensor:
         order = self._order
         total = sum(rows)
-        if order is not None and total <= len(order) and all(i is None for _, i in self._adds):
-            # Every add took the sampler's next indices: one slice of them.
+        if self._sampled(total):  # every add took the sampler's next indices: one slice
+            assert order is not None
             return order[:total]
         parts: list[Tensor] = []
         taken = 0
@@ -329,7 +361,7 @@ class Collector:
         device = self._target()
         rules = rules_of(plan)
         up = plan.up_spec
-        order = dataset_order([p.indices for _, p in present])
+        order = dataset_order([p.indices for _, p in present], [p.run for _, p in present])
         per_rank = [[arrived(v) for v in p.values] for _, p in present]
         plain = [
             all(isinstance(p.values[j], (Texts, Mine)) for _, p in present)

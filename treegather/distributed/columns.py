@@ -37,18 +37,21 @@ import torch.distributed as dist
 
 from .._caches import LRU
 from . import outcome, preamble
-from .group import Group, all_gather_into, root_rank
+from .group import Group, all_gather_into, receive_buffer, root_rank
 from .group import group as process_group
 from .layout import layout_text
 from .plan import PACKABLE, padded
 from .samples import Mine, Opaque, Texts
 from .wire import tensor_bytes
 
-__all__ = ["Done", "Payload", "exchange"]
+__all__ = ["MIN_RUN", "Done", "Payload", "exchange", "leading_run"]
 
 Tensor = torch.Tensor
 INT64 = 8
-HEAD = 3  # rows, adds, pickled bytes; then two ints per position
+# rows, adds, pickled bytes, then the indices' leading run (first, step, length); then two
+# ints per position
+HEAD = 6
+MIN_RUN = 16  # indices from which a leading arithmetic run is sent as three ints
 FIRST_VALUE = 3  # the parts: the head, the dataset indices, the rows per add, then the values
 # Per (structure, what each position is, the layout's key): the digest the ranks compare.
 _DIGESTS: LRU[Any, tuple[int, int] | None] = LRU("distributed.collector_digests", maxsize=64)
@@ -61,6 +64,9 @@ class Payload(NamedTuple):
     rows: Tensor  # rows per add
     values: tuple[Any, ...]  # per plan position: a tensor of every row, Texts, or Opaque
     shape: Opaque  # (the structure of the rank's first add, what each position is)
+    # The leading arithmetic run of ``indices`` (first, step, length), when the sender knew it
+    # (None: worked out when packed).
+    run: tuple[int, int, int] | None = None
 
 
 class Done(NamedTuple):
@@ -125,7 +131,7 @@ def exchange(
         return Done(finish(payloads), is_root)
     stride = padded(max(r[preamble.NBYTES] for r in rows))
     if dst is None:
-        buf = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
+        buf = receive_buffer(g, stride * len(g.ranks), g.device, keep=True)
         mine = buf[g.rank * stride : (g.rank + 1) * stride]
         _write(packed, mine)
         mine[packed.nbytes :].zero_()
@@ -137,7 +143,7 @@ def exchange(
     if not is_root:
         dist.gather(send, None, dst=dst, group=g.handle)
         return Done(outcome.finish_gather(g, dst, root, lambda: None), False)
-    buf = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
+    buf = receive_buffer(g, stride * len(g.ranks), g.device, keep=True)
     dist.gather(send, list(buf.view(len(g.ranks), stride)), dst=dst, group=g.handle)
     payloads = _read(g, buf, 0, stride, packed, local, own)
     return Done(outcome.finish_gather(g, dst, root, lambda: finish(payloads)), True)
@@ -149,8 +155,9 @@ def exchange(
 def _pack(local: Payload, layout: Any) -> _Packed | None:
     """This rank's bytes, or ``None`` when a value is not one this layer packs."""
     descs: list[tuple[Any, ...]] = []
-    head = [local.indices.numel(), local.rows.numel(), 0]
-    parts = [_bytes(local.indices), local.rows.view(torch.uint8)]  # (rows: made dense here)
+    first, step, run = local.run if local.run is not None else leading_run(local.indices)
+    head = [local.indices.numel(), local.rows.numel(), 0, first, step, run]
+    parts = [_bytes(local.indices[run:]), local.rows.view(torch.uint8)]  # (rows: made dense)
     opaque: list[Any] = []
     for value in local.values:
         if type(value) is Tensor:
@@ -192,6 +199,26 @@ def _pack(local: Payload, layout: Any) -> _Packed | None:
     return _Packed(digest, tuple(descs), head, parts, spans, nbytes)
 
 
+def leading_run(indices: Tensor) -> tuple[int, int, int]:
+    """The leading arithmetic run of ``indices`` (first, step > 0, length; length 0: none),
+    sent as three ints instead of its rows: ``DistributedSampler(shuffle=False)`` gives every
+    rank one run (and its padding after it).
+
+    >>> leading_run(torch.tensor([1, 3, 5, 7] * 5)), leading_run(torch.arange(4, 40, 2))
+    ((0, 0, 0), (4, 2, 18))
+    """
+    n = indices.numel()
+    if n < MIN_RUN:
+        return 0, 0, 0
+    first, second = indices[:2].tolist()
+    step = second - first
+    if step <= 0 or abs(first) + step * n >= 1 << 62:
+        return 0, 0, 0
+    same = indices == torch.arange(first, first + step * n, step)
+    run = n if bool(same.all()) else int(same.cumprod(0).sum())
+    return (first, step, run) if run >= MIN_RUN else (0, 0, 0)
+
+
 def _bytes(t: Tensor) -> Tensor:
     """``t``'s values as flat ``uint8`` (a view when it is dense)."""
     if t.is_conj() or t.is_neg() or not t.is_contiguous():
@@ -201,7 +228,7 @@ def _bytes(t: Tensor) -> Tensor:
 
 def _spans(head: Sequence[int], descs: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int]:
     """(start, bytes) of every part of a rank's bytes, from its head; and their total."""
-    sizes = [INT64 * len(head), INT64 * head[0], INT64 * head[1]]
+    sizes = [INT64 * len(head), INT64 * (head[0] - head[5]), INT64 * head[1]]
     sizes += [head[HEAD + 2 * j] for j, d in enumerate(descs) if d[0] != "o"]
     if head[2]:
         sizes.append(head[2])
@@ -288,9 +315,11 @@ def _read(
                 k += 1
             else:
                 values.append(Opaque(next(opaque)))
-        out.append(
-            Payload(
-                parts[1].view(torch.int64), parts[2].view(torch.int64), tuple(values), local.shape
-            )
-        )
+        indices = parts[1].view(torch.int64)
+        first, step, run = head[3:HEAD]
+        if run:  # the leading run, sent as three ints
+            line = torch.arange(first, first + step * run, step)
+            indices = torch.cat([line, indices]) if indices.numel() else line
+        rows_per_add = parts[2].view(torch.int64)
+        out.append(Payload(indices, rows_per_add, tuple(values), local.shape, (first, step, run)))
     return out

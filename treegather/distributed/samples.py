@@ -308,9 +308,12 @@ class Order(NamedTuple):
     runs: list[tuple[int, int, int]] | None
 
 
-def dataset_order(parts: Sequence[Tensor]) -> Order:
+def dataset_order(
+    parts: Sequence[Tensor], runs: Sequence[tuple[int, int, int] | None] | None = None
+) -> Order:
     """The order of the rows of ``parts`` (int64 dataset indices, one part per rank), each
-    index once (the first seen), in index order.
+    index once (the first seen), in index order. ``runs``: per part, its leading arithmetic
+    run (first, step, length; the longest, or length 0), when known.
 
     >>> parts = [torch.tensor([0, 2, 4]), torch.tensor([1, 3, 0])]  # 5 samples on 2 ranks, padded
     >>> o = dataset_order(parts)
@@ -319,7 +322,7 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
     """
     n = sum(p.numel() for p in parts)
     if n >= 2:
-        found = _interleaved(parts)
+        found = _interleaved(parts, runs)
         if found is not None:
             return found
     idx = torch.cat(list(parts)) if len(parts) != 1 else parts[0].clone()
@@ -339,7 +342,9 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
     return Order(kept, perm, _runs([p.numel() for p in parts], perm, n))
 
 
-def _interleaved(parts: Sequence[Tensor]) -> Order | None:
+def _interleaved(
+    parts: Sequence[Tensor], runs: Sequence[tuple[int, int, int] | None] | None
+) -> Order | None:
     """The order of ranks that each hold every S-th index of one range (S ranks; what
     ``DistributedSampler(shuffle=False)`` gives), their padding duplicates after: a few tensor
     operations per rank instead of a scatter over every row. ``None`` when the rows are not so.
@@ -349,12 +354,16 @@ def _interleaved(parts: Sequence[Tensor]) -> Order | None:
     """
     live = [(r, p) for r, p in enumerate(parts) if p.numel()]
     step = len(live)
-    starts = [int(p[0]) for _, p in live]
+    known = [(0, 0, 0) if runs is None else runs[r] or (0, 0, 0) for r, _ in live]
+    starts = [int(p[0]) if not told[2] else told[0] for (_, p), told in zip(live, known)]
     lo = min(starts)
     if sorted(starts) != list(range(lo, lo + step)):
         return None
     kept_rows = []
-    for (_, p), a in zip(live, starts):
+    for (_, p), a, told in zip(live, starts, known):
+        if told[2] and told[1] == step:  # the longest run of this step: known
+            kept_rows.append(told[2])
+            continue
         line = torch.arange(a, a + step * p.numel(), step)
         whole = torch.equal(p, line)
         kept_rows.append(p.numel() if whole else int((p == line).cumprod(0).sum()))
@@ -372,10 +381,10 @@ def _interleaved(parts: Sequence[Tensor]) -> Order | None:
                 and bool((torch.tensor(owner)[(tail - lo) % step] <= r).all())
             ):
                 return None
-    runs = [(0, 1, 0)] * len(parts)
+    where = [(0, 1, 0)] * len(parts)
     for (r, _), a, k in zip(live, starts, kept_rows):
-        runs[r] = (a - lo, step, k)
-    return Order(torch.arange(lo, lo + total), None, runs)
+        where[r] = (a - lo, step, k)
+    return Order(torch.arange(lo, lo + total), None, where)
 
 
 def by_position(order: Order, parts: Sequence[Tensor]) -> Order:

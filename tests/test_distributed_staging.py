@@ -1,0 +1,244 @@
+"""The Collector's columns (treegather.distributed.staging): in one process, every sequence of
+adds gives what the definition gives (reference_only: each add flattened by the plan, joined by
+gather's rules), the same result or the same error, whether the columns can tell or not."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from corpus import assert_tree_equal
+
+import treegather as tg
+import treegather.distributed as tgd
+from treegather._caches import reference_only
+from treegather.distributed import staging
+
+
+class Label(enum.StrEnum):
+    CAT = "cat"
+
+
+@dataclasses.dataclass
+class Out:
+    x: torch.Tensor
+
+
+NAMES = tg.by_path({"names": tg.cat_items()})
+
+
+def _batch(n: int, at: int = 0) -> dict[str, Any]:
+    return {
+        "logits": torch.arange(at, at + n * 3, dtype=torch.float32).view(n, 3),
+        "ids": torch.arange(at, at + n),
+        "names": [f"s{at + i}" for i in range(n)],
+    }
+
+
+def _resized() -> list[Any]:
+    a, b = _batch(2), _batch(2, 10)
+    return [a, b]
+
+
+def _two_keys_one_tensor() -> list[Any]:
+    t = torch.ones(2, 2)
+    return [{"a": t, "b": t}, {"a": torch.zeros(1, 2), "b": torch.ones(1, 2)}]
+
+
+# Per case: the adds (outputs, one per add; indices follow in order), the layout, and whether
+# the columns give the joined values themselves (False: the definition runs).
+CASES: dict[str, tuple[Callable[[], list[Any]], Any, bool]] = {
+    "plain": (lambda: [_batch(3), _batch(2, 3), _batch(1, 5)], NAMES, True),
+    "tensors_only": (lambda: [{"x": torch.ones(2, 2)}, {"x": torch.zeros(3, 2)}], None, True),
+    "one_add": (lambda: [_batch(4)], NAMES, True),
+    "keys_in_another_order": (
+        lambda: [
+            {"x": torch.ones(1), "y": torch.ones(1)},
+            {"y": torch.zeros(2), "x": torch.ones(2)},
+        ],
+        None,
+        False,
+    ),
+    "a_key_missing": (
+        lambda: [_batch(2), {"logits": torch.ones(1, 3), "ids": torch.ones(1)}],
+        NAMES,
+        False,
+    ),
+    "tensor_then_list": (
+        lambda: [{"x": torch.ones(2), "s": ["a", "b"]}, {"x": [1.0], "s": ["c"]}],
+        tg.by_path({"s": tg.cat_items()}),
+        False,
+    ),
+    "dtypes_differ": (
+        lambda: [{"x": torch.ones(2)}, {"x": torch.ones(1, dtype=torch.float64)}],
+        None,
+        False,
+    ),
+    "trailing_shapes_differ": (
+        lambda: [{"x": torch.ones(2, 3)}, {"x": torch.ones(1, 4)}],
+        None,
+        False,
+    ),
+    "separator_in_a_later_add": (
+        lambda: [{"x": torch.ones(1), "s": ["a"]}, {"x": torch.ones(1), "s": ["b\x00c"]}],
+        tg.by_path({"s": tg.cat_items()}),
+        False,
+    ),
+    "str_subclass_in_a_later_add": (
+        lambda: [{"x": torch.ones(1), "s": ["a"]}, {"x": torch.ones(1), "s": [Label.CAT]}],
+        tg.by_path({"s": tg.cat_items()}),
+        False,
+    ),
+    "empty_adds": (
+        lambda: [
+            {"x": torch.zeros(0, 2), "s": []},
+            {"x": torch.ones(2, 2), "s": ["p", "q"]},
+            {"x": torch.zeros(0, 2), "s": []},
+        ],
+        tg.by_path({"s": tg.cat_items()}),
+        True,
+    ),
+    "only_empty_strings_lists": (
+        lambda: [{"x": torch.zeros(0, 2), "s": []}],
+        tg.by_path({"s": tg.cat_items()}),
+        True,
+    ),
+    "one_tensor_under_two_keys": (_two_keys_one_tensor, None, False),
+    "nested_dict_value": (
+        lambda: [{"h": {"a": torch.ones(2)}, "x": torch.ones(2)}] * 2,
+        None,
+        False,
+    ),
+    "tuple_outputs": (lambda: [(torch.ones(2), torch.zeros(2))] * 2, None, False),
+    "ordered_dict": (lambda: [OrderedDict(x=torch.ones(2))] * 2, None, False),
+    "dataclass_outputs": (lambda: [Out(torch.ones(2)), Out(torch.zeros(1))], None, False),
+    "per_add_values": (
+        lambda: [
+            {"x": torch.ones(n, 2) * n, "loss": torch.tensor(n / 2), "v": torch.arange(3.0) * n}
+            for n in (1, 2, 3)
+        ],
+        tg.by_path({"loss": tg.mean(), "v": tg.stack()}),
+        True,
+    ),
+    "plain_values_per_add": (
+        lambda: [{"x": torch.ones(2), "epoch": 3, "split": "val", "w": 0.5}] * 2,
+        None,
+        True,
+    ),
+    "pad": (
+        lambda: [{"x": torch.ones(2, 3)}, {"x": torch.ones(1, 5)}],
+        {"x": tg.pad(0)},
+        False,
+    ),
+    "rows_disagree_in_an_add": (
+        lambda: [{"x": torch.ones(2), "s": ["a", "b"]}, {"x": torch.ones(2), "s": ["c"]}],
+        tg.by_path({"s": tg.cat_items()}),
+        False,
+    ),
+    "no_per_sample_leaf": (lambda: [{"loss": torch.tensor(1.0)}], None, False),
+    "strings_without_cat_items": (
+        lambda: [{"x": torch.ones(2), "s": ["a", "b"]}] * 2,
+        None,
+        False,
+    ),
+    "other_items": (
+        lambda: [{"x": torch.ones(2), "s": [1, None]}, {"x": torch.ones(1), "s": [(2, "t")]}],
+        tg.by_path({"s": tg.cat_items()}),
+        False,
+    ),
+    "a_parameter_added_under_no_grad": (  # a Tensor subclass: the definition
+        lambda: [{"x": torch.nn.Parameter(torch.ones(2))}, {"x": torch.ones(1)}],
+        None,
+        False,
+    ),
+}
+
+
+def _run(adds: list[Any], layout: Any, *, mutate: Callable[[list[Any]], None] | None = None) -> Any:
+    """The Collector's result and indices for ``adds`` (rows numbered in add order), or the
+    error it raised (its type and text)."""
+    col = tgd.Collector()
+    at = 0
+    try:
+        with torch.no_grad():
+            for outputs in adds:
+                rows = _rows(outputs)
+                col.add(outputs, indices=list(range(at, at + rows))[::-1])
+                at += rows
+        if mutate is not None:
+            mutate(adds)
+        return col.all_gather(layout), col.indices
+    except Exception as exc:
+        return type(exc), str(exc)
+
+
+def _rows(outputs: Any) -> int:
+    for leaf in tg.tree_leaves(outputs) if not isinstance(outputs, dict) else outputs.values():
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    return 0
+
+
+def _same(fast: Any, reference: Any) -> None:
+    if isinstance(reference, tuple) and isinstance(reference[0], type):
+        assert fast == reference
+    else:
+        assert_tree_equal(fast, reference)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_columns_give_what_the_definition_gives(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make, layout, taken = CASES[name]
+    told: list[bool] = []
+    real = staging.Columns.joined
+
+    def spy(self: staging.Columns, *args: Any) -> Any:
+        found = real(self, *args)
+        told.append(found is not None)
+        return found
+
+    monkeypatch.setattr(staging.Columns, "joined", spy)
+    fast = _run(make(), layout)
+    with reference_only():
+        reference = _run(make(), layout)
+    _same(fast, reference)
+    assert any(told) == taken, told
+
+
+def test_a_tensor_changed_after_its_add() -> None:
+    """Values changed in place after an add are read at the exchange by both paths; a tensor
+    resized after its add (its rows or trailing shape) takes the definition."""
+
+    def grow(adds: list[Any]) -> None:
+        adds[0]["logits"].add_(100)
+        adds[1]["ids"].resize_(3)
+
+    def reshape(adds: list[Any]) -> None:
+        adds[1]["logits"].resize_(2, 4)
+
+    for mutate in (grow, reshape):
+        fast = _run(_resized(), NAMES, mutate=mutate)
+        with reference_only():
+            reference = _run(_resized(), NAMES, mutate=mutate)
+        _same(fast, reference)
+
+
+def test_the_columns_learn_as_adds_come() -> None:
+    cols = staging.Columns()
+    cols.add({"x": torch.ones(2, 3), "s": ["a", "b"], "k": 1})
+    cols.add({"x": torch.ones(1, 3), "s": [], "k": 2})
+    x, s, k = cols.columns
+    assert (x.kind, x.rows, x.tail, x.dtype) == ("tensors", [2, 1], (3,), torch.float32)
+    assert (s.kind, s.rows, s.data) == ("texts", [2, 0], [b"a\x00b"])
+    assert k.kind == "other" and k.values == [1, 2]
+    cols.add({"x": torch.ones(1, 4), "s": ["c"], "k": 3})  # another trailing shape
+    assert x.kind == "other" and s.kind == "texts"
+    cols.add({"s": ["d"]})  # another set of keys: the columns stop
+    assert not cols.ok
