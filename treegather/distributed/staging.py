@@ -3,8 +3,8 @@
 Most evaluations add a dict of tensors and per-sample lists, with the same keys at every batch.
 :class:`Columns` keeps each key's values in a list as they are added and learns, in the same
 step, what the exchange would otherwise work out again over every add: that a key holds tensors
-of one dtype, device and shape past the first dim (and their rows), or lists of strings (their
-counts, and their UTF-8 bytes, joined by the separator no string holds). At the exchange
+of one dtype, device and shape past the first dim (and their rows), or lists of strings
+(``str`` exactly, and how many). At the exchange
 :meth:`Columns.joined` gives what the definition
 (:meth:`~treegather.distributed.collector.Collector._local`: each add flattened by the plan,
 then :func:`~treegather.distributed.samples.join`) gives for the same adds, or ``None`` when
@@ -29,24 +29,22 @@ import torch
 
 from .._layout import Plan
 from .._rules import Pad, Rule
-from .samples import ITEMS, PER_ADD, SAMPLES, SEP, Opaque, Texts, travelling
+from .samples import ITEMS, PER_ADD, SAMPLES, travelling
 
 __all__ = ["Column", "Columns", "Joined"]
 
 Tensor = torch.Tensor
 TENSORS, TEXTS, OTHER = "tensors", "texts", "other"
-_SEP_BYTES = SEP.encode()
 
 
 class Column:
     """One key's values, one per add, and what they all are."""
 
-    __slots__ = ("data", "device", "dtype", "kind", "rows", "tail", "values")
+    __slots__ = ("device", "dtype", "kind", "rows", "tail", "values")
 
     def __init__(self, value: Any) -> None:
         self.values: list[Any] = []
         self.rows: list[int] = []  # tensors: each add's rows; texts: each add's strings
-        self.data: list[bytes] = []  # texts: each non-empty add's strings, UTF-8, joined
         self.kind = OTHER
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
@@ -72,12 +70,6 @@ class Column:
                 return
         elif kind is TEXTS:
             if type(value) is list and set(map(type, value)) <= {str}:
-                if value:
-                    joined = SEP.join(value)
-                    if joined.count(SEP) != len(value) - 1:  # a string holds the separator
-                        self.kind = OTHER
-                        return
-                    self.data.append(joined.encode())
                 self.rows.append(len(value))
                 return
         else:
@@ -176,11 +168,7 @@ class Columns:
                     return None
                 items = list(chain.from_iterable(column.values))
                 combined.append(items)
-                if items:
-                    data = bytearray(_SEP_BYTES.join(column.data))
-                    moving.append(Texts(torch.frombuffer(data, dtype=torch.uint8), len(items)))
-                else:
-                    moving.append(Opaque(items))
+                moving.append(travelling(items, {str} if items else set()))
             if rows is None:
                 rows = column.rows
             elif column.rows != rows:
