@@ -347,6 +347,28 @@ def test_dataset_order_equals_a_stable_sort() -> None:
     _check_order([torch.tensor([10**12, 5, 10**12 - 1])])  # sparse indices: the sort
 
 
+def test_placed_puts_every_kept_row_where_the_order_says() -> None:
+    """placed (rows copied by runs, one stack when every rank's rows are all kept) equals
+    picking the concatenated rows by position, for tensors and for lists."""
+    from treegather.distributed.samples import by_position, dataset_order, placed
+
+    for n, world, drop in itertools.product((4, 6, 7, 12, 13), (1, 2, 3), (False, True)):
+        parts = [
+            torch.tensor(list(DistributedSampler(range(n), world, r, False, 0, drop)))
+            for r in range(world)
+        ]
+        order = dataset_order(parts)
+        assert order.runs is not None, (n, world, drop)
+        perm = by_position(order, parts).perm
+        rows = [torch.randn(p.numel(), 2) for p in parts]
+        items = [[f"{r}:{i}" for i in range(p.numel())] for r, p in enumerate(parts)]
+        expected = torch.cat(rows) if perm is None else torch.cat(rows)[perm]
+        got = placed(rows, order)
+        assert torch.equal(got, expected) and all(got.data_ptr() != t.data_ptr() for t in rows)
+        flat = [x for part in items for x in part]
+        assert placed(items, order) == (flat if perm is None else [flat[i] for i in perm])
+
+
 # ------------------------------------------------------------------------ across ranks
 
 

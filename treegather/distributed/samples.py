@@ -435,6 +435,12 @@ def placed(values: Sequence[Any], order: Order) -> Any:
                 rows = torch.cat(list(values)) if len(values) > 1 else first
                 return rows.index_select(0, order.perm)
             return torch.cat(list(values)) if len(values) > 1 else first.clone()
+        if all(
+            run == (r, len(values), first.shape[0]) and v.shape[0] == first.shape[0]
+            for r, (run, v) in enumerate(zip(order.runs, values))
+        ):
+            # As many rows on every rank, all kept, rank r's at r, r + world, ...: one stack
+            return torch.stack(list(values), 1).view(total, *first.shape[1:])
         out = first.new_empty((total, *first.shape[1:]))
         for (start, step, kept), v in zip(order.runs, values):
             if kept:
@@ -450,7 +456,9 @@ def placed(values: Sequence[Any], order: Order) -> Any:
         joined = [None] * total
         for (start, step, kept), v in zip(order.runs, values):
             if kept:
-                joined[start : start + step * (kept - 1) + 1 : step] = v[:kept]
+                joined[start : start + step * (kept - 1) + 1 : step] = (
+                    v if kept == len(v) else v[:kept]
+                )
     return tuple(joined) if type(first) is tuple else joined
 
 
