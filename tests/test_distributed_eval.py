@@ -887,11 +887,14 @@ def test_the_evaluation_benchmark_runs(ranks: Any) -> None:
             "exchange_ms",
             "floor_ms",
             "exchange_vs_floor",
+            "floor_placed_ms",
+            "exchange_vs_floor_placed",
             "exchange_cpu_ms",
             "floor_cpu_ms",
             "collectives",
         }
-        assert all(tensors[k] > 0 for k in ("exchange_ms", "floor_ms", "exchange_vs_floor"))
+        figures = ("exchange_ms", "floor_ms", "exchange_vs_floor", "floor_placed_ms")
+        assert all(tensors[k] > 0 for k in figures) and tensors["exchange_vs_floor_placed"] > 0
         assert tensors["exchange_cpu_ms"] > 0 and tensors["floor_cpu_ms"] >= 0
         assert tensors["collectives"] == 1
         if rank == 0:

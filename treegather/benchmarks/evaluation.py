@@ -21,7 +21,11 @@ strs}``, made before any timing (no model runs). It measures:
   the dataset (every sample once, in index order), and the decoded floor's against every
   rank's bytes and names (in rank order). ``--profile`` adds a cProfile of rank 0's exchanges.
 - **the final exchange of tensors only**: the same batches without ``"names"``,
-  ``col.all_gather()`` with no layout, against ``floor`` in the same way.
+  ``col.all_gather()`` with no layout, against ``floor`` in the same way, and against
+  ``floor_placed``: the floor's collective, then each leaf's rows of every rank concatenated
+  and picked into index order, each index once (``torch.cat`` and ``index_select``, the order
+  worked out beforehand, untimed; no checks): the least a tensors-only exchange that returns
+  the dataset in index order must do.
 - **one add** (``col.add(outputs)`` under ``torch.no_grad()``; and with ``Collector(sampler,
   device="cpu")``), in µs of this thread's CPU time per add, the garbage collector off, next to
   the cost of copying the batch (``clone()`` of its tensors), and the first add of an epoch
@@ -169,6 +173,48 @@ def _decoded_floor(tensors: torch.Tensor, names: list[str]) -> Callable[[], Any]
     return call
 
 
+def _placed_floor(
+    plain: list[Outputs], indices: list[int], data: tuple[Any, ...]
+) -> Callable[[], Any]:
+    """The least a tensors-only exchange in dataset order must do: the floor's collective of
+    this rank's logits and ids (padded to the largest rank's bytes), then each leaf's rows of
+    every rank in one piece and picked into index order, each index once (``cat`` and
+    ``index_select``, with the order worked out once here, untimed, from every rank's indices).
+    No checks, no row, nothing learned from the bytes. The result is checked against the
+    dataset before it is returned."""
+    logits = torch.cat([b["logits"] for b in plain])
+    ids = torch.cat([b["ids"] for b in plain])
+    world = dist.get_world_size()
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (indices, logits.shape[0]))
+    width = max(n for _, n in every) * (logits.shape[1] * 4 + 8)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    split = logits.numel() * 4
+    buf[:split] = logits.reshape(-1).view(torch.uint8)
+    buf[split : split + ids.numel() * 8] = ids.view(torch.uint8)
+    idx = torch.tensor([i for part, _ in every for i in part], dtype=torch.int64)
+    ordered, perm = torch.sort(idx, stable=True)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    pick = perm[first]
+    gather = flat_all_gather(buf)
+    tail = logits.shape[1]
+
+    def call() -> dict[str, torch.Tensor]:
+        raw = gather().view(world, width)
+        parts_l, parts_i = [], []
+        for r, (_, n) in enumerate(every):
+            parts_l.append(raw[r, : n * tail * 4].view(torch.float32).view(n, tail))
+            parts_i.append(raw[r, n * tail * 4 : n * (tail * 4 + 8)].view(torch.int64))
+        return {
+            "logits": torch.cat(parts_l).index_select(0, pick),
+            "ids": torch.cat(parts_i).index_select(0, pick),
+        }
+
+    _check(call(), data, ("logits", "ids"))
+    return call
+
+
 def _filler(col: Any, batches: list[Outputs]) -> Callable[[], Any]:
     """A call that resets ``col`` and adds every batch (under ``no_grad``), ready to exchange."""
 
@@ -282,7 +328,9 @@ def _tensors_row(
     with counting() as calls:
         filled().all_gather()
     floor = _flat_all_gather(sum(b["logits"].nbytes + b["ids"].nbytes for b in plain))
-    row = _versus(filled, {"exchange": col.all_gather, "floor": floor}, rounds)
+    placed = _placed_floor(plain, [int(i) for i in sampler], data)
+    columns = {"exchange": col.all_gather, "floor": floor, "floor_placed": placed}
+    row = _versus(filled, columns, rounds)
     row["collectives"] = len(calls)
     return row
 
@@ -482,8 +530,8 @@ def run(
         ``exchange_cpu_ms`` and ``floor_cpu_ms`` (the calling thread's CPU time),
         ``tensor_mib_per_rank``, ``names_mib_per_rank``, ``collectives``, and with ``profile``
         ``profile``), ``exchange_tensors`` (the outputs without names: ``exchange_ms``,
-        ``floor_ms``, ``exchange_vs_floor``, ``exchange_cpu_ms``, ``floor_cpu_ms``,
-        ``collectives``), ``add`` (``add_us``, ``add_cpu_us``, ``copy_us`` per batch,
+        ``floor_ms``, ``exchange_vs_floor``, ``floor_placed_ms``, ``exchange_vs_floor_placed``,
+        ``exchange_cpu_ms``, ``floor_cpu_ms``, ``collectives``), ``add`` (``add_us``, ``add_cpu_us``, ``copy_us`` per batch,
         ``first_add_us``, ``first_add_cpu_us``, ``adds``) and ``sync_grads``
         (``forward_sync_ms``, ``forward_plain_ms``, ``step_sync_ms``, and the collectives' names
         in ``forward_sync_collectives``, ``forward_plain_collectives``,
@@ -505,6 +553,7 @@ def format_table(result: dict[str, Any]) -> str:
         ...         "tensor_mib_per_rank": 0.23, "names_mib_per_rank": 0.07, "collectives": 2,
         ...         "exchange_cpu_ms": 1.2, "floor_cpu_ms": 0.1},
         ...     "exchange_tensors": {"exchange_ms": 1.4, "floor_ms": 1.0, "exchange_vs_floor": 1.4,
+        ...         "floor_placed_ms": 1.2, "exchange_vs_floor_placed": 1.17,
         ...         "exchange_cpu_ms": 0.5, "floor_cpu_ms": 0.1, "collectives": 1},
         ...     "add": {"add_us": 3.0, "add_cpu_us": 9.0, "copy_us": 4.0, "first_add_us": 90.0,
         ...         "first_add_cpu_us": 95.0, "adds": 79},
@@ -514,10 +563,10 @@ def format_table(result: dict[str, Any]) -> str:
         ...         "backward_collectives": ["all_reduce"]}}
         >>> print(format_table(result))  # doctest: +NORMALIZE_WHITESPACE
         Collector evaluation: 10000 samples, batches of 64, 2 gloo ranks, 25 rounds
-        | final exchange | time | floor (tensor bytes) | x floor | floor + pickled names | x floor + names | floor + decoded names | x floor + decoded | collectives | CPU ms in the calling thread (exchange / floor) |
-        |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-        | logits, ids, names | 2.00 ms | 1.00 ms | 2.00x | 1.50 ms | 1.30x | 1.60 ms | 1.25x | 2 | 1.20 / 0.10 |
-        | logits, ids (no layout) | 1.40 ms | 1.00 ms | 1.40x | - | - | - | - | 1 | 0.50 / 0.10 |
+        | final exchange | time | floor (tensor bytes) | x floor | floor + pickled names | x floor + names | floor + decoded names | x floor + decoded | floor + dataset order | x floor + order | collectives | CPU ms in the calling thread (exchange / floor) |
+        |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+        | logits, ids, names | 2.00 ms | 1.00 ms | 2.00x | 1.50 ms | 1.30x | 1.60 ms | 1.25x | - | - | 2 | 1.20 / 0.10 |
+        | logits, ids (no layout) | 1.40 ms | 1.00 ms | 1.40x | - | - | - | - | 1.20 ms | 1.17x | 1 | 0.50 / 0.10 |
         <BLANKLINE>
         | add (no_grad) | add (device="cpu") | copy of the batch | first add (reads the sampler) | adds per rank |
         |---:|---:|---:|---:|---:|
@@ -541,16 +590,21 @@ def format_table(result: dict[str, Any]) -> str:
         f"Collector evaluation: {result['samples']} samples, batches of {result['batch']}, "
         f"{result['world']} gloo ranks, {result['rounds']} rounds",
         "| final exchange | time | floor (tensor bytes) | x floor | floor + pickled names "
-        "| x floor + names | floor + decoded names | x floor + decoded | collectives "
-        "| CPU ms in the calling thread (exchange / floor) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| x floor + names | floor + decoded names | x floor + decoded | floor + dataset order "
+        "| x floor + order | collectives | CPU ms in the calling thread (exchange / floor) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         exchange(
             "logits, ids, names",
             ex,
             f"{ex['floor_names_ms']:.2f} ms | {ex['exchange_vs_floor_names']:.2f}x "
-            f"| {ex['floor_decoded_ms']:.2f} ms | {ex['exchange_vs_floor_decoded']:.2f}x",
+            f"| {ex['floor_decoded_ms']:.2f} ms | {ex['exchange_vs_floor_decoded']:.2f}x | - | -",
         ),
-        exchange("logits, ids (no layout)", tensors, " | ".join(["-"] * 4)),
+        exchange(
+            "logits, ids (no layout)",
+            tensors,
+            " | ".join(["-"] * 4)
+            + f" | {tensors['floor_placed_ms']:.2f} ms | {tensors['exchange_vs_floor_placed']:.2f}x",
+        ),
         "",
         '| add (no_grad) | add (device="cpu") | copy of the batch '
         "| first add (reads the sampler) | adds per rank |",
