@@ -516,8 +516,30 @@ FAST_CASES: dict[str, tuple[Callable[[int, int], list[tuple[Any, list[int]]]], A
         ],
         tg.by_path({"s": tg.cat_items()}),
     ),
+    "key_order_differs_between_ranks": (  # equal structures, keys in another order
+        lambda r, w: [
+            (
+                {"x": torch.full((2,), float(r)), "s": [f"{r}a", f"{r}b"]}
+                if r % 2
+                else {"s": [f"{r}a", f"{r}b"], "x": torch.full((2,), float(r))},
+                _rows(r, 2),
+            )
+        ],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
+    "long_runs_and_padding": (  # each rank's indices a run of 20 (sent as three ints), then 0
+        lambda r, w: [
+            (
+                {"x": torch.arange(21.0) + 100 * r, "s": [f"{r}:{i}" for i in range(21)]},
+                [*range(r, r + 20 * w, w), 0],
+            )
+        ],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
 }
-SLOW = {"pad_uneven_between_ranks"}  # ranks' payloads differ in shape: the definition
+# The definition takes these: the ranks' payloads differ in shape, or in their dicts' key order
+# (the result follows the first rank's).
+SLOW = {"pad_uneven_between_ranks", "key_order_differs_between_ranks"}
 
 
 def _collected(adds: list[tuple[Any, list[int]]], layout: Any, dst: int | None = None) -> Any:
@@ -526,6 +548,10 @@ def _collected(adds: list[tuple[Any, list[int]]], layout: Any, dst: int | None =
         col.add(outputs, indices=indices)
     got = col.all_gather(layout) if dst is None else col.gather(layout, dst=dst)
     return got, col.indices
+
+
+def _all_gathered(col: tgd.Collector, layout: Any) -> tuple[Any, Any]:
+    return col.all_gather(layout), col.indices
 
 
 @contextlib.contextmanager
@@ -586,6 +612,20 @@ def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
     out["other_call_on_one_rank"] = _capture(
         lambda: col.all_gather() if rank == 0 else tgd.all_gather({"x": torch.zeros(1)})
     )
+    # Under DistributedSampler with at least 16 rows per rank: the sampler's leading run, found
+    # at the first add, is sent as three ints, and the padding after it as indices.
+    for shuffle in (False, True):
+        sampler = DistributedSampler(range(53), world, rank, shuffle=shuffle, seed=1)
+        order = list(sampler)
+        col = tgd.Collector(sampler)
+        for start in range(0, len(order), 8):
+            idx = order[start : start + 8]
+            x = torch.tensor(idx, dtype=torch.float32).unsqueeze(1) * 2
+            col.add({"x": x, "s": [f"n{i}" for i in idx]})
+        with _fast_layer_taken() as took:
+            layout = tg.by_path({"s": tg.cat_items()})
+            got = _capture(functools.partial(_all_gathered, col, layout))
+        out[("sampler_runs", shuffle)] = (got, list(took))
     # A repeated evaluation that fits the group's inline area: one collective.
     for _ in range(2):
         col = tgd.Collector()
@@ -919,6 +959,21 @@ def _one_process(name: str, world: int) -> tuple[Any, Any]:
         for outputs, indices in adds(r, world):
             col.add(outputs, indices=indices)
     return col.all_gather(layout), col.indices
+
+
+def test_the_sampler_run_travels_as_three_ints(ranks: Any) -> None:
+    """DistributedSampler over 53 samples (a run of 18-27 indices per rank, padding after it),
+    shuffled or not: the fast layer takes it, and every rank gets each sample once, in order."""
+    _, results = ranks
+    for res in results:
+        for shuffle in (False, True):
+            got, took = res["fast"][("sampler_runs", shuffle)]
+            assert got[0] == "ok", got[-1]
+            result, indices = got[1]
+            assert took == [True]
+            assert torch.equal(indices, torch.arange(53))
+            assert torch.equal(result["x"], torch.arange(53.0).unsqueeze(1) * 2)
+            assert result["s"] == [f"n{i}" for i in range(53)]
 
 
 @pytest.mark.parametrize("name", sorted(FAST_CASES))

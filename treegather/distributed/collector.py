@@ -20,6 +20,7 @@ evaluation costs one collective; the rows are then put in dataset order per rank
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -214,7 +215,7 @@ class Collector:
                 "all_gather()/gather()"
             )
         self._done = True
-        plans: dict[Any, tuple[Plan, list[int]]] = {}
+        plans: dict[Any, tuple[Plan, list[int], Any]] = {}
         local: Any = None
         own: list[Any] = []
         try:
@@ -239,7 +240,7 @@ class Collector:
         and those values before they were made to travel."""
         trees = [tree for tree, _ in self._adds]
         plan, kinds, spec0 = plan_of(trees[0], layout)
-        plans[spec0] = (plan, kinds)
+        plans[spec0] = (plan, kinds, spec0)
         shape = Opaque((spec0, tuple(kinds)))
         if FAST_PATHS.on:  # the same values, from the columns the adds filled
             staged = self._columns.joined(plan, kinds, rules_of(plan), trees[0], self._device)
@@ -357,6 +358,8 @@ class Collector:
                 "\nHint: every rank must add outputs of the same structure"
             )
         found = plans.get(spec)
+        if found is not None and not _same_order(found[2], spec):
+            found = None  # (the first rank's dict keys in another order: its plan, its order)
         plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
         device = self._target()
         rules = rules_of(plan)
@@ -416,6 +419,18 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
     if dst is None:
         return finish(protocol.all_gather(local, AsList(), group, 0, None, False))
     return protocol.gather(local, dst, AsList(), group, 0, None, finish)
+
+
+def _same_order(mine: Any, first: Any) -> bool:
+    """Whether two equal structures also list their dicts' keys in the same order (optree's
+    ``==`` and hash do not tell; unflattening follows the order). The result follows the first
+    rank's."""
+    if mine is first:
+        return True
+    try:
+        return pickle.dumps(mine) == pickle.dumps(first)
+    except Exception:  # (a node that does not pickle came from this rank alone)
+        return True
 
 
 def _initialized() -> bool:

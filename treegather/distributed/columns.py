@@ -54,7 +54,7 @@ HEAD = 6
 MIN_RUN = 16  # indices from which a leading arithmetic run is sent as three ints
 FIRST_VALUE = 3  # the parts: the head, the dataset indices, the rows per add, then the values
 # Per (structure, what each position is, the layout's key): the digest the ranks compare.
-_DIGESTS: LRU[Any, tuple[int, int] | None] = LRU("distributed.collector_digests", maxsize=64)
+_DIGESTS: LRU[Any, tuple[int, int]] = LRU("distributed.collector_digests", maxsize=64)
 
 
 class Payload(NamedTuple):
@@ -257,23 +257,23 @@ def _digest(
     """What must agree between the ranks, as two int64 (``(0, 0)`` is "no digest")."""
     spec, kinds = shape
     text = layout_text(layout, 0)[0]
-    key = (spec, tuple(kinds), descs, text)
+    try:  # (the bytes, not the spec, in the key: equal specs may order a dict's keys otherwise)
+        raw_spec = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return None
+    key = (raw_spec, tuple(kinds), descs, text)
     found = _DIGESTS.get(key, False)
     if found is not False:
         return found
-    try:
-        h = hashlib.blake2b(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16)
-    except Exception:
-        found = None
-    else:
-        h.update(repr((list(kinds), [tuple(map(str, d)) for d in descs], text)).encode())
-        raw = h.digest()
-        found = (
-            int.from_bytes(raw[:8], "little", signed=True) or 1,
-            int.from_bytes(raw[8:], "little", signed=True),
-        )
-    _DIGESTS.put(key, found)
-    return found
+    h = hashlib.blake2b(raw_spec, digest_size=16)
+    h.update(repr((list(kinds), [tuple(map(str, d)) for d in descs], text)).encode())
+    raw = h.digest()
+    digest = (
+        int.from_bytes(raw[:8], "little", signed=True) or 1,
+        int.from_bytes(raw[8:], "little", signed=True),
+    )
+    _DIGESTS.put(key, digest)
+    return digest
 
 
 # -------------------------------------------------------------------------------- reading
