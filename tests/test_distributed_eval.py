@@ -527,6 +527,19 @@ FAST_CASES: dict[str, tuple[Callable[[int, int], list[tuple[Any, list[int]]]], A
         ],
         tg.by_path({"s": tg.cat_items()}),
     ),
+    "key_order_alternates_on_one_rank": (  # rank 1's columns stop: its adds are joined by
+        # the definition, rank 0's by its columns; the payloads are the same, so the fast layer
+        lambda r, w: [
+            (
+                {"s": [f"{r}{i}"], "x": torch.full((1, 2), float(i))}
+                if r == 1 and i % 2
+                else {"x": torch.full((1, 2), float(i)), "s": [f"{r}{i}"]},
+                [10 * r + i],
+            )
+            for i in range(4)
+        ],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
     "long_runs_and_padding": (  # each rank's indices a run of 20 (sent as three ints), then 0
         lambda r, w: [
             (
