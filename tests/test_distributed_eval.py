@@ -439,6 +439,10 @@ FAST_CASES: dict[str, tuple[Callable[[int, int], list[tuple[Any, list[int]]]], A
         lambda r, w: [({"x": torch.zeros(2), "s": ["a\x00b", str(r)]}, _rows(r, 2))],
         tg.by_path({"s": tg.cat_items()}),
     ),
+    "lone_surrogates": (  # file names os.fsdecode made of undecodable bytes: not UTF-8
+        lambda r, w: [({"x": torch.zeros(2), "s": [f"f{r}\udcff", "ok"]}, _rows(r, 2))],
+        tg.by_path({"s": tg.cat_items()}),
+    ),
     "str_subclass_items": (
         lambda r, w: [({"x": torch.zeros(2), "s": [Label.CAT, Label.DOG]}, _rows(r, 2))],
         tg.by_path({"s": tg.cat_items()}),
@@ -563,6 +567,13 @@ def _collected(adds: list[tuple[Any, list[int]]], layout: Any, dst: int | None =
     return got, col.indices
 
 
+class _Unlisted(list):  # type: ignore[type-arg]
+    """A list that refuses to be iterated."""
+
+    def __iter__(self) -> Any:
+        raise RuntimeError("cannot iterate these names")
+
+
 def _all_gathered(col: tgd.Collector, layout: Any) -> tuple[Any, Any]:
     return col.all_gather(layout), col.indices
 
@@ -619,6 +630,14 @@ def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
     col = tgd.Collector()
     col.add({"x": torch.zeros(1)}, indices=[rank])
     out["bad_dst_on_one_rank"] = _capture(lambda: col.gather(dst=world + 5 if rank == 0 else 0))
+    # What is not a treegather error, raised on one rank while its adds are joined (a list
+    # subclass that cannot be iterated): every rank raises, no hang.
+    col = tgd.Collector()
+    names = _Unlisted(["a"]) if rank == 0 else ["b"]
+    col.add({"x": torch.zeros(1), "s": names}, indices=[rank])
+    out["unexpected_on_one_rank"] = _capture(
+        functools.partial(col.all_gather, tg.by_path({"s": tg.cat_items()}))
+    )
     # One rank exchanges a Collector, the others call all_gather: the same error, no hang.
     col = tgd.Collector()
     col.add({"x": torch.zeros(1)}, indices=[rank])
@@ -972,6 +991,16 @@ def _one_process(name: str, world: int) -> tuple[Any, Any]:
         for outputs, indices in adds(r, world):
             col.add(outputs, indices=indices)
     return col.all_gather(layout), col.indices
+
+
+def test_an_unexpected_error_on_one_rank_reaches_every_rank(ranks: Any) -> None:
+    _, results = ranks
+    for rank, res in enumerate(results):
+        status, name, message, trace = res["fast"]["unexpected_on_one_rank"]
+        assert (status, name) == ("raised", "TreegatherError"), message
+        assert "on rank 0: RuntimeError: cannot iterate these names" in message
+        if rank == 0:  # its own error, as the cause
+            assert "RuntimeError: cannot iterate these names" in trace.split("direct cause")[0]
 
 
 def test_the_sampler_run_travels_as_three_ints(ranks: Any) -> None:

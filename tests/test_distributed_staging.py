@@ -89,6 +89,11 @@ CASES: dict[str, tuple[Callable[[], list[Any]], Any, bool]] = {
         tg.by_path({"s": tg.cat_items()}),
         True,
     ),
+    "lone_surrogates_in_a_later_add": (  # not UTF-8: pickled to travel (as by the definition)
+        lambda: [{"x": torch.ones(1), "s": ["a"]}, {"x": torch.ones(1), "s": ["b\udcff"]}],
+        tg.by_path({"s": tg.cat_items()}),
+        True,
+    ),
     "str_subclass_in_a_later_add": (
         lambda: [{"x": torch.ones(1), "s": ["a"]}, {"x": torch.ones(1), "s": [Label.CAT]}],
         tg.by_path({"s": tg.cat_items()}),

@@ -218,22 +218,33 @@ class Collector:
         plans: dict[Any, tuple[Plan, list[int], Any]] = {}
         local: Any = None
         own: list[Any] = []
+        unexpected: Exception | None = None
         try:
             if self._adds:
                 local, own = self._local(layout, plans)
         except TreegatherError as exc:  # raised on every rank, after the exchange
             local = _Problem(type(exc).__name__, str(exc))
+        except Exception as exc:  # (not ours: every rank still learns of it, instead of waiting)
+            if not _initialized():
+                raise
+            unexpected = exc
+            local = _Problem(TreegatherError.__name__, f"{type(exc).__name__}: {exc}")
 
         def finish(payloads: list[Any]) -> Any:
             return self._combine(payloads, layout, plans)
 
-        if FAST_PATHS.on and _initialized():  # every rank's bytes in one collective
-            done = columns.exchange(local, own, layout, dst, self._group, finish)
-            if done is not None:
-                if not done.is_root:
-                    self.indices = None
-                return done.result if done.is_root else None
-        return _exchange(local, dst, self._group, finish)
+        try:
+            if FAST_PATHS.on and _initialized():  # every rank's bytes in one collective
+                done = columns.exchange(local, own, layout, dst, self._group, finish)
+                if done is not None:
+                    if not done.is_root:
+                        self.indices = None
+                    return done.result if done.is_root else None
+            return _exchange(local, dst, self._group, finish)
+        except TreegatherError as exc:
+            if unexpected is not None and exc.__cause__ is None:
+                raise exc from unexpected  # this rank's own error, as it was raised
+            raise
 
     def _local(self, layout: Any, plans: dict[Any, Any]) -> tuple[Payload, list[Any]]:
         """This rank's adds concatenated: per-sample leaves in one piece, the others listed;

@@ -112,7 +112,10 @@ def exchange(
     if g.device.type != "cpu":  # (the same on every rank of the group) the definition, at once
         return None
     root, problem = (-1, None) if dst is None else root_rank(g, dst, "dst")
-    packed = _pack(local, layout) if isinstance(local, Payload) else None
+    try:  # (whatever goes wrong here, the definition meets it too, and on every rank)
+        packed = _pack(local, layout) if isinstance(local, Payload) else None
+    except Exception:
+        packed = None
     digest, nbytes = (packed.digest, packed.nbytes) if packed is not None else ((0, 0), 0)
 
     def write(out: Tensor) -> None:

@@ -95,8 +95,11 @@ def travelling(value: Any, types: set[type] | None = None) -> Any:
         if (set(map(type, value)) if types is None else types) == {str}:
             joined = SEP.join(value)
             if joined.count(SEP) == len(value) - 1:  # no string holds the separator
-                data = torch.frombuffer(bytearray(joined.encode()), dtype=torch.uint8)
-                return Texts(data, len(value))
+                try:
+                    raw = joined.encode()
+                except UnicodeEncodeError:  # lone surrogates (os.fsdecode of odd bytes): pickled
+                    return Opaque(value)
+                return Texts(torch.frombuffer(bytearray(raw), dtype=torch.uint8), len(value))
     return Opaque(value)
 
 
