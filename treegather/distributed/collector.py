@@ -167,8 +167,8 @@ class Collector:
         ``device``, tensors are moved there (detached); without it they are kept as they are
         (detached when grad mode is on: evaluate under ``torch.no_grad()`` and nothing is
         copied or flattened here). A dict's values are noted per key as they come (a few
-        attribute reads per key; lists of strings are encoded once), which the exchange then
-        joins without going over every add again.
+        attribute reads per key; the item types of a list), which the exchange then joins
+        without going over every add again.
 
         Raises:
             StateError: the Collector was exchanged already; call :meth:`reset` first.
