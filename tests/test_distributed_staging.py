@@ -219,7 +219,7 @@ def test_the_columns_give_what_the_definition_gives(
 
 def test_a_tensor_changed_after_its_add() -> None:
     """Values changed in place after an add are read at the exchange by both paths; a tensor
-    resized after its add (its rows or trailing shape) takes the definition."""
+    resized or a list grown after its add takes the definition: the same result or error."""
 
     def grow(adds: list[Any]) -> None:
         adds[0]["logits"].add_(100)
@@ -228,7 +228,15 @@ def test_a_tensor_changed_after_its_add() -> None:
     def reshape(adds: list[Any]) -> None:
         adds[1]["logits"].resize_(2, 4)
 
-    for mutate in (grow, reshape):
+    def shift_rows(adds: list[Any]) -> None:  # the same rows in all, split otherwise
+        adds[0]["logits"].resize_(3, 3)
+        adds[1]["logits"].resize_(1, 3)
+
+    def lists(adds: list[Any]) -> None:
+        adds[0]["names"].append("late")
+        adds[1]["names"][0] = "changed"
+
+    for mutate in (grow, reshape, shift_rows, lists):
         fast = _run(_resized(), NAMES, mutate=mutate)
         with reference_only():
             reference = _run(_resized(), NAMES, mutate=mutate)

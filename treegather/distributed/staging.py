@@ -22,6 +22,7 @@ rows that disagree), and then the definition runs. An add costs a few attribute 
 
 from __future__ import annotations
 
+import operator
 from itertools import chain
 from typing import Any, NamedTuple
 
@@ -35,6 +36,7 @@ __all__ = ["Column", "Columns", "Joined"]
 
 Tensor = torch.Tensor
 TENSORS, TEXTS, OTHER = "tensors", "texts", "other"
+_ROWS = operator.methodcaller("size", 0)
 
 
 class Column:
@@ -158,13 +160,15 @@ class Columns:
                         tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
                 except RuntimeError:  # (a tensor resized after it was added): the definition
                     return None
-                if tensor.shape[1:] != column.tail or tensor.shape[0] != sum(column.rows):
-                    return None
+                if tensor.shape[1:] != column.tail or list(map(_ROWS, parts)) != column.rows:
+                    return None  # (resized since it was added: read as the definition reads)
                 combined.append(tensor)
                 moving.append(tensor)
             else:
                 assert kind == ITEMS
                 if column.kind is not TEXTS:
+                    return None
+                if list(map(len, column.values)) != column.rows:  # (changed since added)
                     return None
                 items = list(chain.from_iterable(column.values))
                 combined.append(items)
