@@ -46,8 +46,7 @@ structure) and :mod:`~treegather.distributed.payload` (its bytes),
 :mod:`~treegather.distributed.combine` (the results, by the single-process rules),
 :mod:`~treegather.distributed.grads` (``sync_grads``),
 :mod:`~treegather.distributed.collector` (:class:`Collector`),
-:mod:`~treegather.distributed.samples` (its per-sample values, and their dataset order),
-:mod:`~treegather.distributed.staging` (its adds kept as columns while they come) and
+:mod:`~treegather.distributed.samples` (its per-sample values, and their dataset order) and
 :mod:`~treegather.distributed.columns` (its exchange in one collective).
 
 Security:

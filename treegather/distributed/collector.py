@@ -9,11 +9,9 @@ every dataset sample exactly once, in index order.
 
 The exchange's definition is one :func:`treegather.distributed.all_gather` (``gather``: to
 ``dst``) of every rank's adds joined (:class:`~treegather.distributed.columns.Payload`) under
-``as_list()``. Its fast layer keeps the adds as columns while they come (a dict with the same
-keys at every add: :mod:`~treegather.distributed.staging`, so the exchange joins each key once
-instead of flattening and checking every add) and packs them into the call's first collective
-when every rank's payload agrees (:mod:`~treegather.distributed.columns`), so a repeated
-evaluation costs one collective; the rows are then put in dataset order per rank
+``as_list()``. Its fast layer (:mod:`~treegather.distributed.columns`) packs them into the
+call's first collective when every rank's payload agrees, so a repeated evaluation costs one
+collective; the rows are then put in dataset order per rank
 (:func:`~treegather.distributed.samples.dataset_order`,
 :func:`~treegather.distributed.samples.place`).
 """
@@ -56,7 +54,6 @@ from .samples import (
     rules_of,
     travelling,
 )
-from .staging import Columns
 
 __all__ = ["Collector"]
 
@@ -137,7 +134,6 @@ class Collector:
         self._device = None if device is None else as_device(device)
         self._group = group
         self._adds: list[tuple[Any, Sequence[int] | Tensor | None]] = []
-        self._columns = Columns()  # the same adds, by key (the fast layer's local half)
         self._order: Tensor | None = None  # this epoch's indices of the sampler
         self._run = (0, 0, 0)  # their leading arithmetic run (columns.leading_run)
         self._given = False  # some add passed indices=
@@ -152,7 +148,6 @@ class Collector:
     def reset(self) -> None:
         """Forget every add (and the sampler's order): ready for the next epoch."""
         self._adds = []
-        self._columns = Columns()
         self._order = None
         self._run = (0, 0, 0)
         self._given = False
@@ -166,9 +161,7 @@ class Collector:
         indices) or, without them, to the next indices of the sampler. With the Collector's
         ``device``, tensors are moved there (detached); without it they are kept as they are
         (detached when grad mode is on: evaluate under ``torch.no_grad()`` and nothing is
-        copied or flattened here). A dict's values are noted per key as they come (a few
-        attribute reads per key; the item types of a list), which the exchange then joins
-        without going over every add again.
+        copied or flattened here).
 
         Raises:
             StateError: the Collector was exchanged already; call :meth:`reset` first.
@@ -188,7 +181,6 @@ class Collector:
             self._order = read_order(self._sampler)
             self._run = columns.leading_run(self._order)
         self._adds.append((outputs, indices))
-        self._columns.add(outputs)
 
     def all_gather(self, layout: Any = None) -> Any:
         """Every rank's adds, combined on every rank: each sample once, in index order.
@@ -252,31 +244,8 @@ class Collector:
         trees = [tree for tree, _ in self._adds]
         plan, kinds, spec0 = plan_of(trees[0], layout)
         plans[spec0] = (plan, kinds, spec0)
-        shape = Opaque((spec0, tuple(kinds)))
-        if FAST_PATHS.on:  # the same values, from the columns the adds filled
-            staged = self._columns.joined(plan, kinds, rules_of(plan), trees[0], self._device)
-            if staged is not None:
-                rows = staged.rows
-                idx, run = self._indices(rows), None
-                if self._sampled(idx.numel()):  # the sampler's first rows: their run is known
-                    first, step, n = self._run
-                    run = (first, step, min(n, idx.numel())) if idx.numel() >= MIN_RUN else None
-                travel = staged.travelling
-                return Payload(idx, torch.tensor(rows), travel, shape, run), staged.combined
         up = plan.up_spec
-        try:
-            values = list(map(up.flatten_up_to, trees))
-        except (ValueError, TypeError):
-            for a, tree in enumerate(trees):
-                try:
-                    up.flatten_up_to(tree)
-                except (ValueError, TypeError):
-                    raise StructureMismatchError(
-                        f"add #{a} has another structure than add #0 (outputs of every batch "
-                        "must have the same keys, fields and lengths; per-sample lists go under "
-                        "cat_items())"
-                    ) from None
-            raise
+        values = _flattened(trees, up)
         rows = rows_per_add(values, plan, kinds)
         idx = self._indices(rows)
         device = self._target(values)
@@ -298,7 +267,16 @@ class Collector:
             v if k == SAMPLES else travelling(v, types.get(p))
             for p, (k, v) in enumerate(zip(kinds, combined))
         )
-        return Payload(idx, torch.tensor(rows), wrapped, shape), combined
+        shape = Opaque((spec0, tuple(kinds)))
+        return Payload(idx, torch.tensor(rows), wrapped, shape, self._known_run(idx)), combined
+
+    def _known_run(self, idx: Tensor) -> tuple[int, int, int] | None:
+        """The leading run of ``idx`` when it is the sampler's first indices (whose run the
+        first add found), else ``None`` (found when packed)."""
+        if idx.numel() < MIN_RUN or not self._sampled(idx.numel()):
+            return None
+        first, step, n = self._run
+        return first, step, min(n, idx.numel())
 
     def _sampled(self, total: int) -> bool:
         """Whether the indices of ``total`` rows are the sampler's first (no add passed
@@ -340,7 +318,7 @@ class Collector:
             taken += n
         return torch.cat(parts) if len(parts) != 1 else parts[0]
 
-    def _target(self, values: list[list[Any]] | None = None) -> torch.device:
+    def _target(self, values: Sequence[Sequence[Any]] | None = None) -> torch.device:
         if self._device is not None:
             return self._device
         for row in values or ():
@@ -430,6 +408,23 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
     if dst is None:
         return finish(protocol.all_gather(local, AsList(), group, 0, None, False))
     return protocol.gather(local, dst, AsList(), group, 0, None, finish)
+
+
+def _flattened(trees: list[Any], up: Any) -> list[Any]:
+    """Every add flattened by the plan's ``up`` spec; an add of another structure named."""
+    try:
+        return list(map(up.flatten_up_to, trees))
+    except (ValueError, TypeError):
+        for a, tree in enumerate(trees):
+            try:
+                up.flatten_up_to(tree)
+            except (ValueError, TypeError):
+                raise StructureMismatchError(
+                    f"add #{a} has another structure than add #0 (outputs of every batch "
+                    "must have the same keys, fields and lengths; per-sample lists go under "
+                    "cat_items())"
+                ) from None
+        raise
 
 
 def _same_order(mine: Any, first: Any) -> bool:
