@@ -41,9 +41,8 @@ def _batch(n: int, at: int = 0) -> dict[str, Any]:
     }
 
 
-def _resized() -> list[Any]:
-    a, b = _batch(2), _batch(2, 10)
-    return [a, b]
+def _two_batches() -> list[Any]:
+    return [_batch(2), _batch(2, 10)]
 
 
 def _two_keys_one_tensor() -> list[Any]:
@@ -191,9 +190,10 @@ def test_the_join_gives_what_the_definition_gives(name: str) -> None:
     _same(fast, reference)
 
 
-def test_a_tensor_changed_after_its_add() -> None:
-    """Values changed in place after an add are read at the exchange by both paths; a tensor
-    resized or a list grown after its add takes the definition: the same result or error."""
+def test_values_changed_after_their_add() -> None:
+    """Tensors changed in place, resized or given another dtype, lists grown or given other
+    items, after their add: the join reads them as they are at the exchange, as the definition
+    does (the same result or error)."""
 
     def grow(adds: list[Any]) -> None:
         adds[0]["logits"].add_(100)
@@ -218,7 +218,7 @@ def test_a_tensor_changed_after_its_add() -> None:
         adds[1]["ids"].data = adds[1]["ids"].data.double()
 
     for mutate in (grow, reshape, shift_rows, lists, items, retyped):
-        fast = _run(_resized(), NAMES, mutate=mutate)
+        fast = _run(_two_batches(), NAMES, mutate=mutate)
         with reference_only():
-            reference = _run(_resized(), NAMES, mutate=mutate)
+            reference = _run(_two_batches(), NAMES, mutate=mutate)
         _same(fast, reference)

@@ -245,7 +245,19 @@ class Collector:
         plan, kinds, spec0 = plan_of(trees[0], layout)
         plans[spec0] = (plan, kinds, spec0)
         up = plan.up_spec
-        values = _flattened(trees, up)
+        try:
+            values = list(map(up.flatten_up_to, trees))
+        except (ValueError, TypeError):
+            for a, tree in enumerate(trees):
+                try:
+                    up.flatten_up_to(tree)
+                except (ValueError, TypeError):
+                    raise StructureMismatchError(
+                        f"add #{a} has another structure than add #0 (outputs of every batch "
+                        "must have the same keys, fields and lengths; per-sample lists go under "
+                        "cat_items())"
+                    ) from None
+            raise
         rows = rows_per_add(values, plan, kinds)
         idx = self._indices(rows)
         device = self._target(values)
@@ -318,7 +330,7 @@ class Collector:
             taken += n
         return torch.cat(parts) if len(parts) != 1 else parts[0]
 
-    def _target(self, values: Sequence[Sequence[Any]] | None = None) -> torch.device:
+    def _target(self, values: list[list[Any]] | None = None) -> torch.device:
         if self._device is not None:
             return self._device
         for row in values or ():
@@ -408,23 +420,6 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
     if dst is None:
         return finish(protocol.all_gather(local, AsList(), group, 0, None, False))
     return protocol.gather(local, dst, AsList(), group, 0, None, finish)
-
-
-def _flattened(trees: list[Any], up: Any) -> list[Any]:
-    """Every add flattened by the plan's ``up`` spec; an add of another structure named."""
-    try:
-        return list(map(up.flatten_up_to, trees))
-    except (ValueError, TypeError):
-        for a, tree in enumerate(trees):
-            try:
-                up.flatten_up_to(tree)
-            except (ValueError, TypeError):
-                raise StructureMismatchError(
-                    f"add #{a} has another structure than add #0 (outputs of every batch "
-                    "must have the same keys, fields and lengths; per-sample lists go under "
-                    "cat_items())"
-                ) from None
-        raise
 
 
 def _same_order(mine: Any, first: Any) -> bool:

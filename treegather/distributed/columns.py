@@ -323,6 +323,6 @@ def _read(
         if run:  # the leading run, sent as three ints
             line = torch.arange(first, first + step * run, step)
             indices = torch.cat([line, indices]) if indices.numel() else line
-        rows_per_add = parts[2].view(torch.int64)
-        out.append(Payload(indices, rows_per_add, tuple(values), local.shape, (first, step, run)))
+        per_add = parts[2].view(torch.int64)
+        out.append(Payload(indices, per_add, tuple(values), local.shape, (first, step, run)))
     return out

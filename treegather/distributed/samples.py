@@ -149,7 +149,7 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
     return plan, kinds, spec
 
 
-def rows_per_add(values: Sequence[Sequence[Any]], plan: Plan, kinds: list[int]) -> list[int]:
+def rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[int]:
     """Each add's rows, from its per-sample leaves (which must agree within the add)."""
     if SAMPLES not in kinds and ITEMS not in kinds:
         raise BatchSizeError(
