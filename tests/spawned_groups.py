@@ -75,6 +75,9 @@ def _worker(
     rank: int, world: int, port: int, outdir: str, modules: Sequence[str], names: Sequence[str]
 ) -> None:
     torch.set_num_threads(1)
+    # As a process torchrun starts: its own processes (a DataLoader's workers) fork, where the
+    # spawn that started this one would make every worker import torch again (seconds each).
+    multiprocessing.set_start_method("fork", force=True)
     # A fresh process that imported treegather (with this module) but not the collectives yet.
     results: dict[str, Any] = {"lazy": not _loaded_collectives()}
     current = "importing the test modules"
@@ -123,8 +126,10 @@ def run_group(
     ``deadline_s`` are terminated, then killed."""
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
+    # Not daemonic: a rank may start processes of its own (a DataLoader's workers); none
+    # outlives this function, which terminates, then kills, whatever is still running.
     procs = [
-        ctx.Process(target=target, args=(r, world, port, str(outdir), *args), daemon=True)
+        ctx.Process(target=target, args=(r, world, port, str(outdir), *args), daemon=False)
         for r in range(world)
     ]
     for p in procs:

@@ -106,7 +106,7 @@ def test_one_process_with_a_sampler_equals_the_reference(
     )
     sampler.set_epoch(3)
     loader = DataLoader(ds, batch_size=2, sampler=sampler, drop_last=loader_drop_last)
-    col = tgd.Collector(sampler)
+    col = tgd.Collector(loader)  # (its batch sampler: the loader's drop_last applied)
     seen, losses, rows = _evaluate(loader, col)
     out = col.all_gather(LAYOUT)
     want = _reference(seen)
@@ -156,7 +156,9 @@ def test_errors_name_the_add_and_the_path() -> None:
         col.all_gather()
     col = tgd.Collector()
     col.add({"a": torch.zeros(2)})
-    with pytest.raises(tg.BatchSizeError, match="no indices= and no sampler"):
+    with pytest.raises(
+        tg.BatchSizeError, match="no indices=, and no loader observed or sampler given"
+    ):
         col.all_gather()
     col = tgd.Collector()
     col.add({"a": torch.zeros(2)}, indices=[0, 1])
@@ -382,7 +384,7 @@ def _collector_checks(rank: int, world: int) -> dict[str, Any]:
                 sampler = DistributedSampler(ds, shuffle=shuffle, drop_last=sampler_drop, seed=7)
                 sampler.set_epoch(2)
                 loader = DataLoader(ds, batch_size=2, sampler=sampler, drop_last=loader_drop)
-                col = tgd.Collector(sampler)
+                col = tgd.Collector(loader)
                 seen, losses, rows = _evaluate(loader, col)
                 key = (shuffle, sampler_drop, loader_drop)
                 out[("all", key)] = (col.all_gather(LAYOUT), col.indices, seen, losses, rows)
@@ -866,7 +868,9 @@ def test_a_problem_on_one_rank_raises_on_every_rank(ranks: Any) -> None:
     for res in results:
         status, name, message, _ = res["collector"]["rows_on_one_rank"]
         assert (status, name) == ("raised", "BatchSizeError"), message
-        assert message.startswith("on rank 1: add #0: per-sample leaves disagree")
+        assert message.startswith(
+            "Collector.all_gather: on rank 1: add #0: per-sample leaves disagree"
+        )
         status, name, message, _ = res["collector"]["dtype_on_one_rank"]
         assert (status, name) == ("raised", "ShapeMismatchError"), message
         assert "dtype" in message

@@ -19,21 +19,31 @@ collective; the rows are then put in dataset order per rank
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
 from .._caches import FAST_PATHS
 from .._devices import DeviceLike, as_device
-from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
+from .._errors import (
+    BatchSizeError,
+    LayoutError,
+    StateError,
+    StructureMismatchError,
+    TreegatherError,
+)
 from .._layout import Plan, resolve
 from .._rules import AsList
 from .._tree import display_path
 from . import columns, errors, protocol
-from .columns import MIN_RUN, Payload
+from .columns import Payload
+from .layout import layout_text
+from .loaders import OBSERVE, Observation, index_tensor, observe, pure_sampler, read
 from .samples import (
     CROSS,
+    ITEMS,
     PER_ADD,
     SAMPLES,
     Mine,
@@ -43,17 +53,16 @@ from .samples import (
     by_position,
     dataset_order,
     gather_noted,
-    is_loader,
     join,
     moved,
     place,
     placed,
     plan_of,
-    read_order,
     rows_per_add,
     rules_of,
     travelling,
 )
+from .wire import format_problems
 
 __all__ = ["Collector"]
 
@@ -68,6 +77,12 @@ class _Problem(NamedTuple):
     message: str
 
 
+class _Add(NamedTuple):
+    outputs: Any
+    indices: Any  # as given to add(), or None
+    yielded: int  # batches the observed loop had yielded when it was added
+
+
 class Collector:
     """An evaluation's outputs, collected locally and exchanged once, each sample once, in order.
 
@@ -79,86 +94,121 @@ class Collector:
     >>> out["ids"], col.indices
     (tensor([9, 8, 7]), tensor([1, 2, 3]))
 
-    Give it the sampler the ``DataLoader`` uses (``DistributedSampler`` or any sampler of
-    dataset indices; a ``DataLoader`` itself means its sampler), call :meth:`add` with each
-    batch's outputs (no communication: per-sample leaves have the batch dim first), then
-    :meth:`all_gather` (every rank gets the result) or :meth:`gather` (``dst`` gets it, the
-    others ``None``):
+    Iterate the ``DataLoader`` through :meth:`observe` (any sampler or batch sampler, worker
+    processes, accelerate's prepared loaders), call :meth:`add` with each batch's outputs (no
+    communication: per-sample leaves have the batch dim first), then :meth:`all_gather` (every
+    rank gets the result) or :meth:`gather` (``dst`` gets it, the others ``None``):
 
     .. code-block:: python
 
-        sampler.set_epoch(epoch)                  # first: the Collector reads this epoch's order
-        col = tgd.Collector(sampler)
-        for batch in loader:
+        col = tgd.Collector()
+        for batch in col.observe(loader):         # the indices of each batch, as it is made
             col.add(model(batch["x"]))
         result = col.all_gather({"names": tg.cat_items()})
 
-    The rows of every add are matched to the next indices the sampler yields for this rank,
-    read once, at the first add after the Collector is made or :meth:`reset` (so call
-    ``set_epoch`` before the loop, as the ``DataLoader`` needs it too). A sampler whose order is
-    not reproducible (a ``RandomSampler`` without a seeded generator) needs
-    ``add(outputs, indices=...)``, which also works with no sampler. Samples seen twice (the
-    padding ``DistributedSampler`` adds) are kept once, the first rank's, and the result is in
-    dataset index order (:attr:`indices` says which indices it holds: with ``drop_last`` on the
-    sampler or the loader, the samples that were seen).
+    The rows of the adds are the indices of the batches the loop received, one after the
+    other, as the loader's index sampler handed them out: nothing is read twice, so a random
+    sampler's order, its generator and epoch counters are what they would be without a
+    Collector. ``Collector(sampler)`` (or ``Collector(loader)``) with a plain ``for batch in
+    loader`` loop reads the sampler's order again at the first add, which only samplers known
+    to give the same order again allow (``SequentialSampler``, ``DistributedSampler``: call
+    ``set_epoch`` before the loop; a ``BatchSampler`` over those); other samplers are a typed
+    error there. ``add(outputs, indices=...)`` names the rows itself (any loop, an
+    ``IterableDataset``; mixed with the loader's rows, they must be the ones it handed out).
+    Samples seen twice (the padding ``DistributedSampler`` adds) are kept once, the first
+    rank's, and the result is in dataset index order (:attr:`indices` says which indices it
+    holds: with ``drop_last``, the samples that were seen).
+
+    The exchange checks that every rank added every row of its epoch (the whole loop, or all
+    of the sampler's indices): a rank that stopped early, or added rows twice, is an error on
+    every rank, naming the ranks and counts; ``partial=True`` takes what was added.
 
     Which leaves are per sample is the layout's to say, as in :func:`treegather.gather`:
-    tensors of one or more dims under the default rule (``cat()``), ``cat(0)`` or ``pad(0)``
-    are concatenated per sample, per-sample lists under ``cat_items()``; every other leaf (a
-    0-dim batch loss, ``stack()``, ``mean()``, ``as_list()``, a custom rule) is one value per
-    add, combined by its rule over every add of every rank (``mean()`` weighted by the adds'
-    rows). Such values are per batch, so the padding duplicates are inside them; per-sample
-    values are the exact way.
+    tensors of one or more dims under a rule that joins along the batch dim (the default
+    ``cat()``, ``cat(0)``, ``cat(-2)`` of 2-D leaves, ``pad(0)``) and per-sample lists under
+    ``cat_items()`` are put in dataset order; every other leaf (a 0-dim batch loss, ``stack()``,
+    ``mean()``, ``as_list()``, a custom rule) is one value per add, combined by its rule over
+    every add of every rank (``mean()`` weighted by the adds' rows), padding duplicates
+    included. A list of non-tensors needs a rule (``cat_items()`` or ``as_list()``).
 
-    Errors in what was added (rows that do not match the sampler's remaining indices,
-    per-sample leaves with other row counts in one add, adds of different structure) are found
-    at the exchange and raised on every rank, naming the path and the add (never a hang).
+    Errors in what was added (rows that do not match the loader's, per-sample leaves with
+    other row counts in one add, adds of different structure, ranks that differ) are found at
+    the exchange and raised on every rank, naming the path and the add (never a hang).
+    ``add`` and the exchange may run in different threads: an add either lands in the
+    exchange or raises.
 
     Args:
-        sampler: the sampler (or ``DataLoader``) whose indices this rank's adds follow;
-            ``None`` when every add passes ``indices=``.
+        source: a sampler (or ``DataLoader``) whose order this rank's adds follow in a plain
+            loop, read again at the first add; ``None`` with :meth:`observe` or ``indices=``.
         device: where added outputs are kept (e.g. ``"cpu"`` for a long evaluation on the
             GPU); default: where they are.
         group: the ``torch.distributed`` process group; ``None`` for the default group, or one
             process when none is initialised.
+
+    Raises:
+        ArgumentTypeError: ``source`` is a sampler whose order cannot be read again.
     """
 
     def __init__(
         self,
-        sampler: Iterable[Any] | None = None,
+        source: Iterable[Any] | None = None,
         *,
         device: DeviceLike | None = None,
         group: Any = None,
     ) -> None:
-        self._sampler = getattr(sampler, "sampler", sampler) if is_loader(sampler) else sampler
+        self._sampler = pure_sampler(source)
         self._device = None if device is None else as_device(device)
         self._group = group
-        self._adds: list[tuple[Any, Sequence[int] | Tensor | None]] = []
-        self._order: Tensor | None = None  # this epoch's indices of the sampler
-        self._run = (0, 0, 0)  # their leading arithmetic run (columns.leading_run)
-        self._given = False  # some add passed indices=
-        self._done = False
-        self.indices: Tensor | None = None
-        """The dataset indices of the last exchange's result, in order (``None`` before one)."""
+        self._lock = threading.Lock()
+        self.reset()
 
     def __len__(self) -> int:
         """How many adds this rank has collected since the last :meth:`reset`."""
         return len(self._adds)
 
     def reset(self) -> None:
-        """Forget every add (and the sampler's order): ready for the next epoch."""
-        self._adds = []
-        self._order = None
-        self._run = (0, 0, 0)
-        self._given = False
-        self._done = False
-        self.indices = None
+        """Forget every add (and the loop observed): ready for the next epoch."""
+        with self._lock:
+            self._adds: list[_Add] = []
+            self._order: Tensor | None = None  # the sampler's indices this epoch, once read
+            self._seen: Observation | None = None  # the loop observed this epoch
+            self._done = False
+            self.indices: Tensor | None = None
+            """The dataset indices of the last exchange's result, in order (``None`` before)."""
+
+    def observe(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``loader`` (a ``DataLoader``, or one accelerate prepared) once, as ``for
+        batch in loader`` does, noting the dataset indices of every batch it yields: the adds
+        made in the loop take them, one after the other.
+
+        The loader's index sampler (its ``batch_sampler``, else its ``sampler``) is seen
+        through a recorder while the loader's iterator is made (an attribute of the loader set
+        for that moment and put back), so that whatever it hands out is noted as it is handed
+        out, to the main process or its workers. ``loader`` is checked at once.
+
+        Raises:
+            ArgumentTypeError: ``loader`` makes its batches from no index sampler of its own (an
+                ``IterableDataset``, ``dispatch_batches``, ``in_order=False``, another class):
+                pass ``add(outputs, indices=...)`` instead.
+            StateError: adds were made already, or ``observe`` ran already: :meth:`reset`.
+        """
+        with self._lock:
+            self._ready("Collector.observe")
+            if self._adds or self._seen is not None:
+                raise StateError(
+                    "Collector.observe: this evaluation has adds or an observed loop already; "
+                    "observe one loop per evaluation, from its start (reset() starts the next)"
+                )
+            seen = Observation(None)
+            batches = observe(loader, seen)
+            self._seen = seen
+        return batches
 
     def add(self, outputs: Any, indices: Sequence[int] | Tensor | None = None) -> None:
         """Keep one batch's ``outputs`` (no communication).
 
-        The rows of the per-sample leaves are matched to ``indices`` (this batch's dataset
-        indices) or, without them, to the next indices of the sampler. With the Collector's
+        The rows of the per-sample leaves are ``indices`` (this batch's dataset indices), or
+        the next rows the observed loop (or the sampler) gave this rank. With the Collector's
         ``device``, tensors are moved there (detached); without it they are kept as they are
         (detached when grad mode is on: evaluate under ``torch.no_grad()`` and nothing is
         copied or flattened here).
@@ -166,54 +216,80 @@ class Collector:
         Raises:
             StateError: the Collector was exchanged already; call :meth:`reset` first.
         """
-        if self._done:
-            raise StateError(
-                "Collector.add after all_gather()/gather(): the outputs collected so far were "
-                "exchanged; call reset() to start the next evaluation"
-            )
         if self._device is not None:
             outputs = moved(outputs, self._device)
         elif torch.is_grad_enabled():
             outputs = moved(outputs, None)
-        if indices is not None:
-            self._given = True
-        elif self._order is None and self._sampler is not None:
-            self._order = read_order(self._sampler)
-            self._run = columns.leading_run(self._order)
-        self._adds.append((outputs, indices))
+        with self._lock:
+            self._ready("Collector.add")
+            seen = self._seen
+            if (
+                seen is None
+                and indices is None
+                and self._order is None
+                and self._sampler is not None
+            ):
+                self._order = read(self._sampler)
+            self._adds.append(_Add(outputs, indices, 0 if seen is None else seen.yielded))
 
-    def all_gather(self, layout: Any = None) -> Any:
+    def all_gather(self, layout: Any = None, *, partial: bool = False) -> Any:
         """Every rank's adds, combined on every rank: each sample once, in index order.
 
-        ``layout`` is a layout of one add's outputs, as for :func:`treegather.gather`.
-        One collective while every rank's adds agree and fit the group's inline capacity (see
-        the module), else what one :func:`treegather.distributed.all_gather` of this rank's
-        adds, concatenated, costs, plus one. ``None`` when no rank added anything.
-        """
-        return self._exchange(layout, None)
+        ``layout`` is a layout of one add's outputs, as for :func:`treegather.gather`, the same
+        on every rank. One collective while every rank's adds agree and fit the group's inline
+        capacity (see the module), else what one :func:`treegather.distributed.all_gather` of
+        this rank's adds, concatenated, costs, plus one. ``None`` when no rank added anything.
 
-    def gather(self, layout: Any = None, *, dst: int = 0) -> Any:
+        Args:
+            layout: how to combine each leaf, for one add's outputs.
+            partial: take what was added, even where a rank did not add its whole epoch
+                (:attr:`indices` tells which samples the result holds); the same on every rank.
+
+        Raises:
+            BatchSizeError: a rank added fewer (or more) rows than its epoch holds, or rows
+                that are not its loader's; raised on every rank.
+            StructureMismatchError: the ranks' adds differ in structure (the path is named).
+            LayoutError: the ranks passed different layouts (or ``partial``); a list of
+                non-tensors has no rule.
+            StateError: exchanged already; call :meth:`reset` first.
+        """
+        return self._exchange(layout, None, partial)
+
+    def gather(self, layout: Any = None, *, dst: int = 0, partial: bool = False) -> Any:
         """As :meth:`all_gather`, but the result is returned on rank ``dst`` only (``None``
         elsewhere, where :attr:`indices` is ``None`` too); adds too large to come with the
         call's first collective go to ``dst`` alone."""
-        return self._exchange(layout, dst)
+        return self._exchange(layout, dst, partial)
 
     # ---------------------------------------------------------------------------- exchange
 
-    def _exchange(self, layout: Any, dst: int | None) -> Any:
+    def _ready(self, call: str) -> None:
         if self._done:
             raise StateError(
-                "Collector exchanged twice: call reset() (and add again) before the next "
-                "all_gather()/gather()"
+                f"{call} after all_gather()/gather(): the outputs collected so far were "
+                "exchanged; call reset() to start the next evaluation"
             )
-        self._done = True
+
+    def _exchange(self, layout: Any, dst: int | None, partial: bool) -> Any:
+        name = "Collector.all_gather" if dst is None else "Collector.gather"
+        with self._lock:
+            if self._done:
+                raise StateError(
+                    "Collector exchanged twice: call reset() (and add again) before the next "
+                    "all_gather()/gather()"
+                )
+            self._done = True
+            adds, self._adds = self._adds, []  # (let go of them: the payload holds what travels)
         plans: dict[Any, tuple[Plan, list[int], Any]] = {}
         local: Any = None
         own: list[Any] = []
         unexpected: Exception | None = None
         try:
-            if self._adds:
-                local, own = self._local(layout, plans)
+            source = self._source()
+            if adds:
+                local, own = self._local(adds, source, bool(partial), layout, plans)
+            else:
+                _complete(0, source, bool(partial))
         except TreegatherError as exc:  # raised on every rank, after the exchange
             local = _Problem(type(exc).__name__, str(exc))
         except Exception as exc:  # (not ours: every rank still learns of it, instead of waiting)
@@ -221,27 +297,59 @@ class Collector:
                 raise
             unexpected = exc
             local = _Problem(TreegatherError.__name__, f"{type(exc).__name__}: {exc}")
+        del adds
+        call = (layout_text(layout, 0)[0] + f";partial={bool(partial)}", _shown(layout, partial))
 
         def finish(payloads: list[Any]) -> Any:
-            return self._combine(payloads, layout, plans)
+            try:
+                if payloads and type(payloads[0]) is tuple:  # the definition: (call, payload)
+                    _same_calls(_ranks(self._group), [c.value for c, _ in payloads])
+                    payloads = [p for _, p in payloads]
+                return self._combine(payloads, layout, plans)
+            except TreegatherError as exc:
+                raise type(exc)(f"{name}: {exc}") from exc.__cause__
 
         try:
             if FAST_PATHS.on and _initialized():  # every rank's bytes in one collective
-                done = columns.exchange(local, own, layout, dst, self._group, finish)
+                done = columns.exchange(local, own, call[0], dst, self._group, finish)
                 if done is not None:
                     if not done.is_root:
                         self.indices = None
                     return done.result if done.is_root else None
-            return _exchange(local, dst, self._group, finish)
+            return _exchange((Opaque(call), local), dst, self._group, finish)
         except TreegatherError as exc:
             if unexpected is not None and exc.__cause__ is None:
                 raise exc from unexpected  # this rank's own error, as it was raised
             raise
 
-    def _local(self, layout: Any, plans: dict[Any, Any]) -> tuple[Payload, list[Any]]:
+    def _source(self) -> _Rows:
+        """Where the adds without ``indices=`` take their rows: the observed loop's batches,
+        the sampler's order (read now if no add read it), or nothing."""
+        seen = self._seen
+        if seen is not None:
+            if seen.yielded > len(seen.handed):
+                raise BatchSizeError(
+                    f"its loop received {seen.yielded} batch(es) where the loader's sampler "
+                    f"handed out {len(seen.handed)}: the batches cannot be matched to indices; "
+                    "pass add(outputs, indices=...)"
+                )
+            ends = [0]
+            for item in seen.handed[: seen.yielded]:
+                ends.append(
+                    ends[-1] + (len(item) if isinstance(item, (list, tuple, Tensor)) else 1)
+                )
+            order = index_tensor(seen.rows(), "the indices the loader's sampler handed out")
+            return _Rows(order, ends, seen)
+        if self._order is None and self._sampler is not None:
+            self._order = read(self._sampler)
+        return _Rows(self._order, None, None)
+
+    def _local(
+        self, adds: list[_Add], source: Any, partial: bool, layout: Any, plans: dict[Any, Any]
+    ) -> tuple[Payload, list[Any]]:
         """This rank's adds concatenated: per-sample leaves in one piece, the others listed;
         and those values before they were made to travel."""
-        trees = [tree for tree, _ in self._adds]
+        trees = [add.outputs for add in adds]
         plan, kinds, spec0 = plan_of(trees[0], layout)
         plans[spec0] = (plan, kinds, spec0)
         up = plan.up_spec
@@ -259,76 +367,32 @@ class Collector:
                     ) from None
             raise
         rows = rows_per_add(values, plan, kinds)
-        idx = self._indices(rows)
+        idx, taken = _indices(rows, adds, source)
+        _complete(taken, source, partial)
         device = self._target(values)
         rules = rules_of(plan)
 
         def reference() -> list[Any]:  # the definition: gather over the adds
-            adds = up.unflatten(
+            per_add = up.unflatten(
                 [AsList() if k == PER_ADD else CROSS[k](r) for k, r in zip(kinds, rules)]
             )
             return up.flatten_up_to(
-                gather_noted(trees, device, adds, rows, "add #{i} of this rank")
+                gather_noted(trees, device, per_add, rows, "add #{i} of this rank")
             )
 
         types: dict[int, set[type]] = {}
         combined = join(
             list(zip(*values)), kinds, rules, device, reference, per_add=True, types=types
         )
+        sent = _initialized()  # (pickled now, so that what does not pickle is named here)
         wrapped = tuple(
-            v if k == SAMPLES else travelling(v, types.get(p))
+            v
+            if k == SAMPLES
+            else travelling(v, types.get(p), display_path(plan.node_of(p), ROOT) if sent else None)
             for p, (k, v) in enumerate(zip(kinds, combined))
         )
-        shape = Opaque((spec0, tuple(kinds)))
-        return Payload(idx, torch.tensor(rows), wrapped, shape, self._known_run(idx)), combined
-
-    def _known_run(self, idx: Tensor) -> tuple[int, int, int] | None:
-        """The leading run of ``idx`` when it is the sampler's first indices (whose run the
-        first add found), else ``None`` (found when packed)."""
-        if idx.numel() < MIN_RUN or not self._sampled(idx.numel()):
-            return None
-        first, step, n = self._run
-        return first, step, min(n, idx.numel())
-
-    def _sampled(self, total: int) -> bool:
-        """Whether the indices of ``total`` rows are the sampler's first (no add passed
-        ``indices=``)."""
-        order = self._order
-        return order is not None and total <= len(order) and not self._given
-
-    def _indices(self, rows: list[int]) -> Tensor:
-        order = self._order
-        total = sum(rows)
-        if self._sampled(total):  # every add took the sampler's next indices: one slice
-            assert order is not None
-            return order[:total]
-        parts: list[Tensor] = []
-        taken = 0
-        for a, (n, (_, given)) in enumerate(zip(rows, self._adds)):
-            if given is not None:
-                idx = torch.as_tensor(given, dtype=torch.int64).reshape(-1).cpu()
-                if idx.numel() != n:
-                    raise BatchSizeError(
-                        f"add #{a}: indices= has {idx.numel()} index(es) for {n} row(s) of "
-                        "per-sample outputs"
-                    )
-                parts.append(idx)
-                continue
-            if order is None:
-                raise BatchSizeError(
-                    f"add #{a}: no indices= and no sampler: the Collector cannot tell which "
-                    "samples these rows are; pass Collector(sampler) or add(outputs, indices=...)"
-                )
-            if taken + n > len(order):
-                raise BatchSizeError(
-                    f"add #{a}: {n} row(s), but the sampler has {len(order) - taken} of its "
-                    f"{len(order)} indices left for this rank (the adds before it hold {taken} "
-                    "rows); add each batch once, with the sampler the DataLoader uses "
-                    "(set_epoch before the loop), or pass indices="
-                )
-            parts.append(order[taken : taken + n])
-            taken += n
-        return torch.cat(parts) if len(parts) != 1 else parts[0]
+        shape = Opaque((up, tuple(kinds), spec0))  # (ranks compare the first two)
+        return Payload(idx, torch.tensor(rows), wrapped, shape), combined
 
     def _target(self, values: list[list[Any]] | None = None) -> torch.device:
         if self._device is not None:
@@ -350,18 +414,13 @@ class Collector:
         if not present:
             self.indices = torch.zeros(0, dtype=torch.int64)
             return None
-        spec, kinds = present[0][1].shape.value
-        other = [r for r, p in present[1:] if p.shape.value != (spec, kinds)]
-        if other:
-            raise StructureMismatchError(
-                f"the ranks' outputs differ from rank {present[0][0]}'s in structure, or in which "
-                f"leaves are per sample, on rank(s) {', '.join(map(str, other))}"
-                "\nHint: every rank must add outputs of the same structure"
-            )
+        up, kinds, spec = present[0][1].shape.value
         found = plans.get(spec)
         if found is not None and not _same_order(found[2], spec):
             found = None  # (the first rank's dict keys in another order: its plan, its order)
         plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
+        if any(p.shape.value[:2] != (up, kinds) for _, p in present[1:]):
+            _raise_differences(present, plan)
         device = self._target()
         rules = rules_of(plan)
         up = plan.up_spec
@@ -449,6 +508,18 @@ def _ranks(group: Any) -> list[int]:
 
 
 def _problem_error(problems: list[tuple[int, _Problem]]) -> TreegatherError:
+    """Every rank's problem, as one error: the first one's class, its ranks named."""
+    short = [(r, p) for r, p in problems if p.error == INCOMPLETE]
+    if short:  # (what a rank lacks is reported before anything it added wrong)
+        return BatchSizeError(
+            format_problems(
+                "the evaluation is incomplete (the result would lack these ranks' samples)",
+                [f"rank {r}: {p.message}" for r, p in short],
+                "every rank must add every batch of its epoch (a step limit that one rank "
+                "reaches drops its samples); pass partial=True to take what was added "
+                "(col.indices then tells which samples the result holds)",
+            )
+        )
     cls = errors.ERROR_CLASSES.get(problems[0][1].error, TreegatherError)
     by_message: dict[str, list[int]] = {}
     for rank, p in problems:
@@ -457,5 +528,145 @@ def _problem_error(problems: list[tuple[int, _Problem]]) -> TreegatherError:
         "\n".join(
             f"on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
             for msg, rs in by_message.items()
+        )
+    )
+
+
+class _Rows(NamedTuple):
+    """Where a rank's adds take their rows: the indices of its epoch (``None``: only from
+    ``indices=``), each observed batch's end in them, and the loop observed."""
+
+    order: Tensor | None
+    ends: list[int] | None
+    seen: Observation | None
+
+
+class _Short(TreegatherError):
+    """A rank did not add its whole epoch (raised on every rank with the others' counts)."""
+
+
+INCOMPLETE = _Short.__name__
+
+
+def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, int]:
+    """Every row's dataset index, in add order, and how many of the epoch's rows the adds took
+    (the ones without ``indices=`` take the next ones; ``indices=`` beside them must name the
+    same rows)."""
+    order, ends = source.order, source.ends
+    total = sum(rows)
+    if order is not None and total <= order.numel() and all(a.indices is None for a in adds):
+        if ends is None or _in_time(rows, adds, ends):
+            return order[:total], total
+    what = "loader" if source.seen is not None else "sampler"
+    parts: list[Tensor] = []
+    taken = 0
+    for a, (n, add) in enumerate(zip(rows, adds)):
+        given = None if add.indices is None else index_tensor(add.indices, f"add #{a}: indices=")
+        if given is not None and given.numel() != n:
+            raise BatchSizeError(
+                f"add #{a}: indices= has {given.numel()} index(es) for {n} row(s) of "
+                "per-sample outputs"
+            )
+        if order is None:
+            if given is None:
+                raise BatchSizeError(
+                    f"add #{a}: no indices=, and no loader observed or sampler given: the "
+                    f"Collector cannot tell which samples these rows are; {OBSERVE}"
+                )
+            parts.append(given)
+            continue
+        left = order.numel() - taken
+        if n > left:
+            raise BatchSizeError(
+                f"add #{a}: {n} row(s), but the {what} has {left} of its {order.numel()} "
+                f"indices left for this rank (the adds before it hold {taken} rows): add each "
+                "batch once"
+            )
+        if ends is not None and taken + n > ends[add.yielded]:
+            raise BatchSizeError(
+                f"add #{a}: {n} row(s), but when it was made the loop had received "
+                f"{add.yielded} batch(es), with {ends[add.yielded] - taken} row(s) not added yet: "
+                "add each batch's outputs inside the loop, after the batch"
+            )
+        ahead = order[taken : taken + n]
+        if given is not None and not torch.equal(given, ahead):
+            raise BatchSizeError(
+                f"add #{a}: indices= {_preview(given)} are not the next indices its {what} "
+                f"handed out, {_preview(ahead)}: pass indices= on every add, or on none"
+            )
+        parts.append(ahead)
+        taken += n
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64), taken
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]), taken
+
+
+def _in_time(rows: list[int], adds: list[_Add], ends: list[int]) -> bool:
+    """Whether every add's rows had been received by the loop when it was made."""
+    total = 0
+    for n, add in zip(rows, adds):
+        total += n
+        if total > ends[add.yielded]:
+            return False
+    return True
+
+
+def _complete(taken: int, source: _Rows, partial: bool) -> None:
+    """Raise (on every rank, after the exchange) when this rank's adds lack rows of its epoch."""
+    order, seen = source.order, source.seen
+    if partial or order is None:
+        return
+    if seen is not None and not seen.finished:
+        of = f" of its loader's {seen.length}" if seen.length is not None else ""
+        raise _Short(f"its loop stopped after {seen.yielded}{of} batch(es), {taken} row(s) added")
+    if taken != order.numel():
+        how = "its loader yielded" if seen is not None else "its sampler holds"
+        why = "" if seen is not None else " (a loader's drop_last? Collector(loader) knows it)"
+        raise _Short(f"it added {taken} of the {order.numel()} row(s) {how} this epoch{why}")
+
+
+def _preview(t: Tensor) -> str:
+    shown = t[:6].tolist()
+    return str(shown)[:-1] + (", ...]" if t.numel() > 6 else "]")
+
+
+def _shown(layout: Any, partial: bool) -> str:
+    text = layout_text(layout, 0)[1].removesuffix(", dim=0")
+    return text + (", partial=True" if partial else "")
+
+
+def _same_calls(ranks: list[int], calls: list[tuple[str, str]]) -> None:
+    """Raise unless every rank passed the same layout (and ``partial``)."""
+    if len({key for key, _ in calls}) > 1:
+        raise LayoutError(
+            format_problems(
+                "the ranks passed different layouts (or partial=): each would combine the adds "
+                "with other rules",
+                [errors.by_rank(ranks, [shown for _, shown in calls])],
+                "pass the same layout (and partial=) on every rank",
+            )
+        )
+
+
+def _raise_differences(present: list[tuple[int, Any]], plan: Plan) -> NoReturn:
+    """The ranks' adds differ in structure, or in which leaves are per sample: name them."""
+    ranks = [r for r, _ in present]
+    specs = [p.shape.value[0] for _, p in present]
+    if any(s != specs[0] for s in specs[1:]):
+        errors.raise_structure_mismatch(ranks, [errors.node_rows(s) for s in specs])
+    kinds = [p.shape.value[1] for _, p in present]
+    named = {SAMPLES: "per sample", ITEMS: "a per-sample list", PER_ADD: "one value per add"}
+    problems = [
+        f"{display_path(plan.node_of(j), ROOT)}: "
+        + errors.by_rank(ranks, [named[k[j]] for k in kinds])
+        for j in range(len(kinds[0]))
+        if len({k[j] for k in kinds}) > 1
+    ]
+    raise StructureMismatchError(
+        format_problems(
+            "leaves are per sample on some ranks and one value per add on others",
+            problems,
+            "per-sample tensors have the batch dim first on every rank (a 0-dim tensor is one "
+            "value per add)",
         )
     )

@@ -39,7 +39,6 @@ from .._caches import LRU
 from . import outcome, preamble
 from .group import Group, all_gather_into, receive_buffer, root_rank
 from .group import group as process_group
-from .layout import layout_text
 from .plan import PACKABLE, padded
 from .samples import Mine, Opaque, Texts
 from .wire import tensor_bytes
@@ -63,7 +62,8 @@ class Payload(NamedTuple):
     indices: Tensor  # the dataset index of every row, in add order
     rows: Tensor  # rows per add
     values: tuple[Any, ...]  # per plan position: a tensor of every row, Texts, or Opaque
-    shape: Opaque  # (the structure of the rank's first add, what each position is)
+    # (the structure down to the nodes taken whole, what each position is, the first add's)
+    shape: Opaque
     # The leading arithmetic run of ``indices`` (first, step, length), when the sender knew it
     # (None: worked out when packed).
     run: tuple[int, int, int] | None = None
@@ -88,7 +88,7 @@ class _Packed(NamedTuple):
 def exchange(
     local: Any,
     own: Sequence[Any],
-    layout: Any,
+    call: str,
     dst: int | None,
     group: Any,
     finish: Callable[[list[Payload]], Any],
@@ -106,14 +106,15 @@ def exchange(
     ``local`` is this rank's payload, or anything else when it has none to send (a problem to
     report, nothing added): then this rank sends no digest. ``own``: its values before they
     were made to travel (its strings are taken from there, not decoded). A ``dst`` that names
-    no rank reaches every rank in this first collective, and every rank raises it.
+    no rank reaches every rank in this first collective, and every rank raises it. ``call``:
+    what else must agree (the layout's key, ``partial``), folded into the digest.
     """
     g = process_group(group)
     if g.device.type != "cpu":  # (the same on every rank of the group) the definition, at once
         return None
     root, problem = (-1, None) if dst is None else root_rank(g, dst, "dst")
     try:  # (whatever goes wrong here, the definition meets it too, and on every rank)
-        packed = _pack(local, layout) if isinstance(local, Payload) else None
+        packed = _pack(local, call) if isinstance(local, Payload) else None
     except Exception:
         packed = None
     digest, nbytes = (packed.digest, packed.nbytes) if packed is not None else ((0, 0), 0)
@@ -155,7 +156,7 @@ def exchange(
 # -------------------------------------------------------------------------------- packing
 
 
-def _pack(local: Payload, layout: Any) -> _Packed | None:
+def _pack(local: Payload, call: str) -> _Packed | None:
     """This rank's bytes, or ``None`` when a value is not one this layer packs."""
     descs: list[tuple[Any, ...]] = []
     first, step, run = local.run if local.run is not None else leading_run(local.indices)
@@ -181,7 +182,7 @@ def _pack(local: Payload, layout: Any) -> _Packed | None:
             head += [data.numel(), value.items]
         elif type(value) is Opaque:
             descs.append(("o",))
-            opaque.append(value.value)
+            opaque.append(value)
             head += [0, 0]
             continue
         else:
@@ -194,7 +195,7 @@ def _pack(local: Payload, layout: Any) -> _Packed | None:
             return None  # the definition names what cannot travel
         head[2] = len(blob)
         parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-    digest = _digest(local.shape.value, tuple(descs), layout)
+    digest = _digest(local.shape.value, tuple(descs), call)
     if digest is None:
         return None
     parts.insert(0, torch.tensor(head, dtype=torch.int64).view(torch.uint8))
@@ -255,11 +256,10 @@ def _write(packed: _Packed, out: Tensor) -> None:
 
 
 def _digest(
-    shape: tuple[Any, Any], descs: tuple[tuple[Any, ...], ...], layout: Any
+    shape: tuple[Any, ...], descs: tuple[tuple[Any, ...], ...], text: str
 ) -> tuple[int, int] | None:
     """What must agree between the ranks, as two int64 (``(0, 0)`` is "no digest")."""
-    spec, kinds = shape
-    text = layout_text(layout, 0)[0]
+    spec, kinds = shape[:2]
     try:  # (the bytes, not the spec, in the key: equal specs may order a dict's keys otherwise)
         raw_spec = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
@@ -317,7 +317,7 @@ def _read(
                 values.append(Mine(own[j]) if r == g.rank else Texts(parts[k], items))
                 k += 1
             else:
-                values.append(Opaque(next(opaque)))
+                values.append(next(opaque))
         indices = parts[1].view(torch.int64)
         first, step, run = head[3:HEAD]
         if run:  # the leading run, sent as three ints

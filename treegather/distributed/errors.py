@@ -32,9 +32,11 @@ from .group import Collective, Group
 __all__ = [
     "ERROR_CLASSES",
     "StructuresDiffer",
+    "by_rank",
     "check",
     "exchange_objects",
     "name_differences",
+    "node_rows",
     "node_table",
     "outcome_of",
     "raise_structure_mismatch",
@@ -87,7 +89,7 @@ def check(
     if len({s is None for s in sizes}) > 1:
         raise BatchSizeError(
             "sizes= was passed on some ranks only: "
-            + _by_rank(ranks, ["None" if s is None else str(s) for s in sizes])
+            + by_rank(ranks, ["None" if s is None else str(s) for s in sizes])
             + "\nHint: pass sizes= (this rank's batch size) on every rank, or on none"
         )
 
@@ -123,7 +125,7 @@ def _check_leaf_kinds(
         tensors = [p is not None and p.startswith("Tensor(") for p in per_rank]
         if len(set(tensors)) > 1:
             described = [wire.describe_up(h, j, k) for h, k in zip(headers, per_rank)]
-            mixed.append(f"{path}: " + _by_rank(ranks, described))
+            mixed.append(f"{path}: " + by_rank(ranks, described))
     if mixed:
         raise StructureMismatchError(
             wire.format_problems(
@@ -162,7 +164,7 @@ def _ranks_text(ranks: Sequence[int], members: Sequence[int]) -> str:
     return f"rank{'s' if len(members) > 1 else ''} {', '.join(str(ranks[i]) for i in members)}"
 
 
-def _by_rank(ranks: Sequence[int], values: Sequence[str]) -> str:
+def by_rank(ranks: Sequence[int], values: Sequence[str]) -> str:
     """``'float32 on ranks 0, 2; int64 on rank 1'``."""
     seen: dict[str, list[int]] = {}
     for i, v in enumerate(values):
@@ -176,14 +178,15 @@ def _by_rank(ranks: Sequence[int], values: Sequence[str]) -> str:
 # ------------------------------------------------------------------------ structure mismatch
 
 
+def node_rows(spec: PyTreeSpec) -> list[tuple[str, str]]:
+    """The ``(path, node type)`` pairs of a structure, for :func:`raise_structure_mismatch`."""
+    return [(_tree.format_path(wire.ROOT, n.path), _node_name(n.spec)) for n in _tree.nodes(spec)]
+
+
 def node_table(local: wire.Packed) -> bytes:
-    """This rank's ``(path, node type)`` pairs, pickled, for :func:`raise_structure_mismatch`."""
+    """This rank's :func:`node_rows`, pickled."""
     assert local.up_spec is not None
-    described = [
-        (_tree.format_path(wire.ROOT, n.path), _node_name(n.spec))
-        for n in _tree.nodes(local.up_spec)
-    ]
-    return pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps(node_rows(local.up_spec), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _node_name(spec: PyTreeSpec) -> str:
@@ -211,7 +214,7 @@ def raise_structure_mismatch(ranks: Sequence[int], tables: Sequence[Any]) -> NoR
         if any(path.startswith(p) and path[len(p)] in "[." for p in reported):
             continue
         reported.append(path)
-        problems.append(f"{path}: " + _by_rank(ranks, values))
+        problems.append(f"{path}: " + by_rank(ranks, values))
     raise StructureMismatchError(
         wire.format_problems(
             "the ranks passed trees of different structure",

@@ -12,7 +12,8 @@ of strings travel as one UTF-8 tensor (:func:`travelling`, :func:`arrived`).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+import pickle
+from collections.abc import Callable, Sequence
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
@@ -21,10 +22,10 @@ import torch
 
 from .._caches import FAST_PATHS
 from .._compiled.structure import recognise
-from .._errors import BatchSizeError, TreegatherError
+from .._errors import BatchSizeError, LayoutError, LeafTypeError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import Cat, CatItems, Combining, Pad, Rule
-from .._tree import display_path
+from .._tree import display_path, format_path
 from .wire import tensor_bytes
 
 __all__ = [
@@ -40,13 +41,11 @@ __all__ = [
     "by_position",
     "dataset_order",
     "gather_noted",
-    "is_loader",
     "join",
     "moved",
     "place",
     "placed",
     "plan_of",
-    "read_order",
     "rows_per_add",
     "rules_of",
     "travelling",
@@ -57,18 +56,21 @@ ROOT = "outputs"
 
 
 class Opaque:
-    """A value that travels whole (one pickled object), not as the leaves of a tree."""
+    """A value that travels whole (one pickled object), not as the leaves of a tree; ``blob``:
+    its pickle, when made already."""
 
-    __slots__ = ("value",)
+    __slots__ = ("blob", "value")
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, blob: bytes | None = None) -> None:
         self.value = value
+        self.blob = blob
 
     def __getstate__(self) -> Any:
-        return self.value
+        return self.blob if self.blob is not None else pickle.dumps(self.value, PROTOCOL)
 
-    def __setstate__(self, value: Any) -> None:
-        self.value = value
+    def __setstate__(self, blob: bytes) -> None:
+        self.value = pickle.loads(blob)
+        self.blob = blob
 
 
 class Texts(NamedTuple):
@@ -88,9 +90,13 @@ class Mine(Opaque):
     __slots__ = ()
 
 
-def travelling(value: Any, types: set[type] | None = None) -> Any:
+PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+def travelling(value: Any, types: set[type] | None = None, path: str | None = None) -> Any:
     """A value that travels whole: a list of strings as UTF-8 bytes in a tensor, anything else
-    pickled once. ``types``: the types of its items, when the caller has them."""
+    pickled once (now, when ``path`` names it: what does not pickle is an error naming it).
+    ``types``: the types of its items, when the caller has them."""
     if type(value) is list and value:
         if (set(map(type, value)) if types is None else types) == {str}:
             joined = SEP.join(value)
@@ -100,7 +106,16 @@ def travelling(value: Any, types: set[type] | None = None) -> Any:
                 except UnicodeEncodeError:  # lone surrogates (os.fsdecode of odd bytes): pickled
                     return Opaque(value)
                 return Texts(torch.frombuffer(bytearray(raw), dtype=torch.uint8), len(value))
-    return Opaque(value)
+    if path is None:
+        return Opaque(value)
+    try:
+        return Opaque(value, pickle.dumps(value, PROTOCOL))
+    except Exception as exc:
+        raise LeafTypeError(
+            f"{path}: {type(value).__name__} cannot travel between ranks ({type(exc).__name__}: "
+            f"{exc})\nHint: non-tensor outputs must pickle (strings, numbers, lists of them); "
+            "leave the others out of what you add"
+        ) from None
 
 
 def arrived(value: Any) -> Any:
@@ -139,14 +154,43 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
         if isinstance(rule, CatItems):
             kinds.append(ITEMS)
         elif (
-            (rule is None or (isinstance(rule, (Cat, Pad)) and rule.dim == 0))
-            and isinstance(value, Tensor)
+            isinstance(value, Tensor)
             and value.dim() > 0
+            and (rule is None or (isinstance(rule, (Cat, Pad)) and rule.dim % value.dim() == 0))
         ):
-            kinds.append(SAMPLES)
+            kinds.append(SAMPLES)  # joined along the batch dim (cat(-2) of a 2-D leaf too)
         else:
             kinds.append(PER_ADD)
+    _lists_need_a_rule(plan, kinds, values)
     return plan, kinds, spec
+
+
+def _lists_need_a_rule(plan: Plan, kinds: list[int], values: list[Any]) -> None:
+    """A list (or tuple) of non-tensors that the layout gives no rule: per sample or per add?
+    (Taken item by item, its items would be joined position by position over the adds.)"""
+    lists: dict[str, int] = {}
+    for p, (kind, rule, value) in enumerate(zip(kinds, plan.rules, values)):
+        if kind == PER_ADD and rule is None and plan.groups[p] is None:
+            node = plan.node_of(p)
+            if node.path and node.path[-1][1] == "index" and not isinstance(value, Tensor):
+                where = format_path(ROOT, node.path[:-1])
+                lists[where] = lists.get(where, 0) + 1
+    if lists:
+        where, n = next(iter(lists.items()))
+        raise LayoutError(
+            f"{where}: a list of {n} non-tensor item(s) in each add, with no rule: per sample or "
+            "per add? tg.cat_items() if it holds one item per row (put in dataset order with "
+            "the rows), tg.as_list() if it is one value per add (the result lists every add's)"
+            + (f" (and {len(lists) - 1} more such list(s))" if len(lists) > 1 else "")
+            + f"\nHint: Collector.all_gather(tg.by_path({{{_pattern(where)!r}: tg.cat_items()}}))"
+        )
+
+
+def _pattern(where: str) -> str:
+    """The dotted ``by_path`` pattern of a displayed path (``outputs['a'][0]`` -> ``a.0``)."""
+    inner = where.removeprefix(ROOT)
+    parts = [p.strip("'\"") for p in inner.replace("]", "").replace(".", "[").split("[") if p]
+    return ".".join(parts) or "*"
 
 
 def rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[int]:
@@ -541,16 +585,3 @@ def _settled(outputs: dict[Any, Any], device: torch.device | None) -> bool:
         elif kind not in _PLAIN:
             return False
     return True
-
-
-def is_loader(obj: Any) -> bool:
-    loader = getattr(torch.utils.data, "DataLoader", None)
-    return loader is not None and isinstance(obj, loader)
-
-
-def read_order(sampler: Iterable[Any]) -> Tensor:
-    """This epoch's indices of ``sampler`` (a batch sampler's batches flattened), as int64."""
-    items = list(sampler)
-    if items and isinstance(items[0], (list, tuple)):
-        items = [int(i) for batch in items for i in batch]
-    return torch.tensor(items, dtype=torch.int64)

@@ -1,0 +1,246 @@
+"""Where a Collector's rows come from: the dataset indices a loader hands out, observed.
+
+:func:`observe` iterates a ``DataLoader`` once, as ``for batch in loader`` does, and records
+what its index sampler (the batch sampler, or the sampler) hands out while the loader's
+iterator is made, and from then on: the indices of every batch, in the order the loader yields
+the batches (``in_order``, the default), worker processes and accelerate's prepared loaders
+included. Nothing is iterated twice, so random samplers, generators and epoch counters end as
+they would without it.
+
+:func:`pure_sampler` is the other way, for ``Collector(sampler)``: a sampler whose order can be
+read again without changing anything (``SequentialSampler``, ``DistributedSampler`` at its
+epoch, Lightning's ``UnrepeatedDistributedSampler``, a ``BatchSampler`` over those); any other
+sampler is refused. :func:`index_tensor` checks what ``add(indices=...)`` passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    SequentialSampler,
+)
+
+from .._errors import ArgumentTypeError
+
+__all__ = ["Observation", "index_tensor", "observe", "pure_sampler"]
+
+Tensor = torch.Tensor
+OBSERVE = "iterate with `for batch in col.observe(loader)`, or pass add(outputs, indices=...)"
+_LIGHTNING = ("lightning.pytorch.overrides.distributed", "pytorch_lightning.overrides.distributed")
+
+
+class Observation:
+    """One pass over a loader: what its index sampler handed out, and how far the loop got."""
+
+    __slots__ = ("finished", "handed", "length", "started", "yielded")
+
+    def __init__(self, length: int | None) -> None:
+        self.handed: list[Any] = []  # each item the index sampler handed out (a batch of indices)
+        self.length = length  # len(loader) when it has one
+        self.started = False  # the loader iterated the index sampler it was given
+        self.yielded = 0  # batches the loop received
+        self.finished = False  # the loader ran to its end
+
+    def rows(self) -> list[int]:
+        """The indices of the batches the loop received, one after the other."""
+        out: list[int] = []
+        for item in self.handed[: self.yielded]:
+            if isinstance(item, (list, tuple)):
+                out += item
+            elif isinstance(item, Tensor):
+                out += item.reshape(-1).tolist()
+            else:
+                out.append(item)
+        return out
+
+
+class _Recording:
+    """An index sampler seen through: what it hands out is noted, everything else forwarded."""
+
+    def __init__(self, sampler: Any, seen: Observation) -> None:
+        self._sampler = sampler
+        self._seen = seen
+
+    def __iter__(self) -> Iterator[Any]:
+        self._seen.started = True
+        handed = self._seen.handed
+        for item in self._sampler:
+            handed.append(item)
+            yield item
+
+    def __len__(self) -> int:
+        return len(self._sampler)
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, .sampler, ... (accelerate calls them)
+        return getattr(self._sampler, name)
+
+
+def _base(loader: Any) -> DataLoader[Any]:
+    """The torch ``DataLoader`` whose index sampler makes ``loader``'s batches, or a typed error
+    (before anything is iterated)."""
+    kind = type(loader).__name__
+    inner = vars(loader).get("base_dataloader") if hasattr(loader, "__dict__") else None
+    if inner is not None:  # accelerate's prepared loaders wrap a DataLoader
+        if kind == "DataLoaderDispatcher":
+            raise ArgumentTypeError(
+                "Collector.observe: accelerate's DataLoaderDispatcher (dispatch_batches=True) "
+                "loads every batch on rank 0 and sends each rank its slice: no rank's own "
+                "indices to observe; pass add(outputs, indices=...) with the batch's indices"
+            )
+        if getattr(loader, "skip_batches", 0):
+            raise ArgumentTypeError(
+                f"Collector.observe: this {kind} skips its first {loader.skip_batches} "
+                "batch(es) (accelerate's skip_first_batches): an evaluation sees every batch; "
+                "pass add(outputs, indices=...) to collect a resumed one"
+            )
+        loader = inner
+    if not isinstance(loader, DataLoader) or type(loader).__iter__ is not DataLoader.__iter__:
+        raise ArgumentTypeError(
+            f"Collector.observe needs a torch DataLoader (or one accelerate prepared), got "
+            f"{kind}: for any other iterable of batches pass add(outputs, indices=...)"
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise ArgumentTypeError(
+            "Collector.observe: a DataLoader over an IterableDataset has no sampler of dataset "
+            "indices to observe; pass add(outputs, indices=...) with each batch's indices"
+        )
+    if loader.num_workers and not getattr(loader, "in_order", True):
+        raise ArgumentTypeError(
+            "Collector.observe: a DataLoader with in_order=False yields its workers' batches "
+            "as they come, not in the order their indices were handed out; use in_order=True "
+            "(the default) or pass add(outputs, indices=...)"
+        )
+    return loader
+
+
+@contextlib.contextmanager
+def _recorded(loader: DataLoader[Any], seen: Observation) -> Iterator[None]:
+    """While the loader's iterator is made and starts: its index sampler seen through a
+    :class:`_Recording` (the attribute ``DataLoader._index_sampler`` reads, and a persistent
+    worker iterator's own), put back as it was afterwards, whatever happens."""
+    state = vars(loader)
+    name = "batch_sampler" if state.get("batch_sampler") is not None else "sampler"
+    sampler = state[name]
+    recording = _Recording(sampler, seen)
+    kept = state.get("_iterator")  # persistent_workers: the iterator reuses its own sampler
+    if kept is not None:
+        kept._index_sampler = recording
+    state[name] = recording
+    try:
+        yield
+    finally:
+        state[name] = sampler
+        kept = state.get("_iterator")
+        if kept is not None and getattr(kept, "_index_sampler", None) is recording:
+            kept._index_sampler = sampler  # (this epoch's sampler iterator keeps recording)
+
+
+def observe(loader: Iterable[Any], seen: Observation) -> Iterator[Any]:
+    """``loader``'s batches, as ``for batch in loader`` gives them, with ``seen`` noting the
+    index batch behind each. Checks ``loader`` at once (a typed error before anything is
+    iterated); the batches come when the generator is iterated."""
+    base = _base(loader)
+    seen.length = _length(loader)
+    return _batches(loader, base, seen)
+
+
+def _batches(loader: Iterable[Any], base: DataLoader[Any], seen: Observation) -> Iterator[Any]:
+    with _recorded(base, seen):
+        batches = iter(loader)
+        try:
+            first = next(batches)
+        except StopIteration:
+            first = _END
+    if not seen.started:
+        raise ArgumentTypeError(
+            f"Collector.observe: {type(loader).__name__} made its batches without the index "
+            "sampler it holds; pass add(outputs, indices=...) with each batch's indices"
+        )
+    if first is not _END:
+        seen.yielded = 1
+        yield first
+        for batch in batches:
+            seen.yielded += 1
+            yield batch
+    seen.finished = True
+
+
+_END: Any = object()
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _pure(sampler: Any) -> bool:
+    """Whether iterating ``sampler`` again gives the same order and changes nothing (a list of
+    indices too)."""
+    kind = type(sampler)
+    if kind in (SequentialSampler, DistributedSampler, list, tuple, range, Tensor):
+        return True
+    if kind.__qualname__ == "UnrepeatedDistributedSampler" and kind.__module__ in _LIGHTNING:
+        return True
+    return kind is BatchSampler and _pure(sampler.sampler)
+
+
+def pure_sampler(source: Any) -> Any:
+    """The index sampler behind ``source`` (a sampler, or a ``DataLoader``'s batch sampler or
+    sampler) when reading it again is known to change nothing, else a typed error."""
+    if source is None:
+        return None
+    sampler = source
+    if isinstance(source, DataLoader):
+        sampler = source.batch_sampler if source.batch_sampler is not None else source.sampler
+    if _pure(sampler):
+        return sampler
+    what = type(sampler).__name__
+    if isinstance(sampler, BatchSampler):
+        what += f" over a {type(getattr(sampler, 'sampler', None)).__name__}"
+    held = f"the {what} of this {type(source).__name__}" if sampler is not source else f"a {what}"
+    raise ArgumentTypeError(
+        f"Collector({type(source).__name__}): {held} is not known to give the same order when "
+        "read again (random samplers draw a new one, accelerate's advance their epoch), so the "
+        f"Collector will not read it a second time: {OBSERVE}. Collector(sampler) reads "
+        "SequentialSampler, DistributedSampler or a BatchSampler over those"
+    )
+
+
+def read(sampler: Any) -> Tensor:
+    """This epoch's indices of a :func:`pure_sampler` (batches flattened), as int64."""
+    return index_tensor(list(sampler), "the sampler's indices")
+
+
+def index_tensor(given: Any, what: str = "indices=") -> Tensor:
+    """``given`` (dataset indices: ints, batches of ints, or an integer tensor or array) as a
+    flat int64 CPU tensor; a typed error for anything else (a bool mask, floats, negatives)."""
+    if not isinstance(given, Tensor):
+        if isinstance(given, (list, tuple)) and given and isinstance(given[0], (list, tuple)):
+            given = [i for batch in given for i in batch]  # a batch sampler's batches
+        try:
+            given = torch.as_tensor(given) if len(given) else torch.zeros(0, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ArgumentTypeError(
+                f"{what} must be dataset indices (non-negative integers): {exc}"
+            ) from None
+    if given.dtype == torch.bool or given.is_floating_point() or given.is_complex():
+        mask = " (a mask? pass mask.nonzero().flatten())" if given.dtype == torch.bool else ""
+        raise ArgumentTypeError(
+            f"{what} must be dataset indices (non-negative integers), got {given.dtype}{mask}"
+        )
+    flat = given.detach().reshape(-1).to("cpu", torch.int64)
+    if flat.numel() and int(flat.min()) < 0:
+        raise ArgumentTypeError(
+            f"{what} must be dataset indices (non-negative integers), got {int(flat.min())}"
+        )
+    return flat
