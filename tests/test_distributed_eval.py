@@ -12,9 +12,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import gc
 import itertools
 import random
+import threading
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from corpus import assert_tree_equal
 from spawned_groups import WORLD_SIZES
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    TensorDataset,
+)
 
 import treegather as tg
 import treegather.distributed as tgd
@@ -244,6 +253,250 @@ def test_add_keeps_plain_outputs_as_given() -> None:
     plain = {"x": torch.zeros(2), "n": 3, "f": 0.5, "s": "a", "none": None, "l": ["a", 1, None]}
     col.add(plain, indices=[0, 1])
     assert col._adds[0][0] is plain
+
+
+# ------------------------------------------------------------------ where rows come from
+
+
+def _observed(loader: Any, col: tgd.Collector | None = None, stop: int = -1) -> tgd.Collector:
+    col = col or tgd.Collector()
+    for step, (ids, x) in enumerate(col.observe(loader)):
+        col.add({"ids": ids, "x": x})
+        if step == stop:
+            break
+    return col
+
+
+class _OwnIterator(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader subclass that makes its batches its own way."""
+
+    def __iter__(self) -> Any:
+        return iter([(torch.tensor([0]), torch.zeros(1, 4))])
+
+
+class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        return iter([(0, torch.zeros(4))])
+
+
+@pytest.mark.parametrize(
+    "loader, fragment",
+    [
+        (DataLoader(_Stream(), batch_size=2), "IterableDataset has no sampler"),
+        ([(torch.tensor([0]), torch.zeros(1, 4))], "needs a torch DataLoader"),
+        (_OwnIterator(_dataset()), "needs a torch DataLoader"),
+        (DataLoader(_dataset(), num_workers=2, in_order=False), "in_order=False"),
+    ],
+    ids=["iterable_dataset", "plain_iterable", "own_iterator", "in_order_false"],
+)
+def test_observe_refuses_what_it_cannot_observe(loader: Any, fragment: str) -> None:
+    col = tgd.Collector()
+    with pytest.raises(tg.ArgumentTypeError, match=fragment) as info:
+        col.observe(loader)  # at once: nothing iterated
+    assert "indices=" in str(info.value)
+    col.add({"ids": torch.tensor([0])}, indices=[0])  # the Collector is still usable
+    assert col.all_gather()["ids"].tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ds: DataLoader(ds, shuffle=True, generator=torch.Generator().manual_seed(0)),
+        lambda ds: RandomSampler(ds, generator=torch.Generator().manual_seed(0)),
+        lambda ds: DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), 2, False)),
+    ],
+    ids=["shuffled_loader", "random_sampler", "batch_sampler_over_random"],
+)
+def test_a_sampler_that_cannot_be_read_again_is_refused(make: Callable[[Any], Any]) -> None:
+    source = make(_dataset())
+    state = _generator_state(source)
+    with pytest.raises(tg.ArgumentTypeError, match=r"col\.observe\(loader\).*indices=") as info:
+        tgd.Collector(source)
+    assert "RandomSampler" in str(info.value)
+    assert _generator_state(source) == state  # nothing was drawn
+
+
+def _generator_state(source: Any) -> Any:
+    sampler = getattr(source, "batch_sampler", None) or getattr(source, "sampler", source)
+    sampler = getattr(sampler, "sampler", sampler)
+    g = getattr(sampler, "generator", None)
+    return None if g is None else g.get_state().tolist()
+
+
+def test_a_batch_sampler_loader_means_its_batch_sampler() -> None:
+    ds = _dataset()
+    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=2)
+    loader = DataLoader(ds, batch_sampler=BatchSampler(sampler, 3, drop_last=False))
+    for col in (tgd.Collector(loader), None):  # the plain loop, and observed
+        if col is None:
+            col = _observed(loader)
+        else:
+            for ids, x in loader:
+                col.add({"ids": ids, "x": x})
+        out = col.all_gather()
+        assert out["ids"].tolist() == sorted(sampler) == col.indices.tolist()
+
+
+def test_a_loop_that_stops_early_is_an_error_unless_partial() -> None:
+    loader = DataLoader(_dataset(), batch_size=3)
+    with pytest.raises(tg.BatchSizeError, match=r"stopped after 2 of its loader's 4 batch"):
+        _observed(loader, stop=1).all_gather()
+    col = _observed(loader, stop=1)
+    out = col.all_gather(partial=True)
+    assert out["ids"].tolist() == col.indices.tolist() == list(range(6))
+    col = tgd.Collector(loader)  # the plain loop: the sampler's rows
+    for ids, x in itertools.islice(loader, 2):
+        col.add({"ids": ids, "x": x})
+    with pytest.raises(tg.BatchSizeError, match=r"added 6 of the 11 row\(s\) its sampler holds"):
+        col.all_gather()
+
+
+def test_a_batch_added_twice_or_too_early_is_an_error() -> None:
+    loader = DataLoader(_dataset(), batch_size=4)
+    col = tgd.Collector()
+    for ids, _ in col.observe(loader):
+        col.add({"ids": ids})
+        col.add({"ids": ids})  # twice: the next batch's rows are not in yet
+    with pytest.raises(tg.BatchSizeError, match=r"add #1: 4 row\(s\), but when it was made"):
+        col.all_gather()
+    col = tgd.Collector()
+    batches = iter(col.observe(loader))
+    first = next(batches)[0]
+    col.add({"ids": first})
+    col.add({"ids": first})  # the second batch is not received yet
+    with pytest.raises(tg.BatchSizeError, match="the loader has 0 of its 4 indices left"):
+        col.all_gather(partial=True)
+
+
+def test_batches_added_after_the_loop_take_the_loop_s_rows() -> None:
+    """Adds made after the loop (outputs kept, then added) take the batches in order."""
+    g = torch.Generator().manual_seed(1)
+    loader = DataLoader(_dataset(), batch_size=4, shuffle=True, generator=g)
+    col, kept = tgd.Collector(), []
+    for ids, x in col.observe(loader):
+        kept.append({"ids": ids, "x": x})
+    for outputs in kept:
+        col.add(outputs)
+    out = col.all_gather()
+    assert out["ids"].tolist() == col.indices.tolist() == list(range(N))
+    assert torch.equal(out["x"], _dataset().tensors[1])
+
+
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        (torch.tensor([True, False]), "got torch.bool"),
+        ([0.0, 1.0], "got torch.float32"),
+        (torch.tensor([1.5, 2.0]), "got torch.float32"),
+        ([3, -1], "got -1"),
+        (["a", "b"], "must be dataset indices"),
+    ],
+    ids=["bool_mask", "float_list", "float_tensor", "negative", "strings"],
+)
+def test_indices_must_be_dataset_indices(bad: Any, fragment: str) -> None:
+    col = tgd.Collector()
+    col.add({"x": torch.zeros(2)}, indices=bad)
+    with pytest.raises(tg.ArgumentTypeError, match=fragment) as info:
+        col.all_gather()
+    assert "add #0: indices=" in str(info.value)
+
+
+def test_indices_of_any_integer_kind_are_taken() -> None:
+    col = tgd.Collector()
+    col.add({"x": torch.tensor([1.0, 2.0])}, indices=torch.tensor([5, 3], dtype=torch.int32))
+    col.add({"x": torch.tensor([3.0])}, indices=(4,))
+    col.add({"x": torch.tensor([4.0])}, indices=range(7, 8))
+    assert col.all_gather()["x"].tolist() == [2.0, 3.0, 1.0, 4.0]
+    assert col.indices.tolist() == [3, 4, 5, 7]
+
+
+def test_indices_beside_the_loader_s_rows_must_be_the_same_rows() -> None:
+    loader = DataLoader(_dataset(), batch_size=4)
+    col = tgd.Collector()
+    for ids, _ in col.observe(loader):
+        col.add({"ids": ids}, indices=ids if int(ids[0]) == 4 else None)  # the same: fine
+    assert col.all_gather()["ids"].tolist() == list(range(N))
+    col = tgd.Collector()
+    for ids, _ in col.observe(loader):
+        col.add({"ids": ids}, indices=ids + 1 if int(ids[0]) == 4 else None)  # others: refused
+    with pytest.raises(tg.BatchSizeError, match=r"add #1: indices= \[5, 6, 7, 8\] are not"):
+        col.all_gather()
+
+
+def test_observe_is_once_per_evaluation() -> None:
+    loader = DataLoader(_dataset(), batch_size=4)
+    col = tgd.Collector()
+    col.add({"ids": torch.tensor([0])}, indices=[0])
+    with pytest.raises(tg.StateError, match="observe one loop per evaluation"):
+        col.observe(loader)
+    col.reset()
+    col = _observed(loader, col)
+    with pytest.raises(tg.StateError):
+        col.observe(loader)
+    col.all_gather()
+    with pytest.raises(tg.StateError, match=r"Collector\.observe after all_gather"):
+        col.observe(loader)
+    col.reset()
+    assert _observed(loader, col).all_gather()["ids"].tolist() == list(range(N))
+
+
+def test_the_batch_dim_however_written_is_per_sample() -> None:
+    col = tgd.Collector()
+    col.add({"a": torch.tensor([[3.0, 3.0], [1.0, 1.0]]), "b": torch.tensor([[3], [1]])}, [3, 1])
+    col.add({"a": torch.tensor([[2.0, 2.0]]), "b": torch.tensor([[2, 2]])}, [2])
+    out = col.all_gather({"a": tg.cat(-2), "b": tg.pad(-2, fill=-1)})
+    assert out["a"][:, 0].tolist() == [1.0, 2.0, 3.0]
+    assert out["b"].tolist() == [[1, -1], [2, 2], [3, -1]]
+
+
+def test_a_list_with_no_rule_is_an_error_naming_both_rules() -> None:
+    col = tgd.Collector()
+    col.add({"x": torch.zeros(2), "names": ["a", "b"]}, indices=[0, 1])
+    col.add({"x": torch.zeros(2), "names": ["c", "d"]}, indices=[2, 3])
+    with pytest.raises(tg.LayoutError, match=r"outputs\['names'\]: a list of 2") as info:
+        col.all_gather()
+    assert "tg.cat_items()" in str(info.value) and "tg.as_list()" in str(info.value)
+    col.reset()
+    col.add({"x": torch.zeros(2), "names": ["a", "b"]}, indices=[1, 0])
+    assert col.all_gather(tg.by_path({"names": tg.cat_items()}))["names"] == ["b", "a"]
+
+
+def test_adds_racing_the_exchange_land_in_it_or_raise() -> None:
+    for _ in range(20):
+        col, landed, started = tgd.Collector(), [], threading.Event()
+
+        def adder(
+            col: tgd.Collector = col, landed: list[int] = landed, started: Any = started
+        ) -> None:
+            for i in range(10_000):
+                try:
+                    col.add({"x": torch.tensor([float(i)])}, indices=[i])
+                except tg.StateError:
+                    return
+                landed.append(i)
+                started.set()
+
+        thread = threading.Thread(target=adder)
+        thread.start()
+        started.wait()
+        out = col.all_gather()
+        thread.join()
+        assert out["x"].tolist() == [float(i) for i in landed]
+        assert col.indices.tolist() == landed
+
+
+def test_the_exchange_lets_go_of_the_adds() -> None:
+    col = tgd.Collector()
+    added = [torch.randn(3, 2) for _ in range(4)]
+    alive = [weakref.ref(t) for t in added]
+    for k, t in enumerate(added):
+        col.add({"x": t, "loss": t.sum()}, indices=[3 * k, 3 * k + 1, 3 * k + 2])
+    del added, t
+    out = col.all_gather()
+    assert out["x"].shape == (12, 2)
+    del out
+    gc.collect()
+    assert [r() for r in alive] == [None] * 4
 
 
 def test_reference_only_joins_the_adds_with_gather(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -816,6 +1069,65 @@ def _benchmark_smoke_run(rank: int, world: int) -> Any:
     return evaluation.measure(300, batch=64, rounds=2, profile=True)
 
 
+def _early(rank: int, partial: bool) -> tuple[Any, Any]:
+    """An observed DistributedSampler loop that rank 1 leaves after one batch."""
+    ds = _dataset()
+    loader = DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, shuffle=True, seed=3))
+    col = tgd.Collector()
+    for step, (ids, x) in enumerate(col.observe(loader)):
+        col.add({"ids": ids, "x": x})
+        if rank == 1 and step == 0:
+            break  # (a max_eval_steps that one rank reaches)
+    return col.all_gather(partial=partial), col.indices
+
+
+def _one_add(outputs: Any, call: Callable[[tgd.Collector], Any]) -> Any:
+    col = tgd.Collector()
+    col.add(outputs, indices=[0, 1])
+    return call(col)
+
+
+ANSWERS: dict[str, Callable[[int, int], Any]] = {
+    "stopped_early": lambda rank, world: _early(rank, False),
+    "stopped_early_partial": lambda rank, world: _early(rank, True),
+    "layouts_differ": lambda rank, world: _one_add(
+        {"x": torch.zeros(2), "s": ["a", "b"]},
+        lambda c: c.all_gather({"x": tg.cat(), "s": tg.as_list() if rank else tg.cat_items()}),
+    ),
+    "partial_differs": lambda rank, world: _one_add(
+        {"x": torch.zeros(2)}, lambda c: c.all_gather(partial=rank == 0)
+    ),
+    "structure_differs": lambda rank, world: _one_add(
+        {"x": torch.zeros(2), ("c" if rank else "b"): torch.ones(2)}, lambda c: c.all_gather()
+    ),
+    "kinds_differ": lambda rank, world: _one_add(
+        {"x": torch.zeros(2), "b": torch.ones(2, 1) if rank == 0 else torch.tensor(1.0)},
+        lambda c: c.all_gather(),
+    ),
+    "unpicklable": lambda rank, world: _one_add(
+        {"x": torch.zeros(2), "meta": (lambda: 0) if rank == 1 else 0},
+        lambda c: c.all_gather(tg.by_path({"meta": tg.as_list()})),
+    ),
+    "dst_differs": lambda rank, world: _one_add(
+        {"x": torch.zeros(2)}, lambda c: c.gather(dst=0 if rank == 0 else 1)
+    ),
+    "calls_differ": lambda rank, world: _one_add(
+        {"x": torch.zeros(2)}, lambda c: c.all_gather() if rank == 0 else c.gather(dst=0)
+    ),
+}
+
+
+@spawned_groups.register("eval.answers", budget_s=20)
+def _answer_checks(rank: int, world: int) -> dict[Any, Any]:
+    """One answer on every rank: each case as the fast layer and as the definition takes it."""
+    out: dict[Any, Any] = {}
+    for name, case in ANSWERS.items():
+        for mode in ("fast", "reference"):
+            with reference_only() if mode == "reference" else contextlib.nullcontext():
+                out[(name, mode)] = _capture(functools.partial(case, rank, world))
+    return out
+
+
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
 def ranks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -830,6 +1142,7 @@ def ranks(
             "hf": res["eval.hf"],
             "sync": res["eval.sync"],
             "benchmark": res["eval.bench"],
+            "answers": res["eval.answers"],
         }
         for res in results
     ]
@@ -1109,3 +1422,60 @@ def test_a_cold_transformers_evaluation_equals_one_process(ranks: Any) -> None:
                 assert len(got[field]) == len(want[field]) == count, field
                 for a, b in zip(got[field], want[field]):
                     assert torch.allclose(a, b, atol=1e-5), field
+
+
+# What each case raises (class, fragments of the message), or None: it returns a result.
+EXPECTED: dict[str, tuple[str, tuple[str, ...]] | None] = {
+    "stopped_early": (
+        "BatchSizeError",
+        ("incomplete", "rank 1: its loop stopped after 1 of its loader's", "partial=True"),
+    ),
+    "stopped_early_partial": None,
+    "layouts_differ": ("LayoutError", ("cat_items()} on rank 0", "as_list()} on rank")),
+    "partial_differs": ("LayoutError", ("partial=True on rank 0", "layout None on rank")),
+    "structure_differs": (
+        "StructureMismatchError",
+        ("outputs['b']: a leaf on rank 0; missing on rank", "outputs['c']: missing on rank 0"),
+    ),
+    "kinds_differ": (
+        "StructureMismatchError",
+        ("outputs['b']: per sample on rank 0; one value per add on rank",),
+    ),
+    "unpicklable": ("LeafTypeError", ("on rank 1: outputs['meta'] (add #0): function",)),
+    "dst_differs": ("StructureMismatchError", ("rank 0: Collector.gather(..., dst=0)", "dst=1")),
+    "calls_differ": ("StructureMismatchError", ("rank 0: Collector.all_gather\n",)),
+}
+INTERNALS = ("values[", "Opaque", "Payload", "treegather.distributed.gather", "as_list()} on")
+
+
+@pytest.mark.parametrize("name", list(ANSWERS))
+def test_one_answer_on_every_rank(ranks: Any, name: str) -> None:
+    """Every rank gets the same result, or the same error, from the fast layer and from the
+    definition; errors name the user's leaf and call, never the payload's internals."""
+    _, results = ranks
+    outcomes = {
+        (r, mode): res["answers"][(name, mode)]
+        for r, res in enumerate(results)
+        for mode in ("fast", "reference")
+    }
+    first = outcomes[(0, "fast")]
+    expected = EXPECTED[name]
+    if expected is None:
+        assert first[0] == "ok", first
+        for got in outcomes.values():
+            assert_tree_equal(got[1], first[1])
+        if name == "stopped_early_partial":  # rank 1's first batch, every other rank's all
+            result, indices = first[1]
+            assert result["ids"].tolist() == indices.tolist()
+            assert len(indices) < N
+        return
+    cls, fragments = expected
+    for key, got in outcomes.items():
+        assert got[:3] == first[:3], (key, got[:3], first[:3])
+    status, error, message, _ = first
+    assert (status, error) == ("raised", cls), message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    assert "Collector.all_gather" in message or "Collector.gather" in message, message
+    hidden = [s for s in INTERNALS if s in message and not (name == "layouts_differ")]
+    assert not hidden, (hidden, message)

@@ -41,6 +41,7 @@ from . import columns, errors, protocol
 from .columns import Payload
 from .layout import layout_text
 from .loaders import OBSERVE, Observation, index_tensor, observe, pure_sampler, read
+from .preamble import COLLECT
 from .samples import (
     CROSS,
     ITEMS,
@@ -388,7 +389,12 @@ class Collector:
         wrapped = tuple(
             v
             if k == SAMPLES
-            else travelling(v, types.get(p), display_path(plan.node_of(p), ROOT) if sent else None)
+            else travelling(
+                v,
+                types.get(p),
+                display_path(plan.node_of(p), ROOT) if sent else None,
+                k == PER_ADD,
+            )
             for p, (k, v) in enumerate(zip(kinds, combined))
         )
         shape = Opaque((up, tuple(kinds), spec0))  # (ranks compare the first two)
@@ -477,8 +483,8 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
             raise ValueError(f"Collector.gather(dst={dst}): without a process group dst is 0")
         return finish([local])
     if dst is None:
-        return finish(protocol.all_gather(local, AsList(), group, 0, None, False))
-    return protocol.gather(local, dst, AsList(), group, 0, None, finish)
+        return finish(protocol.all_gather(local, AsList(), group, 0, None, False, COLLECT))
+    return protocol.gather(local, dst, AsList(), group, 0, None, finish, COLLECT)
 
 
 def _same_order(mine: Any, first: Any) -> bool:

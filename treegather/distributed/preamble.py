@@ -61,7 +61,7 @@ CALL_NAMES = {
     ALL_GATHER: "all_gather",
     GATHER: "gather",
     BROADCAST: "broadcast",
-    COLLECT: "Collector.all_gather/gather",
+    COLLECT: "Collector.all_gather",  # (Collector.gather when it has a root)
 }
 # Positions in a row.
 CALL, ROOT, HEADER, NBYTES, PLACEMENT, DIGEST, INLINE, PROBLEM = 1, 2, 3, 4, 5, slice(6, 8), 8, 9
@@ -130,8 +130,7 @@ def raise_problems(
             continue
         is_type, text = item
         typed = typed or is_type
-        call = f"treegather.distributed.{CALL_NAMES.get(values[CALL], '?')}"
-        problems.append(f"rank {g.ranks[rank]}: {call}: {text}")
+        problems.append(f"rank {g.ranks[rank]}: {_call_name(values)}: {text}")
     message = format_problems(
         "an argument of the call is wrong on some rank (every rank raises this error)",
         problems or ["a rank reported a problem it did not describe"],
@@ -145,10 +144,17 @@ def _describe_call(ranks: Sequence[int], values: Sequence[int]) -> str:
     magic, call, root = values[:3]
     if magic != MAGIC:
         return "not a treegather.distributed call"
-    text = f"treegather.distributed.{CALL_NAMES.get(call, '?')}"
+    text = _call_name(values)
     if 0 <= root < len(ranks):
         text += f"(..., {'src' if call == BROADCAST else 'dst'}={ranks[root]})"
     return text
+
+
+def _call_name(values: Sequence[int]) -> str:
+    call, root = values[CALL], values[ROOT]
+    if call == COLLECT:
+        return "Collector.all_gather" if root < 0 else "Collector.gather"
+    return f"treegather.distributed.{CALL_NAMES.get(call, '?')}"
 
 
 def next_capacity(capacity: int, rows: Sequence[Sequence[int]]) -> int:

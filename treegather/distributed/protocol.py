@@ -66,21 +66,26 @@ _all_gather_into = all_gather_into  # (the name the calls below look up, for tes
 
 
 def all_gather(
-    tree: Any, layout: Any, group: Any, dim: int, sizes: int | None, sync_grads: bool
+    tree: Any,
+    layout: Any,
+    group: Any,
+    dim: int,
+    sizes: int | None,
+    sync_grads: bool,
+    call: int = preamble.ALL_GATHER,
 ) -> Any:
-    """:func:`treegather.distributed.all_gather`."""
+    """:func:`treegather.distributed.all_gather`; ``call``: what the rows say it is (how
+    errors name it)."""
     g = process_group(group)
     sync = bool(sync_grads)
     dim, problem = _checked_dim(dim)  # a bad dim travels in the first exchange
     if not FAST_PATHS.on or problem is not None:
-        return _full_all_gather(g, tree, layout, dim, sizes, problem=problem, sync=sync)
+        return _full_all_gather(g, tree, layout, dim, sizes, problem=problem, sync=sync, call=call)
     fast = plan.prepare(tree, layout, dim, sizes, sync)
-    opening = preamble.exchange(
-        _all_gather_into, g, preamble.ALL_GATHER, -1, *_fast_lengths(fast), fast
-    )
+    opening = preamble.exchange(_all_gather_into, g, call, -1, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
-        return _full_all_gather(g, tree, layout, dim, sizes, first=False, sync=sync)
+        return _full_all_gather(g, tree, layout, dim, sizes, first=False, sync=sync, call=call)
     if opening.inline:
         return combine.fast(g, fast, opening.payloads, nbytes, g.device, layout, dim)
     device = data_device(g, [r[preamble.PLACEMENT] for r in opening.rows])
@@ -105,6 +110,7 @@ def _full_all_gather(
     first: bool = True,
     problem: Problem | None = None,
     sync: bool = False,
+    call: int = preamble.ALL_GATHER,
 ) -> Any:
     """The full exchange: one header and bytes per rank, every check; the definition."""
     if problem is not None:  # the first exchange raises it on every rank
@@ -115,7 +121,7 @@ def _full_all_gather(
     rows = preamble.exchange(
         _all_gather_into,
         g,
-        preamble.ALL_GATHER,
+        call,
         -1,
         lengths,
         local.devices,
@@ -170,9 +176,11 @@ def gather(
     dim: int,
     sizes: int | None,
     finish: Callable[[Any], Any] | None = None,
+    call: int = preamble.GATHER,
 ) -> Any:
     """:func:`treegather.distributed.gather`; ``dst`` applies ``finish`` to the result, within
-    the outcome it sends (an error there raises on every rank)."""
+    the outcome it sends (an error there raises on every rank); ``call`` as for
+    :func:`all_gather`."""
     g = process_group(group)
     # A dst that names no rank (or a bad dim) travels in the first exchange: every rank
     # raises, none waits.
@@ -182,14 +190,16 @@ def gather(
     dim, bad_dim = _checked_dim(dim)
     problem = _either(bad_root, bad_dim)
     if not FAST_PATHS.on or problem is not None:
-        return _full_gather(g, dst, root, tree, layout, dim, sizes, problem=problem, finish=finish)
+        return _full_gather(
+            g, dst, root, tree, layout, dim, sizes, problem=problem, finish=finish, call=call
+        )
     fast = plan.prepare(tree, layout, dim, sizes)
-    opening = preamble.exchange(
-        _all_gather_into, g, preamble.GATHER, root, *_fast_lengths(fast), fast
-    )
+    opening = preamble.exchange(_all_gather_into, g, call, root, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
-        return _full_gather(g, dst, root, tree, layout, dim, sizes, first=False, finish=finish)
+        return _full_gather(
+            g, dst, root, tree, layout, dim, sizes, first=False, finish=finish, call=call
+        )
     if opening.inline:
         device, payloads = g.device, opening.payloads
     else:
@@ -233,6 +243,7 @@ def _full_gather(
     first: bool = True,
     problem: Problem | None = None,
     finish: Callable[[Any], Any] | None = None,
+    call: int = preamble.GATHER,
 ) -> Any:
     if problem is not None:  # the first exchange raises it on every rank
         local = wire.Packed(None, b"")
@@ -242,7 +253,7 @@ def _full_gather(
     rows = preamble.exchange(
         _all_gather_into,
         g,
-        preamble.GATHER,
+        call,
         root,
         lengths,
         local.devices,

@@ -93,10 +93,13 @@ class Mine(Opaque):
 PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
-def travelling(value: Any, types: set[type] | None = None, path: str | None = None) -> Any:
+def travelling(
+    value: Any, types: set[type] | None = None, path: str | None = None, per_add: bool = False
+) -> Any:
     """A value that travels whole: a list of strings as UTF-8 bytes in a tensor, anything else
-    pickled once (now, when ``path`` names it: what does not pickle is an error naming it).
-    ``types``: the types of its items, when the caller has them."""
+    pickled once (now, when ``path`` names it: what does not pickle is an error naming it, and
+    the add, for ``per_add`` values). ``types``: the types of its items, when the caller has
+    them."""
     if type(value) is list and value:
         if (set(map(type, value)) if types is None else types) == {str}:
             joined = SEP.join(value)
@@ -111,10 +114,17 @@ def travelling(value: Any, types: set[type] | None = None, path: str | None = No
     try:
         return Opaque(value, pickle.dumps(value, PROTOCOL))
     except Exception as exc:
+        found, where = exc, ""
+        for a, item in enumerate(value if type(value) is list and per_add else ()):
+            try:  # (a value per add: which add's)
+                pickle.dumps(item, PROTOCOL)
+            except Exception as inner:
+                found, where, value = inner, f" (add #{a})", item
+                break
         raise LeafTypeError(
-            f"{path}: {type(value).__name__} cannot travel between ranks ({type(exc).__name__}: "
-            f"{exc})\nHint: non-tensor outputs must pickle (strings, numbers, lists of them); "
-            "leave the others out of what you add"
+            f"{path}{where}: {type(value).__name__} cannot travel between ranks "
+            f"({type(found).__name__}: {found})\nHint: non-tensor outputs must pickle "
+            "(strings, numbers, lists of them); leave the others out of what you add"
         ) from None
 
 
