@@ -18,7 +18,7 @@ import random
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -537,52 +537,38 @@ def _first_seen(parts: list[torch.Tensor]) -> tuple[list[int], list[int]]:
     return perm[keep].tolist(), ordered[keep].tolist()
 
 
-def _check_order(parts: list[torch.Tensor]) -> bool:
-    """dataset_order equals the definition; its runs, when it has them, pick the same rows.
-    True when no row needed picking one by one (runs, or the rows were in order already)."""
-    from treegather.distributed.columns import leading_run
-    from treegather.distributed.samples import by_position, dataset_order
+def _check_order(parts: list[torch.Tensor]) -> None:
+    """dataset_order equals the definition, and placed picks the rows it says."""
+    from treegather.distributed.samples import dataset_order, placed
 
     order = dataset_order(parts)
-    # Told each part's leading run (as the fast layer's senders tell it): the same order.
-    told = dataset_order(parts, [leading_run(p) for p in parts])
-    assert told.kept.tolist() == order.kept.tolist() and told.runs == order.runs, parts
-    assert (told.perm is None) == (order.perm is None), parts
-    assert told.perm is None or told.perm.tolist() == order.perm.tolist(), parts
     perm, kept = _first_seen(parts)
     assert order.kept.tolist() == kept, parts
-    picked = by_position(order, parts)
-    assert picked.runs is None
-    assert (picked.perm.tolist() if picked.perm is not None else list(range(len(kept)))) == perm
-    if order.runs is None:
-        return order.perm is None
-    chosen: list[int | None] = [None] * len(kept)
-    at = 0
-    for (start, step, n), part in zip(order.runs, parts):
-        for j in range(n):
-            chosen[start + step * j] = at + j
-        at += part.numel()
-    assert chosen == perm, (parts, order)
-    return True
+    assert (order.perm.tolist() if order.perm is not None else list(range(len(kept)))) == perm
+    rows = [torch.randn(p.numel(), 2) for p in parts]
+    got = placed(rows, order)
+    assert torch.equal(got, torch.cat(rows)[perm]) and all(
+        got.data_ptr() != t.data_ptr() for t in rows
+    )
+    items = [[f"{r}:{i}" for i in range(p.numel())] for r, p in enumerate(parts)]
+    flat = [x for part in items for x in part]
+    assert placed(items, order) == [flat[i] for i in perm]
 
 
 def test_dataset_order_equals_a_stable_sort() -> None:
-    """The order (DistributedSampler's interleaving found without a sort, a scatter for dense
-    indices, a sort otherwise) equals the stable-sort definition: on every sampler
+    """The order (a scatter for dense indices, a sort otherwise) equals the stable-sort
+    definition, and the rows placed by it are the ones it names: on every sampler
     configuration cut at random points, and on random small index lists."""
     rng = random.Random(0)
-    sizes = [*range(1, 24), 40, 67, 101]  # (from 16 rows per rank, leading runs are sent)
+    sizes = [*range(1, 24), 40, 67, 101]
     for n, world, shuffle, drop in itertools.product(sizes, (1, 2, 3, 4), (0, 1), (0, 1)):
-        parts, whole = [], True
+        parts = []
         for r in range(world):
             got = list(DistributedSampler(range(n), world, r, bool(shuffle), 3, bool(drop)))
             cut = rng.randint(0, len(got)) if rng.random() < 0.3 else len(got)
-            whole = whole and cut == len(got)
             parts.append(torch.tensor(got[:cut], dtype=torch.int64))
         if sum(p.numel() for p in parts) > 1:
-            runs = _check_order(parts)
-            if world > 1 and not shuffle and whole and n > world:  # the interleaving, found
-                assert runs, (n, world, drop)
+            _check_order(parts)
     for _ in range(3000):
         parts = [
             torch.tensor([rng.randint(0, 7) for _ in range(rng.randint(0, 5))], dtype=torch.int64)
@@ -590,38 +576,7 @@ def test_dataset_order_equals_a_stable_sort() -> None:
         ]
         if sum(p.numel() for p in parts):
             _check_order(parts)
-    for _ in range(300):  # leading runs (sent as three ints) with arbitrary tails after them
-        world = rng.randint(1, 4)
-        step = world if rng.random() < 0.7 else rng.randint(1, 5)
-        parts = []
-        for r in range(world):
-            run = list(range(r, r + step * rng.randint(16, 24), step))
-            tail = [rng.randint(0, run[-1] + 3) for _ in range(rng.randint(0, 3))]
-            parts.append(torch.tensor(run + tail, dtype=torch.int64))
-        _check_order(parts)
     _check_order([torch.tensor([10**12, 5, 10**12 - 1])])  # sparse indices: the sort
-
-
-def test_placed_puts_every_kept_row_where_the_order_says() -> None:
-    """placed (rows copied by runs, one stack when every rank's rows are all kept) equals
-    picking the concatenated rows by position, for tensors and for lists."""
-    from treegather.distributed.samples import by_position, dataset_order, placed
-
-    for n, world, drop in itertools.product((4, 6, 7, 12, 13), (1, 2, 3), (False, True)):
-        parts = [
-            torch.tensor(list(DistributedSampler(range(n), world, r, False, 0, drop)))
-            for r in range(world)
-        ]
-        order = dataset_order(parts)
-        assert order.runs is not None, (n, world, drop)
-        perm = by_position(order, parts).perm
-        rows = [torch.randn(p.numel(), 2) for p in parts]
-        items = [[f"{r}:{i}" for i in range(p.numel())] for r, p in enumerate(parts)]
-        expected = torch.cat(rows) if perm is None else torch.cat(rows)[perm]
-        got = placed(rows, order)
-        assert torch.equal(got, expected) and all(got.data_ptr() != t.data_ptr() for t in rows)
-        flat = [x for part in items for x in part]
-        assert placed(items, order) == (flat if perm is None else [flat[i] for i in perm])
 
 
 # ------------------------------------------------------------------------ across ranks
@@ -799,7 +754,7 @@ FAST_CASES: dict[str, tuple[Callable[[int, int], list[tuple[Any, list[int]]]], A
         ],
         tg.by_path({"s": tg.cat_items()}),
     ),
-    "long_runs_and_padding": (  # each rank's indices a run of 20 (sent as three ints), then 0
+    "long_runs_and_padding": (  # each rank's indices a run of 20, then 0
         lambda r, w: [
             (
                 {"x": torch.arange(21.0) + 100 * r, "s": [f"{r}:{i}" for i in range(21)]},
@@ -809,9 +764,8 @@ FAST_CASES: dict[str, tuple[Callable[[int, int], list[tuple[Any, list[int]]]], A
         tg.by_path({"s": tg.cat_items()}),
     ),
 }
-# The definition takes these: the ranks' payloads differ in shape, or in their dicts' key order
-# (the result follows the first rank's).
-SLOW = {"pad_uneven_between_ranks", "key_order_differs_between_ranks"}
+# The full exchange takes these: the ranks' payloads differ in their trailing shapes.
+SLOW = {"pad_uneven_between_ranks"}
 
 
 def _collected(adds: list[tuple[Any, list[int]]], layout: Any, dst: int | None = None) -> Any:
@@ -833,40 +787,18 @@ def _all_gathered(col: tgd.Collector, layout: Any) -> tuple[Any, Any]:
     return col.all_gather(layout), col.indices
 
 
-@contextlib.contextmanager
-def _fast_layer_taken() -> Iterator[list[bool]]:
-    """A list that records, for each Collector exchange meanwhile, whether the fast layer
-    took it (``columns.exchange`` spied)."""
-    from treegather.distributed import columns
-
-    took: list[bool] = []
-    real = columns.exchange
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        found = real(*args, **kwargs)
-        took.append(found is not None)
-        return found
-
-    columns.exchange = spy
-    try:
-        yield took
-    finally:
-        columns.exchange = real
-
-
 @spawned_groups.register("eval.fast", budget_s=GROUP_DEADLINE_S / 2)
 def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
-    """Each case through the fast layer and through the definition: results and who took it."""
+    """Each case through the fast paths (twice: the second time with the wire plan) and
+    through the definition: results and collectives."""
     out: dict[str, Any] = {}
-    with _fast_layer_taken() as took:
-        for name, (adds, layout) in FAST_CASES.items():
-            for mode in ("fast", "reference"):
-                took.clear()
-                with reference_only() if mode == "reference" else contextlib.nullcontext():
-                    with counting() as calls:
-                        got = _capture(functools.partial(_collected, adds(rank, world), layout))
-                out[(name, mode)] = (got, list(took))
-                out[(name, mode, "collectives")] = len(calls)
+    for name, (adds, layout) in FAST_CASES.items():
+        for mode in ("first", "fast", "reference"):
+            with reference_only() if mode == "reference" else contextlib.nullcontext():
+                with counting() as calls:
+                    got = _capture(functools.partial(_collected, adds(rank, world), layout))
+            out[(name, mode)] = got
+            out[(name, mode, "collectives")] = len(calls)
             # gather: dst gets the result (what the combine raises reaches every rank)
             got = _capture(functools.partial(_collected, adds(rank, world), layout, world - 1))
             out[(name, "dst")] = got
@@ -899,8 +831,7 @@ def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
     out["other_call_on_one_rank"] = _capture(
         lambda: col.all_gather() if rank == 0 else tgd.all_gather({"x": torch.zeros(1)})
     )
-    # Under DistributedSampler with at least 16 rows per rank: the sampler's leading run, found
-    # at the first add, is sent as three ints, and the padding after it as indices.
+    # Under DistributedSampler with at least 16 rows per rank (one run, padding after it).
     for shuffle in (False, True):
         sampler = DistributedSampler(range(53), world, rank, shuffle=shuffle, seed=1)
         order = list(sampler)
@@ -909,10 +840,8 @@ def _fast_layer_checks(rank: int, world: int) -> dict[str, Any]:
             idx = order[start : start + 8]
             x = torch.tensor(idx, dtype=torch.float32).unsqueeze(1) * 2
             col.add({"x": x, "s": [f"n{i}" for i in idx]})
-        with _fast_layer_taken() as took:
-            layout = tg.by_path({"s": tg.cat_items()})
-            got = _capture(functools.partial(_all_gathered, col, layout))
-        out[("sampler_runs", shuffle)] = (got, list(took))
+        layout = tg.by_path({"s": tg.cat_items()})
+        out[("sampler_rows", shuffle)] = _capture(functools.partial(_all_gathered, col, layout))
     # A repeated evaluation that fits the group's inline area: one collective.
     for _ in range(2):
         col = tgd.Collector()
@@ -950,22 +879,21 @@ def _hf_tokens() -> torch.Tensor:
 @spawned_groups.register("eval.hf", budget_s=30)
 def _hf_checks(rank: int, world: int) -> Any:
     """A cold BERT's outputs (hidden states, attentions) under DistributedSampler, collected
-    through the fast layer (spied), in the group of 2 (transformers is slow to import)."""
+    in the group of 2 (transformers is slow to import); the second exchange's collectives."""
     if world != 2:
         return None
     model, tokens = _tiny_bert(), _hf_tokens()
     dataset = TensorDataset(tokens, torch.arange(HF_SAMPLES))
     out: dict[str, Any] = {}
-    with _fast_layer_taken() as took:
-        for shuffle in (False, True):
-            sampler = DistributedSampler(dataset, shuffle=shuffle, seed=5)
-            col = tgd.Collector(sampler)
-            with torch.no_grad():
-                for x, _ in DataLoader(dataset, batch_size=3, sampler=sampler):
-                    col.add(model(input_ids=x, output_hidden_states=True, output_attentions=True))
+    for shuffle in (False, True):
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=5)
+        col = tgd.Collector(sampler)
+        with torch.no_grad():
+            for x, _ in DataLoader(dataset, batch_size=3, sampler=sampler):
+                col.add(model(input_ids=x, output_hidden_states=True, output_attentions=True))
+        with counting() as calls:
             got = col.all_gather()
-            out[shuffle] = (type(got).__name__, _fields(got), col.indices, list(took))
-            took.clear()
+        out[shuffle] = (type(got).__name__, _fields(got), col.indices, len(calls))
     with torch.no_grad():  # one process, every sample at once
         want = model(input_ids=tokens, output_hidden_states=True, output_attentions=True)
     out["one_process"] = (type(want).__name__, _fields(want))
@@ -1320,16 +1248,15 @@ def test_an_unexpected_error_on_one_rank_reaches_every_rank(ranks: Any) -> None:
             assert "RuntimeError: cannot iterate these names" in trace.split("direct cause")[0]
 
 
-def test_the_sampler_run_travels_as_three_ints(ranks: Any) -> None:
+def test_a_padded_sampler_run_gives_each_sample_once(ranks: Any) -> None:
     """DistributedSampler over 53 samples (a run of 18-27 indices per rank, padding after it),
-    shuffled or not: the fast layer takes it, and every rank gets each sample once, in order."""
+    shuffled or not: every rank gets each sample once, in order."""
     _, results = ranks
     for res in results:
         for shuffle in (False, True):
-            got, took = res["fast"][("sampler_runs", shuffle)]
+            got = res["fast"][("sampler_rows", shuffle)]
             assert got[0] == "ok", got[-1]
             result, indices = got[1]
-            assert took == [True]
             assert torch.equal(indices, torch.arange(53))
             assert torch.equal(result["x"], torch.arange(53.0).unsqueeze(1) * 2)
             assert result["s"] == [f"n{i}" for i in range(53)]
@@ -1337,24 +1264,22 @@ def test_the_sampler_run_travels_as_three_ints(ranks: Any) -> None:
 
 @pytest.mark.parametrize("name", sorted(FAST_CASES))
 def test_the_fast_layer_equals_the_definition(ranks: Any, name: str) -> None:
-    """Every case gives the same result through the Collector's one-collective exchange as
+    """Every case gives the same result through the fast paths (the wire plan, the joins) as
     through the definition (reference_only), on every rank, and the same as one process with
-    every rank's adds; the fast layer takes every case whose payloads agree."""
+    every rank's adds; a repeated exchange whose payloads agree is one collective."""
     world, results = ranks
     want = _one_process(name, world)
     for rank, res in enumerate(results):
-        (fast, took), (ref, ref_took) = (
-            res["fast"][(name, "fast")],
-            res["fast"][(name, "reference")],
-        )
-        assert fast[0] == "ok", fast[-1]
-        assert ref[0] == "ok", ref[-1]
-        assert ref_took == []  # reference_only: the definition only
-        assert took == [name not in SLOW], (rank, took)
-        assert_tree_equal(fast[1], ref[1])
-        assert_tree_equal(fast[1], want)
+        first, fast, ref = (res["fast"][(name, mode)] for mode in ("first", "fast", "reference"))
+        for got in (first, fast, ref):
+            assert got[0] == "ok", got[-1]
+            assert_tree_equal(got[1], want)
+        calls = [
+            res["fast"][(name, mode, "collectives")] for mode in ("first", "fast", "reference")
+        ]
+        print(name, calls)
         if name == "larger_than_the_inline_area":  # the row, then every rank's payload
-            assert res["fast"][(name, "fast", "collectives")] == 2
+            assert calls[1] == 2
         dst = res["fast"][(name, "dst")]
         assert dst[0] == "ok", dst[-1]
         if rank == world - 1:
@@ -1366,9 +1291,9 @@ def test_the_fast_layer_equals_the_definition(ranks: Any, name: str) -> None:
 def test_the_fast_layer_keeps_types_and_first_rows(ranks: Any) -> None:
     world, results = ranks
     for res in results:
-        (_, (got, indices)), _ = res["fast"][("str_subclass_items", "fast")]
+        _, (got, indices) = res["fast"][("str_subclass_items", "fast")]
         assert [type(s) for s in got["s"]] == [Label] * (2 * world)
-        (_, (got, indices)), _ = res["fast"][("duplicates_across_ranks", "fast")]
+        _, (got, indices) = res["fast"][("duplicates_across_ranks", "fast")]
         assert indices.tolist() == [0, *(100 + r for r in range(world))]
         assert got["x"].tolist() == [0.0, *(float(r) for r in range(world))]
         assert got["s"] == ["0", *("z" for _ in range(world))]
@@ -1413,8 +1338,8 @@ def test_a_cold_transformers_evaluation_equals_one_process(ranks: Any) -> None:
     for res in results:
         kind, want = res["hf"]["one_process"]
         for shuffle in (False, True):
-            name, got, indices, took = res["hf"][shuffle]
-            assert took == [True], took
+            name, got, indices, calls = res["hf"][shuffle]
+            assert calls == 1 or not shuffle, calls  # (the second: the wire plan's one)
             assert indices.tolist() == list(range(HF_SAMPLES))
             assert name == kind == "SequenceClassifierOutput"
             assert torch.allclose(got["logits"], want["logits"], atol=1e-5)

@@ -46,8 +46,8 @@ structure) and :mod:`~treegather.distributed.payload` (its bytes),
 :mod:`~treegather.distributed.combine` (the results, by the single-process rules),
 :mod:`~treegather.distributed.grads` (``sync_grads``),
 :mod:`~treegather.distributed.collector` (:class:`Collector`),
-:mod:`~treegather.distributed.samples` (its per-sample values, and their dataset order) and
-:mod:`~treegather.distributed.columns` (its exchange in one collective).
+:mod:`~treegather.distributed.loaders` (the indices a loader hands out, observed) and
+:mod:`~treegather.distributed.samples` (its per-sample values, and their dataset order).
 
 Security:
     Non-tensor leaves and the headers travel as :mod:`pickle` data and are unpickled on the

@@ -7,11 +7,11 @@ samples again) and interleaves the ranks. :class:`Collector` matches the rows of
 until :meth:`~Collector.all_gather` (or :meth:`~Collector.gather`), and then makes one exchange:
 every dataset sample exactly once, in index order.
 
-The exchange's definition is one :func:`treegather.distributed.all_gather` (``gather``: to
-``dst``) of every rank's adds joined (:class:`~treegather.distributed.columns.Payload`) under
-``as_list()``. Its fast layer (:mod:`~treegather.distributed.columns`) packs them into the
-call's first collective when every rank's payload agrees, so a repeated evaluation costs one
-collective; the rows are then put in dataset order per rank
+The exchange is one :func:`treegather.distributed.all_gather` (``gather``: to ``dst``) of
+every rank's adds joined (a :class:`Payload`: per-sample tensors in one piece each, strings as
+UTF-8 bytes, anything else pickled once) under ``as_list()``, each taken whole, so that a
+repeated evaluation costs one collective (its wire plan) and ranks whose adds differ still
+meet in it; every rank then checks what every rank sent and puts the rows in dataset order
 (:func:`~treegather.distributed.samples.dataset_order`,
 :func:`~treegather.distributed.samples.place`).
 """
@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import torch
+import torch.distributed as dist
 
-from .._caches import FAST_PATHS
 from .._devices import DeviceLike, as_device
 from .._errors import (
     BatchSizeError,
@@ -37,8 +37,7 @@ from .._errors import (
 from .._layout import Plan, resolve
 from .._rules import AsList
 from .._tree import display_path
-from . import columns, errors, protocol
-from .columns import Payload
+from . import errors, protocol
 from .layout import layout_text
 from .loaders import OBSERVE, Observation, index_tensor, observe, pure_sampler, read
 from .preamble import COLLECT
@@ -51,12 +50,10 @@ from .samples import (
     Opaque,
     Texts,
     arrived,
-    by_position,
     dataset_order,
     gather_noted,
     join,
     moved,
-    place,
     placed,
     plan_of,
     rows_per_add,
@@ -76,6 +73,16 @@ class _Problem(NamedTuple):
 
     error: str  # the error class's name
     message: str
+
+
+class Payload(NamedTuple):
+    """One rank's adds, as they travel."""
+
+    indices: Tensor  # the dataset index of every row, in add order
+    rows: Tensor  # rows per add
+    values: tuple[Any, ...]  # per plan position: a tensor of every row, Texts, or Opaque
+    # (the structure down to the nodes taken whole, what each position is, the first add's)
+    shape: Opaque
 
 
 class _Add(NamedTuple):
@@ -200,7 +207,7 @@ class Collector:
                     "Collector.observe: this evaluation has adds or an observed loop already; "
                     "observe one loop per evaluation, from its start (reset() starts the next)"
                 )
-            seen = Observation(None)
+            seen = Observation()
             batches = observe(loader, seen)
             self._seen = seen
         return batches
@@ -301,22 +308,18 @@ class Collector:
         del adds
         call = (layout_text(layout, 0)[0] + f";partial={bool(partial)}", _shown(layout, partial))
 
-        def finish(payloads: list[Any]) -> Any:
+        def finish(received: list[Any]) -> Any:
             try:
-                if payloads and type(payloads[0]) is tuple:  # the definition: (call, payload)
-                    _same_calls(_ranks(self._group), [c.value for c, _ in payloads])
-                    payloads = [p for _, p in payloads]
+                _same_calls(_ranks(self._group), [c.value for c, _ in received])
+                payloads = [p for _, p in received]
+                at = _position(self._group)
+                if isinstance(payloads[at], Payload):  # this rank's strings, as they were added
+                    payloads[at] = _mine(payloads[at], own)
                 return self._combine(payloads, layout, plans)
             except TreegatherError as exc:
                 raise type(exc)(f"{name}: {exc}") from exc.__cause__
 
         try:
-            if FAST_PATHS.on and _initialized():  # every rank's bytes in one collective
-                done = columns.exchange(local, own, call[0], dst, self._group, finish)
-                if done is not None:
-                    if not done.is_root:
-                        self.indices = None
-                    return done.result if done.is_root else None
             return _exchange((Opaque(call), local), dst, self._group, finish)
         except TreegatherError as exc:
             if unexpected is not None and exc.__cause__ is None:
@@ -334,12 +337,8 @@ class Collector:
                     f"handed out {len(seen.handed)}: the batches cannot be matched to indices; "
                     "pass add(outputs, indices=...)"
                 )
-            ends = [0]
-            for item in seen.handed[: seen.yielded]:
-                ends.append(
-                    ends[-1] + (len(item) if isinstance(item, (list, tuple, Tensor)) else 1)
-                )
-            order = index_tensor(seen.rows(), "the indices the loader's sampler handed out")
+            rows, ends = seen.rows()
+            order = index_tensor(rows, "the indices the loader's sampler handed out")
             return _Rows(order, ends, seen)
         if self._order is None and self._sampler is not None:
             self._order = read(self._sampler)
@@ -430,29 +429,23 @@ class Collector:
         device = self._target()
         rules = rules_of(plan)
         up = plan.up_spec
-        order = dataset_order([p.indices for _, p in present], [p.run for _, p in present])
+        order = dataset_order([p.indices for _, p in present])
         per_rank = [[arrived(v) for v in p.values] for _, p in present]
         plain = [
             all(isinstance(p.values[j], (Texts, Mine)) for _, p in present)
             for j in range(len(kinds))
         ]
-        out = place(list(zip(*per_rank)), kinds, rules, device, order, plain)
-        if out is None:  # the definition: join by gather's rules, then pick the rows
-            if len(per_rank) > 1:
+        values = per_rank[0]
+        if len(per_rank) > 1:
 
-                def reference() -> list[Any]:  # the definition: gather over the ranks
-                    cross = up.unflatten([CROSS[k](r) for k, r in zip(kinds, rules)])
-                    trees = [up.unflatten(v) for v in per_rank]
-                    names = [r for r, _ in present]
-                    return up.flatten_up_to(
-                        gather_noted(trees, device, cross, None, "rank {r}", names)
-                    )
+            def reference() -> list[Any]:  # the definition: gather over the ranks
+                cross = up.unflatten([CROSS[k](r) for k, r in zip(kinds, rules)])
+                trees = [up.unflatten(v) for v in per_rank]
+                names = [r for r, _ in present]
+                return up.flatten_up_to(gather_noted(trees, device, cross, None, "rank {r}", names))
 
-                values = join(list(zip(*per_rank)), kinds, rules, device, reference)
-            else:
-                values = per_rank[0]
-            picked = by_position(order, [p.indices for _, p in present])  # (one after another)
-            out = [v if k == PER_ADD else placed([v], picked) for k, v in zip(kinds, values)]
+            values = join(list(zip(*per_rank)), kinds, rules, device, reference, plain=plain)
+        out = [v if k == PER_ADD else placed([v], order) for k, v in zip(kinds, values)]
         if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
             rows = torch.cat([p.rows for _, p in present]).tolist()
             many = len(present) > 1
@@ -476,15 +469,24 @@ class Collector:
 def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[Any]], Any]) -> Any:
     """One exchange of every rank's payload; ``finish`` makes the result of them (on every rank
     for an all-gather, on ``dst`` for a gather, where an error it raises reaches every rank)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _initialized():
         if dst not in (None, 0):
             raise ValueError(f"Collector.gather(dst={dst}): without a process group dst is 0")
         return finish([local])
     if dst is None:
         return finish(protocol.all_gather(local, AsList(), group, 0, None, False, COLLECT))
     return protocol.gather(local, dst, AsList(), group, 0, None, finish, COLLECT)
+
+
+def _position(group: Any) -> int:
+    """This rank's place in the group (0 with no process group)."""
+    return dist.get_rank(group) if _initialized() else 0
+
+
+def _mine(payload: Payload, own: list[Any]) -> Payload:
+    """``payload`` (this rank's, received) with its strings as this rank added them."""
+    values = tuple(Mine(own[j]) if type(v) is Texts else v for j, v in enumerate(payload.values))
+    return payload._replace(values=values)
 
 
 def _same_order(mine: Any, first: Any) -> bool:
@@ -500,14 +502,10 @@ def _same_order(mine: Any, first: Any) -> bool:
 
 
 def _initialized() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized()
 
 
 def _ranks(group: Any) -> list[int]:
-    import torch.distributed as dist
-
     if not _initialized():
         return [0]
     return list(dist.get_process_group_ranks(group or dist.group.WORLD))

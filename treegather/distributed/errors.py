@@ -3,7 +3,7 @@
 Every rank checks every rank's header of the full exchange (:mod:`treegather.distributed.wire`) with
 :func:`check`, so that when the trees differ every rank raises the same error, naming the leaf
 path and the (global) ranks. Structures that differ take one more exchange to name every
-differing node (:func:`node_table`, then :func:`raise_structure_mismatch` on every rank's table).
+differing node (:func:`node_rows`, then :func:`raise_structure_mismatch` on every rank's table).
 ``gather`` sends ``dst``'s outcome to the other ranks, which rebuild it with
 :func:`rebuild_error`.
 """
@@ -37,7 +37,6 @@ __all__ = [
     "exchange_objects",
     "name_differences",
     "node_rows",
-    "node_table",
     "outcome_of",
     "raise_structure_mismatch",
     "rebuild_error",
@@ -183,12 +182,6 @@ def node_rows(spec: PyTreeSpec) -> list[tuple[str, str]]:
     return [(_tree.format_path(wire.ROOT, n.path), _node_name(n.spec)) for n in _tree.nodes(spec)]
 
 
-def node_table(local: wire.Packed) -> bytes:
-    """This rank's :func:`node_rows`, pickled."""
-    assert local.up_spec is not None
-    return pickle.dumps(node_rows(local.up_spec), protocol=pickle.HIGHEST_PROTOCOL)
-
-
 def _node_name(spec: PyTreeSpec) -> str:
     if spec.is_leaf():
         return "a leaf"
@@ -199,7 +192,7 @@ def _node_name(spec: PyTreeSpec) -> str:
 
 
 def raise_structure_mismatch(ranks: Sequence[int], tables: Sequence[Any]) -> NoReturn:
-    """Name every node whose path or type differs between the ranks' :func:`node_table`."""
+    """Name every node whose path or type differs between the ranks' :func:`node_rows`."""
     per_rank = [dict(t) for t in tables]
     all_paths: dict[str, None] = {}
     for d in per_rank:
@@ -248,7 +241,9 @@ exchange_objects = _all_gather_bytes
 
 def name_differences(collective: Collective, g: Group, local: wire.Packed) -> NoReturn:
     """Exchange the node paths (only on this error path) and name every difference."""
-    raise_structure_mismatch(g.ranks, _all_gather_bytes(collective, g, node_table(local)))
+    assert local.up_spec is not None
+    table = pickle.dumps(node_rows(local.up_spec), protocol=pickle.HIGHEST_PROTOCOL)
+    raise_structure_mismatch(g.ranks, _all_gather_bytes(collective, g, table))
 
 
 # ------------------------------------------------------------------------------- gather

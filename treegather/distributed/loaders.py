@@ -42,24 +42,26 @@ class Observation:
 
     __slots__ = ("finished", "handed", "length", "started", "yielded")
 
-    def __init__(self, length: int | None) -> None:
+    def __init__(self) -> None:
         self.handed: list[Any] = []  # each item the index sampler handed out (a batch of indices)
-        self.length = length  # len(loader) when it has one
+        self.length: int | None = None  # len(loader) when it has one
         self.started = False  # the loader iterated the index sampler it was given
         self.yielded = 0  # batches the loop received
         self.finished = False  # the loader ran to its end
 
-    def rows(self) -> list[int]:
-        """The indices of the batches the loop received, one after the other."""
-        out: list[int] = []
+    def rows(self) -> tuple[list[Any], list[int]]:
+        """The indices of the batches the loop received, one after the other, and where each
+        batch ends in them (``0`` first)."""
+        out: list[Any] = []
+        ends = [0]
         for item in self.handed[: self.yielded]:
-            if isinstance(item, (list, tuple)):
-                out += item
-            elif isinstance(item, Tensor):
-                out += item.reshape(-1).tolist()
-            else:
-                out.append(item)
-        return out
+            out += (
+                item.reshape(-1).tolist()
+                if isinstance(item, Tensor)
+                else (item if isinstance(item, (list, tuple)) else [item])
+            )
+            ends.append(len(out))
+        return out, ends
 
 
 class _Recording:
@@ -155,10 +157,7 @@ def observe(loader: Iterable[Any], seen: Observation) -> Iterator[Any]:
 def _batches(loader: Iterable[Any], base: DataLoader[Any], seen: Observation) -> Iterator[Any]:
     with _recorded(base, seen):
         batches = iter(loader)
-        try:
-            first = next(batches)
-        except StopIteration:
-            first = _END
+        first = next(batches, _END)
     if not seen.started:
         raise ArgumentTypeError(
             f"Collector.observe: {type(loader).__name__} made its batches without the index "

@@ -14,9 +14,8 @@ learn each such rank's message and raises the same error, instead of the others 
 a rank that raised on its own.
 When every rank sent the same digest and its payload inline, that one collective is the whole
 call (``gather``: plus the outcome): a repeated structure of up to ``MAX_INLINE`` (1 MiB) per
-rank costs one collective, like a single ``all_gather`` of its bytes. A Collector's exchange
-(``COLLECT``, :func:`exchange_written`) uses the same collective, with a payload it packs
-itself. Otherwise the payload (or the full exchange) follows in a collective of its own, and
+rank costs one collective, like a single ``all_gather`` of its bytes (a Collector's exchange
+is one such call, ``COLLECT`` in the row). Otherwise the payload (or the full exchange) follows in a collective of its own, and
 the inline bytes are not read.
 
 ``capacity`` is the process group's protocol state
@@ -31,7 +30,7 @@ from __future__ import annotations
 
 import array
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple, NoReturn
 
 import torch
@@ -48,7 +47,6 @@ __all__ = [
     "First",
     "check_calls",
     "exchange",
-    "exchange_written",
     "next_capacity",
     "raise_problems",
     "row",
@@ -261,40 +259,6 @@ def _fill(
     if area:
         mine[ROW_BYTES:].zero_()
     return fast, False
-
-
-def exchange_written(
-    collective: Collective,
-    g: Group,
-    call: int,
-    root: int,
-    digest: tuple[int, int],
-    nbytes: int,
-    write: Callable[[torch.Tensor], None],
-    problem: Problem | None = None,
-) -> tuple[list[list[int]], Payloads]:
-    """The first collective of a call whose payload ``write`` packs itself (a Collector's).
-
-    The same collective as :func:`exchange` (``ROW_BYTES`` plus the group's inline capacity
-    per rank, the same row), so that ranks making different calls still meet in one collective
-    of one size and raise the same error. ``digest`` ``(0, 0)``: this rank sends no payload.
-    ``write(out)`` fills ``nbytes`` bytes when they fit the inline area. Returns every rank's
-    row and the buffer (each rank's inline payload at ``ROW_BYTES`` of its slot).
-    """
-    area = g.state.capacity
-    stride = ROW_BYTES + area
-    # The caller's results never alias this buffer (they are copies), so it may be kept.
-    out = group.receive_buffer(g, stride * len(g.ranks), g.device, keep=True)
-    mine = out[g.rank * stride : (g.rank + 1) * stride]
-    inline = problem is None and digest != (0, 0) and nbytes <= area
-    sent = digest if problem is None else (0, 0)
-    write_row(mine, row(call, root, (0, nbytes), 0, sent, inline, problem is not None))
-    if inline:
-        write(mine[ROW_BYTES : ROW_BYTES + nbytes])
-    if area:
-        mine[ROW_BYTES + (nbytes if inline else 0) :].zero_()
-    rows = _exchanged(collective, g, out, mine, ROW_INTS, problem)
-    return rows, Payloads(out, ROW_BYTES, stride)
 
 
 def _exchanged(

@@ -38,12 +38,10 @@ __all__ = [
     "Mine",
     "Texts",
     "arrived",
-    "by_position",
     "dataset_order",
     "gather_noted",
     "join",
     "moved",
-    "place",
     "placed",
     "plan_of",
     "rows_per_add",
@@ -294,14 +292,17 @@ def join(
     *,
     per_add: bool = False,
     types: dict[int, set[type]] | None = None,
+    plain: Sequence[bool] = (),
 ) -> list[Any]:
     """Each position's values (one per add, or one per rank) joined as its rule joins them:
-    tensors concatenated (``cat``) or padded (``pad``), lists one after the other. Anything
-    unusual (a dtype, shape or device that differs, a value of another kind, tensors among
-    list items) takes ``reference`` instead, :func:`treegather.gather` with the same rules,
-    which gives the same result or names the problem; so does every call under
-    :func:`treegather._caches.reference_only`. ``types`` receives the item types of each list
-    position it joined.
+    tensors concatenated (``cat``) or padded (``pad``), lists one after the other (per-add
+    values: ``per_add``, a list of the adds'; else every rank's lists one after the other).
+    Anything unusual (a dtype, shape or device that differs, a value of another kind, lists
+    and tuples mixed, tensors among list items) takes ``reference`` instead,
+    :func:`treegather.gather` with the same rules, which gives the same result or names the
+    problem; so does every call under :func:`treegather._caches.reference_only`. ``types``
+    receives the item types of each list position it joined; ``plain``: the positions known to
+    hold strings only.
     """
     if not FAST_PATHS.on:  # the one fast-path switch: the definition only
         return reference()
@@ -315,13 +316,13 @@ def join(
                     out.append(rule.combine(col, Combining(device, True, None, 0)))
                 else:
                     out.append(torch.cat(col) if len(col) > 1 else col[0])
-            elif kind == PER_ADD and per_add:
-                out.append(list(col))
+            elif kind == PER_ADD:
+                out.append(list(col) if per_add else list(chain.from_iterable(col)))
             else:
-                if not all(type(v) in (list, tuple) for v in col):
+                if not all(type(v) in (list, tuple) for v in col) or len(set(map(type, col))) > 1:
                     return reference()
                 items = list(chain.from_iterable(col))
-                found = set(map(type, items))
+                found: set[type] = {str} if p < len(plain) and plain[p] else set(map(type, items))
                 if Tensor in found:  # tensors among the items: moved there
                     return reference()
                 if types is not None:
@@ -356,202 +357,48 @@ class Order(NamedTuple):
     """Where the ranks' rows go: each dataset index once (the first seen), in index order."""
 
     kept: Tensor  # the result's dataset indices, in order
-    # Positions in the rows one after the other, in result order; None: as they are (or, with
-    # runs, not worked out: see by_position).
-    perm: Tensor | None
-    # Per part: (first result position, step, rows kept) when its kept rows are a prefix of its
-    # rows that lands on evenly spaced positions (DistributedSampler without shuffling); None:
-    # some part's do not.
-    runs: list[tuple[int, int, int]] | None
+    perm: Tensor | None  # positions in the rows one after the other; None: as they are
 
 
-def dataset_order(
-    parts: Sequence[Tensor], runs: Sequence[tuple[int, int, int] | None] | None = None
-) -> Order:
+def dataset_order(parts: Sequence[Tensor]) -> Order:
     """The order of the rows of ``parts`` (int64 dataset indices, one part per rank), each
-    index once (the first seen), in index order. ``runs``: per part, its leading arithmetic
-    run (first, step, length; the longest, or length 0), when known.
+    index once (the first seen), in index order.
 
-    >>> parts = [torch.tensor([0, 2, 4]), torch.tensor([1, 3, 0])]  # 5 samples on 2 ranks, padded
-    >>> o = dataset_order(parts)
-    >>> o.kept.tolist(), o.runs, by_position(o, parts).perm.tolist()
-    ([0, 1, 2, 3, 4], [(0, 2, 3), (1, 2, 2)], [0, 3, 1, 4, 2])
+    >>> o = dataset_order([torch.tensor([0, 2, 4]), torch.tensor([1, 3, 0])])  # padded
+    >>> o.kept.tolist(), o.perm.tolist()
+    ([0, 1, 2, 3, 4], [0, 3, 1, 4, 2])
     """
-    n = sum(p.numel() for p in parts)
-    if n >= 2:
-        found = _interleaved(parts, runs)
-        if found is not None:
-            return found
     idx = torch.cat(list(parts)) if len(parts) != 1 else parts[0].clone()
+    n = idx.numel()
     if n < 2 or bool((idx[1:] > idx[:-1]).all()):
-        return Order(idx, None, None)
+        return Order(idx, None)
     lo, hi = (int(v) for v in torch.aminmax(idx))
     if lo >= 0 and hi < 2 * n + 1024:  # dense indices: one scatter, no sort
         first = torch.full((hi + 1,), n, dtype=torch.int64)
         first.scatter_reduce_(0, idx, torch.arange(n), "amin")
         kept = (first < n).nonzero().squeeze(1)
-        perm = first.index_select(0, kept)
-    else:
-        ordered, order = torch.sort(idx, stable=True)
-        keep = torch.ones_like(ordered, dtype=torch.bool)
-        keep[1:] = ordered[1:] != ordered[:-1]
-        perm, kept = order[keep], ordered[keep]
-    return Order(kept, perm, _runs([p.numel() for p in parts], perm, n))
-
-
-def _interleaved(
-    parts: Sequence[Tensor], runs: Sequence[tuple[int, int, int] | None] | None
-) -> Order | None:
-    """The order of ranks that each hold every S-th index of one range (S ranks; what
-    ``DistributedSampler(shuffle=False)`` gives), their padding duplicates after: a few tensor
-    operations per rank instead of a scatter over every row. ``None`` when the rows are not so.
-
-    Exact: the ranks' runs tile the range once, and every row after a rank's run repeats an
-    index that a run at or before that rank holds (so the first seen is the run's).
-    """
-    live = [(r, p) for r, p in enumerate(parts) if p.numel()]
-    step = len(live)
-    known = [(0, 0, 0) if runs is None else runs[r] or (0, 0, 0) for r, _ in live]
-    starts = [int(p[0]) if not told[2] else told[0] for (_, p), told in zip(live, known)]
-    lo = min(starts)
-    if sorted(starts) != list(range(lo, lo + step)):
-        return None
-    kept_rows = []
-    for (_, p), a, told in zip(live, starts, known):
-        if told[2] and told[1] == step:  # the longest run of this step: known
-            kept_rows.append(told[2])
-            continue
-        line = torch.arange(a, a + step * p.numel(), step)
-        whole = torch.equal(p, line)
-        kept_rows.append(p.numel() if whole else int((p == line).cumprod(0).sum()))
-    total = sum(kept_rows)
-    owner = [0] * step  # the rank whose run holds each residue
-    for (r, _), a, k in zip(live, starts, kept_rows):
-        if k != (total - (a - lo) + step - 1) // step:
-            return None
-        owner[a - lo] = r
-    for (r, p), k in zip(live, kept_rows):
-        if k < p.numel():
-            tail = p[k:]
-            if not (
-                bool(((tail >= lo) & (tail < lo + total)).all())
-                and bool((torch.tensor(owner)[(tail - lo) % step] <= r).all())
-            ):
-                return None
-    where = [(0, 1, 0)] * len(parts)
-    for (r, _), a, k in zip(live, starts, kept_rows):
-        where[r] = (a - lo, step, k)
-    return Order(torch.arange(lo, lo + total), None, where)
-
-
-def by_position(order: Order, parts: Sequence[Tensor]) -> Order:
-    """``order`` with its rows picked by position (``perm``) instead of by runs."""
-    if order.runs is None or order.perm is not None:
-        return order._replace(runs=None)
-    perm = torch.empty(order.kept.numel(), dtype=torch.int64)
-    at = 0
-    for (start, step, kept), part in zip(order.runs, parts):
-        if kept:
-            perm[start : start + step * (kept - 1) + 1 : step] = torch.arange(at, at + kept)
-        at += part.numel()
-    return Order(order.kept, perm, None)
-
-
-def _runs(lengths: list[int], perm: Tensor, n: int) -> list[tuple[int, int, int]] | None:
-    """Each part's (first position, step, rows kept), or ``None`` (see :class:`Order`)."""
-    dest = torch.full((n,), -1, dtype=torch.int64)
-    dest[perm] = torch.arange(perm.numel())
-    runs, at = [], 0
-    for m in lengths:
-        d = dest[at : at + m]
-        at += m
-        kept = int((d >= 0).sum())
-        if kept == 0:
-            runs.append((0, 1, 0))
-            continue
-        start = int(d[0])
-        step = int(d[1]) - start if kept > 1 else 1
-        if start < 0 or step <= 0:
-            return None
-        if kept > 1 and not torch.equal(d[:kept], torch.arange(start, start + step * kept, step)):
-            return None
-        runs.append((start, step, kept))
-    return runs
+        return Order(kept, first.index_select(0, kept))
+    ordered, order = torch.sort(idx, stable=True)
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    keep[1:] = ordered[1:] != ordered[:-1]
+    return Order(ordered[keep], order[keep])
 
 
 def placed(values: Sequence[Any], order: Order) -> Any:
     """One position's values of every part (tensors of one dtype and trailing shape, or lists
-    of non-tensors), in the result's order: each part's kept rows copied to their positions
-    (``order.runs``), else concatenated and picked. Tensors are new ones (never views of a
-    part) and lists new lists."""
-    total = order.kept.numel()
+    of non-tensors), one after the other, in the result's order. Tensors are new ones (never
+    views of a part) and lists new lists."""
     first = values[0]
     if type(first) is Tensor:
-        if order.runs is None:  # (a new tensor always: never a view of what was received)
-            if order.perm is not None:
-                rows = torch.cat(list(values)) if len(values) > 1 else first
-                return rows.index_select(0, order.perm)
-            return torch.cat(list(values)) if len(values) > 1 else first.clone()
-        if all(
-            run == (r, len(values), first.shape[0]) and v.shape[0] == first.shape[0]
-            for r, (run, v) in enumerate(zip(order.runs, values))
-        ):
-            # As many rows on every rank, all kept, rank r's at r, r + world, ...: one stack
-            return torch.stack(list(values), 1).view(total, *first.shape[1:])
-        out = first.new_empty((total, *first.shape[1:]))
-        for (start, step, kept), v in zip(order.runs, values):
-            if kept:
-                out[start : start + step * (kept - 1) + 1 : step] = v[:kept]
-        return out
-    joined: list[Any]
-    if order.runs is None:
-        joined = list(chain.from_iterable(values))
+        rows = torch.cat(list(values)) if len(values) > 1 else first
         if order.perm is not None:
-            picked = order.perm.tolist()
-            joined = list(itemgetter(*picked)(joined)) if len(picked) > 1 else [joined[picked[0]]]
-    else:
-        joined = [None] * total
-        for (start, step, kept), v in zip(order.runs, values):
-            if kept:
-                joined[start : start + step * (kept - 1) + 1 : step] = (
-                    v if kept == len(v) else v[:kept]
-                )
+            return rows.index_select(0, order.perm)
+        return rows if len(values) > 1 else rows.clone()
+    joined = list(chain.from_iterable(values))
+    if order.perm is not None:
+        picked = order.perm.tolist()
+        joined = list(itemgetter(*picked)(joined)) if len(picked) > 1 else [joined[picked[0]]]
     return tuple(joined) if type(first) is tuple else joined
-
-
-def place(
-    columns: list[tuple[Any, ...]],
-    kinds: list[int],
-    rules: list[Rule | None],
-    device: torch.device,
-    order: Order,
-    plain: list[bool],
-) -> list[Any] | None:
-    """Each position's values of every rank put in the result's order in one step
-    (:func:`placed`; per-add values one list after the other), or ``None`` when anything is
-    unusual (a dtype, shape or device that differs, ``pad``, a value of another kind, tensors
-    among list items; ``plain``: the positions known to hold strings only): the caller then
-    joins by the rules (:func:`join`) and picks the rows. Always ``None`` under
-    :func:`treegather._caches.reference_only`.
-    """
-    if not FAST_PATHS.on:
-        return None
-    out: list[Any] = []
-    with torch.no_grad():
-        for kind, rule, col, known in zip(kinds, rules, columns, plain):
-            if kind == SAMPLES:
-                if isinstance(rule, Pad) or not alike(col, device, same_tail=True):
-                    return None
-                out.append(placed(col, order))
-            elif kind == PER_ADD:
-                out.append(list(chain.from_iterable(col)))
-            else:
-                if not all(type(v) in (list, tuple) for v in col) or len(set(map(type, col))) > 1:
-                    return None
-                if not known and any(Tensor in set(map(type, v)) for v in col):
-                    return None
-                out.append(placed(col, order))
-    return out
 
 
 def moved(tree: Any, device: torch.device | None) -> Any:
