@@ -7,9 +7,9 @@ Run it on CPU with two processes (gloo), from the repository root:
 21 samples over 2 ranks: ``DistributedSampler`` pads the dataset to 22 (sample 0 twice) and
 interleaves the ranks (rank 0 gets 0, 2, 4, ..., rank 1 gets 1, 3, 5, ..., 0), shuffled here.
 Gathering the predictions as they come would give 22 rows in the sampler's order, the padding
-duplicate included, and a metric that is off. The Collector matches the rows of every batch to
-the indices the sampler yields for its rank, keeps everything local during the loop, and makes
-one exchange at the end: every sample exactly once, in dataset order, with per-sample ids
+duplicate included, and a metric that is off. The loop runs through ``collector.observe(loader)``,
+which notes the dataset indices the loader's sampler hands out for every batch (nothing is read
+twice), keeps everything local during the loop, and makes one exchange at the end: every sample exactly once, in dataset order, with per-sample ids
 (strings), logits, labels, variable-length per-token scores and the loss, on every rank. Rank 0
 then checks the result against evaluating the whole dataset in one process.
 """
@@ -85,10 +85,10 @@ def main() -> None:
     sampler = DistributedSampler(data, shuffle=True, seed=1)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
 
-    sampler.set_epoch(3)  # first: the Collector reads this epoch's order at its first add
-    collector = tgd.Collector(sampler)
+    sampler.set_epoch(3)  # as for any epoch: the loader shuffles by it
+    collector = tgd.Collector()
     seen = 0
-    for batch in loader:
+    for batch in collector.observe(loader):  # the loop as usual; each batch's indices noted
         collector.add(outputs(model, batch))  # no communication
         seen += len(batch["x"])
     result = collector.all_gather(LAYOUT)  # one exchange, every rank gets the result

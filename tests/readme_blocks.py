@@ -29,9 +29,10 @@ ACROSS = [c for s, lang, c in BLOCKS if lang == "python" and s == "Across proces
 
 
 def across_script() -> str:
-    """The "Across processes" blocks in order (setup, by hand, Collector, contrastive), with
-    checks of what they claim, for ``torchrun --nproc-per-node 2``."""
-    setup, by_hand, collector, contrastive = ACROSS
+    """The "Across processes" blocks in order (setup, by hand, Collector, the same over an
+    accelerate-prepared loader, contrastive), with checks of what they claim, for ``torchrun
+    --nproc-per-node 2``."""
+    setup, by_hand, collector, prepared, contrastive = ACROSS
     return "\n".join(
         [
             setup,
@@ -41,6 +42,8 @@ def across_script() -> str:
             collector,
             "assert torch.equal(result['logits'], hand_logits)",
             "assert result['logits'].shape == (11, 3)",
+            prepared,
+            "assert torch.equal(result['logits'], hand_logits)",
             contrastive,
             "assert all(p.grad is not None for p in model.parameters())",
             "print(f'rank {dist.get_rank()}: README blocks ok')",

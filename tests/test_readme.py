@@ -47,7 +47,7 @@ def test_readme_has_the_blocks_this_file_checks() -> None:
         "Hugging Face models",
         "From jactorch",
     ], sections
-    assert len(ACROSS) == 4  # setup, by hand, Collector, contrastive
+    assert len(ACROSS) == 5  # setup, by hand, Collector, Collector over accelerate, contrastive
 
 
 def test_first_commands_are_what_ci_runs() -> None:
