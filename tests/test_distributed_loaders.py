@@ -188,8 +188,10 @@ def _accelerate(even: bool) -> Callable[..., Built]:
         torch.manual_seed(1234)  # (as accelerate.utils.set_seed: the ranks shuffle alike)
         config = DataLoaderConfiguration(even_batches=even, use_seedable_sampler=True)
         accelerator = Accelerator(cpu=True, dataloader_config=config)
+        assert accelerator.num_processes == world  # (it joined the group: shards, not copies)
         raw = DataLoader(Samples(), batch_size=BATCH, shuffle=shuffle, num_workers=workers)
         loader = accelerator.prepare(raw)
+        assert type(loader.batch_sampler).__name__ == "BatchSamplerShard"
 
         def state() -> Any:
             batches = loader.batch_sampler

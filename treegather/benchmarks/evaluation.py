@@ -1,31 +1,34 @@
 """Benchmark a :class:`treegather.distributed.Collector` evaluation on gloo ranks.
 
-Run ``python -m treegather.benchmarks.evaluation`` (options: ``--samples 10000``, ``--batch 64``,
+Run ``python -m treegather.benchmarks.evaluation`` (options: ``--samples 10001``, ``--batch 64``,
 ``--world 2``, ``--rounds 25``, ``--profile``, ``--json PATH``). It spawns ``world`` gloo ranks on
 localhost, as :mod:`treegather.benchmarks.distributed` does. Each rank evaluates its share of a
-dataset of ``samples`` samples under ``DistributedSampler(shuffle=False)``, in batches of
-``batch``, each batch's outputs ``{"logits": [B, 10] float32, "ids": [B] int64, "names": B
-strs}``, made before any timing (no model runs). It measures:
+dataset of ``samples`` samples under ``DistributedSampler(shuffle=False)`` (padded: 10,001 do not
+split evenly), in batches of ``batch``, each batch's outputs ``{"logits": [B, 10] float32,
+"labels": [B] int64, "index": [B] int64, "ids": B strs}``, made before any timing (no model
+runs). It measures:
 
-- **the final exchange**: ``col.all_gather(tg.by_path({"names": tg.cat_items()}))`` after every
-  batch was added (the adds untimed), against one ``all_gather_into_tensor`` of a flat buffer
-  of the same tensor bytes (the logits and ids of the largest rank; ``floor``), of the same
-  bytes plus the pickled names (``floor_names``), and of this rank's tensor bytes plus its
-  names' UTF-8 bytes joined by ``"\\x00"`` followed by decoding every other rank's names from
-  the bytes it sent into one list of all ranks' names (``floor_decoded``: the least an exchange
-  that returns Python strings must do; each rank's byte counts are exchanged once, untimed).
-  Each round times the four, in rotating order, each call after a barrier with the garbage
-  collector off; the ratios are the medians of the per-round ratios, and every figure is the
-  slowest rank's; the calling thread's CPU time of the exchange and of the floor tells the
-  call's own work from the wait for the transfer. Before timing, the result is checked against
-  the dataset (every sample once, in index order), and the decoded floor's against every
-  rank's bytes and names (in rank order). ``--profile`` adds a cProfile of rank 0's exchanges.
-- **the final exchange of tensors only**: the same batches without ``"names"``,
-  ``col.all_gather()`` with no layout, against ``floor`` in the same way, and against
-  ``floor_placed``: the floor's collective, then each leaf's rows of every rank concatenated
-  and picked into index order, each index once (``torch.cat`` and ``index_select``, the order
-  worked out beforehand, untimed; no checks): the least a tensors-only exchange that returns
-  the dataset in index order must do.
+- **an evaluation's gathering**, from the first batch's outputs to every sample once, in
+  dataset order, on every rank, side by side in one run:
+
+  - ``treegather``: a ``Collector(sampler)``, one ``add`` per batch, ``all_gather`` (the adds
+    and the exchange timed together);
+  - ``torchmetrics``: the way torchmetrics' ``Metric`` syncs its states (where torchmetrics is
+    installed): each tensor concatenated locally, ``gather_all_tensors`` each, the ids by
+    ``all_gather_object``, then the rows put in dataset order by the gathered indices, padding
+    duplicates dropped (a stable sort);
+  - ``accelerate``: ``Accelerator.gather_for_metrics`` of every batch as it comes (tensors, then
+    the ids, where accelerate is installed), then the same dataset order;
+  - ``floor``: the least any such exchange does: one ``all_gather_into_tensor`` of this rank's
+    tensor bytes and its ids' UTF-8 bytes (padded to the largest rank's size), every other
+    rank's ids decoded, the rows picked into dataset order (the order, the sizes and the rows'
+    places worked out once beforehand, untimed; no checks).
+
+  Every result is checked against the dataset before timing. Each round times every
+  implementation once, in an order rotated from round to round, each call after a barrier with
+  the garbage collector off; the ratios are the medians of the per-round ratios, every figure
+  the slowest rank's; the calling thread's CPU time tells the call's own work from the wait.
+  ``--profile`` adds a cProfile of rank 0's Collector evaluations.
 - **one add** (``col.add(outputs)`` under ``torch.no_grad()``; and with ``Collector(sampler,
   device="cpu")``), in µs of this thread's CPU time per add, the garbage collector off, next to
   the cost of copying the batch (``clone()`` of its tensors), and the first add of an epoch
@@ -36,9 +39,7 @@ strs}``, made before any timing (no model runs). It measures:
   wrapping ``torch.distributed``'s functions (:func:`~treegather.benchmarks.distributed.counting`);
   with each one's median wall time.
 
-The targets (issue 21): the exchange at most 1.5x ``floor`` (the tensor bytes alone; the other
-floors show how much of the distance the names account for), an add at most 20 µs plus its
-copy, ``sync_grads`` adding no collective to the forward and one to the backward.
+The targets (issue 28): treegather at most 0.5x the best peer and 2.0x the floor.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ import cProfile
 import gc
 import io
 import json
-import pickle
 import pstats
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -67,23 +69,27 @@ __all__ = ["run", "measure", "format_table", "main"]
 Outputs = dict[str, Any]
 
 
-def _dataset(samples: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def _dataset(samples: int) -> Outputs:
     g = torch.Generator().manual_seed(0)
-    return (
-        torch.randn(samples, 10, generator=g),
-        torch.arange(samples),
-        [f"sample-{i:06d}" for i in range(samples)],
-    )
+    return {
+        "logits": torch.randn(samples, 10, generator=g),
+        "labels": torch.randint(0, 10, (samples,), generator=g),
+        "index": torch.arange(samples),
+        "ids": [f"sample-{i:06d}" for i in range(samples)],
+    }
 
 
-def _batches(order: list[int], batch: int, data: tuple[Any, ...]) -> list[Outputs]:
-    logits, ids, names = data
+def _batches(order: list[int], batch: int, data: Outputs) -> list[Outputs]:
     out = []
     for start in range(0, len(order), batch):
         chunk = order[start : start + batch]
         idx = torch.tensor(chunk)
-        out.append({"logits": logits[idx], "ids": ids[idx], "names": [names[i] for i in chunk]})
+        rows = {key: data[key][idx] for key in TENSORS}
+        out.append({**rows, "ids": [data["ids"][i] for i in chunk]})
     return out
+
+
+TENSORS = ("logits", "labels", "index")
 
 
 def _per_rank(values: list[float]) -> torch.Tensor:
@@ -126,220 +132,177 @@ def _timed_cpu(fn: Callable[[], Any]) -> tuple[float, float]:
         gc.enable()
 
 
-def _decoded_floor(tensors: torch.Tensor, names: list[str]) -> Callable[[], Any]:
-    """The least an exchange that returns Python strings must do: one ``all_gather_into_tensor``
-    of this rank's ``tensors`` (uint8) and its ``names`` (UTF-8, joined by ``"\\x00"``), padded
-    to the largest rank's size, then every other rank's names decoded from the bytes it sent
-    and one list of all ranks' names made (in rank order; this rank's own list reused).
+def _in_order(parts: dict[str, Any], index: torch.Tensor) -> Outputs:
+    """Every rank's rows (one after the other) in dataset order, each index once: what the
+    peers do after gathering (a stable sort of the gathered indices, the first of each kept)."""
+    ordered, perm = torch.sort(index, stable=True)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    pick = perm[first]
+    out: Outputs = {key: parts[key].index_select(0, pick) for key in TENSORS}
+    out["ids"] = list(itemgetter(*pick.tolist())(parts["ids"]))
+    return out
 
-    Each rank's byte counts are exchanged once here, untimed, and the call's result (the
-    received bytes and the list) is checked against every rank's before it is returned.
-    """
-    encoded = "\x00".join(names).encode()
+
+def _collector(sampler: Any, batches: list[Outputs]) -> Callable[[], Any]:
+    import treegather as tg
+    import treegather.distributed as tgd
+
+    layout = tg.by_path({"ids": tg.cat_items()})
+
+    def call() -> Any:
+        col = tgd.Collector(sampler)
+        with torch.no_grad():
+            for out in batches:
+                col.add(out)
+        return col.all_gather(layout)
+
+    return call
+
+
+def _torchmetrics(batches: list[Outputs]) -> Callable[[], Any] | None:
+    """torchmetrics' way (``Metric`` states of tensors and of lists): local cat, then
+    ``gather_all_tensors`` per tensor (sizes first, then padded) and ``all_gather_object``."""
+    try:
+        from torchmetrics.utilities.distributed import gather_all_tensors
+    except ImportError:
+        return None
+    world = dist.get_world_size()
+
+    def call() -> Outputs:
+        parts: dict[str, Any] = {}
+        for key in TENSORS:
+            local = torch.cat([b[key] for b in batches])
+            parts[key] = torch.cat(gather_all_tensors(local))
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, [i for b in batches for i in b["ids"]])
+        parts["ids"] = list(chain.from_iterable(every))
+        return _in_order(parts, parts["index"])
+
+    return call
+
+
+def _accelerate(batches: list[Outputs]) -> Callable[[], Any] | None:
+    """accelerate's way: ``gather_for_metrics`` of every batch as it comes."""
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        return None
+    accelerator = Accelerator(cpu=True)  # (the gloo group already initialised)
+
+    def call() -> Outputs:
+        got: dict[str, list[Any]] = {key: [] for key in (*TENSORS, "ids")}
+        for b in batches:
+            tensors = accelerator.gather_for_metrics(tuple(b[key] for key in TENSORS))
+            for key, t in zip(TENSORS, tensors):
+                got[key].append(t)
+            got["ids"] += accelerator.gather_for_metrics(b["ids"], use_gather_object=True)
+        parts: dict[str, Any] = {key: torch.cat(got[key]) for key in TENSORS}
+        parts["ids"] = got["ids"]
+        return _in_order(parts, parts["index"])
+
+    return call
+
+
+def _floor(batches: list[Outputs]) -> Callable[[], Any]:
+    """One ``all_gather_into_tensor`` of this rank's tensor bytes and ids (UTF-8, joined by
+    ``"\x00"``), padded to the largest rank's; every other rank's ids decoded; the rows picked
+    into dataset order. Sizes, places and the order are worked out here, untimed."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    sizes = [
-        [int(v) for v in row]
-        for row in _per_rank([tensors.numel(), len(encoded), len(names)]).tolist()
-    ]
-    width = max(t + n for t, n, _ in sizes)
+    local = {key: torch.cat([b[key] for b in batches]) for key in TENSORS}
+    ids = [i for b in batches for i in b["ids"]]
+    encoded = "\x00".join(ids).encode()
+    tensors = torch.cat([local[key].reshape(-1).view(torch.uint8) for key in TENSORS])
+    sizes = [[int(v) for v in row] for row in _per_rank([len(ids), len(encoded)]).tolist()]
+    width = -(-max(n * 56 + m for n, m in sizes) // 8) * 8  # 10 float32, 2 int64, the ids
     buf = torch.zeros(width, dtype=torch.uint8)
     buf[: tensors.numel()] = tensors
     if encoded:
         buf[tensors.numel() : tensors.numel() + len(encoded)] = torch.frombuffer(
             bytearray(encoded), dtype=torch.uint8
         )
-    gather = flat_all_gather(buf)
-
-    def call() -> tuple[torch.Tensor, list[str]]:
-        out = gather()
-        raw = out.numpy()
-        every: list[str] = []
-        for r, (t, n, count) in enumerate(sizes):
-            if r == rank:
-                every += names
-            elif count:
-                start = r * width + t
-                every += raw[start : start + n].tobytes().decode().split("\x00")
-        return out, every
-
-    sent: list[Any] = [None] * world
-    dist.all_gather_object(sent, (tensors.numpy().tobytes(), names))
-    out, every = call()
-    raw = out.numpy()
-    if every != [n for _, theirs in sent for n in theirs] or any(
-        raw[r * width : r * width + len(t)].tobytes() != t for r, (t, _) in enumerate(sent)
-    ):
-        raise AssertionError("the decoded floor did not receive every rank's bytes and names")
-    return call
-
-
-def _placed_floor(
-    plain: list[Outputs], indices: list[int], data: tuple[Any, ...]
-) -> Callable[[], Any]:
-    """The least a tensors-only exchange in dataset order must do: the floor's collective of
-    this rank's logits and ids (padded to the largest rank's bytes), then each leaf's rows of
-    every rank in one piece and picked into index order, each index once (``cat`` and
-    ``index_select``, with the order worked out once here, untimed, from every rank's indices).
-    No checks, no row, nothing learned from the bytes. The result is checked against the
-    dataset before it is returned."""
-    logits = torch.cat([b["logits"] for b in plain])
-    ids = torch.cat([b["ids"] for b in plain])
-    world = dist.get_world_size()
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, (indices, logits.shape[0]))
-    width = max(n for _, n in every) * (logits.shape[1] * 4 + 8)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    split = logits.numel() * 4
-    buf[:split] = logits.reshape(-1).view(torch.uint8)
-    buf[split : split + ids.numel() * 8] = ids.view(torch.uint8)
-    idx = torch.tensor([i for part, _ in every for i in part], dtype=torch.int64)
-    ordered, perm = torch.sort(idx, stable=True)
+    dist.all_gather_object(every, local["index"])
+    index = torch.cat(every)
+    ordered, perm = torch.sort(index, stable=True)
     first = torch.ones_like(ordered, dtype=torch.bool)
     first[1:] = ordered[1:] != ordered[:-1]
-    pick = perm[first]
+    pick, picked = perm[first], perm[first].tolist()
     gather = flat_all_gather(buf)
-    tail = logits.shape[1]
 
-    def call() -> dict[str, torch.Tensor]:
+    def call() -> Outputs:
         raw = gather().view(world, width)
-        parts_l, parts_i = [], []
-        for r, (_, n) in enumerate(every):
-            parts_l.append(raw[r, : n * tail * 4].view(torch.float32).view(n, tail))
-            parts_i.append(raw[r, n * tail * 4 : n * (tail * 4 + 8)].view(torch.int64))
-        return {
-            "logits": torch.cat(parts_l).index_select(0, pick),
-            "ids": torch.cat(parts_i).index_select(0, pick),
-        }
+        parts: dict[str, list[torch.Tensor]] = {key: [] for key in TENSORS}
+        names: list[str] = []
+        for r, (n, m) in enumerate(sizes):
+            row = raw[r]
+            parts["logits"].append(row[: n * 40].view(torch.float32).view(n, 10))
+            parts["labels"].append(row[n * 40 : n * 48].view(torch.int64))
+            parts["index"].append(row[n * 48 : n * 56].view(torch.int64))
+            if r == rank:
+                names += ids
+            elif n:
+                names += row[n * 56 : n * 56 + m].numpy().tobytes().decode().split("\x00")
+        out: Outputs = {key: torch.cat(parts[key]).index_select(0, pick) for key in TENSORS}
+        out["ids"] = list(itemgetter(*picked)(names))
+        return out
 
-    _check(call(), data, ("logits", "ids"))
     return call
 
 
-def _filler(col: Any, batches: list[Outputs]) -> Callable[[], Any]:
-    """A call that resets ``col`` and adds every batch (under ``no_grad``), ready to exchange."""
-
-    def filled() -> Any:
-        col.reset()
-        with torch.no_grad():
-            for out in batches:
-                col.add(out)
-        return col
-
-    return filled
+def _check(result: Any, data: Outputs) -> None:
+    """``result`` is ``data``: every sample once, in index order."""
+    same = set(result) == set(data) and result["ids"] == data["ids"]
+    if not (same and all(torch.equal(result[key], data[key]) for key in TENSORS)):
+        raise AssertionError("an evaluation's result is not the dataset in index order")
 
 
-def _check(result: Any, data: tuple[Any, ...], keys: tuple[str, ...]) -> None:
-    """``result`` is ``data`` (its ``keys``): every sample once, in index order."""
-    logits, ids, names = data
-    if not (
-        set(result) == set(keys)
-        and torch.equal(result["logits"], logits)
-        and torch.equal(result["ids"], ids)
-        and ("names" not in keys or result["names"] == names)
-    ):
-        raise AssertionError("the Collector's result is not the dataset in index order")
-
-
-def _versus(
-    filled: Callable[[], Any], columns: dict[str, Callable[[], Any]], rounds: int
+def _peers_row(
+    sampler: Any, batches: list[Outputs], data: Outputs, rounds: int, profile: bool
 ) -> dict[str, Any]:
-    """The exchange (``columns["exchange"]``, each call after ``filled()``) against its floors
-    (the other columns, ``"floor"`` among them); every figure the slowest rank's.
-
-    Two warm-up passes (plans, the group's buffers, the allocator), then ``rounds`` rounds of
-    every column once, in an order rotated from round to round, each call after a barrier with
-    the garbage collector off. Returns ``{column}_ms`` (the medians), ``exchange_vs_{floor}``
-    for every floor (the medians of the per-round ratios), and ``exchange_cpu_ms`` and
-    ``floor_cpu_ms`` (the calling thread's CPU time, medians).
-    """
-    names = list(columns)
-    for _ in range(2):
-        for name in names:
-            if name == "exchange":
-                filled()
-            columns[name]()
+    """Every implementation's evaluation, side by side; each checked against the dataset."""
+    found = {
+        "treegather": _collector(sampler, batches),
+        "torchmetrics": _torchmetrics(batches),
+        "accelerate": _accelerate(batches),
+        "floor": _floor(batches),
+    }
+    calls = {name: fn for name, fn in found.items() if fn is not None}
+    counted: dict[str, int] = {}
+    for name, fn in calls.items():
+        _check(fn(), data)
+        with counting() as made:
+            fn()
+        counted[name] = len(made)
+    names = list(calls)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        filled()
         gc.collect()
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            wall, spent = _timed_cpu(columns[name])
+            wall, spent = _timed_cpu(calls[name])
             times[name].append(wall)
             cpu[name].append(spent)
-    figures = {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in names}
-    for floor in names[1:]:
-        ratios = (e / f for e, f in zip(times["exchange"], times[floor]))
-        figures[f"exchange_vs_{floor}"] = statistics.median(ratios)
-    for name in ("exchange", "floor"):
+    figures: dict[str, float] = {}
+    for name in names:
+        figures[f"{name}_ms"] = statistics.median(times[name]) * 1e3
         figures[f"{name}_cpu_ms"] = statistics.median(cpu[name]) * 1e3
-    return dict(zip(figures, _slowest(list(figures.values()))))
-
-
-def _tensor_bytes(batches: list[Outputs]) -> torch.Tensor:
-    """This rank's logits and ids as one flat uint8 tensor."""
-    return torch.cat(
-        [b[key].reshape(-1).view(torch.uint8) for key in ("logits", "ids") for b in batches]
-    )
-
-
-def _exchange_row(
-    sampler: Any, batches: list[Outputs], data: tuple[Any, ...], rounds: int, profile: bool
-) -> dict[str, Any]:
-    import treegather as tg
-    import treegather.distributed as tgd
-
-    layout = tg.by_path({"names": tg.cat_items()})
-    col = tgd.Collector(sampler)
-    filled = _filler(col, batches)
-    # Checked against the dataset before timing: every sample once, in index order.
-    _check(filled().all_gather(layout), data, ("logits", "ids", "names"))
-    with counting() as calls:
-        filled().all_gather(layout)
-    tensors = _tensor_bytes(batches)
-    names = [n for b in batches for n in b["names"]]
-    names_bytes = len(pickle.dumps(names))
-    columns: dict[str, Callable[[], Any]] = {
-        "exchange": lambda: col.all_gather(layout),
-        "floor": _flat_all_gather(tensors.numel()),
-        "floor_names": _flat_all_gather(tensors.numel() + names_bytes),
-        "floor_decoded": _decoded_floor(tensors, names),
-    }
-    row = _versus(filled, columns, rounds)
-    row["tensor_mib_per_rank"] = tensors.numel() / 2**20
-    row["names_mib_per_rank"] = names_bytes / 2**20
-    row["collectives"] = len(calls)
+        per_round = (t / f for t, f in zip(times["treegather"], times[name]))
+        figures[f"treegather_vs_{name}"] = statistics.median(per_round)
+    row: dict[str, Any] = dict(zip(figures, _slowest(list(figures.values()))))
+    row["implementations"] = names
+    row["collectives"] = counted
+    row["missing"] = [name for name, fn in found.items() if fn is None]
     if profile:
-        row["profile"] = _profiled(filled, lambda: col.all_gather(layout), max(3, rounds // 3))
+        row["profile"] = _profiled(calls["treegather"], max(3, rounds // 3))
     return row
 
 
-def _tensors_row(
-    sampler: Any, batches: list[Outputs], data: tuple[Any, ...], rounds: int
-) -> dict[str, Any]:
-    """The same batches without their names, ``col.all_gather()`` with no layout."""
-    import treegather.distributed as tgd
-
-    plain = [{"logits": b["logits"], "ids": b["ids"]} for b in batches]
-    col = tgd.Collector(sampler)
-    filled = _filler(col, plain)
-    _check(filled().all_gather(), data, ("logits", "ids"))
-    with counting() as calls:
-        filled().all_gather()
-    floor = _flat_all_gather(sum(b["logits"].nbytes + b["ids"].nbytes for b in plain))
-    placed = _placed_floor(plain, [int(i) for i in sampler], data)
-    columns = {"exchange": col.all_gather, "floor": floor, "floor_placed": placed}
-    row = _versus(filled, columns, rounds)
-    row["collectives"] = len(calls)
-    return row
-
-
-def _profiled(fill: Callable[[], Any], call: Callable[[], Any], n: int) -> str | None:
+def _profiled(call: Callable[[], Any], n: int) -> str | None:
     """cProfile of ``n`` calls on rank 0 (every rank makes them): the top functions, as text."""
     profiler = cProfile.Profile() if dist.get_rank() == 0 else None
     for _ in range(n):
-        fill()
         dist.barrier()
         if profiler is not None:
             profiler.enable()
@@ -373,8 +336,8 @@ def _add_row(sampler: Any, batches: list[Outputs], rounds: int) -> dict[str, Any
     def copies() -> tuple[float, float]:
         t0 = time.thread_time()
         for out in batches:
-            out["logits"].clone()
-            out["ids"].clone()
+            for key in TENSORS:
+                out[key].clone()
         return 0.0, (time.thread_time() - t0) / len(batches)
 
     fns: dict[str, Callable[[], tuple[float, float]]] = {
@@ -456,7 +419,7 @@ def _sync_grads_row(batch: int, rounds: int) -> dict[str, Any]:
 
 
 def measure(
-    samples: int = 10_000, *, batch: int = 64, rounds: int = 25, profile: bool = False
+    samples: int = 10_001, *, batch: int = 64, rounds: int = 25, profile: bool = False
 ) -> dict[str, Any]:
     """Measure the four parts in the process group this process is in (every rank calls it).
 
@@ -466,7 +429,8 @@ def measure(
     from torch.utils.data import DistributedSampler, TensorDataset
 
     data = _dataset(samples)
-    sampler: DistributedSampler[Any] = DistributedSampler(TensorDataset(data[1]), shuffle=False)
+    index = TensorDataset(data["index"])
+    sampler: DistributedSampler[Any] = DistributedSampler(index, shuffle=False)
     batches = _batches(list(sampler), batch, data)
     world = dist.get_world_size()
     result: dict[str, Any] = {"samples": samples, "batch": batch, "world": world}
@@ -476,8 +440,7 @@ def measure(
     gc.collect()
     gc.freeze()
     try:
-        result["exchange"] = _exchange_row(sampler, batches, data, rounds, profile)
-        result["exchange_tensors"] = _tensors_row(sampler, batches, data, rounds)
+        result["evaluation"] = _peers_row(sampler, batches, data, rounds, profile)
         result["add"] = _add_row(sampler, batches, rounds)
         result["sync_grads"] = _sync_grads_row(batch, rounds)
     finally:
@@ -505,7 +468,7 @@ def _worker(
 
 
 def run(
-    samples: int = 10_000,
+    samples: int = 10_001,
     *,
     batch: int = 64,
     world: int = 2,
@@ -520,41 +483,43 @@ def run(
         batch: Samples per batch (per add).
         world: How many ranks to spawn.
         rounds: Interleaved rounds per measurement.
-        profile: Also profile rank 0's final exchanges (``result["exchange"]["profile"]``).
+        profile: Also profile rank 0's Collector evaluations (``["evaluation"]["profile"]``).
         timeout_s: Kill the ranks if they have not finished by then.
 
     Returns:
-        ``samples``, ``batch``, ``world``, ``rounds`` and four dicts: ``exchange``
-        (``exchange_ms``, ``floor_ms``, ``floor_names_ms``, ``floor_decoded_ms``,
-        ``exchange_vs_floor``, ``exchange_vs_floor_names``, ``exchange_vs_floor_decoded``,
-        ``exchange_cpu_ms`` and ``floor_cpu_ms`` (the calling thread's CPU time),
-        ``tensor_mib_per_rank``, ``names_mib_per_rank``, ``collectives``, and with ``profile``
-        ``profile``), ``exchange_tensors`` (the outputs without names: ``exchange_ms``,
-        ``floor_ms``, ``exchange_vs_floor``, ``floor_placed_ms``, ``exchange_vs_floor_placed``,
-        ``exchange_cpu_ms``, ``floor_cpu_ms``, ``collectives``), ``add`` (``add_us``, ``add_cpu_us``, ``copy_us`` per batch,
-        ``first_add_us``, ``first_add_cpu_us``, ``adds``) and ``sync_grads``
-        (``forward_sync_ms``, ``forward_plain_ms``, ``step_sync_ms``, and the collectives' names
-        in ``forward_sync_collectives``, ``forward_plain_collectives``,
-        ``backward_collectives``). Times are the slowest rank's.
+        ``samples``, ``batch``, ``world``, ``rounds`` and three dicts: ``evaluation``
+        (per implementation ``{name}_ms``, ``{name}_cpu_ms`` (the calling thread's CPU time)
+        and ``treegather_vs_{name}``; ``implementations`` (those measured), ``missing`` (peers
+        not installed), ``collectives`` (per implementation), and with ``profile`` ``profile``),
+        ``add`` (``add_us``, ``add_cpu_us``, ``copy_us`` per batch, ``first_add_us``,
+        ``first_add_cpu_us``, ``adds``) and ``sync_grads`` (``forward_sync_ms``,
+        ``forward_plain_ms``, ``step_sync_ms``, and the collectives' names in
+        ``forward_sync_collectives``, ``forward_plain_collectives``, ``backward_collectives``).
+        Times are the slowest rank's.
     """
     result: dict[str, Any] = spawn(_worker, world, (samples, batch, rounds, profile), timeout_s)
     return result
 
 
+LABELS = {
+    "treegather": "treegather Collector",
+    "torchmetrics": "torchmetrics-style (gather_all_tensors, all_gather_object)",
+    "accelerate": "accelerate gather_for_metrics per batch",
+    "floor": "floor (one collective, ids decoded, rows picked)",
+}
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """Render :func:`run`'s result as three Markdown tables (the final exchanges, one add,
+    """Render :func:`run`'s result as three Markdown tables (the evaluations, one add,
     ``sync_grads``).
 
     Example:
-        >>> result = {"samples": 10000, "batch": 64, "world": 2, "rounds": 25,
-        ...     "exchange": {"exchange_ms": 2.0, "floor_ms": 1.0, "floor_names_ms": 1.5,
-        ...         "floor_decoded_ms": 1.6, "exchange_vs_floor": 2.0,
-        ...         "exchange_vs_floor_names": 1.3, "exchange_vs_floor_decoded": 1.25,
-        ...         "tensor_mib_per_rank": 0.23, "names_mib_per_rank": 0.07, "collectives": 2,
-        ...         "exchange_cpu_ms": 1.2, "floor_cpu_ms": 0.1},
-        ...     "exchange_tensors": {"exchange_ms": 1.4, "floor_ms": 1.0, "exchange_vs_floor": 1.4,
-        ...         "floor_placed_ms": 1.2, "exchange_vs_floor_placed": 1.17,
-        ...         "exchange_cpu_ms": 0.5, "floor_cpu_ms": 0.1, "collectives": 1},
+        >>> result = {"samples": 10001, "batch": 64, "world": 2, "rounds": 25,
+        ...     "evaluation": {"implementations": ["treegather", "floor"],
+        ...         "missing": ["torchmetrics", "accelerate"],
+        ...         "collectives": {"treegather": 1, "floor": 1},
+        ...         "treegather_ms": 3.0, "treegather_cpu_ms": 2.0, "treegather_vs_treegather": 1.0,
+        ...         "floor_ms": 2.0, "floor_cpu_ms": 1.0, "treegather_vs_floor": 1.5},
         ...     "add": {"add_us": 3.0, "add_cpu_us": 9.0, "copy_us": 4.0, "first_add_us": 90.0,
         ...         "first_add_cpu_us": 95.0, "adds": 79},
         ...     "sync_grads": {"forward_sync_ms": 1.1, "forward_plain_ms": 1.0,
@@ -562,11 +527,12 @@ def format_table(result: dict[str, Any]) -> str:
         ...         "forward_plain_collectives": ["all_gather_into_tensor"],
         ...         "backward_collectives": ["all_reduce"]}}
         >>> print(format_table(result))  # doctest: +NORMALIZE_WHITESPACE
-        Collector evaluation: 10000 samples, batches of 64, 2 gloo ranks, 25 rounds
-        | final exchange | time | floor (tensor bytes) | x floor | floor + pickled names | x floor + names | floor + decoded names | x floor + decoded | floor + dataset order | x floor + order | collectives | CPU ms in the calling thread (exchange / floor) |
-        |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-        | logits, ids, names | 2.00 ms | 1.00 ms | 2.00x | 1.50 ms | 1.30x | 1.60 ms | 1.25x | - | - | 2 | 1.20 / 0.10 |
-        | logits, ids (no layout) | 1.40 ms | 1.00 ms | 1.40x | - | - | - | - | 1.20 ms | 1.17x | 1 | 0.50 / 0.10 |
+        Collector evaluation: 10001 samples, batches of 64, 2 gloo ranks, 25 rounds
+        | evaluation (adds + exchange) | time | treegather / it | collectives | CPU ms in the calling thread |
+        |---|---:|---:|---:|---:|
+        | treegather Collector | 3.00 ms | 1.00x | 1 | 2.00 |
+        | floor (one collective, ids decoded, rows picked) | 2.00 ms | 1.50x | 1 | 1.00 |
+        not installed: torchmetrics, accelerate
         <BLANKLINE>
         | add (no_grad) | add (device="cpu") | copy of the batch | first add (reads the sampler) | adds per rank |
         |---:|---:|---:|---:|---:|
@@ -576,35 +542,22 @@ def format_table(result: dict[str, Any]) -> str:
         |---|---:|---:|---:|---:|---:|---:|
         | one batch | 1 | 1 | 1 (all_reduce) | 1.10 ms | 1.00 ms | 2.50 ms |
     """
-    ex, tensors = result["exchange"], result["exchange_tensors"]
-    add, sg = result["add"], result["sync_grads"]
-
-    def exchange(what: str, row: dict[str, Any], names: str) -> str:
-        return (
-            f"| {what} | {row['exchange_ms']:.2f} ms | {row['floor_ms']:.2f} ms "
-            f"| {row['exchange_vs_floor']:.2f}x | {names} | {row['collectives']} "
-            f"| {row['exchange_cpu_ms']:.2f} / {row['floor_cpu_ms']:.2f} |"
-        )
-
+    ev, add, sg = result["evaluation"], result["add"], result["sync_grads"]
     lines = [
         f"Collector evaluation: {result['samples']} samples, batches of {result['batch']}, "
         f"{result['world']} gloo ranks, {result['rounds']} rounds",
-        "| final exchange | time | floor (tensor bytes) | x floor | floor + pickled names "
-        "| x floor + names | floor + decoded names | x floor + decoded | floor + dataset order "
-        "| x floor + order | collectives | CPU ms in the calling thread (exchange / floor) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        exchange(
-            "logits, ids, names",
-            ex,
-            f"{ex['floor_names_ms']:.2f} ms | {ex['exchange_vs_floor_names']:.2f}x "
-            f"| {ex['floor_decoded_ms']:.2f} ms | {ex['exchange_vs_floor_decoded']:.2f}x | - | -",
-        ),
-        exchange(
-            "logits, ids (no layout)",
-            tensors,
-            " | ".join(["-"] * 4)
-            + f" | {tensors['floor_placed_ms']:.2f} ms | {tensors['exchange_vs_floor_placed']:.2f}x",
-        ),
+        "| evaluation (adds + exchange) | time | treegather / it | collectives "
+        "| CPU ms in the calling thread |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in ev["implementations"]:
+        lines.append(
+            f"| {LABELS[name]} | {ev[f'{name}_ms']:.2f} ms | {ev[f'treegather_vs_{name}']:.2f}x "
+            f"| {ev['collectives'][name]} | {ev[f'{name}_cpu_ms']:.2f} |"
+        )
+    if ev["missing"]:
+        lines.append(f"not installed: {', '.join(ev['missing'])}")
+    lines += [
         "",
         '| add (no_grad) | add (device="cpu") | copy of the batch '
         "| first add (reads the sampler) | adds per rank |",
@@ -627,11 +580,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: run the benchmark and print the tables."""
     parser = argparse.ArgumentParser(
         prog="python -m treegather.benchmarks.evaluation",
-        description="Benchmark a treegather.distributed.Collector evaluation on gloo ranks: the "
-        "final exchange against one all-gather of the same bytes, one add, and the collectives "
-        "of all_gather(sync_grads=True).",
+        description="Benchmark a treegather.distributed.Collector evaluation on gloo ranks "
+        "against torchmetrics' and accelerate's ways and the floor, one add, and the "
+        "collectives of all_gather(sync_grads=True).",
     )
-    parser.add_argument("--samples", type=int, default=10_000, help="dataset size (10000)")
+    parser.add_argument("--samples", type=int, default=10_001, help="dataset size (10001)")
     parser.add_argument("--batch", type=int, default=64, help="samples per batch (64)")
     parser.add_argument("--world", type=int, default=2, help="gloo ranks to spawn (2)")
     parser.add_argument("--rounds", type=int, default=25, help="interleaved rounds (25)")
@@ -648,8 +601,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile=args.profile,
     )
     print(format_table(result))
-    if result["exchange"].get("profile"):
-        print("\nprofile of the final exchange:\n" + result["exchange"]["profile"])
+    if result["evaluation"].get("profile"):
+        print("\nprofile of the Collector's evaluation:\n" + result["evaluation"]["profile"])
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
