@@ -306,7 +306,9 @@ class Collector:
             unexpected = exc
             local = _Problem(TreegatherError.__name__, f"{type(exc).__name__}: {exc}")
         del adds
-        call = (layout_text(layout, 0)[0] + f";partial={bool(partial)}", _shown(layout, partial))
+        key, shown = layout_text(layout, 0)
+        shown = shown.removesuffix(", dim=0") + (", partial=True" if partial else "")
+        call = (f"{key};partial={bool(partial)}", shown)
 
         def finish(received: list[Any]) -> Any:
             try:
@@ -632,11 +634,6 @@ def _complete(taken: int, source: _Rows, partial: bool) -> None:
 def _preview(t: Tensor) -> str:
     shown = t[:6].tolist()
     return str(shown)[:-1] + (", ...]" if t.numel() > 6 else "]")
-
-
-def _shown(layout: Any, partial: bool) -> str:
-    text = layout_text(layout, 0)[1].removesuffix(", dim=0")
-    return text + (", partial=True" if partial else "")
 
 
 def _same_calls(ranks: list[int], calls: list[tuple[str, str]]) -> None:
