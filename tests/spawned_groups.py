@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
-import os
 import socket
 import sys
 import time
@@ -90,15 +89,9 @@ def _worker(
                 f"checks registered here {list(_CHECKS)} != the session's {list(names)}"
             )
         current = "init_process_group"
-        # As torchrun sets them (accelerate reads them to find the group it joins).
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        from treegather.benchmarks.distributed import torchrun_environment
+
+        torchrun_environment(rank, world, port)  # (accelerate finds the group by them)
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",

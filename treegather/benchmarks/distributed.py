@@ -52,7 +52,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run", "format_table", "main", "counting", "flat_all_gather", "spawn"]
+__all__ = [
+    "run",
+    "format_table",
+    "main",
+    "counting",
+    "flat_all_gather",
+    "spawn",
+    "torchrun_environment",
+]
 
 _LARGE_ROWS, _LARGE_COLS = 4096, 256
 
@@ -338,9 +346,8 @@ def counting() -> Iterator[list[str]]:
             setattr(dist, name, fn)
 
 
-def init_rank(rank: int, world: int, port: int) -> None:
-    """Join the gloo group of ``world`` ranks on localhost ``port``, one intra-op thread."""
-    torch.set_num_threads(1)
+def torchrun_environment(rank: int, world: int, port: int) -> None:
+    """Set the variables torchrun sets for a rank on localhost (accelerate reads them)."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -349,6 +356,12 @@ def init_rank(rank: int, world: int, port: int) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def init_rank(rank: int, world: int, port: int) -> None:
+    """Join the gloo group of ``world`` ranks on localhost ``port``, one intra-op thread."""
+    torch.set_num_threads(1)
+    torchrun_environment(rank, world, port)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -11,8 +11,9 @@ runs). It measures:
 - **an evaluation's gathering**, from the first batch's outputs to every sample once, in
   dataset order, on every rank, side by side in one run:
 
-  - ``treegather``: a ``Collector(sampler)``, one ``add`` per batch, ``all_gather`` (the adds
-    and the exchange timed together);
+  - ``treegather``: a ``Collector()``, one ``add(outputs, indices=outputs["index"])`` per
+    batch (the batch's own indices, as the peers take them), ``all_gather`` (the adds and the
+    exchange timed together);
   - ``torchmetrics``: the way torchmetrics' ``Metric`` syncs its states (where torchmetrics is
     installed): each tensor concatenated locally, ``gather_all_tensors`` each, the ids by
     ``all_gather_object``, then the rows put in dataset order by the gathered indices, padding
@@ -151,10 +152,10 @@ def _collector(sampler: Any, batches: list[Outputs]) -> Callable[[], Any]:
     layout = tg.by_path({"ids": tg.cat_items()})
 
     def call() -> Any:
-        col = tgd.Collector(sampler)
+        col = tgd.Collector()
         with torch.no_grad():
-            for out in batches:
-                col.add(out)
+            for out in batches:  # (each batch's own indices, as the peers take them)
+                col.add(out, indices=out["index"])
         return col.all_gather(layout)
 
     return call

@@ -18,6 +18,7 @@ meet in it; every rank then checks what every rank sent and puts the rows in dat
 
 from __future__ import annotations
 
+import operator
 import pickle
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -244,9 +245,9 @@ class Collector:
         """Every rank's adds, combined on every rank: each sample once, in index order.
 
         ``layout`` is a layout of one add's outputs, as for :func:`treegather.gather`, the same
-        on every rank. One collective while every rank's adds agree and fit the group's inline
-        capacity (see the module), else what one :func:`treegather.distributed.all_gather` of
-        this rank's adds, concatenated, costs, plus one. ``None`` when no rank added anything.
+        on every rank. One :func:`treegather.distributed.all_gather` of this rank's adds,
+        joined: a repeated evaluation that fits the group's inline capacity is one collective
+        (see the module). ``None`` when no rank added anything.
 
         Args:
             layout: how to combine each leaf, for one add's outputs.
@@ -563,6 +564,13 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
     if order is not None and total <= order.numel() and all(a.indices is None for a in adds):
         if ends is None or _in_time(rows, adds, ends):
             return order[:total], total
+    if order is None:  # every add names its rows: as int64 CPU tensors, checked in one piece
+        named = [a.indices for a in adds]
+        if set(map(type, named)) == {Tensor} and set(map(_KIND, named)) == {_INT64}:
+            if list(map(Tensor.numel, named)) == rows:
+                flat = torch.cat(named) if len(named) > 1 else named[0].reshape(-1)
+                if not flat.numel() or int(flat.min()) >= 0:
+                    return flat, 0
     what = "loader" if source.seen is not None else "sampler"
     parts: list[Tensor] = []
     taken = 0
@@ -605,6 +613,10 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
     if not parts:
         return torch.zeros(0, dtype=torch.int64), taken
     return (torch.cat(parts) if len(parts) > 1 else parts[0]), taken
+
+
+_KIND = operator.attrgetter("dtype", "device", "ndim")
+_INT64 = (torch.int64, torch.device("cpu"), 1)
 
 
 def _in_time(rows: list[int], adds: list[_Add], ends: list[int]) -> bool:
