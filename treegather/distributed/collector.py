@@ -115,36 +115,22 @@ class Collector:
             col.add(model(batch["x"]))
         result = col.all_gather({"names": tg.cat_items()})
 
-    The rows of the adds are the indices of the batches the loop received, one after the
-    other, as the loader's index sampler handed them out: nothing is read twice, so a random
-    sampler's order, its generator and epoch counters are what they would be without a
-    Collector. ``Collector(sampler)`` (or ``Collector(loader)``) with a plain ``for batch in
-    loader`` loop reads the sampler's order again at the first add, which only samplers known
-    to give the same order again allow (``SequentialSampler``, ``DistributedSampler``: call
-    ``set_epoch`` before the loop; a ``BatchSampler`` over those); other samplers are a typed
-    error there. ``add(outputs, indices=...)`` names the rows itself (any loop, an
-    ``IterableDataset``; mixed with the loader's rows, they must be the ones it handed out).
-    Samples seen twice (the padding ``DistributedSampler`` adds) are kept once, the first
-    rank's, and the result is in dataset index order (:attr:`indices` says which indices it
-    holds: with ``drop_last``, the samples that were seen).
+    The adds take the indices of the batches the loop received, one after the other, as the
+    loader's index sampler handed them out (nothing is read twice). ``Collector(sampler)`` (or
+    ``Collector(loader)``) with a plain ``for batch in loader`` loop reads the sampler's order
+    again at the first add, which only samplers known to give the same order again allow
+    (``SequentialSampler``, ``DistributedSampler`` after ``set_epoch``, a ``BatchSampler`` over
+    those). ``add(outputs, indices=...)`` names the rows itself. Samples seen twice (the padding
+    ``DistributedSampler`` adds) are kept once, the first rank's, in dataset index order
+    (:attr:`indices`). The exchange checks that every rank added its whole epoch
+    (``partial=True``: what was added).
 
-    The exchange checks that every rank added every row of its epoch (the whole loop, or all
-    of the sampler's indices): a rank that stopped early, or added rows twice, is an error on
-    every rank, naming the ranks and counts; ``partial=True`` takes what was added.
-
-    Which leaves are per sample is the layout's to say, as in :func:`treegather.gather`:
-    tensors of one or more dims under a rule that joins along the batch dim (the default
-    ``cat()``, ``cat(0)``, ``cat(-2)`` of 2-D leaves, ``pad(0)``) and per-sample lists under
-    ``cat_items()`` are put in dataset order; every other leaf (a 0-dim batch loss, ``stack()``,
-    ``mean()``, ``as_list()``, a custom rule) is one value per add, combined by its rule over
-    every add of every rank (``mean()`` weighted by the adds' rows), padding duplicates
-    included. A list of non-tensors needs a rule (``cat_items()`` or ``as_list()``).
-
-    Errors in what was added (rows that do not match the loader's, per-sample leaves with
-    other row counts in one add, adds of different structure, ranks that differ) are found at
-    the exchange and raised on every rank, naming the path and the add (never a hang).
-    ``add`` and the exchange may run in different threads: an add either lands in the
-    exchange or raises.
+    Per-sample leaves are those the layout joins along the batch dim (``cat()``, ``cat(-2)`` of
+    2-D leaves, ``pad(0)``) and lists under ``cat_items()``; every other leaf is one value per
+    add, combined by its rule over every add of every rank (``mean()`` weighted by the adds'
+    rows). Errors in what was added are found at the exchange and raised on every rank, naming
+    the path and the add (never a hang). An add from another thread lands in the exchange or
+    raises.
 
     Args:
         source: a sampler (or ``DataLoader``) whose order this rank's adds follow in a plain
@@ -334,12 +320,6 @@ class Collector:
         the sampler's order (read now if no add read it), or nothing."""
         seen = self._seen
         if seen is not None:
-            if seen.yielded > len(seen.handed):
-                raise BatchSizeError(
-                    f"its loop received {seen.yielded} batch(es) where the loader's sampler "
-                    f"handed out {len(seen.handed)}: the batches cannot be matched to indices; "
-                    "pass add(outputs, indices=...)"
-                )
             rows, ends = seen.rows()
             order = index_tensor(rows, "the indices the loader's sampler handed out")
             return _Rows(order, ends, seen)

@@ -190,15 +190,9 @@ def _lists_need_a_rule(plan: Plan, kinds: list[int], values: list[Any]) -> None:
             "per add? tg.cat_items() if it holds one item per row (put in dataset order with "
             "the rows), tg.as_list() if it is one value per add (the result lists every add's)"
             + (f" (and {len(lists) - 1} more such list(s))" if len(lists) > 1 else "")
-            + f"\nHint: Collector.all_gather(tg.by_path({{{_pattern(where)!r}: tg.cat_items()}}))"
+            + "\nHint: name it in the layout, e.g. tg.by_path({'names': tg.cat_items()}) for "
+            "outputs['names']"
         )
-
-
-def _pattern(where: str) -> str:
-    """The dotted ``by_path`` pattern of a displayed path (``outputs['a'][0]`` -> ``a.0``)."""
-    inner = where.removeprefix(ROOT)
-    parts = [p.strip("'\"") for p in inner.replace("]", "").replace(".", "[").split("[") if p]
-    return ".".join(parts) or "*"
 
 
 def rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[int]:
