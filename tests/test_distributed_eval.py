@@ -323,6 +323,38 @@ def _generator_state(source: Any) -> Any:
     return None if g is None else g.get_state().tolist()
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_observed_workers_yield_what_the_loop_alone_yields(persistent: bool) -> None:
+    """Two epochs of a seeded shuffle over 2 workers (new ones each epoch, or persistent):
+    the batches and the generator's state as without a Collector, every row its own sample."""
+
+    def loader() -> DataLoader:  # type: ignore[type-arg]
+        g = torch.Generator().manual_seed(4)
+        return DataLoader(
+            _dataset(),
+            batch_size=3,
+            shuffle=True,
+            generator=g,
+            num_workers=2,
+            persistent_workers=persistent,
+        )
+
+    alone, observed = loader(), loader()
+    for _ in range(2):
+        want = [ids.tolist() for ids, _ in alone]
+        col, got = tgd.Collector(), []
+        for ids, x in col.observe(observed):
+            got.append(ids.tolist())
+            col.add({"ids": ids, "x": x})
+        out = col.all_gather()
+        assert got == want
+        assert out["ids"].tolist() == col.indices.tolist() == list(range(N))
+        assert torch.equal(out["x"], _dataset().tensors[1])
+    assert torch.equal(alone.generator.get_state(), observed.generator.get_state())
+    if persistent:  # the loader's own iterator holds its own sampler again
+        assert observed._iterator._index_sampler is observed.batch_sampler
+
+
 def test_a_batch_sampler_loader_means_its_batch_sampler() -> None:
     ds = _dataset()
     sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=2)
