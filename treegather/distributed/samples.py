@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 import pickle
 from collections.abc import Callable, Sequence
-from itertools import chain, compress
+from itertools import accumulate, chain, compress
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
@@ -388,11 +388,32 @@ def placed(values: Sequence[Any], order: Order) -> Any:
         if order.perm is not None:
             return rows.index_select(0, order.perm)
         return rows if len(values) > 1 else rows.clone()
-    joined = list(chain.from_iterable(values))
-    if order.perm is not None:
-        picked = order.perm.tolist()
-        joined = list(itemgetter(*picked)(joined)) if len(picked) > 1 else [joined[picked[0]]]
+    spans = None if order.perm is None else _spans(list(map(len, values)), order.perm)
+    if spans is not None:  # each part's kept rows every few places: slices, no index per row
+        joined: list[Any] = [None] * order.kept.numel()
+        for (start, step, kept), v in zip(spans, values):
+            joined[start : start + step * (kept - 1) + 1 : step] = v if kept == len(v) else v[:kept]
+    else:
+        joined = list(chain.from_iterable(values))
+        if order.perm is not None:
+            picked = order.perm.tolist()
+            joined = list(itemgetter(*picked)(joined)) if len(picked) > 1 else [joined[picked[0]]]
     return tuple(joined) if type(first) is tuple else joined
+
+
+def _spans(lengths: list[int], perm: Tensor) -> list[tuple[int, int, int]] | None:
+    """``(start, step, kept)`` per part (``lengths`` rows each, one after the other) when the
+    result's rows are dealt from the parts in turn, part ``r``'s first rows at ``r``, ``r + w``,
+    ... (``DistributedSampler`` without shuffling); else ``None``."""
+    w, n = len(lengths), perm.numel()
+    kept = [(n - r + w - 1) // w for r in range(w)]
+    if any(k > m for k, m in zip(kept, lengths)):
+        return None
+    at = torch.tensor(list(accumulate(lengths[:-1], initial=0)))
+    j = torch.arange(n)
+    if not torch.equal(perm, at[j % w] + j // w):
+        return None
+    return [(r, w, k) for r, k in enumerate(kept)]
 
 
 def moved(tree: Any, device: torch.device | None) -> Any:
