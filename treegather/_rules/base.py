@@ -124,6 +124,8 @@ class Combining(NamedTuple):
     sizes: tuple[int, ...] | None  # rows per replica (weights for mean)
     dim: int  # the call's dim (the default rules')
     node: Any = None  # the plan node (whole-value rules name it in their errors)
+    inputs: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...] | None = None
+    """Each replica's call ``(args, kwargs)``, where the gather follows one (``mean(weight=f)``)."""
 
 
 class Problem(NamedTuple):
