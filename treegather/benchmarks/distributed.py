@@ -315,6 +315,7 @@ COLLECTIVES = (
     "gather",
     "broadcast",
     "all_reduce",
+    "all_to_all_single",
 )
 
 

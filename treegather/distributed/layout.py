@@ -39,11 +39,9 @@ def _describe_rule(value: Any) -> tuple[str, str]:
         return f"callable:{name}", f"custom rule {getattr(fn, '__qualname__', name)}"
     if isinstance(value, Rule) and dataclasses.is_dataclass(value):
         fields = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
-        key = type(value).__qualname__ + "".join(  # (a callable field: mean(weight=f)'s f)
-            f"|{n}=callable:{_callable_name(v)}"
-            if callable(v)
-            else f"|{n}={type(v).__name__}:{safe_repr(v, None, stable=True)}"
-            for n, v in fields
+        fields = [(n, ("callable", _callable_name(v)) if callable(v) else v) for n, v in fields]
+        key = type(value).__qualname__ + "".join(
+            f"|{n}={type(v).__name__}:{safe_repr(v, None, stable=True)}" for n, v in fields
         )
         return key, value.describe()
     if isinstance(value, ByPath):
