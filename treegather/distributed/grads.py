@@ -83,7 +83,7 @@ class _Exchanged(torch.autograd.Function):
         ]
         ends = itertools.accumulate(ctx.sizes)
         counts = [sum(s.numel() for s in ctx.shapes[e - n : e]) for e, n in zip(ends, ctx.sizes)]
-        mine = _Summed.apply((ctx.group, ctx.rank, counts), False, *parts)
+        mine = _Summed.apply((ctx.group, ctx.rank, counts, ctx.sizes), False, *parts)
         numels = [shape.numel() for shape, _, _ in ctx.own]
         grads = [
             part.view(shape).to(device=device, dtype=dtype)
@@ -93,22 +93,42 @@ class _Exchanged(torch.autograd.Function):
 
 
 class _Summed(torch.autograd.Function):
-    """The flat ``parts`` of every rank, summed: this rank's ``counts[rank]`` (one all-to-all);
-    ``spread``, its adjoint: this rank's part to every rank. Each is the other's backward."""
+    """Every rank's flat gradients ``parts`` (``sizes[r]`` of them, ``counts[r]`` elements, for
+    rank ``r``'s values) summed over the ranks: this rank's, one all-to-all of the other ranks'
+    parts and a local sum. ``spread``: its adjoint, this rank's part to every rank. Each is the
+    other's backward, so derivatives of every order are exact."""
 
     @staticmethod
-    def forward(ctx: Any, how: tuple[Any, int, list[int]], spread: bool, *parts: Tensor) -> Tensor:
-        (group, rank, counts), k = how, len(how[2])
+    def forward(ctx: Any, how: tuple[Any, ...], spread: bool, *parts: Tensor) -> Tensor:
         ctx.how, ctx.spread, ctx.numels = how, spread, [p.numel() for p in parts]
-        flat = parts[0].repeat(k) if spread else torch.cat(parts)
-        out = flat.new_empty(sum(counts) if spread else k * counts[rank])
-        splits = (counts, [counts[rank]] * k)
-        dist.all_to_all_single(out, flat, *(splits if spread else splits[::-1]), group=group)
-        return out if spread else out.view(k, counts[rank]).sum(0)
+        group, rank, counts, sizes = how
+        if len(counts) == 1:
+            return torch.cat(parts)
+        theirs = [0 if r == rank else c for r, c in enumerate(counts)]  # (itself: kept here)
+        ours = [0 if r == rank else counts[rank] for r in range(len(counts))]
+        if spread:
+            got = parts[0].new_empty(sum(theirs))
+            dist.all_to_all_single(got, parts[0].repeat(len(counts) - 1), theirs, ours, group)
+            pieces = list(got.split(theirs))
+            pieces[rank] = parts[0]
+            return torch.cat(pieces)
+        first, n = sum(sizes[:rank]), sizes[rank]
+        others = parts[:first] + parts[first + n :]
+        got = parts[0].new_empty(sum(ours))
+        send = torch.cat(others) if others else got[:0]
+        dist.all_to_all_single(got, send, ours, theirs, group)
+        total = got if len(counts) == 2 else got.view(len(counts) - 1, -1).sum(0)
+        for piece, own in zip(total.split(ctx.numels[first : first + n]), parts[first : first + n]):
+            piece += own
+        return total
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        return (None, None, *_Summed.apply(ctx.how, not ctx.spread, grad).split(ctx.numels))
+        group, rank, counts, _ = ctx.how
+        if ctx.spread:  # (the flat parts of every rank: one per rank)
+            ones = (group, rank, counts, [1] * len(counts))
+            return None, None, _Summed.apply(ones, False, *grad.split(counts))
+        return (None, None, *_Summed.apply(ctx.how, True, grad).split(ctx.numels))
 
 
 def unsynced(out: Any, leaves: list[Any] | None, tree: Any) -> Any:
