@@ -33,8 +33,9 @@ with Lightning's ``all_gather(sync_grads=True)`` (``lightning.fabric``'s
 call) per leaf where installed, and against the **floor**: one all-gather and one
 reduce-scatter of the same bytes, no autograd. Every peer's gradients are checked equal to
 treegather's first; the columns are timed in rounds, one call each in an order that rotates
-from round to round, and each row reports the median over rounds of treegather's time over the
-best peer's and over the floor's in the same round (:func:`format_sync_table`).
+from round to round, and each row reports, against each peer and the floor, the median over
+rounds of treegather's time over the other's in the same round (the slowest rank's), and
+against the best peer, the largest of the peers' (:func:`format_sync_table`).
 
 Every column's result is checked equal to treegather's before timing. Each row reports the
 slowest rank's median, ``treegather`` as a multiple of the floor (the median over rounds of the
@@ -391,19 +392,19 @@ def _sync_row(rows: int, repeats: int, lightning: bool = True) -> dict[str, Any]
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
-    tg, best = times["treegather"], [min(t) for t in zip(*(times[p] for p in peers))]
+    tg = times["treegather"]
     mine_ms = [statistics.median(times[name]) * 1e3 for name in columns]
-    ratios = [
-        statistics.median(a / b for a, b in zip(tg, best)),
-        statistics.median(a / b for a, b in zip(tg, times["floor"])),
-    ]
-    every = [torch.empty(len(mine_ms) + 2, dtype=torch.float64) for _ in range(world)]
+    against = [*peers, "floor"]
+    ratios = [statistics.median(a / b for a, b in zip(tg, times[name])) for name in against]
+    every = [torch.empty(len(mine_ms) + len(ratios), dtype=torch.float64) for _ in range(world)]
     dist.all_gather(every, torch.tensor(mine_ms + ratios, dtype=torch.float64))
     slowest = torch.stack(every).amax(0).tolist()
     row: dict[str, Any] = {"sync_grads": True, "tree": f"2 x [{rows}, {_SYNC_COLS}]"}
     row |= {"world": world, "peers": list(peers)}
     row |= {f"{name}_ms": ms for name, ms in zip(columns, slowest)}
-    row["treegather_vs_best_peer"], row["treegather_vs_floor"] = slowest[len(columns) :]
+    row |= {f"treegather_vs_{name}": r for name, r in zip(against, slowest[len(columns) :])}
+    # the best peer is the one treegather is slowest against
+    row["treegather_vs_best_peer"] = max(row[f"treegather_vs_{p}"] for p in peers)
     return row
 
 
@@ -544,8 +545,9 @@ def run(
         ratios ``treegather_vs_floor``, ``treegather_vs_laid_out``, ``object_vs_treegather``,
         ``per_leaf_vs_treegather``, and ``collectives`` per call; first, one dict per
         ``sync_rows`` entry (``"sync_grads": True``): ``tree``, ``world``, ``peers``,
-        ``<column>_ms`` for ``treegather``, each peer and ``floor``, and the per-round ratios
-        ``treegather_vs_best_peer`` and ``treegather_vs_floor``.
+        ``<column>_ms`` for ``treegather``, each peer and ``floor``, the per-round ratios
+        ``treegather_vs_<peer>`` and ``treegather_vs_floor``, and ``treegather_vs_best_peer``
+        (the largest of the peers').
 
     Example:
         >>> rows = run(leaves=(10,), large=0, repeats=2, sync_rows=(8,), lightning=False)
