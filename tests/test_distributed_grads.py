@@ -173,10 +173,9 @@ def test_a_backward_through_a_result_without_sync_grads_says_sync_grads(
         status, name, message, _ = got["no_sync"]
         assert (status, name) == ("raised", "RuntimeError")
         assert message == (
-            "a backward reached the result of treegather.distributed.all_gather(...) of tensors "
-            "that require grad, called without sync_grads=True, so no gradient flows through "
-            "it: pass sync_grads=True (gradients to every rank's tensors), or .detach() the "
-            "tree before the call to gather constants"
+            "a backward reached the result of treegather.distributed.all_gather(...) called "
+            "without sync_grads=True, which passes no gradient: pass sync_grads=True (gradients "
+            "to every rank's tensors), or .detach() the tree before the call to gather constants"
         )
         assert got["requires_grad"] is True
         # inputs that do not require grad, or no grad mode: plain detached results, as before

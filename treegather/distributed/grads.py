@@ -8,13 +8,11 @@ such leaves. The rules then combine them with ordinary differentiable torch ops,
 gradients back to every rank's values.
 
 The backward is one collective for the whole tree: each rank lays out the gradients it got for
-every rank's values, in one flat buffer of one wide dtype (the same layout on every rank), and
-an all-to-all sends each rank its part, summed there (:class:`_Summed`, differentiable: exact
-higher derivatives). That is the gradient of the sum of every rank's loss with respect to this
-rank's contribution, as with ``torch.distributed.nn.functional.all_gather``. Every rank must
-therefore run the backward (and a double backward): a rank that has nothing of its own that
-requires grad still takes part (its function has an empty input that does). Without
-``sync_grads``, :func:`unsynced` makes a backward through the result say to pass it.
+every rank's values in one wide dtype, and an all-to-all sends each rank its part, summed there
+(:class:`_Summed`, itself differentiable). That is the gradient of the sum of every rank's loss
+with respect to this rank's contribution, as with ``torch.distributed.nn.functional.all_gather``.
+Every rank must therefore run the backward (and a double backward): a rank that has nothing of
+its own that requires grad still takes part (its function has an empty input that does).
 """
 
 from __future__ import annotations
@@ -94,31 +92,27 @@ class _Exchanged(torch.autograd.Function):
 
 class _Summed(torch.autograd.Function):
     """Every rank's flat gradients ``parts`` (``sizes[r]`` of them, ``counts[r]`` elements, for
-    rank ``r``'s values) summed over the ranks: this rank's, one all-to-all of the other ranks'
-    parts and a local sum. ``spread``: its adjoint, this rank's part to every rank. Each is the
-    other's backward, so derivatives of every order are exact."""
+    rank ``r``'s values) summed over the ranks: this rank's, from one all-to-all of the other
+    ranks' parts. ``spread``, its adjoint: this rank's part to every rank. Each is the other's
+    backward, so derivatives of every order are exact."""
 
     @staticmethod
     def forward(ctx: Any, how: tuple[Any, ...], spread: bool, *parts: Tensor) -> Tensor:
         ctx.how, ctx.spread, ctx.numels = how, spread, [p.numel() for p in parts]
         group, rank, counts, sizes = how
-        if len(counts) == 1:
-            return torch.cat(parts)
-        theirs = [0 if r == rank else c for r, c in enumerate(counts)]  # (itself: kept here)
-        ours = [0 if r == rank else counts[rank] for r in range(len(counts))]
+        k, mine = len(counts), slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        theirs = [0 if r == rank else c for r, c in enumerate(counts)]  # (none to itself)
+        ours = [0 if r == rank else counts[rank] for r in range(k)]
+        others = [*parts[: mine.start], *parts[mine.stop :], parts[0][:0]]
+        send = parts[0].repeat(k - 1) if spread else torch.cat(others)
+        got = parts[0].new_empty(sum(theirs if spread else ours))
+        dist.all_to_all_single(got, send, *((theirs, ours) if spread else (ours, theirs)), group)
         if spread:
-            got = parts[0].new_empty(sum(theirs))
-            dist.all_to_all_single(got, parts[0].repeat(len(counts) - 1), theirs, ours, group)
-            pieces = list(got.split(theirs))
-            pieces[rank] = parts[0]
-            return torch.cat(pieces)
-        first, n = sum(sizes[:rank]), sizes[rank]
-        others = parts[:first] + parts[first + n :]
-        got = parts[0].new_empty(sum(ours))
-        send = torch.cat(others) if others else got[:0]
-        dist.all_to_all_single(got, send, ours, theirs, group)
-        total = got if len(counts) == 2 else got.view(len(counts) - 1, -1).sum(0)
-        for piece, own in zip(total.split(ctx.numels[first : first + n]), parts[first : first + n]):
+            return torch.cat(
+                [parts[0] if r == rank else p for r, p in enumerate(got.split(theirs))]
+            )
+        total = got if k == 2 else got.view(k - 1, counts[rank]).sum(0)
+        for piece, own in zip(total.split(ctx.numels[mine]), parts[mine]):
             piece += own
         return total
 
@@ -153,10 +147,9 @@ class _Unsynced(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
         raise RuntimeError(
-            "a backward reached the result of treegather.distributed.all_gather(...) of tensors "
-            "that require grad, called without sync_grads=True, so no gradient flows through it: "
-            "pass sync_grads=True (gradients to every rank's tensors), or .detach() the tree "
-            "before the call to gather constants"
+            "a backward reached the result of treegather.distributed.all_gather(...) called "
+            "without sync_grads=True, which passes no gradient: pass sync_grads=True (gradients "
+            "to every rank's tensors), or .detach() the tree before the call to gather constants"
         )
 
 
