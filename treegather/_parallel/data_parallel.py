@@ -73,10 +73,10 @@ def data_parallel(
     callable is called as it is, on every shard); :func:`parallel_apply` runs the shards with
     ``backend``; :func:`gather` combines the outputs on ``output_device`` by ``out_layout``,
     with the shard sizes, so ``mean()`` is exact for uneven splits, and with the shards' calls,
-    for ``mean(weight=f)`` (weights from the data). The output is always gathered, so one device gives the same
-    output shapes as N devices (a 0-dim loss becomes a vector unless ``out_layout`` says
-    ``mean()``, ``sum()`` or ``first()``). When nothing is split (no tensor input with a batch
-    dim), ``fn`` runs once, on the first device.
+    for ``mean(weight=f)`` (weights from the data). The output is always gathered, so one
+    device gives the same output shapes as N devices (a 0-dim loss becomes a vector unless
+    ``out_layout`` says ``mean()``, ``sum()`` or ``first()``). When nothing is split (no tensor
+    input with a batch dim), ``fn`` runs once, on the first device.
 
     A module's replicas are kept from step to step (held so that a deleted module frees
     them): each step re-binds them to the module as it is now (its attributes and hooks,
