@@ -9,7 +9,7 @@ embeddings of every rank are gathered and each rank's loss compares its rows wit
 ``treegather.distributed.all_gather`` gathers the whole tree of embeddings (uneven batches
 too) in one collective; with ``sync_grads=True`` the result is differentiable, and the backward
 sends every rank the gradient of every rank's loss with respect to its own embeddings in one
-all-reduce. DDP then averages the parameter gradients as usual. Rank 0 checks the step against
+all-to-all. DDP then averages the parameter gradients as usual. Rank 0 checks the step against
 one process that holds every rank's rows.
 """
 

@@ -532,3 +532,223 @@ def test_no_module_kwargs_hint_where_it_does_not_apply() -> None:
         with pytest.raises(Exception) as info:
             tg.data_parallel(fn, inputs, ["cpu"] * 2, module_kwargs=kwargs)
         assert not any("module_kwargs" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_dataparallel_with_a_dict_batch_for_a_keyword_only_forward_hints_keywords() -> None:
+    class KeywordsOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, *, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+            return self.lin(x)
+
+    model, batch = KeywordsOnly(), {"x": torch.ones(4, 2), "y": torch.zeros(4)}
+    with pytest.raises(TypeError) as info:
+        tg.DataParallel(model, ["cpu"] * 2)(batch)
+    assert info.value.__notes__[-1] == (  # type: ignore[attr-defined]
+        "Hint: dp(batch) got a dict whose keys name parameters of KeywordsOnly.forward (x, y) "
+        "as its one positional argument; to call KeywordsOnly.forward(**batch), pass its items "
+        "as keywords: dp(**batch)"
+    )
+    with pytest.raises(TypeError) as info:  # data_parallel gives its own hint for the same call
+        tg.data_parallel(model, batch, ["cpu"] * 2)
+    assert "module_kwargs=batch" in info.value.__notes__[-1]  # type: ignore[attr-defined]
+    out = tg.DataParallel(model, ["cpu"] * 2)(**batch)  # the hinted fix
+    torch.testing.assert_close(out, model(**batch))
+
+
+# ------------------------------------------------------------------ weights from the data
+
+
+class TokenLoss(nn.Module):
+    """A token loss over the labels that are not -100, called as ``model(**batch)`` with a
+    keyword-only forward (like a Hugging Face model's loss, which averages over tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 5)
+
+    def forward(self, *, x: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.proj(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return {"loss": loss, "logits": logits}
+
+
+def _tokens(labels: torch.Tensor, **_: Any) -> torch.Tensor:
+    return (labels != -100).sum()
+
+
+def _padded_batch(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """7 rows of 4 tokens, uneven padding; on 3 devices the last shard has no token at all."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 5, (7, 4), generator=g)
+    for row, keep in enumerate([4, 1, 3, 2, 4, 0, 0]):
+        labels[row, keep:] = -100
+    return {"x": torch.randn(7, 4, 3, generator=g, dtype=dtype), "labels": labels}
+
+
+WEIGHTED = tg.by_path({"loss": tg.mean(weight=_tokens)})
+
+
+class _CPUDataParallel(nn.DataParallel):  # type: ignore[type-arg]
+    """torch's DataParallel with a parallel_apply that runs on the CPU (torch's needs CUDA)."""
+
+    def parallel_apply(self, replicas: Any, inputs: Any, kwargs: Any) -> list[Any]:
+        return tg.parallel_apply(replicas, inputs, kwargs)
+
+
+def _manual_patched_step(dp: nn.DataParallel, batch: dict[str, Any], devices: list[str]) -> Any:
+    """What torch's DataParallel.forward does with several devices, on the CPU (where its own
+    forward is a plain call): scatter, replicate, parallel_apply, gather."""
+    args, kwargs = dp.scatter((), batch, devices)
+    replicas = dp.replicate(dp.module, devices[: len(args)])
+    return dp.gather(dp.parallel_apply(replicas, args, kwargs), "cpu")
+
+
+@pytest.mark.parametrize("entry", ["data_parallel", "DataParallel", "patch"])
+def test_a_mean_weighted_by_the_data_gives_the_one_device_token_loss(entry: str) -> None:
+    from treegather._caches import reference_only
+
+    torch.manual_seed(0)
+    model, ref = TokenLoss(), TokenLoss()
+    ref.load_state_dict(model.state_dict())
+    batch = _padded_batch()
+    expected = ref(**batch)
+    expected["loss"].backward()
+    devices = ["cpu"] * 3
+    rows = tg.by_path({"loss": "mean"})
+    by_rows = tg.data_parallel(model, (), devices, module_kwargs=batch, out_layout=rows)
+    assert torch.isnan(by_rows["loss"])  # mean() by rows: the shard without tokens is NaN
+    for reference in (False, True, False, False):  # cold, the reference path, seen, compiled
+        model.zero_grad()
+        with reference_only() if reference else contextlib.nullcontext():
+            if entry == "data_parallel":
+                out = tg.data_parallel(model, (), devices, module_kwargs=batch, out_layout=WEIGHTED)
+            elif entry == "DataParallel":
+                out = tg.DataParallel(model, devices, out_layout=WEIGHTED)(**batch)
+            else:
+                dp = tg.patch(_CPUDataParallel(model), out_layout=WEIGHTED)
+                out = _manual_patched_step(dp, batch, devices)
+        # the last shard counts no token (its loss is NaN) and takes no part
+        assert torch.isfinite(out["loss"])
+        torch.testing.assert_close(out["loss"], expected["loss"], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out["logits"], expected["logits"])
+        out["loss"].backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_weight_gets_each_shards_call_as_the_replica_was_called() -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    def weight(*args: Any, **kwargs: Any) -> int:
+        calls.append((tuple(a.shape[0] for a in args), sorted(kwargs)))
+        return len(args[0])
+
+    def fn(x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return x.mean() * scale
+
+    x = torch.arange(7.0)
+    out = tg.data_parallel(
+        fn, x, ["cpu"] * 3, module_kwargs={"scale": 2.0}, out_layout=tg.mean(weight=weight)
+    )
+    assert out.item() == pytest.approx(x.mean().item() * 2)
+    assert calls == [((3,), ["scale"]), ((2,), ["scale"]), ((2,), ["scale"])]
+    calls.clear()
+    tg.data_parallel(fn, (x,), ["cpu"] * 2, out_layout=tg.mean(weight=weight))  # positional
+    assert calls == [((4,), []), ((3,), [])]
+
+
+def test_weights_from_the_data_accumulate_wide_and_every_zero_count_is_nan() -> None:
+    # float16 losses over 4096 tokens each: weighted in float32, 100.0, not inf
+    x = torch.full((8192,), 100.0, dtype=torch.float16)
+    out = tg.data_parallel(
+        torch.mean, x, ["cpu"] * 2, out_layout=tg.mean(weight=lambda t: t.numel())
+    )
+    assert out.dtype == torch.float16 and out.item() == 100.0
+    # no shard counts anything: the mean of no items (as one device's loss over no tokens)
+    batch = _padded_batch()
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    model = TokenLoss()
+    out = tg.data_parallel(model, (), ["cpu"] * 3, module_kwargs=batch, out_layout=WEIGHTED)
+    assert torch.isnan(out["loss"]) and torch.isnan(model(**batch)["loss"])
+    out["loss"].backward()  # with no gradient
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    # Python numbers: exact for ints
+    numbers = tg.data_parallel(
+        lambda x: int(x.sum()),
+        torch.arange(6),
+        ["cpu"] * 2,
+        out_layout=tg.mean(weight=lambda x: int(x[0] > 0)),
+    )
+    assert numbers == 12.0  # shard 0 (0 + 1 + 2) counts 0: only shard 1's 12
+
+
+def test_weight_errors_are_typed_and_name_the_path() -> None:
+    model, batch = TokenLoss(), _padded_batch()
+
+    def run(weight: Any) -> None:
+        tg.data_parallel(
+            model,
+            (),
+            ["cpu"] * 2,
+            module_kwargs=batch,
+            out_layout=tg.by_path({"loss": tg.mean(weight=weight)}),
+        )
+
+    with pytest.raises(
+        tg.ArgumentTypeError,
+        match=(
+            r"^outputs\['loss'\]: mean\(weight=<lambda>\): the weight of replica 0 must be a count "
+            r"\(an int or a 0-dim integer tensor, e\.g\. \(labels != -100\)\.sum\(\)\), got float 1\.5$"
+        ),
+    ):
+        run(lambda **_: 1.5)
+    for bad in (
+        lambda **_: torch.tensor(2.0),
+        lambda **_: torch.ones(2, dtype=torch.long),
+        lambda **_: True,
+        lambda **_: None,
+    ):
+        with pytest.raises(tg.ArgumentTypeError, match=r"the weight of replica 0 must be a count"):
+            run(bad)
+    with pytest.raises(
+        tg.BatchSizeError,
+        match=r"^outputs\['loss'\]: mean\(weight=<lambda>\): the "
+        r"weight of replica 0 is -1, and a count is >= 0$",
+    ):
+        run(lambda **_: -1)
+    with pytest.raises(tg.ArgumentTypeError, match=r"mean\(weight=\.\.\.\) takes a callable"):
+        tg.mean(weight=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        tg.mean(_tokens)  # type: ignore[misc]  # keyword-only
+
+
+def test_a_gather_without_the_calls_says_where_the_weights_come_from() -> None:
+    outs = [{"loss": torch.tensor(1.0)}, {"loss": torch.tensor(2.0)}]
+    with pytest.raises(tg.LayoutError) as info:
+        tg.gather(outs, "cpu", WEIGHTED)
+    assert str(info.value) == (
+        "outputs['loss']: mean(weight=_tokens) weighs each replica by what _tokens counts in its "
+        "inputs, and this gather has none: data_parallel, DataParallel and patch pass each "
+        "shard's call; elsewhere gather with mean() and sizes=[each replica's count] "
+        "(treegather.distributed: each rank's count as sizes=)"
+    )
+    # a patched module's gather of a plain list (no parallel_apply outputs) has no calls either
+    dp = tg.patch(nn.DataParallel(TokenLoss()), out_layout=WEIGHTED)
+    with pytest.raises(tg.LayoutError, match="this gather has none"):
+        dp.gather(outs, "cpu")
+    assert tg.gather(outs, "cpu", {"loss": tg.mean()}, sizes=[3, 1])["loss"].item() == 1.25
+
+
+def test_explain_shows_the_weight() -> None:
+    out = {"loss": torch.tensor(0.5), "logits": torch.zeros(2, 4, 5)}
+    explained = tg.explain(out, WEIGHTED, ["cpu"] * 3, "gather")
+    row = explained["outputs['loss']"]
+    assert row.rule == "mean(weight=_tokens)"
+    assert (
+        row.result == "Tensor() float32 (weighted by _tokens(*args, **kwargs) of each shard's call)"
+    )
+    assert "mean(weight=_tokens)" in str(explained)

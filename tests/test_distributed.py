@@ -1173,13 +1173,16 @@ def test_results_are_detached_copies(world_of_one: None) -> None:
 
     x = torch.ones(2, requires_grad=True)
     out = tgd.all_gather({"x": x}, {"x": tg.as_list()})
-    assert not out["x"][0].requires_grad
+    with pytest.raises(RuntimeError, match="pass sync_grads=True"):  # no gradient reaches x
+        out["x"][0].sum().backward()
     out["x"][0].add_(1)
     assert torch.equal(x.detach(), torch.ones(2))
     out = tgd.all_gather({"x": x})  # the wire plan's vectorised combine
-    assert not out["x"].requires_grad
+    with pytest.raises(RuntimeError, match="pass sync_grads=True"):
+        out["x"].sum().backward()
     out["x"].add_(1)
     assert torch.equal(x.detach(), torch.ones(2))
+    assert not tgd.all_gather({"x": x.detach()})["x"].requires_grad
 
 
 def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:

@@ -561,3 +561,33 @@ def test_by_path_rejects_an_empty_or_untyped_path() -> None:
         tg.by_path({1: "first"})  # type: ignore[dict-item]
     with pytest.raises(tg.LayoutError, match=r"empty segment .*\('a\.\.b',\)"):
         tg.by_path({"a..b": "first"})
+
+
+def test_unknown_rule_name_lists_the_rule_names_the_close_one_first() -> None:
+    outs = [{"loss": torch.tensor(1.0)}] * 2
+    with pytest.raises(tg.LayoutError) as info:
+        tg.gather(outs, "cpu", {"loss": "avg"})
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(
+        "layout at outputs['loss']: unknown rule 'avg' (did you mean 'mean'?); the gather rules "
+        "are 'mean', "
+    )
+    listed = first.partition("the gather rules are ")[2].split(", ")
+    assert sorted(listed) == sorted(
+        repr(n) for n in ("cat", "stack", "mean", "sum", "pad", "as_list", "first", "cat_items")
+    )
+    with pytest.raises(
+        tg.LayoutError,
+        match=r"unknown rule 'firts' \(did you mean 'first'\?\); "
+        r"the gather rules are 'first', ",
+    ):
+        tg.gather(outs, "cpu", {"loss": "firts"})
+    # a scatter rule's name in a gather layout: said so, and the gather rules listed
+    with pytest.raises(
+        tg.LayoutError,
+        match=r"unknown rule 'splitt' \('split' is a scatter "
+        r"rule\); the gather rules are ",
+    ):
+        tg.gather(outs, "cpu", {"loss": "splitt"})
+    with pytest.raises(tg.LayoutError, match=r"the scatter rules are 'split', "):
+        tg.scatter(batch(), CPU2, {"ids": "splt", "mask": 0, "meta": None})

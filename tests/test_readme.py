@@ -108,7 +108,25 @@ def test_hugging_face_recipe() -> None:
         one_step = model(input_ids=ids[:, :1], cache=one.cache)
         torch.testing.assert_close(ns["step"].logits, one_step.logits, atol=1e-5, rtol=1e-4)
         greedy = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+        found = model.generate(
+            input_ids=ids,
+            max_new_tokens=4,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
     assert torch.equal(ns["new"], greedy)
+    # "found, of one device's type: sequences equal to one device's; scores one device's steps,
+    # where a shard that had stopped has -inf for its rows; cache of one device's shape"
+    got = ns["found"]
+    assert type(got) is type(found) and torch.equal(got.sequences, found.sequences)
+    assert len(got.scores) == len(found.scores)
+    for a, b in zip(got.scores, found.scores):
+        for rows_a, rows_b in zip(a.split([3, 2, 2]), b.split([3, 2, 2])):
+            if not torch.isinf(rows_a).all():
+                torch.testing.assert_close(rows_a, rows_b, atol=1e-5, rtol=1e-4)
+    shapes = [t.shape for t in tg._tree.flatten(got.cache)[0]]
+    assert shapes == [t.shape for t in tg._tree.flatten(found.cache)[0]]
 
 
 def test_from_jactorch_imports() -> None:

@@ -210,6 +210,41 @@ def _clip() -> nn.Module:
     return T.CLIPModel(config)
 
 
+def _whisper() -> nn.Module:
+    config = T.WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=8,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_source_positions=16,  # input features of 32 frames
+        max_target_positions=32,
+        decoder_start_token_id=1,
+        **TOKENS,
+        **EAGER,
+    )
+    return T.WhisperForConditionalGeneration(config)
+
+
+def _bert_tokens() -> nn.Module:
+    config = T.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=5,
+        pad_token_id=PAD,
+        **EAGER,
+    )
+    return T.BertForTokenClassification(config)
+
+
 def _clip_loss(out: Any, model: nn.Module) -> torch.Tensor:
     """CLIP's contrastive loss computed on the whole (gathered) batch of embeddings."""
     logits = model.logit_scale.exp() * out.text_embeds @ out.image_embeds.t()
@@ -447,6 +482,68 @@ def test_generate_with_uneven_lengths_pads_with_the_pad_id(name: str) -> None:
     assert hook_counts(model) == hook_counts(pristine(build))
 
 
+def steps(scores: list[tuple[torch.Tensor, ...]], device: torch.device) -> tuple[Any, ...]:
+    """The README's rule for generate's scores: each shard's tuple holds a [rows, vocab] tensor
+    per step it ran; a step a shard did not run (it stopped) is -inf for its rows."""
+    longest = max(map(len, scores))
+    return tuple(
+        torch.cat([s[i] if i < len(s) else torch.full_like(s[0], -torch.inf) for s in scores]).to(
+            device
+        )
+        for i in range(longest)
+    )
+
+
+GENERATED = tg.by_path({"sequences": tg.pad(0, fill=PAD), "scores": steps, "cache": tg.pad(0)})
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_generate_dict_with_scores_and_cache_equals_one_device_where_each_shard_ran(
+    name: str,
+) -> None:
+    build = _t5_varied if name == "t5" else ARCHS[name].build
+    model, ref = pristine(build), pristine(build)
+    ids = _ids(torch.Generator().manual_seed(2))
+    kwargs: dict[str, Any] = {"max_new_tokens": 6, "return_dict_in_generate": True}
+    kwargs |= {"output_scores": True}
+    no_eos = _greedy(ref, ids, eos_token_id=None, **kwargs).sequences
+    start = 0 if name == "t5" else ids.shape[1]
+    eos = _uneven_eos(no_eos, start + (name == "t5"), (3, 2, 2))
+    expected = _greedy(ref, ids, eos_token_id=eos, **kwargs)
+    call = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "do_sample": False}
+    call |= {"eos_token_id": eos, "pad_token_id": PAD, **kwargs}
+    got = tg.data_parallel(model.generate, (), DEVICES, module_kwargs=call, out_layout=GENERATED)
+    assert type(got) is type(expected) and list(got) == list(expected)
+    assert torch.equal(got.sequences, expected.sequences)  # padded as one device pads
+    ran = [int((got.scores[i] != -torch.inf).any(1).sum()) for i in range(len(got.scores))]
+    assert len(got.scores) == len(expected.scores) and min(ran) < N  # a shard stopped early
+    scale = max(float(b[torch.isfinite(b)].abs().max()) for b in expected.scores)
+    for i, (a, b) in enumerate(zip(got.scores, expected.scores)):
+        for rows_a, rows_b in zip(a.split([3, 2, 2]), b.split([3, 2, 2])):
+            if torch.isinf(rows_a).all():  # this shard had stopped: its rows are -inf
+                continue
+            # (T5 at its large init scale: logits of ~70, shards' sums rounded differently)
+            torch.testing.assert_close(rows_a, rows_b, atol=1e-4 * scale, rtol=1e-4, msg=f"{i}")
+    # one cache of the batch, of one device's shape; equal to it up to where each shard stopped
+    assert type(got.cache) is type(expected.cache)
+    shards = [slice(0, 3), slice(3, 5), slice(5, 7)]
+    missing = [sum(bool(torch.isinf(s[rows]).all()) for s in got.scores) for rows in shards]
+    assert any(missing)
+    pairs = [(got.cache, expected.cache, True)]
+    if name == "t5":  # the cross-attention cache does not grow with the steps
+        pairs = [(got.cache.self_attention_cache, expected.cache.self_attention_cache, True)]
+        pairs.append((got.cache.cross_attention_cache, expected.cache.cross_attention_cache, False))
+    for ours, theirs, grows in pairs:
+        for a, b in zip(leaves_of(ours), leaves_of(theirs)):
+            assert a.shape == b.shape
+            for rows, stopped in zip(shards, missing):
+                n = a.shape[-2] - (stopped if grows else 0)
+                scale = float(b.abs().max())
+                torch.testing.assert_close(
+                    a[rows, ..., :n, :], b[rows, ..., :n, :], atol=1e-4 * scale, rtol=1e-4
+                )
+
+
 # ---------------------------------------------------------------------------- recipes
 
 
@@ -477,33 +574,87 @@ def test_recipe_clip_in_batch_negatives_need_the_gathered_embeddings() -> None:
         torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-4, msg=pname)
 
 
-def test_recipe_token_losses_with_padding_need_num_items_in_batch_and_sum() -> None:
-    arch = ARCHS["llama"]
-    model, ref = pristine(arch.build), pristine(arch.build)
-    ids = _ids(torch.Generator().manual_seed(3))
-    labels = ids.clone()
-    for row, keep in enumerate([6, 2, 5, 3, 6, 1, 4]):  # padded labels: uneven tokens per row
+# ----------------------------------------------- token losses with padding: weights from the data
+
+KEEP = (6, 2, 5, 3, 6, 1, 4)  # labels kept per row (the rest -100): uneven tokens per shard
+
+
+def _padded(labels: torch.Tensor) -> torch.Tensor:
+    labels = labels.clone()
+    for row, keep in enumerate(KEEP):
         labels[row, keep:] = -100
-    expected = ref(input_ids=ids, labels=labels).loss
-    # mean() weights each shard's mean by its rows, not by its tokens: off
-    off = tg.data_parallel(
-        model,
-        (),
-        DEVICES,
-        module_kwargs={"input_ids": ids, "labels": labels},
-        out_layout=tg.by_path({"loss": tg.mean()}),
-    )
-    assert abs(off.loss.item() - expected.item()) > 1e-3
-    # every shard divides its token sum by the whole batch's count; sum() adds them: exact
-    items = int((labels[:, 1:] != -100).sum())  # the causal LM loss shifts labels by one
-    exact = tg.data_parallel(
-        model,
-        (),
-        DEVICES,
-        module_kwargs={"input_ids": ids, "labels": labels, "num_items_in_batch": items},
-        out_layout=tg.by_path({"loss": tg.sum()}),
-    )
-    torch.testing.assert_close(exact.loss, expected)
+    return labels
+
+
+def labelled(labels: torch.Tensor, **_: Any) -> torch.Tensor:
+    """What a token loss averages over: the labels that are not -100."""
+    return (labels != -100).sum()
+
+
+def shifted(labels: torch.Tensor, **_: Any) -> torch.Tensor:
+    """A causal LM's: it predicts token t + 1 from token t, so the first label is never used."""
+    return (labels[:, 1:] != -100).sum()
+
+
+def _causal(g: torch.Generator) -> dict[str, Any]:
+    ids = _ids(g)
+    return {"input_ids": ids, "labels": _padded(ids)}
+
+
+def _labels(g: torch.Generator, high: int = VOCAB, low: int = 3) -> torch.Tensor:
+    return _padded(torch.randint(low, high, (N, 6), generator=g))
+
+
+PADDED: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Any], Any]] = {
+    "t5": (_t5, lambda g: {"input_ids": _ids(g), "labels": _labels(g)}, labelled),
+    "bart": (_bart, lambda g: {"input_ids": _ids(g), "labels": _labels(g)}, labelled),
+    "whisper": (
+        _whisper,
+        lambda g: {"input_features": torch.randn(N, 8, 32, generator=g), "labels": _labels(g)},
+        labelled,
+    ),
+    "bert_tokens": (
+        _bert_tokens,
+        lambda g: {"input_ids": _ids(g), "labels": _labels(g, 5, 0)},
+        labelled,
+    ),
+    "gpt2": (_gpt2, _causal, shifted),
+    "llama": (_llama, _causal, shifted),
+}
+
+
+@pytest.mark.parametrize("name", list(PADDED))
+def test_token_losses_with_padding_weighted_by_the_data_equal_one_device_cold(name: str) -> None:
+    build, batch_of, count = PADDED[name]
+    ref = pristine(build)
+    batch = batch_of(torch.Generator().manual_seed(3))
+    expected = ref(**batch).loss
+    expected.backward()
+    layout = tg.by_path({"loss": tg.mean(weight=count)})
+    for k, entry in ((2, "DataParallel"), (3, "data_parallel")):
+        model = pristine(build)  # cold: the copy's first call goes through treegather
+        devices = ["cpu"] * k
+        if entry == "data_parallel":
+            out = tg.data_parallel(model, (), devices, module_kwargs=batch, out_layout=layout)
+        else:
+            out = tg.DataParallel(model, device_ids=devices, out_layout=layout)(**batch)
+        torch.testing.assert_close(out.loss, expected, atol=1e-5, rtol=0, msg=f"{name} on {k}")
+        out.loss.backward()
+        for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), pname
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=0, msg=pname)
+    with torch.no_grad():  # what the README's loss paragraph says instead
+        three = pristine(build)
+        if name == "t5":
+            rows = tg.by_path({"loss": tg.mean()})
+            by_rows = tg.data_parallel(three, (), DEVICES, module_kwargs=batch, out_layout=rows)
+            assert abs(by_rows.loss.item() - expected.item()) > 1e-2  # rows are not tokens
+        if count is labelled:  # num_items_in_batch: accepted, ignored, so sum() is 3x the loss
+            ignored = {**batch, "num_items_in_batch": int(count(**batch))}
+            summed = tg.by_path({"loss": tg.sum()})
+            out = tg.data_parallel(three, (), DEVICES, module_kwargs=ignored, out_layout=summed)
+            torch.testing.assert_close(out.loss, 3 * expected.detach(), rtol=0.05, atol=0)
 
 
 def test_recipe_ctc_sum_reduction_takes_sum_not_mean() -> None:

@@ -14,13 +14,16 @@ from typing import Any, cast
 
 import torch
 
-from ._layout import Plan
-from ._rules import LEAF_AS_LIST, Combining, GatherRule
+from ._errors import TreegatherError
+from ._layout import Plan, display_path
+from ._rules import LEAF_AS_LIST, ROOT, Combining, GatherRule
 from ._rules.leafwise import cat_values, one_dtype
 
-__all__ = ["combine_default", "combine_planned", "needs_move"]
+__all__ = ["Inputs", "combine_default", "combine_planned", "needs_move"]
 
 Tensor = torch.Tensor
+Inputs = tuple[tuple[tuple[Any, ...], dict[str, Any]], ...]
+"""Each replica's call, ``(args, kwargs)``, for the rules that read the inputs."""
 
 
 def needs_move(columns: list[tuple[Any, ...]], target: torch.device) -> bool:
@@ -87,9 +90,11 @@ def combine_planned(
     moving: bool,
     sizes: tuple[int, ...] | None,
     dim: int,
+    inputs: Inputs | None = None,
 ) -> list[Any]:
-    """Every position combined by the plan's rule (the default where it has none)."""
-    ctx = Combining(target, moving, sizes, dim)
+    """Every position combined by the plan's rule (the default where it has none); ``inputs``
+    are the replicas' calls, when the gather follows them (``mean(weight=f)`` reads them)."""
+    ctx = Combining(target, moving, sizes, dim, None, inputs)
     out: list[Any] = []
     deferred = []
     for pos, col in enumerate(columns):
@@ -101,8 +106,11 @@ def combine_planned(
         rule = plan.rules[pos]
         if rule is None:
             out.extend(combine_default([col], target, moving, dim))
-        else:
+            continue
+        try:
             out.append(cast(GatherRule, rule).combine(col, ctx))
+        except TreegatherError as exc:  # a leaf rule's own typed error: say where
+            raise type(exc)(f"{display_path(plan.node_of(pos), ROOT)}: {exc}") from None
     for pos, (_, node, whole), col in deferred:
         out[pos] = cast(GatherRule, whole).combine(col, ctx._replace(node=node))
     return out

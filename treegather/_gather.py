@@ -16,10 +16,12 @@ import torch
 
 from . import _compiled
 from ._caches import FAST_PATHS
-from ._combine import combine_default, combine_planned, needs_move
+from ._combine import Inputs, combine_default, combine_planned, needs_move
 from ._devices import DeviceLike, as_device
 from ._errors import (
     ArgumentTypeError,
+    BatchSizeError,
+    LayoutError,
     LeafTypeError,
     ShapeMismatchError,
     StructureMismatchError,
@@ -30,9 +32,18 @@ from ._layout import Plan, resolve
 from ._mismatch import ROOT, diagnose, structure_error
 from ._tree import flatten, is_leaf
 
-__all__ = ["gather", "gather_reference", "gather_from", "combine", "ROOT"]
+__all__ = ["gather", "gather_call", "gather_reference", "gather_from", "combine", "ROOT"]
 
 Tensor = torch.Tensor
+# Typed errors a rule raises with its position's path (the others are explained by diagnose).
+_RAISED = (
+    StructureMismatchError,
+    ShapeMismatchError,
+    LeafTypeError,
+    LayoutError,
+    ArgumentTypeError,
+    BatchSizeError,
+)
 
 
 def gather(
@@ -75,6 +86,19 @@ def gather(
     >>> out["logits"].shape, out["loss"], out["name"], out["aux"]
     (torch.Size([3, 3]), tensor([0.5000, 1.5000]), ['a', 'b'], None)
     """
+    return gather_call(outputs, target_device, layout, dim, sizes, None)
+
+
+def gather_call(
+    outputs: Sequence[Any],
+    target_device: DeviceLike,
+    layout: Any,
+    dim: int,
+    sizes: Sequence[int] | None,
+    inputs: Inputs | None,
+) -> Any:
+    """:func:`gather` of the outputs of a call whose per-replica ``inputs`` (``(args, kwargs)``
+    each) are known: the entry points' gather (``mean(weight=f)`` reads them)."""
     if type(outputs) is not list:
         if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence):
             raise TypeError(
@@ -92,17 +116,19 @@ def gather(
     if sizes is not None:
         sizes = _check_sizes(sizes, k)
     dim = check_dim(dim, "gather")
+    if inputs is not None and len(inputs) != k:
+        inputs = None  # (not one call per output: nothing to weigh by)
     if not FAST_PATHS.on:
-        return gather_reference(outputs, target, layout, dim, sizes)
+        return gather_reference(outputs, target, layout, dim, sizes, inputs)
     done = _compiled.gather(outputs, target, layout, dim, sizes)
     if type(done) is not _compiled.Known:
         return done  # the compiled layer did the whole step
     if done.plan is None:  # it declined with nothing to go on
-        return gather_reference(outputs, target, layout, dim, sizes)
+        return gather_reference(outputs, target, layout, dim, sizes, inputs)
     if done.columns is not None:  # every replica read, by position
-        return combine(outputs, done.columns, done.plan, target, dim, sizes)
+        return combine(outputs, done.columns, done.plan, target, dim, sizes, inputs)
     assert done.leaves is not None
-    return gather_from(outputs, done.leaves, done.plan, target, dim, sizes)
+    return gather_from(outputs, done.leaves, done.plan, target, dim, sizes, inputs)
 
 
 def _check_sizes(sizes: Sequence[int], k: int) -> tuple[int, ...]:
@@ -140,11 +166,12 @@ def gather_reference(
     layout: Any,
     dim: int,
     sizes: tuple[int, ...] | None,
+    inputs: Inputs | None = None,
 ) -> Any:
     """The definition of :func:`gather` (arguments already checked). No cache."""
     leaves0, spec0 = flatten(outputs[0], ROOT)
     plan = resolve(spec0, layout, "gather", dim, ROOT)
-    return gather_from(outputs, leaves0, plan, target, dim, sizes)
+    return gather_from(outputs, leaves0, plan, target, dim, sizes, inputs)
 
 
 def gather_from(
@@ -154,10 +181,11 @@ def gather_from(
     target: torch.device,
     dim: int,
     sizes: tuple[int, ...] | None,
+    inputs: Inputs | None = None,
 ) -> Any:
     """Every replica's leaves for ``plan`` (replica 0's are ``leaves0``), then :func:`combine`."""
     columns = list(zip(*replica_leaves(outputs, leaves0, plan)))
-    return combine(outputs, columns, plan, target, dim, sizes)
+    return combine(outputs, columns, plan, target, dim, sizes, inputs)
 
 
 def replica_leaves(outputs: list[Any], leaves0: list[Any], plan: Plan) -> list[list[Any]]:
@@ -191,10 +219,11 @@ def combine(
     target: torch.device,
     dim: int,
     sizes: tuple[int, ...] | None,
+    inputs: Inputs | None = None,
 ) -> Any:
     """Combine each position across replicas by its rule and rebuild the tree on ``target``.
 
-    ``columns[i]`` holds position ``i`` of every replica.
+    ``columns[i]`` holds position ``i`` of every replica; ``inputs`` their calls, if known.
 
     Before moving tensors to another device every position is checked (copies are costly);
     on one device the combine itself finds problems, which are then explained, every problem
@@ -209,9 +238,9 @@ def combine(
         if plan.default_only:
             results = combine_default(columns, target, moving, dim)
         else:
-            results = combine_planned(plan, columns, target, moving, sizes, dim)
+            results = combine_planned(plan, columns, target, moving, sizes, dim, inputs)
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
-        if isinstance(exc, (StructureMismatchError, ShapeMismatchError, LeafTypeError)):
+        if isinstance(exc, _RAISED):
             raise
         err = diagnose(plan, columns, dim, exc, sizes, target)
         if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error

@@ -20,20 +20,26 @@ class Shards(list[Any]):
         sizes: rows in each shard (``None`` when nothing was split); pass them to
             :func:`gather` so that :func:`mean` is weighted exactly.
         devices: the device of each shard, in order.
+        inputs: for the outputs of ``DataParallel.parallel_apply`` (and of a patched
+            ``nn.DataParallel``'s), each replica's call ``(args, kwargs)``, which their
+            ``gather`` passes to ``mean(weight=...)``; ``None`` elsewhere.
     """
 
     sizes: tuple[int, ...] | None
     devices: tuple[torch.device, ...]
+    inputs: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...] | None
 
     def __init__(
         self,
         trees: Sequence[Any] = (),
         sizes: tuple[int, ...] | None = None,
         devices: tuple[torch.device, ...] = (),
+        inputs: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...] | None = None,
     ) -> None:
         super().__init__(trees)
         self.sizes = sizes
         self.devices = devices
+        self.inputs = inputs
 
     def __repr__(self) -> str:
         return f"Shards({list.__repr__(self)}, sizes={self.sizes}, devices={list(map(str, self.devices))})"

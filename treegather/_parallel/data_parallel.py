@@ -10,10 +10,8 @@ device) is :mod:`treegather._step`; running eagerly under ``torch.compile`` is
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,11 +19,17 @@ from torch import nn
 
 from .._devices import DeviceLike, as_device, as_devices
 from .._errors import check_dim
-from .._gather import gather
+from .._gather import gather_call
 from .._scatter import scatter_call
 from .apply import Backend, parallel_apply
 from .kept import Kept, give_back
-from .step import _check_module_device, _replicas_for_step, _trim_unsplit
+from .step import (
+    _check_module_device,
+    _replicas_for_step,
+    _trim_unsplit,
+    calls_of,
+    module_kwargs_hint,
+)
 from .under_compile import _compiler_active, _outside_compiler
 
 __all__ = ["data_parallel"]
@@ -68,10 +72,11 @@ def data_parallel(
     (``data_parallel(model.generate, ...)`` calls each replica's ``generate``; a plain
     callable is called as it is, on every shard); :func:`parallel_apply` runs the shards with
     ``backend``; :func:`gather` combines the outputs on ``output_device`` by ``out_layout``,
-    with the shard sizes, so ``mean()`` is exact for uneven splits. The output is always gathered, so one device gives the same
-    output shapes as N devices (a 0-dim loss becomes a vector unless ``out_layout`` says
-    ``mean()``, ``sum()`` or ``first()``). When nothing is split (no tensor input with a batch
-    dim), ``fn`` runs once, on the first device.
+    with the shard sizes, so ``mean()`` is exact for uneven splits, and with the shards' calls,
+    for ``mean(weight=f)`` (weights from the data). The output is always gathered, so one
+    device gives the same output shapes as N devices (a 0-dim loss becomes a vector unless
+    ``out_layout`` says ``mean()``, ``sum()`` or ``first()``). When nothing is split (no tensor
+    input with a batch dim), ``fn`` runs once, on the first device.
 
     A module's replicas are kept from step to step (held so that a deleted module frees
     them): each step re-binds them to the module as it is now (its attributes and hooks,
@@ -146,53 +151,14 @@ def data_parallel(
         fns, kept = _replicas_for_step(module, used, devs[0])
         if fn is not module:  # a bound method: the same method of each replica
             fns = [types.MethodType(fn.__func__, replica) for replica in fns]  # type: ignore[attr-defined]
-    with _module_kwargs_hint(fn, inputs, module_kwargs):
+    with module_kwargs_hint(fn, inputs, module_kwargs):
         outputs = parallel_apply(fns, list(args_shards), list(kwargs_shards), used, backend=backend)
     del fns  # nothing here holds the replicas when they are handed back
     if kept is not None:
         give_back(kept)  # not after a failed step: the next one builds new replicas
     target = devs[0] if output_device is None else as_device(output_device)
-    return gather(outputs, target, out_layout, dim=dim, sizes=args_shards.sizes)
-
-
-@contextlib.contextmanager
-def _module_kwargs_hint(
-    fn: Callable[..., Any], inputs: Any, module_kwargs: Mapping[str, Any] | None
-) -> Iterator[None]:
-    """On a failure, hint ``module_kwargs=batch`` when a dict batch whose keys name parameters of
-    ``fn`` (``forward`` for a module: every Hugging Face model) was passed positionally."""
-    try:
-        yield
-    except Exception as exc:
-        names = _parameters_named_by(fn, inputs) if not module_kwargs else []
-        if names:
-            module = isinstance(fn, nn.Module)
-            owner = type(fn).__name__ + ".forward" if module else "fn"
-            hint = (
-                f"Hint: inputs is a dict whose keys name parameters of {owner} "
-                f"({', '.join(names)}) but it was passed as one positional argument; to call "
-                f"{owner}(**batch), pass it as module_kwargs: "
-                f"data_parallel({'model' if module else 'fn'}, (), devices, module_kwargs=batch)"
-            )
-            if hasattr(exc, "add_note"):
-                exc.add_note(hint)
-            else:  # pragma: no cover - Python 3.10
-                exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
-        raise
-
-
-def _parameters_named_by(fn: Callable[..., Any], inputs: Any) -> list[str]:
-    """The keys of a Mapping ``inputs`` that are parameter names of ``fn`` (or its forward)."""
-    if not isinstance(inputs, Mapping):
-        return []
-    try:
-        params = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn).parameters
-    except (TypeError, ValueError):
-        return []
-    named = {
-        name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    }
-    return [k for k in inputs if isinstance(k, str) and k in named]
+    calls = calls_of(args_shards, kwargs_shards)
+    return gather_call(outputs, target, out_layout, dim, args_shards.sizes, calls)
 
 
 def _module_of(fn: Callable[..., Any]) -> nn.Module | None:

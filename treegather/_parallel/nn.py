@@ -17,13 +17,19 @@ import torch
 from torch import nn
 
 from .._devices import DeviceLike, as_device, as_devices
-from .._gather import gather
+from .._gather import gather_call
 from .._scatter import scatter_kwargs
 from .._shards import Shards
 from .apply import Backend, parallel_apply
 from .kept import Kept, give_back
 from .replicate import replicate
-from .step import _check_module_device, _replicas_for_step, _trim_unsplit
+from .step import (
+    _check_module_device,
+    _replicas_for_step,
+    _trim_unsplit,
+    calls_of,
+    module_kwargs_hint,
+)
 
 __all__ = ["DataParallel", "patch"]
 
@@ -118,7 +124,8 @@ class DataParallel(nn.DataParallel):
                 replicas, kept = _replicas_for_step(self.module, devices, self.src_device_obj)
             else:
                 replicas = self.replicate(self.module, devices)
-            outputs = self.parallel_apply(replicas, args_shards, kwargs_shards)
+            with module_kwargs_hint(self.module, inputs, kwargs, dp=True):
+                outputs = self.parallel_apply(replicas, args_shards, kwargs_shards)
             del replicas  # nothing here holds the replicas when they are handed back
             if kept is not None:
                 give_back(kept)
@@ -143,12 +150,14 @@ class DataParallel(nn.DataParallel):
         """:func:`treegather.parallel_apply`; the result carries the shard sizes for gather."""
         devices = _shard_devices(inputs, self.device_ids)[: len(replicas)]
         outputs = parallel_apply(list(replicas), inputs, kwargs, devices, backend=self.backend)
-        return Shards(outputs, getattr(inputs, "sizes", None), tuple(devices))
+        sizes = getattr(inputs, "sizes", None)
+        return Shards(outputs, sizes, tuple(devices), calls_of(inputs, kwargs))
 
     def gather(self, outputs: Any, output_device: DeviceLike) -> Any:
-        """:func:`treegather.gather` with ``out_layout``, ``dim`` and the shard sizes."""
-        sizes = getattr(outputs, "sizes", None)
-        return gather(list(outputs), output_device, self.out_layout, dim=self.dim, sizes=sizes)
+        """:func:`treegather.gather` with ``out_layout``, ``dim``, the shard sizes and (for
+        ``mean(weight=f)``) the shards' calls that :meth:`parallel_apply`'s outputs carry."""
+        sizes, calls = getattr(outputs, "sizes", None), getattr(outputs, "inputs", None)
+        return gather_call(list(outputs), output_device, self.out_layout, self.dim, sizes, calls)
 
 
 def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
@@ -166,8 +175,9 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
     :func:`gather` with the given layouts and ``dp.dim``, also when ``dp`` has no devices
     (torch's own DataParallel still has both methods on a CPU-only machine, where its forward
     is a plain call). ``dp.parallel_apply`` stays torch's, its outputs carrying the shard sizes
-    of its inputs, so that ``mean()`` in ``out_layout`` is weighted exactly by torch's forward
-    (which passes the scatter's result to parallel_apply and that one's to gather). A gather of
+    of its inputs and the shards' calls, so that ``mean()`` in ``out_layout`` is weighted
+    exactly by torch's forward, by rows or (``mean(weight=f)``) by what ``f`` counts in each
+    call (torch passes the scatter's result to parallel_apply and that one's to gather). A gather of
     a plain list of outputs uses the sizes of ``dp``'s latest scatter, kept beside ``dp`` (in a
     weak table of treegather's, never on ``dp``): do not interleave two such manual steps on one
     patched module from several threads. ``dp.replicate`` becomes :func:`treegather.replicate`
@@ -203,15 +213,17 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
     ) -> Any:
         outputs = apply(replicas, inputs, kwargs)
         sizes = getattr(inputs, "sizes", None)  # the scatter's Shards
-        if sizes is None or len(sizes) != len(outputs):
-            return outputs
-        return Shards(list(outputs), sizes, tuple(getattr(inputs, "devices", ())))
+        if sizes is not None and len(sizes) != len(outputs):
+            sizes = None
+        devices = tuple(getattr(inputs, "devices", ()))
+        return Shards(list(outputs), sizes, devices, calls_of(inputs, kwargs))
 
     def gather_(self: nn.DataParallel, outputs: Any, output_device: DeviceLike) -> Any:
         sizes = getattr(outputs, "sizes", None) or _LATEST_SIZES.get(self)
         if sizes is not None and len(sizes) != len(outputs):
             sizes = None
-        return gather(list(outputs), output_device, out_layout, dim=dim, sizes=sizes)
+        calls = getattr(outputs, "inputs", None)
+        return gather_call(list(outputs), output_device, out_layout, dim, sizes, calls)
 
     def replicate_(
         self: nn.DataParallel, module: nn.Module, device_ids: Sequence[DeviceLike]

@@ -9,11 +9,15 @@ The caller drops its references to the replicas before handing them back
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from .._combine import Inputs
 from .._shards import Shards
 from .kept import Kept, reusable, take
 from .replicate import replicate
@@ -25,6 +29,16 @@ def _trim_unsplit(args_shards: Shards, kwargs_shards: Shards) -> tuple[Shards, S
         return args_shards, kwargs_shards
     devs = tuple(args_shards.devices[:1])
     return Shards(args_shards[:1], None, devs), Shards(kwargs_shards[:1], None, devs)
+
+
+def calls_of(args: Sequence[Any], kwargs: Sequence[Mapping[str, Any]] | None) -> Inputs:
+    """Each replica's call ``(args, kwargs)``, as :func:`treegather.parallel_apply` makes it
+    (a tuple, not a namedtuple, is the positional arguments): what ``mean(weight=f)`` reads."""
+    kws: Sequence[Mapping[str, Any]] = [{}] * len(args) if kwargs is None else kwargs
+    return tuple(
+        (a if isinstance(a, tuple) and not hasattr(a, "_fields") else (a,), dict(kw))
+        for a, kw in zip(args, kws)
+    )
 
 
 def _replicas_for_step(
@@ -62,3 +76,55 @@ def _check_module_device(module: nn.Module, device: torch.device) -> None:
                     f"(devices[0]) but {kind} {name!r} is on {t.device}; move the module with "
                     f"module.to({str(device)!r}) or list {t.device} first"
                 )
+
+
+@contextlib.contextmanager
+def module_kwargs_hint(
+    fn: Callable[..., Any], inputs: Any, module_kwargs: Mapping[str, Any] | None, dp: bool = False
+) -> Iterator[None]:
+    """On a failure, hint ``module_kwargs=batch`` (``dp``: ``dp(**batch)``, for
+    :class:`treegather.DataParallel`, whose ``inputs`` are the positional arguments) when a dict
+    batch whose keys name parameters of ``fn`` (``forward`` for a module: every Hugging Face
+    model) was passed as the one positional argument."""
+    try:
+        yield
+    except Exception as exc:
+        if dp:
+            one = isinstance(inputs, tuple) and len(inputs) == 1
+            names = _parameters_named_by(fn, inputs[0]) if one and not module_kwargs else []
+        else:
+            names = _parameters_named_by(fn, inputs) if not module_kwargs else []
+        if names:
+            module = isinstance(fn, nn.Module)
+            owner = type(fn).__name__ + ".forward" if module else "fn"
+            named = f"a dict whose keys name parameters of {owner} ({', '.join(names)})"
+            if dp:
+                hint = (
+                    f"Hint: dp(batch) got {named} as its one positional argument; to call "
+                    f"{owner}(**batch), pass its items as keywords: dp(**batch)"
+                )
+            else:
+                hint = (
+                    f"Hint: inputs is {named} but it was passed as one positional argument; to "
+                    f"call {owner}(**batch), pass it as module_kwargs: "
+                    f"data_parallel({'model' if module else 'fn'}, (), devices, module_kwargs=batch)"
+                )
+            if hasattr(exc, "add_note"):
+                exc.add_note(hint)
+            else:  # pragma: no cover - Python 3.10
+                exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
+        raise
+
+
+def _parameters_named_by(fn: Callable[..., Any], inputs: Any) -> list[str]:
+    """The keys of a Mapping ``inputs`` that are parameter names of ``fn`` (or its forward)."""
+    if not isinstance(inputs, Mapping):
+        return []
+    try:
+        params = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn).parameters
+    except (TypeError, ValueError):
+        return []
+    named = {
+        name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+    return [k for k in inputs if isinstance(k, str) and k in named]

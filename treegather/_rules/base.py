@@ -124,6 +124,8 @@ class Combining(NamedTuple):
     sizes: tuple[int, ...] | None  # rows per replica (weights for mean)
     dim: int  # the call's dim (the default rules')
     node: Any = None  # the plan node (whole-value rules name it in their errors)
+    inputs: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...] | None = None
+    """Each replica's call ``(args, kwargs)``, where the gather follows one (``mean(weight=f)``)."""
 
 
 class Problem(NamedTuple):
@@ -233,9 +235,18 @@ def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
     if isinstance(value, str):
         rule = rule_named(value, dim)
         if rule is None:
-            close = difflib.get_close_matches(value, list(_BY_NAME), n=1)
+            names = _names_by_closeness(value, phase)
+            close = difflib.get_close_matches(value, names, n=1, cutoff=0.7) or [
+                n for n in names[:1] if _SYNONYMS.get(value.lower()) == n
+            ]
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise layout_error(f"{where}: unknown rule {safe_repr(value)}{hint}")
+            other = difflib.get_close_matches(value, list(_BY_NAME), n=1, cutoff=0.7)
+            if not close and other:
+                hint = f" ({other[0]!r} is a {_BY_NAME[other[0]].phase} rule)"
+            raise layout_error(
+                f"{where}: unknown rule {safe_repr(value)}{hint}; the {phase} rules are "
+                + ", ".join(map(repr, names))
+            )
         if rule.phase != phase:
             raise layout_error(
                 f"{where}: {safe_repr(value)} is a {rule.phase} rule, not a {phase} rule"
@@ -260,4 +271,30 @@ def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
         return _CUSTOM[0](value)
     raise layout_error(
         f"{where}: {safe_repr(value)} is not a rule (expected a rule, int, None or string)"
+    )
+
+
+# Names other libraries give these rules (torchmetrics' "avg", pandas' "concat"): ranked first.
+_SYNONYMS = {
+    "avg": "mean",
+    "average": "mean",
+    "concat": "cat",
+    "concatenate": "cat",
+    "add": "sum",
+    "total": "sum",
+    "list": "as_list",
+    "tolist": "as_list",
+    "chunk": "split",
+    "replicate": "broadcast",
+}
+
+
+def _names_by_closeness(name: str, phase: str) -> list[str]:
+    """The short names of the ``phase``'s rules, the closest to ``name`` first (a known synonym,
+    then by similarity, then alphabetically)."""
+    synonym = _SYNONYMS.get(name.lower())
+    names = [n for n, cls in _BY_NAME.items() if cls.phase == phase]
+    return sorted(
+        names,
+        key=lambda n: (n != synonym, -difflib.SequenceMatcher(None, name, n).ratio(), n),
     )

@@ -1,4 +1,5 @@
-"""The gather rules that reduce over the replicas: mean (weighted by rows) and sum.
+"""The gather rules that reduce over the replicas: mean (weighted by rows, or by counts taken
+from each replica's inputs) and sum.
 
 Of tensors or of Python numbers, elementwise; see :mod:`.leafwise` for what every leaf-wise
 rule checks.
@@ -8,11 +9,15 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import math
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._tree import dtype_text, shape_text
+from .._errors import ArgumentTypeError, BatchSizeError, LayoutError, safe_repr
+from .._tree import describe, dtype_text, shape_text
 from .base import Combining, Problem, by_replica, constructor, is_number
 from .leafwise import LeafRule, one_dtype, to_target
 
@@ -39,7 +44,14 @@ class _Reduction(LeafRule):
             dtype = x.dtype
             if mean and not (x.is_floating_point() or x.is_complex()):
                 dtype = torch.get_default_dtype()
-            weighted = " (weighted by sizes when given)" if mean else ""
+            weighted = ""
+            if mean:
+                weight = getattr(self, "weight", None)
+                weighted = (
+                    " (weighted by sizes when given)"
+                    if weight is None
+                    else f" (weighted by {_name(weight)}(*args, **kwargs) of each shard's call)"
+                )
             return f"Tensor{shape_text(list(x.shape))} {dtype_text(dtype)}{weighted}", None
         if is_number(x):
             return ("float" if mean else type(x).__qualname__), None
@@ -48,18 +60,33 @@ class _Reduction(LeafRule):
 
 @dataclasses.dataclass(frozen=True)
 class Mean(_Reduction, name="mean"):
-    """The mean over the replicas, weighted by their rows when the sizes are known."""
+    """The mean over the replicas, weighted by their rows when the sizes are known, or by the
+    count ``weight`` finds in each replica's inputs."""
+
+    weight: Callable[..., Any] | None = None
+
+    def describe(self) -> str:
+        return "mean()" if self.weight is None else f"mean(weight={_name(self.weight)})"
 
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
-        sizes = ctx.sizes
-        if sizes is not None and builtins.sum(sizes) == 0:
-            if len(sizes) > 1:  # weights that are all zero weigh nothing: no mean to take
-                raise ValueError("mean() weighted by sizes needs sizes that add up to more than 0")
-            sizes = None  # an empty batch (one empty shard): nothing to weight by
+        if self.weight is not None:
+            sizes: tuple[int, ...] | None = self.counts(ctx)
+            if len(col) == 1:
+                sizes = None  # one replica: its value, whatever it counts
+        else:
+            sizes = ctx.sizes
+            if sizes is not None and builtins.sum(sizes) == 0:
+                if len(sizes) > 1:  # weights that are all zero weigh nothing: no mean to take
+                    raise ValueError(
+                        "mean() weighted by sizes needs sizes that add up to more than 0"
+                    )
+                sizes = None  # an empty batch (one empty shard): nothing to weight by
         if all(is_number(v) for v in col):
             if sizes is None:
                 return builtins.sum(col) / len(col)
             total = builtins.sum(sizes)
+            if not total:  # counts that are all 0: the mean of no items
+                return math.nan
             if all(type(v) is int for v in col):  # exact
                 return builtins.sum(v * s for v, s in zip(col, sizes)) / total
             # Each value times its share of the rows: never a product larger than the value (a
@@ -71,13 +98,56 @@ class Mean(_Reduction, name="mean"):
             stacked = stacked.to(torch.get_default_dtype())
         return stacked.mean(0) if sizes is None else _weighted_mean(stacked, sizes)
 
+    def counts(self, ctx: Combining) -> tuple[int, ...]:
+        """What ``weight`` counts in each replica's inputs (``weight(*args, **kwargs)``), as
+        ints; a typed error for anything but a count, or for a gather without inputs."""
+        assert self.weight is not None
+        shown = self.describe()
+        if ctx.inputs is None:
+            raise LayoutError(
+                f"{shown} weighs each replica by what {_name(self.weight)} counts in its inputs, "
+                "and this gather has none: data_parallel, DataParallel and patch pass each "
+                "shard's call; elsewhere gather with mean() and sizes=[each replica's count] "
+                "(treegather.distributed: each rank's count as sizes=)"
+            )
+        return tuple(
+            _count(self.weight(*args, **kwargs), r, shown)
+            for r, (args, kwargs) in enumerate(ctx.inputs)
+        )
+
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
     ) -> Problem | None:
         sizes = ctx.sizes
-        if sizes is not None and len(sizes) > 1 and not any(sizes):
+        if self.weight is None and sizes is not None and len(sizes) > 1 and not any(sizes):
             return Problem(f"{shown} is weighted by sizes {list(sizes)}, which add up to 0")
         return super().shape_problem(shapes, dtype, ctx, shown)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """How a message names a callable: its qualified name (``tokens``, ``<lambda>``)."""
+    name = getattr(fn, "__qualname__", None)
+    return name.rpartition("<locals>.")[2] if isinstance(name, str) else safe_repr(fn)
+
+
+def _count(value: Any, r: int, shown: str) -> int:
+    """Replica ``r``'s count: an int, or a 0-dim integer tensor (read back: on a GPU, one sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.is_floating_point() and not value.is_complex():
+            if value.dtype != torch.bool:
+                value = value.item()
+    try:
+        if isinstance(value, (bool, torch.Tensor)):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(
+            f"{shown}: the weight of replica {r} must be a count (an int or a 0-dim integer "
+            f"tensor, e.g. (labels != -100).sum()), got {describe(value)}"
+        ) from None
+    if n < 0:
+        raise BatchSizeError(f"{shown}: the weight of replica {r} is {n}, and a count is >= 0")
+    return n
 
 
 # The dtype torch's mean accumulates in, where it is not the input's (at::opmath_type).
@@ -99,7 +169,9 @@ def _weighted_mean(stacked: Tensor, sizes: tuple[int, ...]) -> Tensor:
     wide = _ACCUMULATE.get(dtype, dtype)
     total = builtins.sum(sizes)
     shape = (-1,) + (1,) * (stacked.dim() - 1)
-    shares = torch.tensor([s / total for s in sizes], dtype=wide, device=stacked.device)
+    # (Counts that are all 0, from mean(weight=f): the mean of no items, NaN, with no gradient.)
+    shared = [s / total if total else math.nan for s in sizes]
+    shares = torch.tensor(shared, dtype=wide, device=stacked.device)
     values = stacked.to(wide)
     if 0 in sizes:
         kept = torch.tensor([s > 0 for s in sizes], device=stacked.device).reshape(shape)
@@ -119,8 +191,9 @@ class Sum(_Reduction, name="sum"):
 
 
 @constructor(Mean)
-def mean() -> Mean:
-    """Gather rule: the mean of the per-replica values, weighted by shard sizes when known.
+def mean(*, weight: Callable[..., Any] | None = None) -> Mean:
+    """Gather rule: the mean of the per-replica values, weighted by shard sizes when known, or
+    by what ``weight`` counts in each shard's inputs.
 
     With ``gather(..., sizes=[...])`` (which :func:`treegather.data_parallel` passes for you) the
     mean of per-shard batch means equals the full-batch mean, even for uneven splits. Integer
@@ -135,6 +208,29 @@ def mean() -> Mean:
     gradient (its gradient is zero). Without ``sizes`` it is the plain :func:`torch.mean` of
     the per-replica values. The result is differentiable either way.
 
+    Weights from the data: a loss that averages over something other than rows (tokens whose
+    label is not ``-100``, the frames of a padded utterance) is exact only weighted by what it
+    averages over. ``weight`` counts that for one shard: after the replicas ran, it is called
+    once per replica (at every position the rule applies to) with that shard's call, exactly
+    as the replica was called, ``weight(*args, **kwargs)``: ``args`` the shard's positional
+    inputs, ``kwargs`` its keyword inputs, split and on the shard's device. So for
+    ``data_parallel(model, (), devices, module_kwargs=batch)`` and ``DataParallel(model)(**batch)``
+    (every Hugging Face model) it is ``weight(**shard)``, the shard's keyword arguments, e.g.
+    ``lambda labels, **_: (labels != -100).sum()`` (for a causal LM, which shifts its labels by
+    one, ``(labels[:, 1:] != -100).sum()``); for ``data_parallel(fn, batch)`` it is
+    ``weight(shard)``. It returns the count, an int or a 0-dim integer tensor (read back as an
+    int: on a GPU, one synchronisation per replica). The result is the mean weighted by the
+    counts instead of the rows, accumulated as above; a replica that counts 0 takes no part
+    (its NaN loss included), and when every replica counts 0 it is NaN (the mean of no items,
+    as a one-device loss over no tokens), with no gradient. Only a gather that follows a call
+    has its inputs: :func:`treegather.data_parallel`, :class:`treegather.DataParallel` and
+    :func:`treegather.patch` pass them (:func:`treegather.explain` shows the weight); a
+    :func:`treegather.gather` of outputs alone, or across processes, raises a
+    :class:`LayoutError` (pass the counts as ``sizes=`` there).
+
+    Args:
+        weight: ``weight(*args, **kwargs) -> int`` for each shard's call, or ``None`` (rows).
+
     >>> import torch, treegather as tg
     >>> tg.gather([torch.tensor(1.0), torch.tensor(4.0)], "cpu", tg.mean(), sizes=[2, 1])
     tensor(2.)
@@ -143,8 +239,22 @@ def mean() -> Mean:
     tensor(100., dtype=torch.float16)
     >>> tg.gather([torch.tensor(1.0), torch.tensor(float("nan"))], "cpu", tg.mean(), sizes=[3, 0])
     tensor(1.)
+    >>> def token_loss(scores, labels):  # a mean over the labels that are not -100
+    ...     return {"loss": scores[labels != -100].mean()}
+    >>> batch = {"scores": torch.arange(8.0).view(4, 2),
+    ...          "labels": torch.tensor([[1, 1], [1, -100], [-100, -100], [1, 1]])}
+    >>> tokens = lambda labels, **_: (labels != -100).sum()
+    >>> tg.data_parallel(token_loss, (), ["cpu"] * 2, module_kwargs=batch,
+    ...                  out_layout={"loss": tg.mean(weight=tokens)})
+    {'loss': tensor(3.2000)}
+    >>> token_loss(**batch)  # one device; mean() would weigh the shards by rows: 3.75
+    {'loss': tensor(3.2000)}
     """
-    return Mean()
+    if weight is not None and not callable(weight):
+        raise ArgumentTypeError(
+            f"mean(weight=...) takes a callable counting a shard's inputs, got {describe(weight)}"
+        )
+    return Mean(weight)
 
 
 @constructor(Sum)

@@ -24,6 +24,19 @@ per column so that drifting load on a shared machine hits every column alike:
   hand-written evaluation loops): two collectives per leaf;
 - ``accelerate``: ``accelerate.utils.pad_across_processes`` then ``gather``, when installed.
 
+A second table times a forward and backward through ``all_gather(sync_grads=True)`` (options
+``--sync-rows 64 1024``, ``--no-lightning``): every rank holds two ``[rows, 512]`` float32 leaves
+that require grad, gathers them, takes ``loss = sum(dot(leaf, w))`` of the gathered leaves and
+runs the backward, against the same with ``torch.distributed.nn.functional.all_gather`` per leaf,
+with Lightning's ``all_gather(sync_grads=True)`` (``lightning.fabric``'s
+``_all_gather_ddp_if_available``, what ``LightningModule.all_gather`` and ``Fabric.all_gather``
+call) per leaf where installed, and against the **floor**: one all-gather and one
+reduce-scatter of the same bytes, no autograd. Every peer's gradients are checked equal to
+treegather's first; the columns are timed in rounds, one call each in an order that rotates
+from round to round, and each row reports, against each peer and the floor, the median over
+rounds of treegather's time over the other's in the same round (the slowest rank's), and
+against the best peer, the largest of the peers' (:func:`format_sync_table`).
+
 Every column's result is checked equal to treegather's before timing. Each row reports the
 slowest rank's median, ``treegather`` as a multiple of the floor (the median over rounds of the
 two calls' ratio in the same round, as in :mod:`treegather.benchmarks.scatter_gather`), the
@@ -36,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import multiprocessing
@@ -44,6 +58,7 @@ import socket
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -55,6 +70,7 @@ import torch.distributed as dist
 __all__ = [
     "run",
     "format_table",
+    "format_sync_table",
     "main",
     "counting",
     "flat_all_gather",
@@ -300,6 +316,98 @@ def _row(
     return row
 
 
+_SYNC_COLS = 512
+
+
+def _sync_peers(lightning: bool) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Per-leaf differentiable all-gathers users write: torch's, and Lightning's where installed."""
+    from torch.distributed.nn.functional import all_gather
+
+    def by_torch(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat(all_gather(t))
+
+    peers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"torch": by_torch}
+    if lightning:
+        try:
+            from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+        except ImportError:
+            return peers
+
+        def by_lightning(t: torch.Tensor) -> torch.Tensor:
+            return _all_gather_ddp_if_available(t, sync_grads=True).flatten(0, 1)
+
+        peers["lightning"] = by_lightning
+    return peers
+
+
+def _sync_row(rows: int, repeats: int, lightning: bool = True) -> dict[str, Any]:
+    """One forward and backward through the gathered leaves, per column (see the module docs)."""
+    import treegather.distributed as tgd
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    leaves = [torch.randn(rows, _SYNC_COLS, generator=g).requires_grad_() for _ in range(2)]
+    w = torch.randn(world * rows * _SYNC_COLS, generator=torch.Generator().manual_seed(99))
+
+    def step(gathered: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        for leaf in leaves:
+            leaf.grad = None
+        sum(torch.dot(t.reshape(-1), w) for t in gathered).backward()  # type: ignore[union-attr]
+        return [leaf.grad for leaf in leaves]  # type: ignore[misc]
+
+    def treegather() -> list[torch.Tensor]:
+        out = tgd.all_gather({"a": leaves[0], "b": leaves[1]}, sync_grads=True)
+        return step([out["a"], out["b"]])
+
+    peers = _sync_peers(lightning)
+    columns: dict[str, Callable[[], Any]] = {"treegather": treegather}
+    for name, gather in peers.items():
+        columns[name] = functools.partial(lambda f: step([f(t) for t in leaves]), gather)
+    flat = torch.cat([t.detach().reshape(-1) for t in leaves])
+    gathered = torch.empty(world * flat.numel())
+    mine = torch.empty(flat.numel())
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def floor() -> None:
+        out = torch.empty_like(gathered)
+        all_gather(out, flat)
+        reduce_scatter(mine, out)
+
+    columns["floor"] = floor
+    with warnings.catch_warnings():  # torch 2.13 deprecates its functional all_gather
+        warnings.simplefilter("ignore", FutureWarning)
+        expected = treegather()
+        for name in peers:
+            got = columns[name]()
+            if not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got, expected)):
+                raise AssertionError(f"{name} and treegather gradients differ")
+        for fn in columns.values():
+            fn()  # warm-up
+        times: dict[str, list[float]] = {name: [] for name in columns}
+        order = list(columns.items())
+        for i in range(repeats):  # the order rotates: none is always first after the barrier
+            for name, fn in order[i % len(order) :] + order[: i % len(order)]:
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    tg = times["treegather"]
+    mine_ms = [statistics.median(times[name]) * 1e3 for name in columns]
+    against = [*peers, "floor"]
+    ratios = [statistics.median(a / b for a, b in zip(tg, times[name])) for name in against]
+    every = [torch.empty(len(mine_ms) + len(ratios), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(every, torch.tensor(mine_ms + ratios, dtype=torch.float64))
+    slowest = torch.stack(every).amax(0).tolist()
+    row: dict[str, Any] = {"sync_grads": True, "tree": f"2 x [{rows}, {_SYNC_COLS}]"}
+    row |= {"world": world, "peers": list(peers)}
+    row |= {f"{name}_ms": ms for name, ms in zip(columns, slowest)}
+    row |= {f"treegather_vs_{name}": r for name, r in zip(against, slowest[len(columns) :])}
+    # the best peer is the one treegather is slowest against
+    row["treegather_vs_best_peer"] = max(row[f"treegather_vs_{p}"] for p in peers)
+    return row
+
+
 def _collectives(tgd: Any, tree: Any) -> int:
     """How many collectives one more (repeated) call makes, as :func:`counting` sees them."""
     with counting() as calls:
@@ -315,6 +423,7 @@ COLLECTIVES = (
     "gather",
     "broadcast",
     "all_reduce",
+    "all_to_all_single",
 )
 
 
@@ -372,11 +481,19 @@ def init_rank(rank: int, world: int, port: int) -> None:
 
 
 def _worker(
-    rank: int, world: int, port: int, leaves: Sequence[int], large: int, repeats: int, out: str
+    rank: int,
+    world: int,
+    port: int,
+    leaves: Sequence[int],
+    large: int,
+    repeats: int,
+    sync_rows: Sequence[int],
+    lightning: bool,
+    out: str,
 ) -> None:
     init_rank(rank, world, port)
     try:
-        rows = []
+        rows = [_sync_row(n, repeats, lightning) for n in sync_rows]
         for n in leaves:
             slow = max(3, repeats // 3) if n >= 1000 else repeats
             rows.append(_row(_small_tree(rank, n), f"{n} x [8, 4]", repeats, slow))
@@ -402,6 +519,8 @@ def run(
     large: int = 10,
     world: int = 2,
     repeats: int = 45,
+    sync_rows: Sequence[int] = (64, 1024),
+    lightning: bool = True,
     timeout_s: float = 900.0,
 ) -> list[dict[str, Any]]:
     """Spawn ``world`` gloo ranks on localhost and time every column for each tree.
@@ -414,6 +533,9 @@ def run(
             columns at 1000 leaves and for the large tree). The default is 45: on a shared
             2-core machine five runs' medians of per-round ratios at 100 leaves spread over
             0.7x (2.3-3.0x), against 1.4x (2.2-3.6x) with 15 rounds.
+        sync_rows: The ``sync_grads`` table's rows per leaf (two ``[rows, 512]`` leaves).
+        lightning: Time Lightning's ``all_gather(sync_grads=True)`` where installed (its
+            import takes seconds).
         timeout_s: Kill the ranks if they have not finished by then.
 
     Returns:
@@ -421,14 +543,21 @@ def run(
         ``<column>_peak_mib`` for ``floor``, ``laid_out`` (floor + layout), ``treegather``,
         ``object``, ``per_leaf`` (and ``accelerate_ms``, ``None`` without accelerate), the
         ratios ``treegather_vs_floor``, ``treegather_vs_laid_out``, ``object_vs_treegather``,
-        ``per_leaf_vs_treegather``, and ``collectives`` per call.
+        ``per_leaf_vs_treegather``, and ``collectives`` per call; first, one dict per
+        ``sync_rows`` entry (``"sync_grads": True``): ``tree``, ``world``, ``peers``,
+        ``<column>_ms`` for ``treegather``, each peer and ``floor``, the per-round ratios
+        ``treegather_vs_<peer>`` and ``treegather_vs_floor``, and ``treegather_vs_best_peer``
+        (the largest of the peers').
 
     Example:
-        >>> rows = run(leaves=(10,), large=0, repeats=2)
-        >>> rows[0]["tree"], rows[0]["collectives"]["treegather"], rows[0]["collectives"]["per_leaf"]
+        >>> rows = run(leaves=(10,), large=0, repeats=2, sync_rows=(8,), lightning=False)
+        >>> rows[0]["tree"], rows[0]["peers"], rows[0]["treegather_vs_floor"] > 0
+        ('2 x [8, 512]', ['torch'], True)
+        >>> rows[1]["tree"], rows[1]["collectives"]["treegather"], rows[1]["collectives"]["per_leaf"]
         ('10 x [8, 4]', 1, 20)
     """
-    rows: list[dict[str, Any]] = spawn(_worker, world, (tuple(leaves), large, repeats), timeout_s)
+    args = (tuple(leaves), large, repeats, tuple(sync_rows), lightning)
+    rows: list[dict[str, Any]] = spawn(_worker, world, args, timeout_s)
     return rows
 
 
@@ -503,11 +632,38 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_sync_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Render :func:`run`'s ``sync_grads`` rows as a Markdown table.
+
+    Example:
+        >>> row = {"sync_grads": True, "tree": "2 x [64, 512]", "world": 2, "treegather_ms": 2.0,
+        ...     "torch_ms": 2.5, "lightning_ms": 3.0, "floor_ms": 1.6, "peers": ["torch", "lightning"],
+        ...     "treegather_vs_best_peer": 0.8, "treegather_vs_floor": 1.25}
+        >>> print(format_sync_table([row]))  # doctest: +NORMALIZE_WHITESPACE
+        | sync_grads: forward + backward (ranks) | treegather | torch | lightning | floor | x best peer | x floor |
+        |---|---:|---:|---:|---:|---:|---:|
+        | 2 x [64, 512] (2) | 2.00 ms | 2.50 ms | 3.00 ms | 1.60 ms | 0.80x | 1.25x |
+    """
+    peers = ["torch", "lightning"]
+    head = "| sync_grads: forward + backward (ranks) | treegather | torch | lightning | floor "
+    lines = [head + "| x best peer | x floor |", "|---|" + "---:|" * 6]
+    for r in rows:
+        times = " | ".join(
+            "n/a" if r.get(f"{c}_ms") is None else f"{r[f'{c}_ms']:.2f} ms"
+            for c in ["treegather", *peers, "floor"]
+        )
+        lines.append(
+            f"| {r['tree']} ({r['world']}) | {times} | {r['treegather_vs_best_peer']:.2f}x "
+            f"| {r['treegather_vs_floor']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: run the benchmark and print the table.
 
     Example:
-        >>> main(["--leaves", "10", "--large", "0", "--repeats", "2"])  # doctest: +ELLIPSIS
+        >>> main(["--leaves", "10", "--large", "0", "--repeats", "2", "--sync-rows"])  # doctest: +ELLIPSIS
         | tree (ranks) | floor | floor + layout | treegather | x floor | x floor + layout | ...
         ...
         0
@@ -519,10 +675,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--large", type=int, default=10, help="large leaves (0: no large tree)")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=45)
+    parser.add_argument("--sync-rows", type=int, nargs="*", default=[64, 1024])
+    parser.add_argument("--no-lightning", action="store_true", help="no Lightning column")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
-    rows = run(args.leaves, large=args.large, world=args.world, repeats=args.repeats)
-    print(format_table(rows))
+    rows = run(
+        args.leaves,
+        large=args.large,
+        world=args.world,
+        repeats=args.repeats,
+        sync_rows=args.sync_rows,
+        lightning=not args.no_lightning,
+    )
+    tables = (
+        [format_table([r for r in rows if not r.get("sync_grads")])]
+        if args.leaves or args.large
+        else []
+    )
+    synced = [r for r in rows if r.get("sync_grads")]
+    print("\n\n".join(tables + ([format_sync_table(synced)] if synced else [])))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -25,13 +25,13 @@ reach every rank too. Nodes that the layout takes whole (``cat_items()``, ``as_l
 ``first()``, a callable on an inner node) may differ between ranks, like per-sample lists of
 uneven length.
 
-Results are new tensors, detached from autograd (unless ``all_gather(sync_grads=True)``), built
-from the exchanged bytes on every rank (its own contribution included), so all ranks compute
-bitwise-identical results, with rank 0's dict key order; they land on the device of this rank's
-tensor leaves (the communication device when those are spread over several). Bytes travel on
-the device torch uses for object collectives (CPU for gloo, the current GPU for NCCL), or on the
-GPU when a group with several backends (torch's default ``cpu:gloo,cuda:nccl``) holds GPU
-tensors on every rank.
+Results are new tensors, detached from autograd (unless ``all_gather(sync_grads=True)``; a
+backward through them says to pass it), built from the exchanged bytes on every rank (its own
+contribution included), so all ranks compute bitwise-identical results, with rank 0's dict key
+order; they land on the device of this rank's tensor leaves (the communication device when
+those are spread over several). Bytes travel on the device torch uses for object collectives
+(CPU for gloo, the current GPU for NCCL), or on the GPU when a group with several backends
+(torch's default ``cpu:gloo,cuda:nccl``) holds GPU tensors on every rank.
 
 How it works, module by module (all internal; the public names are the four in ``__all__``):
 :mod:`~treegather.distributed.protocol` (each call's collectives, in order),
@@ -102,12 +102,14 @@ def all_gather(
             require grad pass gradients back to every rank's contribution, under any rule.
             The backward gives each rank the gradient of the sum of every rank's loss with
             respect to its own tensors (as ``torch.distributed.nn.functional.all_gather``),
-            in one all-reduce for the whole tree; every rank must run it. No extra collective
-            in the forward. Pass the same value on every rank.
+            in one all-to-all for the whole tree, itself differentiable (``create_graph=True``:
+            exact second derivatives); every rank must run it. No extra collective in the
+            forward. Pass the same value on every rank. Without it, a backward that reaches a
+            result whose inputs required grad raises, saying to pass ``sync_grads=True``.
 
     Returns:
         The combined tree, identical on every rank, on the device of this rank's tensors
-        (new tensors, detached from autograd unless ``sync_grads``).
+        (new tensors, detached from autograd unless ``sync_grads``; see above).
 
     Raises:
         StructureMismatchError: The ranks' trees differ in structure (the message names the

@@ -8,23 +8,25 @@ such leaves. The rules then combine them with ordinary differentiable torch ops,
 gradients back to every rank's values.
 
 The backward is one collective for the whole tree: each rank lays out the gradients it got for
-every rank's values, in one flat buffer of one wide dtype (the same layout on every rank), and
-an all-reduce sums them; each rank keeps its own part. That is the gradient of the sum of every
-rank's loss with respect to this rank's contribution, as with
-``torch.distributed.nn.functional.all_gather``. Every rank must therefore run the backward
-(each rank's loss depends on the gathered result): a rank that has nothing of its own that
-requires grad still takes part (its function has an empty input that does).
+every rank's values in one wide dtype, and an all-to-all sends each rank its part, summed there
+(:class:`_Summed`, itself differentiable). That is the gradient of the sum of every rank's loss
+with respect to this rank's contribution, as with ``torch.distributed.nn.functional.all_gather``.
+Every rank must therefore run the backward (and a double backward): a rank that has nothing of
+its own that requires grad still takes part (its function has an empty input that does).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["connect"]
+from .. import _tree
+
+__all__ = ["connect", "unsynced"]
 
 Tensor = torch.Tensor
 
@@ -41,38 +43,32 @@ def connect(
     one autograd function whose inputs are this rank's own leaves ``own`` (in place).
 
     ``grads[r]`` are the positions of rank ``r``'s leaves that require grad; ``own`` are this
-    rank's tensors at ``grads[rank]``. ``device`` is where the backward's all-reduce runs.
+    rank's tensors at ``grads[rank]``. ``device`` is where the backward's all-to-all runs.
     """
     if not any(grads) or not torch.is_grad_enabled():
         return
     received = [per_rank[r][i] for r, positions in enumerate(grads) for i in positions]
     sizes = [len(positions) for positions in grads]
     anchor = torch.empty(0, requires_grad=True)  # every rank takes part in the backward
-    outputs = _Exchanged.apply((received, sizes, rank, group, device), anchor, *own)
-    k = 0
+    outputs = iter(_Exchanged.apply((received, sizes, rank, group, device), anchor, *own))
     for r, positions in enumerate(grads):
         for i in positions:
-            per_rank[r][i] = outputs[k]
-            k += 1
+            per_rank[r][i] = next(outputs)
 
 
 class _Exchanged(torch.autograd.Function):
-    """Every rank's values (received) as functions of this rank's own: gradients all-reduced."""
+    """Every rank's values (received) as functions of this rank's own: gradients summed."""
 
     @staticmethod
     def forward(
         ctx: Any, info: tuple[Any, ...], anchor: Tensor, *own: Tensor
     ) -> tuple[Tensor, ...]:
-        received, sizes, rank, group, device = info
-        ctx.sizes = sizes
-        ctx.rank = rank
-        ctx.group = group
-        ctx.device = device
+        received, ctx.sizes, ctx.rank, ctx.group, ctx.device = info
         ctx.shapes = [t.shape for t in received]
         ctx.dtypes = [t.dtype for t in received]
         ctx.own = [(t.shape, t.dtype, t.device) for t in own]
-        # New tensors (the received bytes are views of a buffer that may be reused).
-        return tuple(t.clone() for t in received)
+        # Views of the received bytes, not copies: a sync_grads call never reuses its buffer.
+        return tuple(t.detach() for t in received)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor | None) -> tuple[Any, ...]:
@@ -83,17 +79,78 @@ class _Exchanged(torch.autograd.Function):
             else g.reshape(-1).to(device=ctx.device, dtype=wide)
             for g, shape in zip(grad_outputs, ctx.shapes)
         ]
-        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=wide, device=ctx.device)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
-        start = sum(ctx.sizes[: ctx.rank])
-        mine = ctx.shapes[start : start + ctx.sizes[ctx.rank]]
-        offset = sum(s.numel() for s in ctx.shapes[:start])
-        grads: list[Tensor] = []
-        for shape, (own_shape, dtype, device) in zip(mine, ctx.own):
-            n = shape.numel()
-            grads.append(flat[offset : offset + n].view(own_shape).to(device=device, dtype=dtype))
-            offset += n
+        ends = itertools.accumulate(ctx.sizes)
+        counts = [sum(s.numel() for s in ctx.shapes[e - n : e]) for e, n in zip(ends, ctx.sizes)]
+        mine = _Summed.apply((ctx.group, ctx.rank, counts, ctx.sizes), False, *parts)
+        numels = [shape.numel() for shape, _, _ in ctx.own]
+        grads = [
+            part.view(shape).to(device=device, dtype=dtype)
+            for part, (shape, dtype, device) in zip(mine.split(numels), ctx.own)
+        ]
         return (None, None, *grads)
+
+
+class _Summed(torch.autograd.Function):
+    """Every rank's flat gradients ``parts`` (``sizes[r]`` of them, ``counts[r]`` elements, for
+    rank ``r``'s values) summed over the ranks: this rank's, from one all-to-all of the other
+    ranks' parts. ``spread``, its adjoint: this rank's part to every rank. Each is the other's
+    backward, so derivatives of every order are exact."""
+
+    @staticmethod
+    def forward(ctx: Any, how: tuple[Any, ...], spread: bool, *parts: Tensor) -> Tensor:
+        ctx.how, ctx.spread, ctx.numels = how, spread, [p.numel() for p in parts]
+        group, rank, counts, sizes = how
+        k, mine = len(counts), slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        theirs = [0 if r == rank else c for r, c in enumerate(counts)]  # (none to itself)
+        ours = [0 if r == rank else counts[rank] for r in range(k)]
+        others = [*parts[: mine.start], *parts[mine.stop :], parts[0][:0]]
+        send = parts[0].repeat(k - 1) if spread else torch.cat(others)
+        got = parts[0].new_empty(sum(theirs if spread else ours))
+        dist.all_to_all_single(got, send, *((theirs, ours) if spread else (ours, theirs)), group)
+        if spread:
+            return torch.cat(
+                [parts[0] if r == rank else p for r, p in enumerate(got.split(theirs))]
+            )
+        total = got if k == 2 else got.view(k - 1, counts[rank]).sum(0)
+        for piece, own in zip(total.split(ctx.numels[mine]), parts[mine]):
+            piece += own
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        group, rank, counts, _ = ctx.how
+        if ctx.spread:  # (the flat parts of every rank: one per rank)
+            ones = (group, rank, counts, [1] * len(counts))
+            return None, None, _Summed.apply(ones, False, *grad.split(counts))
+        return (None, None, *_Summed.apply(ctx.how, True, grad).split(ctx.numels))
+
+
+def unsynced(out: Any, leaves: list[Any] | None, tree: Any) -> Any:
+    """``out`` of a call without ``sync_grads``: when this rank's ``leaves`` (``tree``'s) require
+    grad, its tensors pass through :class:`_Unsynced`, so a backward there says what to do."""
+    if not torch.is_grad_enabled() or not any(
+        isinstance(x, Tensor) and x.requires_grad
+        for x in (_tree.flatten(tree)[0] if leaves is None else leaves)
+    ):
+        return out
+    anchor, (found, spec) = torch.empty(0, requires_grad=True), _tree.flatten(out)
+    return spec.unflatten(
+        [_Unsynced.apply(anchor, x) if isinstance(x, Tensor) else x for x in found]
+    )
+
+
+class _Unsynced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, value: Tensor) -> Tensor:
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        raise RuntimeError(
+            "a backward reached the result of treegather.distributed.all_gather(...) called "
+            "without sync_grads=True, which passes no gradient: pass sync_grads=True (gradients "
+            "to every rank's tensors), or .detach() the tree before the call to gather constants"
+        )
 
 
 def _wide(dtypes: Sequence[torch.dtype]) -> torch.dtype:

@@ -35,10 +35,11 @@ def _describe_rule(value: Any) -> tuple[str, str]:
     """One layout entry as ``(key, shown)``: the key is type-aware and process-independent."""
     if isinstance(value, Custom) or (callable(value) and not isinstance(value, (Rule, ByPath))):
         fn = value.fn if isinstance(value, Custom) else value
-        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+        name = _callable_name(fn)
         return f"callable:{name}", f"custom rule {getattr(fn, '__qualname__', name)}"
     if isinstance(value, Rule) and dataclasses.is_dataclass(value):
         fields = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+        fields = [(n, ("callable", _callable_name(v)) if callable(v) else v) for n, v in fields]
         key = type(value).__qualname__ + "".join(
             f"|{n}={type(v).__name__}:{safe_repr(v, None, stable=True)}" for n, v in fields
         )
@@ -61,6 +62,10 @@ def _describe_rule(value: Any) -> tuple[str, str]:
     if value is None or type(value) in (bool, int, float, str):
         return f"{type(value).__name__}:{value!r}", repr(value)
     return f"object:{type(value).__module__}.{type(value).__qualname__}", type(value).__qualname__
+
+
+def _callable_name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def layout_text(layout: Any, dim: Any, sync: bool = False) -> tuple[str, str]:

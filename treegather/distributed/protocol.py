@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .._caches import FAST_PATHS
 from .._errors import ArgumentTypeError, TreegatherError, check_dim
-from . import combine, errors, outcome, payload, plan, preamble, wire
+from . import combine, errors, grads, outcome, payload, plan, preamble, wire
 from .group import (
     Group,
     Problem,
@@ -78,16 +78,26 @@ def all_gather(
     errors name it)."""
     g = process_group(group)
     sync = bool(sync_grads)
+    leaves: list[Any] | None = None  # this rank's, as the wire plan read them
+
+    def done(out: Any) -> Any:  # a public call without sync_grads: a backward there says so
+        return out if sync or call != preamble.ALL_GATHER else grads.unsynced(out, leaves, tree)
+
     dim, problem = _checked_dim(dim)  # a bad dim travels in the first exchange
     if not FAST_PATHS.on or problem is not None:
-        return _full_all_gather(g, tree, layout, dim, sizes, problem=problem, sync=sync, call=call)
+        return done(
+            _full_all_gather(g, tree, layout, dim, sizes, problem=problem, sync=sync, call=call)
+        )
     fast = plan.prepare(tree, layout, dim, sizes, sync)
+    leaves = None if fast is None else fast.leaves
     opening = preamble.exchange(_all_gather_into, g, call, -1, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
-        return _full_all_gather(g, tree, layout, dim, sizes, first=False, sync=sync, call=call)
+        return done(
+            _full_all_gather(g, tree, layout, dim, sizes, first=False, sync=sync, call=call)
+        )
     if opening.inline:
-        return combine.fast(g, fast, opening.payloads, nbytes, g.device, layout, dim)
+        return done(combine.fast(g, fast, opening.payloads, nbytes, g.device, layout, dim))
     device = data_device(g, [r[preamble.PLACEMENT] for r in opening.rows])
     stride = plan.padded(max(nbytes))
     keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
@@ -97,7 +107,7 @@ def all_gather(
     payload.send(fast, stride, device, mine)
     _all_gather_into(out, mine, g.handle)
     payloads = payload.Payloads(out, 0, stride)
-    return combine.fast(g, fast, payloads, nbytes, device, layout, dim)
+    return done(combine.fast(g, fast, payloads, nbytes, device, layout, dim))
 
 
 def _full_all_gather(
