@@ -1387,7 +1387,7 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]] | None] = {
     ),
     "kinds_differ": (
         "StructureMismatchError",
-        ("outputs['b']: per sample on rank 0; one value per add on rank",),
+        ("outputs['b']: a leaf, per sample on rank 0; a leaf, one value per add on rank",),
     ),
     "unpicklable": ("LeafTypeError", ("on rank 1: outputs['meta'] (add #0): function",)),
     "dst_differs": ("StructureMismatchError", ("rank 0: Collector.gather(..., dst=0)", "dst=1")),

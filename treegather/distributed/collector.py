@@ -1,19 +1,12 @@
 """Collector: an evaluation's outputs, collected on each rank and exchanged once.
 
-A DDP evaluation loop sees each rank's samples in the order its sampler yields them, and
-``DistributedSampler`` pads the dataset so that every rank gets as many samples (the first
-samples again) and interleaves the ranks. :class:`Collector` matches the rows of every
-:meth:`~Collector.add` to the indices the sampler yields for this rank, keeps everything local
-until :meth:`~Collector.all_gather` (or :meth:`~Collector.gather`), and then makes one exchange:
-every dataset sample exactly once, in index order.
-
-The exchange is one :func:`treegather.distributed.all_gather` (``gather``: to ``dst``) of
-every rank's adds joined (a :class:`Payload`: per-sample tensors in one piece each, strings as
-UTF-8 bytes, anything else pickled once) under ``as_list()``, each taken whole, so that a
-repeated evaluation costs one collective (its wire plan) and ranks whose adds differ still
-meet in it; every rank then checks what every rank sent and puts the rows in dataset order
-(:func:`~treegather.distributed.samples.dataset_order`,
-:func:`~treegather.distributed.samples.place`).
+Each :meth:`~Collector.add`'s rows are matched to the dataset indices its loader handed out
+(:mod:`~treegather.distributed.loaders`), everything stays local until the exchange, one
+:func:`treegather.distributed.all_gather` (``gather``: to ``dst``) of every rank's adds joined
+(a :class:`Payload`: per-sample tensors in one piece, strings as UTF-8 bytes, the rest pickled
+once) under ``as_list()``, each taken whole: a repeated evaluation is the wire plan's one
+collective, and ranks whose adds differ still meet in it. Every rank then checks what every
+rank sent and puts the rows in dataset order (:mod:`~treegather.distributed.samples`).
 """
 
 from __future__ import annotations
@@ -30,7 +23,6 @@ import torch.distributed as dist
 from .._devices import DeviceLike, as_device
 from .._errors import (
     BatchSizeError,
-    LayoutError,
     StateError,
     StructureMismatchError,
     TreegatherError,
@@ -47,7 +39,6 @@ from .samples import (
     ITEMS,
     PER_ADD,
     SAMPLES,
-    Mine,
     Opaque,
     Texts,
     arrived,
@@ -277,12 +268,11 @@ class Collector:
             adds, self._adds = self._adds, []  # (let go of them: the payload holds what travels)
         plans: dict[Any, tuple[Plan, list[int], Any]] = {}
         local: Any = None
-        own: list[Any] = []
         unexpected: Exception | None = None
         try:
             source = self._source()
             if adds:
-                local, own = self._local(adds, source, bool(partial), layout, plans)
+                local = self._local(adds, source, bool(partial), layout, plans)
             else:
                 _complete(0, source, bool(partial))
         except TreegatherError as exc:  # raised on every rank, after the exchange
@@ -299,12 +289,14 @@ class Collector:
 
         def finish(received: list[Any]) -> Any:
             try:
-                _same_calls(_ranks(self._group), [c.value for c, _ in received])
-                payloads = [p for _, p in received]
-                at = _position(self._group)
-                if isinstance(payloads[at], Payload):  # this rank's strings, as they were added
-                    payloads[at] = _mine(payloads[at], own)
-                return self._combine(payloads, layout, plans)
+                errors.same_layouts(
+                    _ranks(self._group),
+                    [c.value for c, _ in received],
+                    "the ranks passed different layouts (or partial=): each would combine the "
+                    "adds with other rules",
+                    "pass the same layout (and partial=) on every rank",
+                )
+                return self._combine([p for _, p in received], layout, plans)
             except TreegatherError as exc:
                 raise type(exc)(f"{name}: {exc}") from exc.__cause__
 
@@ -329,9 +321,8 @@ class Collector:
 
     def _local(
         self, adds: list[_Add], source: Any, partial: bool, layout: Any, plans: dict[Any, Any]
-    ) -> tuple[Payload, list[Any]]:
-        """This rank's adds concatenated: per-sample leaves in one piece, the others listed;
-        and those values before they were made to travel."""
+    ) -> Payload:
+        """This rank's adds concatenated: per-sample leaves in one piece, the others listed."""
         trees = [add.outputs for add in adds]
         plan, kinds, spec0 = plan_of(trees[0], layout)
         plans[spec0] = (plan, kinds, spec0)
@@ -380,7 +371,7 @@ class Collector:
             for p, (k, v) in enumerate(zip(kinds, combined))
         )
         shape = Opaque((up, tuple(kinds), spec0))  # (ranks compare the first two)
-        return Payload(idx, torch.tensor(rows), wrapped, shape), combined
+        return Payload(idx, torch.tensor(rows), wrapped, shape)
 
     def _target(self, values: list[list[Any]] | None = None) -> torch.device:
         if self._device is not None:
@@ -395,10 +386,10 @@ class Collector:
         """Every rank's payload -> one tree, each sample once, in index order (the same on
         every rank: it depends on the payloads alone, in rank order)."""
         ranks = _ranks(self._group)
-        problems = [(r, p) for r, p in zip(ranks, payloads) if isinstance(p, _Problem)]
+        problems = [(r, p) for r, p in zip(ranks, payloads, strict=True) if isinstance(p, _Problem)]
         if problems:
             raise _problem_error(problems)
-        present = [(r, p) for r, p in zip(ranks, payloads) if p is not None]
+        present = [(r, p) for r, p in zip(ranks, payloads, strict=True) if p is not None]
         if not present:
             self.indices = torch.zeros(0, dtype=torch.int64)
             return None
@@ -408,16 +399,13 @@ class Collector:
             found = None  # (the first rank's dict keys in another order: its plan, its order)
         plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
         if any(p.shape.value[:2] != (up, kinds) for _, p in present[1:]):
-            _raise_differences(present, plan)
+            _raise_differences(present)
         device = self._target()
         rules = rules_of(plan)
         up = plan.up_spec
         order = dataset_order([p.indices for _, p in present])
         per_rank = [[arrived(v) for v in p.values] for _, p in present]
-        plain = [
-            all(isinstance(p.values[j], (Texts, Mine)) for _, p in present)
-            for j in range(len(kinds))
-        ]
+        plain = [all(isinstance(p.values[j], Texts) for _, p in present) for j in range(len(kinds))]
         values = per_rank[0]
         if len(per_rank) > 1:
 
@@ -461,17 +449,6 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
     return protocol.gather(local, dst, AsList(), group, 0, None, finish, COLLECT)
 
 
-def _position(group: Any) -> int:
-    """This rank's place in the group (0 with no process group)."""
-    return dist.get_rank(group) if _initialized() else 0
-
-
-def _mine(payload: Payload, own: list[Any]) -> Payload:
-    """``payload`` (this rank's, received) with its strings as this rank added them."""
-    values = tuple(Mine(own[j]) if type(v) is Texts else v for j, v in enumerate(payload.values))
-    return payload._replace(values=values)
-
-
 def _same_order(mine: Any, first: Any) -> bool:
     """Whether two equal structures also list their dicts' keys in the same order (optree's
     ``==`` and hash do not tell; unflattening follows the order). The result follows the first
@@ -507,16 +484,7 @@ def _problem_error(problems: list[tuple[int, _Problem]]) -> TreegatherError:
                 "(col.indices then tells which samples the result holds)",
             )
         )
-    cls = errors.ERROR_CLASSES.get(problems[0][1].error, TreegatherError)
-    by_message: dict[str, list[int]] = {}
-    for rank, p in problems:
-        by_message.setdefault(p.message, []).append(rank)
-    return cls(
-        "\n".join(
-            f"on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
-            for msg, rs in by_message.items()
-        )
-    )
+    return errors.rank_errors([(r, p.error, p.message) for r, p in problems])
 
 
 class _Rows(NamedTuple):
@@ -544,13 +512,11 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
     if order is not None and total <= order.numel() and all(a.indices is None for a in adds):
         if ends is None or _in_time(rows, adds, ends):
             return order[:total], total
-    if order is None:  # every add names its rows: as int64 CPU tensors, checked in one piece
-        named = [a.indices for a in adds]
-        if set(map(type, named)) == {Tensor} and set(map(_KIND, named)) == {_INT64}:
-            if list(map(Tensor.numel, named)) == rows:
-                flat = torch.cat(named) if len(named) > 1 else named[0].reshape(-1)
-                if not flat.numel() or int(flat.min()) >= 0:
-                    return flat, 0
+    named = [a.indices for a in adds]  # every add names its rows, int64 on the CPU: one check
+    if order is None and set(map(type, named)) == {Tensor} and set(map(_KIND, named)) == {_INT64}:
+        flat = torch.cat(named)
+        if list(map(len, named)) == rows and (not flat.numel() or int(flat.min()) >= 0):
+            return flat, 0
     what = "loader" if source.seen is not None else "sampler"
     parts: list[Tensor] = []
     taken = 0
@@ -585,8 +551,8 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
         ahead = order[taken : taken + n]
         if given is not None and not torch.equal(given, ahead):
             raise BatchSizeError(
-                f"add #{a}: indices= {_preview(given)} are not the next indices its {what} "
-                f"handed out, {_preview(ahead)}: pass indices= on every add, or on none"
+                f"add #{a}: indices= {given[:8].tolist()} are not the next indices its {what} "
+                f"handed out, {ahead[:8].tolist()}: pass indices= on every add, or on none"
             )
         parts.append(ahead)
         taken += n
@@ -623,43 +589,18 @@ def _complete(taken: int, source: _Rows, partial: bool) -> None:
         raise _Short(f"it added {taken} of the {order.numel()} row(s) {how} this epoch{why}")
 
 
-def _preview(t: Tensor) -> str:
-    shown = t[:6].tolist()
-    return str(shown)[:-1] + (", ...]" if t.numel() > 6 else "]")
-
-
-def _same_calls(ranks: list[int], calls: list[tuple[str, str]]) -> None:
-    """Raise unless every rank passed the same layout (and ``partial``)."""
-    if len({key for key, _ in calls}) > 1:
-        raise LayoutError(
-            format_problems(
-                "the ranks passed different layouts (or partial=): each would combine the adds "
-                "with other rules",
-                [errors.by_rank(ranks, [shown for _, shown in calls])],
-                "pass the same layout (and partial=) on every rank",
-            )
-        )
-
-
-def _raise_differences(present: list[tuple[int, Any]], plan: Plan) -> NoReturn:
-    """The ranks' adds differ in structure, or in which leaves are per sample: name them."""
-    ranks = [r for r, _ in present]
-    specs = [p.shape.value[0] for _, p in present]
-    if any(s != specs[0] for s in specs[1:]):
-        errors.raise_structure_mismatch(ranks, [errors.node_rows(s) for s in specs])
-    kinds = [p.shape.value[1] for _, p in present]
+def _raise_differences(present: list[tuple[int, Any]]) -> NoReturn:
+    """The ranks' adds differ in structure, or (the same structure) in which leaves are per
+    sample: name them."""
     named = {SAMPLES: "per sample", ITEMS: "a per-sample list", PER_ADD: "one value per add"}
-    problems = [
-        f"{display_path(plan.node_of(j), ROOT)}: "
-        + errors.by_rank(ranks, [named[k[j]] for k in kinds])
-        for j in range(len(kinds[0]))
-        if len({k[j] for k in kinds}) > 1
-    ]
-    raise StructureMismatchError(
-        format_problems(
-            "leaves are per sample on some ranks and one value per add on others",
-            problems,
-            "per-sample tensors have the batch dim first on every rank (a 0-dim tensor is one "
-            "value per add)",
-        )
-    )
+    shapes = [p.shape.value for _, p in present]
+    same = all(s[0] == shapes[0][0] for s in shapes)
+
+    def said(up: Any, kinds: list[int]) -> list[tuple[str, str]]:
+        leaf = iter(kinds)
+        return [
+            (at, f"{is_}, {named[next(leaf)]}" if same and is_ == "a leaf" else is_)
+            for at, is_ in errors.node_rows(up)
+        ]
+
+    errors.raise_structure_mismatch([r for r, _ in present], [said(u, k) for u, k, _ in shapes])

@@ -39,6 +39,8 @@ __all__ = [
     "node_rows",
     "outcome_of",
     "raise_structure_mismatch",
+    "rank_errors",
+    "same_layouts",
     "rebuild_error",
 ]
 
@@ -69,18 +71,16 @@ def check(
     then join. Leaves whose dtypes differ between the ranks are named by their rules (under
     ``layout`` and ``dim``), with the same message as :func:`treegather.gather` gives.
     """
-    _raise_rank_errors(ranks, headers)
-    layouts = [h["layout"] for h in headers]
-    if len({key for key, _ in layouts}) > 1:
-        raise LayoutError(
-            wire.format_problems(
-                "the ranks passed different layouts, dims or sync_grads (each rank would combine "
-                "the trees "
-                "with other rules)",
-                [f"{shown} on {_ranks_text(ranks, rs)}" for shown, rs in _group_by(layouts)],
-                "pass the same layout= and dim= on every rank",
-            )
-        )
+    errors = [(ranks[i], *h["error"]) for i, h in enumerate(headers) if "error" in h]
+    if errors:
+        raise rank_errors(errors)
+    same_layouts(
+        ranks,
+        [h["layout"] for h in headers],
+        "the ranks passed different layouts, dims or sync_grads (each rank would combine the "
+        "trees with other rules)",
+        "pass the same layout= and dim= on every rank",
+    )
     if len({h["fingerprint"] for h in headers}) > 1:
         raise StructuresDiffer
     _check_leaf_kinds(ranks, headers, local, layout, dim)
@@ -93,21 +93,32 @@ def check(
         )
 
 
-def _raise_rank_errors(ranks: Sequence[int], headers: list[dict[str, Any]]) -> None:
-    """Problems a rank found before the exchange, raised on every rank (grouped by message)."""
-    errors = [(i, h["error"]) for i, h in enumerate(headers) if "error" in h]
-    if not errors:
-        return
-    cls = ERROR_CLASSES.get(errors[0][1][0], TreegatherError)
+def rank_errors(problems: Sequence[tuple[int, str, str]]) -> TreegatherError:
+    """Problems ranks found on their own (rank, error class name, message), as one error of the
+    first one's class, grouped by message: what every rank raises."""
     by_message: dict[str, list[int]] = {}
-    for i, (_, msg) in errors:
-        by_message.setdefault(msg, []).append(ranks[i])
-    raise cls(
+    for rank, _, message in problems:
+        by_message.setdefault(message, []).append(rank)
+    return ERROR_CLASSES.get(problems[0][1], TreegatherError)(
         "\n".join(
             f"on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
             for msg, rs in by_message.items()
         )
     )
+
+
+def same_layouts(
+    ranks: Sequence[int], layouts: Sequence[tuple[str, str]], title: str, hint: str
+) -> None:
+    """Raise a :class:`LayoutError` unless every rank's ``(key, shown)`` layout is the same."""
+    if len({key for key, _ in layouts}) > 1:
+        raise LayoutError(
+            wire.format_problems(
+                title,
+                [f"{shown} on {_ranks_text(ranks, rs)}" for shown, rs in _group_by(layouts)],
+                hint,
+            )
+        )
 
 
 def _check_leaf_kinds(

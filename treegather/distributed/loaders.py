@@ -91,37 +91,27 @@ def _base(loader: Any) -> DataLoader[Any]:
     (before anything is iterated)."""
     kind = type(loader).__name__
     inner = vars(loader).get("base_dataloader") if hasattr(loader, "__dict__") else None
-    if inner is not None:  # accelerate's prepared loaders wrap a DataLoader
-        if kind == "DataLoaderDispatcher":
-            raise ArgumentTypeError(
-                "Collector.observe: accelerate's DataLoaderDispatcher (dispatch_batches=True) "
-                "loads every batch on rank 0 and sends each rank its slice: no rank's own "
-                "indices to observe; pass add(outputs, indices=...) with the batch's indices"
-            )
-        if getattr(loader, "skip_batches", 0):
-            raise ArgumentTypeError(
-                f"Collector.observe: this {kind} skips its first {loader.skip_batches} "
-                "batch(es) (accelerate's skip_first_batches): an evaluation sees every batch; "
-                "pass add(outputs, indices=...) to collect a resumed one"
-            )
-        loader = inner
-    if not isinstance(loader, DataLoader) or type(loader).__iter__ is not DataLoader.__iter__:
+    base = loader if inner is None else inner  # (accelerate's prepared loaders wrap one)
+    why = (
+        "accelerate's DataLoaderDispatcher (dispatch_batches=True) loads every batch on rank 0 "
+        "and sends each rank its slice: no rank's own indices to observe"
+        if kind == "DataLoaderDispatcher"
+        else f"this {kind} skips its first batches (accelerate's skip_first_batches)"
+        if inner is not None and vars(loader).get("skip_batches", 0)
+        else f"it needs a torch DataLoader (or one accelerate prepared), got {kind}"
+        if not isinstance(base, DataLoader) or type(base).__iter__ is not DataLoader.__iter__
+        else "a DataLoader over an IterableDataset has no sampler of dataset indices to observe"
+        if isinstance(base.dataset, IterableDataset)
+        else "with in_order=False a DataLoader yields its workers' batches as they come, not in "
+        "the order their indices were handed out"
+        if base.num_workers and not getattr(base, "in_order", True)
+        else None
+    )
+    if why is not None:
         raise ArgumentTypeError(
-            f"Collector.observe needs a torch DataLoader (or one accelerate prepared), got "
-            f"{kind}: for any other iterable of batches pass add(outputs, indices=...)"
+            f"Collector.observe: {why}; pass add(outputs, indices=...) with each batch's indices"
         )
-    if isinstance(loader.dataset, IterableDataset):
-        raise ArgumentTypeError(
-            "Collector.observe: a DataLoader over an IterableDataset has no sampler of dataset "
-            "indices to observe; pass add(outputs, indices=...) with each batch's indices"
-        )
-    if loader.num_workers and not getattr(loader, "in_order", True):
-        raise ArgumentTypeError(
-            "Collector.observe: a DataLoader with in_order=False yields its workers' batches "
-            "as they come, not in the order their indices were handed out; use in_order=True "
-            "(the default) or pass add(outputs, indices=...)"
-        )
-    return loader
+    return base
 
 
 @contextlib.contextmanager
@@ -151,7 +141,8 @@ def observe(loader: Iterable[Any], seen: Observation) -> Iterator[Any]:
     index batch behind each. Checks ``loader`` at once (a typed error before anything is
     iterated); the batches come when the generator is iterated."""
     base = _base(loader)
-    seen.length = _length(loader)
+    with contextlib.suppress(TypeError):  # (a sampler with no length: the loader has none)
+        seen.length = len(base)  # (accelerate's loaders: their base's length)
     return _batches(loader, base, seen)
 
 
@@ -174,13 +165,6 @@ def _batches(loader: Iterable[Any], base: DataLoader[Any], seen: Observation) ->
 
 
 _END: Any = object()
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
 
 
 def _pure(sampler: Any) -> bool:

@@ -76,28 +76,27 @@ def all_gather(
 ) -> Any:
     """:func:`treegather.distributed.all_gather`; ``call``: what the rows say it is (how
     errors name it)."""
-    g = process_group(group)
     sync = bool(sync_grads)
-    leaves: list[Any] | None = None  # this rank's, as the wire plan read them
+    out, leaves = _all_gather(process_group(group), tree, layout, dim, sizes, sync, call)
+    # A public call without sync_grads: a backward through its result says to pass it.
+    return out if sync or call != preamble.ALL_GATHER else grads.unsynced(out, leaves, tree)
 
-    def done(out: Any) -> Any:  # a public call without sync_grads: a backward there says so
-        return out if sync or call != preamble.ALL_GATHER else grads.unsynced(out, leaves, tree)
 
+def _all_gather(
+    g: Group, tree: Any, layout: Any, dim: int, sizes: int | None, sync: bool, call: int
+) -> tuple[Any, list[Any] | None]:
+    """The result, and this rank's leaves as the wire plan read them (``None``: not read)."""
     dim, problem = _checked_dim(dim)  # a bad dim travels in the first exchange
     if not FAST_PATHS.on or problem is not None:
-        return done(
-            _full_all_gather(g, tree, layout, dim, sizes, problem=problem, sync=sync, call=call)
-        )
+        return _full_all_gather(g, tree, layout, dim, sizes, call, True, problem, sync), None
     fast = plan.prepare(tree, layout, dim, sizes, sync)
     leaves = None if fast is None else fast.leaves
     opening = preamble.exchange(_all_gather_into, g, call, -1, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
-        return done(
-            _full_all_gather(g, tree, layout, dim, sizes, first=False, sync=sync, call=call)
-        )
+        return _full_all_gather(g, tree, layout, dim, sizes, call, False, None, sync), leaves
     if opening.inline:
-        return done(combine.fast(g, fast, opening.payloads, nbytes, g.device, layout, dim))
+        return combine.fast(g, fast, opening.payloads, nbytes, g.device, layout, dim), leaves
     device = data_device(g, [r[preamble.PLACEMENT] for r in opening.rows])
     stride = plan.padded(max(nbytes))
     keep = fast.plan.vectorised  # the results are copies: the group may keep the buffer
@@ -107,7 +106,34 @@ def all_gather(
     payload.send(fast, stride, device, mine)
     _all_gather_into(out, mine, g.handle)
     payloads = payload.Payloads(out, 0, stride)
-    return done(combine.fast(g, fast, payloads, nbytes, device, layout, dim))
+    return combine.fast(g, fast, payloads, nbytes, device, layout, dim), leaves
+
+
+def _full_opening(
+    g: Group,
+    tree: Any,
+    layout: Any,
+    dim: int,
+    sizes: int | None,
+    call: int,
+    root: int,
+    first: bool,
+    problem: Problem | None,
+    sync: bool = False,
+) -> tuple[wire.Packed, list[list[int]], torch.device, int]:
+    """The full exchange's start: this rank's header and bytes, every rank's row (``first``:
+    in the call's first collective), where the bytes travel, and each rank's share of them."""
+    if problem is not None:  # the first exchange raises it on every rank
+        local = wire.Packed(None, b"")
+    else:
+        local = wire.encode(tree, sizes, layout, dim, order=g.rank == 0, sync=sync)
+    lengths = (len(local.header), local.nbytes)
+    rows = preamble.exchange(
+        _all_gather_into, g, call, root, lengths, local.devices, first=first, problem=problem
+    ).rows
+    device = data_device(g, [r[preamble.PLACEMENT] for r in rows])
+    stride = max(wire.padded(r[preamble.HEADER]) + wire.padded(r[preamble.NBYTES]) for r in rows)
+    return local, rows, device, stride
 
 
 def _full_all_gather(
@@ -116,30 +142,15 @@ def _full_all_gather(
     layout: Any,
     dim: int,
     sizes: int | None,
-    *,
-    first: bool = True,
-    problem: Problem | None = None,
-    sync: bool = False,
-    call: int = preamble.ALL_GATHER,
+    call: int,
+    first: bool,
+    problem: Problem | None,
+    sync: bool,
 ) -> Any:
     """The full exchange: one header and bytes per rank, every check; the definition."""
-    if problem is not None:  # the first exchange raises it on every rank
-        local = wire.Packed(None, b"")
-    else:
-        local = wire.encode(tree, sizes, layout, dim, order=g.rank == 0, sync=sync)
-    lengths = (len(local.header), local.nbytes)
-    rows = preamble.exchange(
-        _all_gather_into,
-        g,
-        call,
-        -1,
-        lengths,
-        local.devices,
-        first=first,
-        problem=problem,
-    ).rows
-    device = data_device(g, [r[preamble.PLACEMENT] for r in rows])
-    stride = max(wire.padded(r[preamble.HEADER]) + wire.padded(r[preamble.NBYTES]) for r in rows)
+    local, rows, device, stride = _full_opening(
+        g, tree, layout, dim, sizes, call, -1, first, problem, sync
+    )
     out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=device)
     _all_gather_into(out, wire.message_buffer(local, stride, device), g.handle)
     buffers = list(out.view(len(g.ranks), stride))
@@ -200,16 +211,12 @@ def gather(
     dim, bad_dim = _checked_dim(dim)
     problem = _either(bad_root, bad_dim)
     if not FAST_PATHS.on or problem is not None:
-        return _full_gather(
-            g, dst, root, tree, layout, dim, sizes, problem=problem, finish=finish, call=call
-        )
+        return _full_gather(g, dst, root, tree, layout, dim, sizes, call, True, problem, finish)
     fast = plan.prepare(tree, layout, dim, sizes)
     opening = preamble.exchange(_all_gather_into, g, call, root, *_fast_lengths(fast), fast)
     fast, nbytes = opening.fast, opening.nbytes
     if fast is None or not opening.agreed:
-        return _full_gather(
-            g, dst, root, tree, layout, dim, sizes, first=False, finish=finish, call=call
-        )
+        return _full_gather(g, dst, root, tree, layout, dim, sizes, call, False, None, finish)
     if opening.inline:
         device, payloads = g.device, opening.payloads
     else:
@@ -249,29 +256,14 @@ def _full_gather(
     layout: Any,
     dim: int,
     sizes: int | None,
-    *,
-    first: bool = True,
-    problem: Problem | None = None,
-    finish: Callable[[Any], Any] | None = None,
-    call: int = preamble.GATHER,
+    call: int,
+    first: bool,
+    problem: Problem | None,
+    finish: Callable[[Any], Any] | None,
 ) -> Any:
-    if problem is not None:  # the first exchange raises it on every rank
-        local = wire.Packed(None, b"")
-    else:
-        local = wire.encode(tree, sizes, layout, dim, order=g.rank == 0)
-    lengths = (len(local.header), local.nbytes)
-    rows = preamble.exchange(
-        _all_gather_into,
-        g,
-        call,
-        root,
-        lengths,
-        local.devices,
-        first=first,
-        problem=problem,
-    ).rows
-    device = data_device(g, [r[preamble.PLACEMENT] for r in rows])
-    stride = max(wire.padded(r[preamble.HEADER]) + wire.padded(r[preamble.NBYTES]) for r in rows)
+    local, rows, device, stride = _full_opening(
+        g, tree, layout, dim, sizes, call, root, first, problem
+    )
     send = wire.message_buffer(local, stride, device)
     received: list[torch.Tensor] | None = None
     if g.rank == root:

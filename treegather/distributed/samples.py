@@ -35,7 +35,6 @@ __all__ = [
     "Order",
     "PER_ADD",
     "SAMPLES",
-    "Mine",
     "Texts",
     "arrived",
     "dataset_order",
@@ -82,12 +81,6 @@ class Texts(NamedTuple):
 SEP = "\x00"
 
 
-class Mine(Opaque):
-    """This rank's own list of strings, as it was added (this rank need not decode it)."""
-
-    __slots__ = ()
-
-
 PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
@@ -128,7 +121,7 @@ def travelling(
 
 def arrived(value: Any) -> Any:
     """What :func:`travelling` sent, back as it was."""
-    if isinstance(value, Opaque):  # (Mine too)
+    if isinstance(value, Opaque):
         return value.value
     if isinstance(value, Texts):
         return tensor_bytes(value.data).decode().split(SEP) if value.items else []
@@ -220,7 +213,12 @@ def rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[
     rows: list[int] = []
     problems: list[str] = []
     for a, row in enumerate(values):
-        counts = [count(row[p]) for p in sample]
+        counts = [
+            (v.shape[0] if v.dim() else -1)
+            if isinstance(v, Tensor)
+            else (len(v) if isinstance(v, (list, tuple)) else -1)
+            for v in (row[p] for p in sample)
+        ]
         if len(set(counts)) == 1 and counts[0] >= 0:
             rows.append(counts[0])
             continue
@@ -246,13 +244,6 @@ def rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[
 
 
 _ROWS = operator.methodcaller("size", 0)  # a tensor's rows, in C (IndexError for 0-dim)
-
-
-def count(value: Any) -> int:
-    """Rows of a per-sample value (-1: it has none)."""
-    if isinstance(value, Tensor):
-        return value.shape[0] if value.dim() > 0 else -1
-    return len(value) if isinstance(value, (list, tuple)) else -1
 
 
 def gather_noted(
