@@ -515,7 +515,7 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
     named = [a.indices for a in adds]  # every add names its rows, int64 on the CPU: one check
     if order is None and set(map(type, named)) == {Tensor} and set(map(_KIND, named)) == {_INT64}:
         flat = torch.cat(named)
-        if list(map(len, named)) == rows and (not flat.numel() or int(flat.min()) >= 0):
+        if list(map(Tensor.numel, named)) == rows and (not flat.numel() or int(flat.min()) >= 0):
             return flat, 0
     what = "loader" if source.seen is not None else "sampler"
     parts: list[Tensor] = []
