@@ -127,3 +127,9 @@ def __getattr__(name: str) -> object:
 
         return importlib.import_module(".distributed", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """``dir(treegather)``: the public names (``__all__``, ``distributed``) and the module's
+    dunders; the internal modules (``_gather``, ``_rules``, ...) stay importable, unlisted."""
+    return sorted({*__all__, "distributed", *(n for n in globals() if n[:2] == "__" == n[-2:])})

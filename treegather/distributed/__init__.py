@@ -65,6 +65,10 @@ from .collector import Collector
 __all__ = ["Collector", "all_gather", "gather", "broadcast"]
 
 
+def __dir__() -> list[str]:  # the public names and dunders, not the internal modules
+    return sorted({*__all__, *(n for n in globals() if n[:2] == "__" == n[-2:])})
+
+
 def all_gather(
     tree: Any,
     layout: Any = None,
