@@ -221,6 +221,26 @@ def gather_inverse(tree: Any) -> Any:
     return spec.unflatten(rules)
 
 
+# ------------------------------------------------------------------------------ pad fills
+
+# A fill beyond each kind of dtype: float and integer ranges, NaN/inf in integers, complex in
+# reals, an infinity a float8 dtype does not have, a zero float8_e8m0fnu does not have.
+FILLS_THAT_DO_NOT_FIT: list[tuple[torch.dtype, Any]] = [
+    (torch.float16, 70000.0),
+    (torch.bfloat16, 1e39),
+    (torch.float32, 1e39),
+    (torch.float64, 10**400),
+    (torch.int8, 128),
+    (torch.int32, float("nan")),
+    (torch.int64, float("inf")),
+    (torch.float32, 1j),
+    (torch.complex64, complex(1e39, 0)),
+    (torch.complex32, complex(0, 70000)),
+    (torch.float8_e4m3fn, float("inf")),
+    (torch.float8_e8m0fnu, 0.0),
+]
+
+
 __all__ = [
     "AttrDict",
     "Batch",
@@ -228,6 +248,7 @@ __all__ = [
     "CASE_IDS",
     "Case",
     "CausalLMOutput",
+    "FILLS_THAT_DO_NOT_FIT",
     "FrozenSample",
     "MarkedStatic",
     "ModelOutputBase",
