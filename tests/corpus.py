@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 import treegather as tg
+from treegather._rules import GatherRule, Rule, ScatterRule
 
 # ----------------------------------------------------------------------- container classes
 
@@ -221,6 +222,34 @@ def gather_inverse(tree: Any) -> Any:
     return spec.unflatten(rules)
 
 
+# ------------------------------------------------------------------------- rules of your own
+
+
+# Rules written outside treegather, as a user reading the rule classes might: the one way to
+# write a gather rule of your own is a callable (``Rule`` is internal, not in the public face).
+class PlainMax(Rule):
+    def combine(self, col: tuple[Any, ...], ctx: Any) -> Any:
+        return torch.stack(col).amax(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenMax(Rule):
+    dim: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherMax(GatherRule):
+    def combine(self, col: tuple[Any, ...], ctx: Any) -> Any:
+        return torch.stack(col).amax(0)
+
+
+class SplitHalf(ScatterRule):
+    pass
+
+
+FOREIGN: list[Any] = [PlainMax(), FrozenMax(), GatherMax(), SplitHalf()]
+
+
 # ------------------------------------------------------------------------------ pad fills
 
 # A fill beyond each kind of dtype: float and integer ranges, NaN/inf in integers, complex in
@@ -249,6 +278,7 @@ __all__ = [
     "Case",
     "CausalLMOutput",
     "FILLS_THAT_DO_NOT_FIT",
+    "FOREIGN",
     "FrozenSample",
     "MarkedStatic",
     "ModelOutputBase",

@@ -26,7 +26,7 @@ import pytest
 import spawned_groups
 import torch
 import torch.distributed as dist
-from corpus import FILLS_THAT_DO_NOT_FIT
+from corpus import FILLS_THAT_DO_NOT_FIT, FOREIGN
 from spawned_groups import WORLD_SIZES
 
 import treegather as tg
@@ -1486,6 +1486,16 @@ def test_a_fill_the_dtype_cannot_hold_is_a_leaf_type_error(world_of_one: None) -
             with pytest.raises(tg.LeafTypeError, match=r"outputs\['h'\]") as info:
                 tgd.all_gather(tree, {"h": tg.pad(1, fill)})
             assert str(dtype) in str(info.value) and safe_repr(fill) in str(info.value)
+
+
+def test_a_rule_class_of_your_own_is_a_layout_error(world_of_one: None) -> None:
+    """As in ``tg.gather``: the rule classes are internal, a rule of your own is a callable."""
+    import treegather.distributed as tgd
+
+    for rule in FOREIGN:
+        for _ in range(2):
+            with pytest.raises(tg.LayoutError, match=r"outputs\['s'\]: .* f\(values, device\)"):
+                tgd.all_gather({"s": torch.ones(2)}, {"s": rule})
 
 
 def test_layouts_past_the_first_leaf_fall_back(world_of_one: None) -> None:

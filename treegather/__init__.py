@@ -42,7 +42,6 @@ from ._parallel import (
 )
 from ._rules import (
     Padded,
-    Rule,
     as_list,
     broadcast,
     cat,
@@ -84,7 +83,6 @@ __all__ = [
     # layouts: path patterns
     "by_path",
     "ByPath",
-    "Rule",
     # seeing what a layout does
     "explain",
     "Explanation",

@@ -19,7 +19,7 @@ import optree
 import torch.utils._pytree as _torch_pytree
 
 from .._caches import clear_tree_caches
-from .._errors import safe_repr
+from .._errors import ArgumentTypeError, safe_repr
 
 __all__ = [
     "NAMESPACE",
@@ -154,6 +154,14 @@ def register_node(
     >>> shards[1].a
     tensor([2, 3])
     """
+    if not isinstance(cls, type):
+        raise ArgumentTypeError(f"register_node: cls must be a class, got {safe_repr(cls)}")
+    for name, fn in (("flatten", flatten), ("unflatten", unflatten)):
+        if not callable(fn):
+            raise ArgumentTypeError(
+                f"register_node({cls.__qualname__}, ...): {name} must be a function, got "
+                f"{safe_repr(fn)}"
+            )
     _register(cls, flatten, unflatten)
     return cls
 
