@@ -21,7 +21,8 @@ module as it is now:
 Guards: kept shells are used only while the module's tree is what it was when they were built:
 every submodule, parameter and buffer (``_modules``, ``_parameters``, ``_buffers``: keys, and
 values by identity), every module's class, training flag, in-place compiled forward
-(``m.compile()``) and the number of entries in its ``__dict__`` (a new attribute). A change to
+(``m.compile()``) and the keys of its ``__dict__`` (an attribute added, removed, or replaced by
+another: ``del m.scale; m.factor = 3.0``). A change to
 any of these rebuilds the shells, and so does a plain value that stops being an atom (below);
 other changes are re-bound at the next step, and changes made in place on a parameter
 (``load_state_dict``, ``requires_grad_(False)``, ``p.data = ...``) need nothing.
@@ -38,9 +39,11 @@ checkpointing, the caller of ``replicate(reuse=True)``) they are left intact and
 the next step refills them if they are still alive, and builds new ones if not. Either way a
 deleted module frees them.
 
-The originals' hook tables are looked at only when a hook was registered somewhere since the
-last look (torch numbers every registration through its API: ``RemovableHandle.next_id``);
-the tables that hold something are copied every step.
+The originals' hook tables are read every step: which of them hold something (their sizes, in
+one C pass) and, for those, their contents, so that a hook registered, removed, placed into a
+table without ``register_*_hook`` (a library copying hooks from another module), a whole table
+assigned (as ``torch._dynamo`` does around a call) or cleared is seen at the next step, as
+fresh replicas see it.
 """
 
 from __future__ import annotations
@@ -56,7 +59,6 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .._caches import FAST_PATHS, WeakCache
 from .shells import (
@@ -120,12 +122,13 @@ class Kept:
         "obj_dicts",
         "obj_getters",
         "obj_keys",
-        "od_lens",
+        "od_keys",
         "own_keys",
         "own_tables",
         "param_dicts",
         "plans",
         "refs",
+        "restores",
         "root",
         "rows",
         "shared",
@@ -134,9 +137,8 @@ class Kept:
         "slot_empties",
         "slot_keys",
         "src_filled",
-        "stamp",
+        "src_lens",
         "step",
-        "step_stamp",
         "stripped",
         "tensor_refs",
         "training",
@@ -147,7 +149,6 @@ class Kept:
     )
 
     def __init__(self, module: nn.Module, devs: tuple[torch.device, ...], detach: bool) -> None:
-        self.stamp = RemovableHandle.next_id  # before the shells copy the hook tables
         originals, rows = _build_rows(module, devs, detach)
         self.root = weakref.ref(module)  # the cache is keyed weakly by it: never hold it
         self.devs = devs
@@ -165,13 +166,12 @@ class Kept:
         self.refs = [weakref.ref(o) for o in originals]
         self.classes = list(map(type, originals))  # a swapped __class__ is in no __dict__
         self.training = list(map(dict.get, ods, repeat("training")))
-        self.od_lens = list(map(len, ods))  # a new attribute on a module rebuilds
+        self.od_keys = list(map(tuple, ods))  # an attribute added, removed or renamed rebuilds
         tables = list(chain.from_iterable(map(_TREE, ods)))
         self.tree_keys = list(chain.from_iterable(tables))
         self.tree_ids = list(map(id, chain.from_iterable(map(dict.values, tables))))
-        width = len(OWN_TABLES)
-        lens = map(len, chain.from_iterable(map(_OWN_TABLES, ods)))
-        self.src_filled = list(compress(range(len(ods) * width), lens))
+        self.src_lens = list(map(len, chain.from_iterable(map(_OWN_TABLES, ods))))
+        self.src_filled = list(compress(range(len(self.src_lens)), self.src_lens))
         compiled = list(map(dict.get, ods, repeat("_compiled_call_impl")))
         self.compiled_ids = list(map(id, compiled))
         self.wrappers = [bool(_compiled_kind(o)) for o in originals]
@@ -187,7 +187,6 @@ class Kept:
         self.shell_refs = [weakref.ref(s) for s in flat]
         self.seal()
         self.step: list[torch.Tensor] | None = None  # this step's tensors (not after a build)
-        self.step_stamp = self.stamp
         self.stripped = False
         # What references each shell when only this object does (its rows, the parent shells'
         # _modules tables, a compiled forward bound to it): compared after every step.
@@ -298,6 +297,14 @@ class Kept:
         else:
             self.obj_dicts = [[dicts[s] for s in self.obj_at]]
         self.atom_dicts = self.atoms * n if self.shared else self.atoms
+        # What each shell's __dict__ gets back after a step: None for its original's entries
+        # and this step's parameters, and its own tables (a forward may have assigned others).
+        width = len(OWN_TABLES)
+        tables = self.own_tables
+        self.restores = [
+            {**self.nones[s], **dict(zip(OWN_TABLES, tables[s * width : (s + 1) * width]))}
+            for s in range(len(dicts))
+        ]
         self.child_values = list(chain.from_iterable(map(dict.values, self.children)))
 
     def _current(
@@ -310,7 +317,7 @@ class Kept:
         if not all(map(is_not, mods, repeat(None))) or list(map(type, mods)) != self.classes:
             return None
         ods = list(map(vars, mods))
-        if list(map(len, ods)) != self.od_lens:
+        if list(map(tuple, ods)) != self.od_keys:
             return None
         if list(map(dict.get, ods, repeat("training"))) != self.training:
             return None
@@ -383,7 +390,6 @@ class Kept:
             bcols = _columns(buffers, self.devs, self.detach, False)
         self._fill(rows, ods, pcols, bcols, olds)
         self.step = tensors
-        self.step_stamp = RemovableHandle.next_id
         self.stripped = False
         return [row[0] for row in rows]
 
@@ -409,18 +415,17 @@ class Kept:
     ) -> None:
         """Give every shell's own tables its original's contents (hooks, non-persistent names).
 
-        Which of the originals' tables hold something is looked up again only when a hook was
-        registered anywhere since the last look (torch numbers every registration: the
-        ``RemovableHandle`` counter); the contents of those tables are copied every step (a
-        hook removed from the module is gone at once). Own tables are empty after a strip;
-        intact shells' tables (held weakly) may hold what their last forward registered.
+        Which of the originals' tables hold something is read every step (their sizes, in one
+        C pass), and the tables themselves from the originals' ``__dict__``: a hook registered,
+        removed, placed into a table without ``register_*_hook``, a table assigned or cleared
+        are all seen at the next step. Own tables are empty after a strip; intact shells'
+        tables (held weakly) may hold what their last forward registered.
         """
         width = len(OWN_TABLES)
-        stamp = RemovableHandle.next_id
-        if stamp != self.stamp:
-            self.stamp = stamp
-            lens = map(len, chain.from_iterable(map(_OWN_TABLES, ods)))
-            self.src_filled = list(compress(range(len(ods) * width), lens))
+        lens = list(map(len, chain.from_iterable(map(_OWN_TABLES, ods))))
+        if lens != self.src_lens:
+            self.src_lens = lens
+            self.src_filled = list(compress(range(len(lens)), lens))
         filled = self.src_filled
         sources = [ods[p // width][OWN_TABLES[p % width]] for p in filled]
         per_replica = len(ods) * width
@@ -429,9 +434,7 @@ class Kept:
                 own_tables[at].clear()
         for j in range(n):
             for p, src in zip(filled, sources):
-                table = own_tables[j * per_replica + p]
-                table.clear()
-                table.update(src)
+                own_tables[j * per_replica + p].update(src)
 
     def _fill(
         self,
@@ -494,7 +497,7 @@ class Kept:
         else:  # in use elsewhere: held weakly (what they hold may reach the module)
             self.rows = self.flat = self.own_tables = None
             self.dicts, self.empties, self.used_empties, self.param_dicts = [], [], [], []
-            self.obj_dicts, self.atom_dicts = [], []
+            self.obj_dicts, self.atom_dicts, self.restores = [], [], []
             self.children, self.children_lens, self.child_values = [], [], []
             self.slot_dicts, self.slot_empties, self.buffer_dicts = [], [], []
             self.stripped = False
@@ -504,32 +507,27 @@ class Kept:
 
         Each shell keeps one ``__dict__`` from step to step, with the same keys: its own entries
         stay, the original's plain entries and this step's parameters become None, this step's
-        tables give way to empty ones of its own (nothing is inserted, deleted, allocated or
-        freed, and nothing of the originals is held). A forward that stored, registered or
+        tables give way to empty ones of its own, and its own hook tables are emptied and put
+        back (a forward may have assigned others); nothing is inserted, deleted, allocated or
+        freed, and nothing of the originals is held. A forward that stored, registered or
         deleted something on itself is found by the sizes and set right by
         :meth:`_strip_carefully`.
         """
-        m, n = self.plans.m, len(self.devs)
         dicts = self.dicts
         own_tables = self.own_tables
         assert own_tables is not None
-        clean = RemovableHandle.next_id == self.step_stamp  # no hook registered in the step
-        if clean:  # the own tables hold the originals' hooks, where those have some
-            per_replica = len(OWN_TABLES) * m
-            for j in range(n):
-                for p in self.src_filled:
-                    own_tables[j * per_replica + p].clear()
-        else:
-            for table in compress(own_tables, map(len, own_tables)):
-                table.clear()
-        if list(map(len, map(_BUFFERS, self.buffer_dicts))) != self.buffer_lens:
-            clean = False  # a buffer registered or deleted in the step (its name, in a set)
+        # Every own table that holds something: its original's hooks, or what the forward
+        # registered or placed there.
+        for table in compress(own_tables, map(len, own_tables)):
+            table.clear()
+        clean = list(map(len, map(_BUFFERS, self.buffer_dicts))) == self.buffer_lens
+        # (else a buffer registered or deleted in the step: its name is in a set)
         if list(map(len, self.children)) != self.children_lens or not all(
             map(is_, chain.from_iterable(map(dict.values, self.children)), self.child_values)
         ):
             clean = False  # a submodule replaced, added or deleted in the step
         deque(map(dict.__setitem__, self.slot_dicts, self.slot_keys, self.slot_empties), 0)
-        deque(map(dict.update, dicts, self.nones), 0)
+        deque(map(dict.update, dicts, self.restores), 0)
         deque(map(dict.update, dicts, self.atom_dicts), 0)  # (a forward may have set one)
         if not clean or any(map(len, self.used_empties)) or list(map(len, dicts)) != self.n_keys:
             self._strip_carefully(dicts)
@@ -543,7 +541,7 @@ class Kept:
             keep = {*self.own_keys[s], *_PER_STEP, *self.nones[s], *self.atom_dicts[s]}
             for key in [k for k in table if k not in keep]:
                 del table[key]
-            table.update(self.nones[s])  # (also the ones a forward deleted)
+            table.update(self.restores[s])  # (also the ones a forward deleted)
             table.update(self.atom_dicts[s])
             for index, key in enumerate(_EMPTY_KEYS):
                 empty = self.empties[s][index]
