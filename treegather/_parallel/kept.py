@@ -59,9 +59,11 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .._caches import FAST_PATHS, WeakCache
 from .shells import (
+    CALL_TABLES,
     OWN_TABLES,
     _build_rows,
     _check_replicatable,
@@ -84,6 +86,8 @@ _TREE = itemgetter("_modules", "_parameters", "_buffers")
 _BUFFERS = itemgetter("_buffers")
 _PARAMETERS = itemgetter("_parameters")
 _OWN_TABLES = itemgetter(*OWN_TABLES)
+_CALL_TABLES = tuple(t for t in OWN_TABLES if t in CALL_TABLES)
+_CALLS = itemgetter(*_CALL_TABLES)
 _DEREF = weakref.ref.__call__
 _PER_STEP = frozenset(("_modules", "_parameters", "_buffers"))
 _REQUIRED = frozenset((*OWN_TABLES, *_PER_STEP))
@@ -102,6 +106,7 @@ class Kept:
         "base_counts",
         "buffer_dicts",
         "buffer_lens",
+        "calls",
         "child_values",
         "children",
         "children_lens",
@@ -122,12 +127,13 @@ class Kept:
         "obj_dicts",
         "obj_getters",
         "obj_keys",
-        "od_keys",
+        "od_lens",
         "own_keys",
         "own_tables",
         "param_dicts",
         "plans",
         "refs",
+        "rest_getters",
         "restores",
         "root",
         "rows",
@@ -139,6 +145,7 @@ class Kept:
         "src_filled",
         "src_lens",
         "step",
+        "step_stamp",
         "stripped",
         "tensor_refs",
         "training",
@@ -149,6 +156,7 @@ class Kept:
     )
 
     def __init__(self, module: nn.Module, devs: tuple[torch.device, ...], detach: bool) -> None:
+        self.step_stamp = RemovableHandle.next_id  # (a hook registered from here on: the step's)
         originals, rows = _build_rows(module, devs, detach)
         self.root = weakref.ref(module)  # the cache is keyed weakly by it: never hold it
         self.devs = devs
@@ -166,7 +174,9 @@ class Kept:
         self.refs = [weakref.ref(o) for o in originals]
         self.classes = list(map(type, originals))  # a swapped __class__ is in no __dict__
         self.training = list(map(dict.get, ods, repeat("training")))
-        self.od_keys = list(map(tuple, ods))  # an attribute added, removed or renamed rebuilds
+        # An attribute added or removed changes a size; one replaced by another (the same size)
+        # is a recorded key missing, which reading them all each step finds (KeyError).
+        self.od_lens = list(map(len, ods))
         tables = list(chain.from_iterable(map(_TREE, ods)))
         self.tree_keys = list(chain.from_iterable(tables))
         self.tree_ids = list(map(id, chain.from_iterable(map(dict.values, tables))))
@@ -247,6 +257,21 @@ class Kept:
             attrs = tuple(k for k, p in od["_parameters"].items() if p is not None)
             self.nones.append(dict.fromkeys(obj_keys + attrs))  # what they become after a step
             self.n_keys.append(len(own) + len(_PER_STEP) + len(keys) + len(attrs))
+        # Every key of every original is read each step (so a key replaced by another, at the
+        # same size, is missed by one read): the atoms, the other plain entries, the tables,
+        # and here the rest (a compiled module's own entries).
+        covered = [set(_REQUIRED)] * m
+        covered = [
+            covered[i].union(*(self.atom_keys[s] for s in range(i, len(keys_of), m)))
+            for i in range(m)
+        ]
+        for s, keys in zip(self.obj_at, self.obj_keys):
+            covered[s % m] = covered[s % m].union(keys)
+        self.rest_getters = []
+        for i, od in enumerate(ods):
+            rest = tuple(k for k in od if k not in covered[i])
+            if rest:
+                self.rest_getters.append((i, _getter(rest)))
         self.shared = not every_shell  # the replicas of a module share these (read only)
         if self.shared:
             self.nones, self.n_keys = self.nones * len(self.devs), self.n_keys * len(self.devs)
@@ -298,11 +323,12 @@ class Kept:
             self.obj_dicts = [[dicts[s] for s in self.obj_at]]
         self.atom_dicts = self.atoms * n if self.shared else self.atoms
         # What each shell's __dict__ gets back after a step: None for its original's entries
-        # and this step's parameters, and its own tables (a forward may have assigned others).
-        width = len(OWN_TABLES)
-        tables = self.own_tables
+        # and this step's parameters, and its own tables of hooks a call runs (a forward may
+        # have assigned others: the ones torch's _call_impl reads).
+        self.calls = list(chain.from_iterable(map(_CALLS, dicts)))
+        width = len(_CALL_TABLES)
         self.restores = [
-            {**self.nones[s], **dict(zip(OWN_TABLES, tables[s * width : (s + 1) * width]))}
+            {**self.nones[s], **dict(zip(_CALL_TABLES, self.calls[s * width : (s + 1) * width]))}
             for s in range(len(dicts))
         ]
         self.child_values = list(chain.from_iterable(map(dict.values, self.children)))
@@ -317,7 +343,7 @@ class Kept:
         if not all(map(is_not, mods, repeat(None))) or list(map(type, mods)) != self.classes:
             return None
         ods = list(map(vars, mods))
-        if list(map(tuple, ods)) != self.od_keys:
+        if list(map(len, ods)) != self.od_lens:
             return None
         if list(map(dict.get, ods, repeat("training"))) != self.training:
             return None
@@ -338,6 +364,11 @@ class Kept:
             map(is_not, map(_DEREF, self.compiled_refs), repeat(None))
         ):
             return None
+        try:  # the keys no other read looks up (a compiled module's own)
+            for i, getter in self.rest_getters:
+                getter(ods[i])
+        except KeyError:
+            return None
         return cast("list[nn.Module]", mods), ods, cast("list[torch.Tensor]", tensors)
 
     def reuse(self, module: nn.Module, *, copy_buffers: bool = True) -> list[nn.Module] | None:
@@ -348,7 +379,13 @@ class Kept:
             return None
         _, ods, tensors = current
         m, n = self.plans.m, len(self.devs)
-        changed = self._changed_atoms(ods)
+        try:  # (a KeyError: a key replaced by another on some module; before any change)
+            changed = self._changed_atoms(ods)
+            tables = list(chain.from_iterable(map(_OWN_TABLES, ods)))
+            obj_ods = [ods[s % m] for s in self.obj_at]
+            objs = list(map(itemgetter.__call__, self.obj_getters, obj_ods))
+        except KeyError:
+            return None
         if changed is None:
             return None
         olds: list[dict[str, Any]] | None = None
@@ -382,14 +419,15 @@ class Kept:
                     table.update(self.atoms[s])
         rows = self.rows
         assert rows is not None and self.own_tables is not None
-        self._sync_tables(ods, self.own_tables, n, intact=olds is not None)
+        self._sync_tables(tables, self.own_tables, n, intact=olds is not None)
         params, buffers = tensors[: self.n_params], tensors[self.n_params :]
         pcols = _columns(params, self.devs, self.detach, True) if self.copy_params else None
         bcols = None
         if buffers and (copy_buffers or olds is None):
             bcols = _columns(buffers, self.devs, self.detach, False)
-        self._fill(rows, ods, pcols, bcols, olds)
+        self._fill(rows, ods, objs, pcols, bcols, olds)
         self.step = tensors
+        self.step_stamp = RemovableHandle.next_id
         self.stripped = False
         return [row[0] for row in rows]
 
@@ -411,24 +449,24 @@ class Kept:
         return changed
 
     def _sync_tables(
-        self, ods: list[dict[str, Any]], own_tables: list[Any], n: int, *, intact: bool
+        self, tables: list[Any], own_tables: list[Any], n: int, *, intact: bool
     ) -> None:
         """Give every shell's own tables its original's contents (hooks, non-persistent names).
 
         Which of the originals' tables hold something is read every step (their sizes, in one
         C pass), and the tables themselves from the originals' ``__dict__``: a hook registered,
         removed, placed into a table without ``register_*_hook``, a table assigned or cleared
-        are all seen at the next step. Own tables are empty after a strip; intact shells'
-        tables (held weakly) may hold what their last forward registered.
+        are all seen at the next step. ``tables``: every original's, as they are now (in
+        :data:`OWN_TABLES` order). Own tables are empty after a strip; intact shells' tables
+        (held weakly) may hold what their last forward registered.
         """
-        width = len(OWN_TABLES)
-        lens = list(map(len, chain.from_iterable(map(_OWN_TABLES, ods))))
+        lens = list(map(len, tables))
         if lens != self.src_lens:
             self.src_lens = lens
             self.src_filled = list(compress(range(len(lens)), lens))
         filled = self.src_filled
-        sources = [ods[p // width][OWN_TABLES[p % width]] for p in filled]
-        per_replica = len(ods) * width
+        sources = list(map(tables.__getitem__, filled))
+        per_replica = len(tables)
         if intact:
             for at in compress(range(len(own_tables)), map(len, own_tables)):
                 own_tables[at].clear()
@@ -440,23 +478,23 @@ class Kept:
         self,
         rows: list[list[nn.Module]],
         ods: list[dict[str, Any]],
+        objs: list[tuple[Any, ...]],
         pcols: list[list[Any]] | None,
         bcols: list[list[Any]] | None,
         olds: list[dict[str, Any]] | None,
     ) -> None:
         """Put this step's entries into every shell's ``__dict__``: its original's plain entries
         (in C, one pass per replica), this step's parameters (also as attributes, as in torch),
-        submodule shells and buffers (Python only for the modules that have some)."""
+        submodule shells and buffers (Python only for the modules that have some). ``objs``:
+        the originals' entries that are no atoms, per module that has some."""
         plans = self.plans
         m = plans.m
         owners = [ods[i] for i, _, _ in plans.with_params]
-        obj_ods = [ods[s % m] for s in self.obj_at]
         for j in range(len(rows)):
             dicts = self.dicts[j * m : (j + 1) * m]
             if self.shared or j == 0:
                 targets = self.obj_dicts[j]
-                values = map(itemgetter.__call__, self.obj_getters, obj_ods)
-                deque(map(dict.update, targets, map(zip, self.obj_keys, values)), 0)
+                deque(map(dict.update, targets, map(zip, self.obj_keys, objs)), 0)
             if pcols is None:  # the source parameters themselves
                 params = list(map(dict.copy, map(_PARAMETERS, owners)))
             else:
@@ -497,7 +535,7 @@ class Kept:
         else:  # in use elsewhere: held weakly (what they hold may reach the module)
             self.rows = self.flat = self.own_tables = None
             self.dicts, self.empties, self.used_empties, self.param_dicts = [], [], [], []
-            self.obj_dicts, self.atom_dicts, self.restores = [], [], []
+            self.obj_dicts, self.atom_dicts, self.restores, self.calls = [], [], [], []
             self.children, self.children_lens, self.child_values = [], [], []
             self.slot_dicts, self.slot_empties, self.buffer_dicts = [], [], []
             self.stripped = False
@@ -507,21 +545,31 @@ class Kept:
 
         Each shell keeps one ``__dict__`` from step to step, with the same keys: its own entries
         stay, the original's plain entries and this step's parameters become None, this step's
-        tables give way to empty ones of its own, and its own hook tables are emptied and put
-        back (a forward may have assigned others); nothing is inserted, deleted, allocated or
-        freed, and nothing of the originals is held. A forward that stored, registered or
-        deleted something on itself is found by the sizes and set right by
-        :meth:`_strip_carefully`.
+        tables give way to empty ones of its own, and its own hook tables are emptied (nothing
+        is inserted, deleted, allocated or freed, and nothing of the originals is held): the
+        tables a call runs hooks from, every one (a forward may have placed a hook in one, or
+        assigned itself another: its own is put back), and the others where the step copied
+        the original's, or every one after a hook was registered in the step. A forward that
+        stored, registered or deleted something on itself is found by the sizes and set right
+        by :meth:`_strip_carefully`.
         """
         dicts = self.dicts
         own_tables = self.own_tables
         assert own_tables is not None
-        # Every own table that holds something: its original's hooks, or what the forward
-        # registered or placed there.
-        for table in compress(own_tables, map(len, own_tables)):
+        calls = self.calls
+        for table in compress(calls, map(len, calls)):
             table.clear()
-        clean = list(map(len, map(_BUFFERS, self.buffer_dicts))) == self.buffer_lens
-        # (else a buffer registered or deleted in the step: its name is in a set)
+        clean = RemovableHandle.next_id == self.step_stamp  # no hook registered in the step
+        if clean:
+            per_replica = len(self.src_lens)
+            for j in range(len(self.devs)):
+                for p in self.src_filled:
+                    own_tables[j * per_replica + p].clear()
+        else:
+            for table in compress(own_tables, map(len, own_tables)):
+                table.clear()
+        if list(map(len, map(_BUFFERS, self.buffer_dicts))) != self.buffer_lens:
+            clean = False  # a buffer registered or deleted in the step (its name, in a set)
         if list(map(len, self.children)) != self.children_lens or not all(
             map(is_, chain.from_iterable(map(dict.values, self.children)), self.child_values)
         ):
@@ -537,11 +585,13 @@ class Kept:
         emptied (the next step refills them): after a forward stored, registered or deleted
         something on itself."""
         assert self.own_tables is not None
+        width = len(OWN_TABLES)
         for s, table in enumerate(dicts):
             keep = {*self.own_keys[s], *_PER_STEP, *self.nones[s], *self.atom_dicts[s]}
             for key in [k for k in table if k not in keep]:
                 del table[key]
             table.update(self.restores[s])  # (also the ones a forward deleted)
+            table.update(zip(OWN_TABLES, self.own_tables[s * width : (s + 1) * width]))
             table.update(self.atom_dicts[s])
             for index, key in enumerate(_EMPTY_KEYS):
                 empty = self.empties[s][index]
