@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils._pytree as torch_pytree
 from corpus import Tagged
 from torch import nn
 
@@ -193,6 +194,40 @@ def test_dict_key_keeps_its_type_after_an_equal_key_was_cached(cached: Any, key:
     assert [type(k) for s in shards for k in s] == [type(key)] * 2
     out = tg.gather([{key: data}] * 2, "cpu")
     assert [type(k) for k in out] == [type(key)]
+
+
+class KeptContext:
+    """Registered only with torch's pytree; its unflatten keeps the context list it is given."""
+
+    def __init__(self, names: list[Any], values: list[Any]) -> None:
+        self.names, self.values = names, values
+
+
+torch_pytree.register_pytree_node(
+    KeptContext, lambda k: (list(k.values), list(k.names)), lambda ch, names: KeptContext(names, ch)
+)
+
+
+def test_a_cached_context_list_is_never_shared_between_results() -> None:
+    """A structure whose node context is a list of plain values (``ModelOutput``'s keys) is
+    rebuilt from the cached structure, and each result still gets a list of its own: changing
+    one result's list changes no later result; ``[True]`` is not taken for ``[1]``."""
+    data = torch.arange(4.0)
+    outs = []
+    for _ in range(WARM + 2):
+        shards = tg.scatter(KeptContext(["a", 1], [data, data]), CPU2)
+        out = tg.gather([KeptContext(["a", 1], [s.values[0], s.values[1]]) for s in shards], "cpu")
+        assert out.names == ["a", 1] and [type(n) for n in out.names] == [str, int]
+        out.names.append("changed")
+        shards[0].names.append("changed")
+        outs.append(out)
+    assert len({id(o.names) for o in outs}) == len(outs)
+    out = tg.gather([KeptContext([True], [data])] * 2, "cpu")
+    assert [type(n) for n in out.names] == [bool]
+    assert [type(n) for s in tg.scatter(KeptContext([True], [data]), CPU2) for n in s.names] == [
+        bool,
+        bool,
+    ]
 
 
 def test_rule_layout_keeps_its_fields_after_an_equal_rule_was_cached() -> None:

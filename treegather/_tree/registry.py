@@ -228,10 +228,14 @@ class Opaque:
 _torch_synced = 0
 
 
+_PLAIN = frozenset([type(None), bool, int, str, bytes])  # (values that cannot change)
+
+
 class _Context:
     """Hashable wrapper for a torch pytree context (often a list of keys)."""
 
     __slots__ = ("_key", "value")
+    _shareable_fields = True  # (unflatten hands out copies of a list value: see _bridge)
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -248,8 +252,14 @@ class _Context:
         return self._key
 
     def _typed_fields(self) -> tuple[Any, ...]:
-        """For :func:`treegather._caches.typed_key`: the context's value, types included."""
-        return (self.value,)
+        """For :func:`treegather._caches.typed_key`: the context's value, types included. A list
+        of plain values (``ModelOutput``'s keys) is keyed as the immutable values it holds:
+        each unflatten gets a copy of it (:func:`_bridge`), so a structure's cached context may
+        stand for this one."""
+        value = self.value
+        if type(value) is list and set(map(type, value)) <= _PLAIN:
+            return ("list of", tuple(value))
+        return (value,)
 
 
 def _bridge(cls: type, node_def: Any) -> None:
@@ -269,7 +279,8 @@ def _bridge(cls: type, node_def: Any) -> None:
         return children, _Context(context), names
 
     def unflatten_fn(meta: _Context, children: Iterable[Any]) -> Any:
-        return t_unflatten(list(children), meta.value)
+        value = meta.value
+        return t_unflatten(list(children), list(value) if type(value) is list else value)
 
     optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)  # type: ignore[arg-type]
     _REGISTERED.add(cls)
