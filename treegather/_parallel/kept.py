@@ -111,7 +111,9 @@ class Kept:
         "children",
         "children_lens",
         "classes",
+        "compiled_at",
         "compiled_ids",
+        "compiled_now",
         "compiled_refs",
         "copy_params",
         "detach",
@@ -149,6 +151,7 @@ class Kept:
         "stripped",
         "tensor_refs",
         "training",
+        "training_at",
         "tree_ids",
         "tree_keys",
         "used_empties",
@@ -173,7 +176,6 @@ class Kept:
         # The guards: weak references, and ids compared only while those are alive.
         self.refs = [weakref.ref(o) for o in originals]
         self.classes = list(map(type, originals))  # a swapped __class__ is in no __dict__
-        self.training = list(map(dict.get, ods, repeat("training")))
         # An attribute added or removed changes a size; one replaced by another (the same size)
         # is a recorded key missing, which reading them all each step finds (KeyError).
         self.od_lens = list(map(len, ods))
@@ -184,6 +186,9 @@ class Kept:
         self.src_filled = list(compress(range(len(self.src_lens)), self.src_lens))
         compiled = list(map(dict.get, ods, repeat("_compiled_call_impl")))
         self.compiled_ids = list(map(id, compiled))
+        # (a module that gains one grows its __dict__, which the sizes see)
+        self.compiled_at = [i for i, f in enumerate(compiled) if f is not None]
+        self.compiled_now = [id(f) for f in compiled if f is not None]
         self.wrappers = [bool(_compiled_kind(o)) for o in originals]
         self.compiled_refs = [weakref.ref(f) for f in compiled if f is not None]
         params, buffers = tensors_of(originals)
@@ -272,6 +277,14 @@ class Kept:
             rest = tuple(k for k in od if k not in covered[i])
             if rest:
                 self.rest_getters.append((i, _getter(rest)))
+        # The training flags not compared with the atoms (not a bool): compared on their own.
+        atoms_of = [
+            set().union(*(self.atom_keys[s] for s in range(i, len(keys_of), m))) for i in range(m)
+        ]
+        self.training_at = [
+            i for i, od in enumerate(ods) if "training" in od and "training" not in atoms_of[i]
+        ]
+        self.training = [ods[i]["training"] for i in self.training_at]
         self.shared = not every_shell  # the replicas of a module share these (read only)
         if self.shared:
             self.nones, self.n_keys = self.nones * len(self.devs), self.n_keys * len(self.devs)
@@ -323,12 +336,16 @@ class Kept:
             self.obj_dicts = [[dicts[s] for s in self.obj_at]]
         self.atom_dicts = self.atoms * n if self.shared else self.atoms
         # What each shell's __dict__ gets back after a step: None for its original's entries
-        # and this step's parameters, and its own tables of hooks a call runs (a forward may
-        # have assigned others: the ones torch's _call_impl reads).
+        # and this step's parameters, its own tables of hooks a call runs (a forward may have
+        # assigned others: the ones torch's _call_impl reads), and its original's atoms.
         self.calls = list(chain.from_iterable(map(_CALLS, dicts)))
         width = len(_CALL_TABLES)
         self.restores = [
-            {**self.nones[s], **dict(zip(_CALL_TABLES, self.calls[s * width : (s + 1) * width]))}
+            {
+                **self.nones[s],
+                **dict(zip(_CALL_TABLES, self.calls[s * width : (s + 1) * width])),
+                **self.atom_dicts[s],  # (a forward may have set one)
+            }
             for s in range(len(dicts))
         ]
         self.child_values = list(chain.from_iterable(map(dict.values, self.children)))
@@ -345,7 +362,8 @@ class Kept:
         ods = list(map(vars, mods))
         if list(map(len, ods)) != self.od_lens:
             return None
-        if list(map(dict.get, ods, repeat("training"))) != self.training:
+        # (a training flag that is an atom is compared with the atoms, _changed_atoms)
+        if [ods[i].get("training") for i in self.training_at] != self.training:
             return None
         try:
             tables = list(chain.from_iterable(map(_TREE, ods)))
@@ -359,9 +377,9 @@ class Kept:
         # Every recorded object is alive (held here): an equal id is the same object.
         if list(map(id, chain.from_iterable(map(dict.values, tables)))) != self.tree_ids:
             return None
-        compiled = map(dict.get, ods, repeat("_compiled_call_impl"))
-        if list(map(id, compiled)) != self.compiled_ids or not all(
-            map(is_not, map(_DEREF, self.compiled_refs), repeat(None))
+        if self.compiled_at and (
+            [id(ods[i].get("_compiled_call_impl")) for i in self.compiled_at] != self.compiled_now
+            or not all(map(is_not, map(_DEREF, self.compiled_refs), repeat(None)))
         ):
             return None
         try:  # the keys no other read looks up (a compiled module's own)
@@ -415,7 +433,8 @@ class Kept:
             deque(map(dict.update, dicts, self.atom_dicts), 0)
         else:
             for s in changed:  # an atom changed on a module: every replica of it gets it
-                for table in self.dicts[s % m :: m] if self.shared else self.dicts[s : s + 1]:
+                at = slice(s % m, None, m) if self.shared else slice(s, s + 1)
+                for table in (*self.dicts[at], *self.restores[at]):
                     table.update(self.atoms[s])
         rows = self.rows
         assert rows is not None and self.own_tables is not None
@@ -443,6 +462,10 @@ class Kept:
             if not all(map(is_, new, old)):
                 if not all(map(_is_atom, new)):
                     return None
+                if "training" in self.atom_keys[s]:  # .train() / .eval(): the tree's guard
+                    at = self.atom_keys[s].index("training")
+                    if new[at] is not old[at]:
+                        return None
                 self.atom_values[s] = new
                 self.atoms[s].update(zip(self.atom_keys[s], new))
                 changed.append(s)
@@ -576,7 +599,6 @@ class Kept:
             clean = False  # a submodule replaced, added or deleted in the step
         deque(map(dict.__setitem__, self.slot_dicts, self.slot_keys, self.slot_empties), 0)
         deque(map(dict.update, dicts, self.restores), 0)
-        deque(map(dict.update, dicts, self.atom_dicts), 0)  # (a forward may have set one)
         if not clean or any(map(len, self.used_empties)) or list(map(len, dicts)) != self.n_keys:
             self._strip_carefully(dicts)
 

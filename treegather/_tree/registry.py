@@ -239,17 +239,21 @@ class _Context:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        # (process-independent, and the same for equal contexts whose repr fails)
-        self._key = safe_repr(value, None, stable=True)
+        self._key: str | None = None  # (made when first needed: every flatten makes one)
+
+    def _text(self) -> str:
+        if self._key is None:  # (process-independent, the same for equal ones whose repr fails)
+            self._key = safe_repr(self.value, None, stable=True)
+        return self._key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Context) and bool(self.value == other.value)
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return hash(self._text())
 
     def __repr__(self) -> str:
-        return self._key
+        return self._text()
 
     def _typed_fields(self) -> tuple[Any, ...]:
         """For :func:`treegather._caches.typed_key`: the context's value, types included. A list
