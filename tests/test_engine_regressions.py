@@ -224,6 +224,10 @@ def test_a_cached_context_list_is_never_shared_between_results() -> None:
     assert len({id(o.names) for o in outs}) == len(outs)
     out = tg.gather([KeptContext([True], [data])] * 2, "cpu")
     assert [type(n) for n in out.names] == [bool]
+    for _ in range(WARM):  # names that are strs, then an equal str subclass (an str enum)
+        tg.gather([KeptContext(["a"], [data])] * 2, "cpu")
+    out = tg.gather([KeptContext([StrKey.A], [data])] * 2, "cpu")
+    assert [type(n) for n in out.names] == [StrKey]
     assert [type(n) for s in tg.scatter(KeptContext([True], [data]), CPU2) for n in s.names] == [
         bool,
         bool,

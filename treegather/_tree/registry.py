@@ -22,6 +22,7 @@ from .._caches import clear_tree_caches
 from .._errors import ArgumentTypeError, safe_repr
 
 __all__ = [
+    "context_names",
     "NAMESPACE",
     "Opaque",
     "is_leaf",
@@ -264,6 +265,23 @@ class _Context:
         if type(value) is list and set(map(type, value)) <= _PLAIN:
             return ("list of", tuple(value))
         return (value,)
+
+
+def context_names(meta: Any) -> tuple[type, tuple[str, ...]] | None:
+    """For a node bridged from torch's pytree whose context is a list or tuple of ``str``
+    (``ModelOutput``'s keys): the container's type and the names; else None. Two contexts with
+    the same answer have the same typed key (:func:`treegather._caches.typed_key`), told in a
+    few C passes (the compiled layer's guard asks on every call)."""
+    if type(meta) is not _Context:
+        return None
+    value = meta.value
+    kind = type(value)
+    if (kind is list or kind is tuple) and set(map(type, value)) <= _STR:
+        return kind, tuple(value)
+    return None
+
+
+_STR = frozenset([str])
 
 
 def _bridge(cls: type, node_def: Any) -> None:
