@@ -483,3 +483,36 @@ def test_registering_a_node_clears_caches_and_is_seen_at_once() -> None:
     assert {c.name: len(c) for c in caches() if c.trees} == {c.name: 0 for c in caches() if c.trees}
     out = tg.gather(outs, "cpu")
     assert type(out["f"]) is Fresh and out["f"].data.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_tensors_next_to_plain_values_scatter_as_the_definition_does() -> None:
+    """The flags of a transformers call (``use_cache=False``) beside the batch: warm calls
+    (the compiled layer's per-step case) give what ``reference_only()`` gives, each plain value
+    the very object in every shard; a batch size that differs, or a 0-dim tensor among them,
+    is the definition's answer too."""
+    from treegather._caches import reference_only
+
+    ids = torch.arange(24).view(6, 4)
+    flags = {"use_cache": False, "n": 3, "scale": -0.0, "name": "x", "raw": b"y", "z": 1j}
+    for _ in range(WARM + 1):
+        got = tg.scatter({"ids": ids, **flags, "mask": ids > 3}, ["cpu"] * 3)
+        with reference_only():
+            ref = tg.scatter({"ids": ids, **flags, "mask": ids > 3}, ["cpu"] * 3)
+        assert got.sizes == ref.sizes == (2, 2, 2)
+        for a, b in zip(got, ref):
+            assert list(a) == list(b) and torch.equal(a["ids"], b["ids"])
+            assert all(a[key] is flags[key] for key in flags)
+    for bad in (
+        {"ids": ids, "more": torch.ones(5), "use_cache": True},
+        {"ids": ids, "t": torch.tensor(1.0), "f": 1},
+    ):
+        for _ in range(WARM + 1):
+            outcomes = []
+            for context in (contextlib.nullcontext, reference_only):
+                with context():
+                    try:
+                        shards = tg.scatter(bad, CPU2)
+                        outcomes.append(("ok", shards.sizes, [sorted(s) for s in shards]))
+                    except tg.TreegatherError as exc:
+                        outcomes.append((type(exc).__name__, str(exc)))
+            assert outcomes[0] == outcomes[1]
