@@ -128,6 +128,6 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    """``dir(treegather)``: the public names (``__all__``, ``distributed``) and the module's
-    dunders; the internal modules (``_gather``, ``_rules``, ...) stay importable, unlisted."""
-    return sorted({*__all__, "distributed", *(n for n in globals() if n[:2] == "__" == n[-2:])})
+    """``dir(treegather)``: the public names (``__all__``, ``distributed`` and ``__version__``);
+    the internal modules (``_gather``, ``_rules``, ...) stay importable, unlisted."""
+    return sorted({*__all__, "distributed", "__version__"})

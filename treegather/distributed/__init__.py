@@ -63,10 +63,7 @@ from . import protocol
 from .collector import Collector
 
 __all__ = ["Collector", "all_gather", "gather", "broadcast"]
-
-
-def __dir__() -> list[str]:  # the public names and dunders, not the internal modules
-    return sorted({*__all__, *(n for n in globals() if n[:2] == "__" == n[-2:])})
+__dir__ = __all__.copy  # dir(): the public names, not the internal modules (columns, wire, ...)
 
 
 def all_gather(
