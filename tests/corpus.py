@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 import treegather as tg
+from treegather._rules import GatherRule, Rule, ScatterRule
 
 # ----------------------------------------------------------------------- container classes
 
@@ -221,6 +222,54 @@ def gather_inverse(tree: Any) -> Any:
     return spec.unflatten(rules)
 
 
+# ------------------------------------------------------------------------- rules of your own
+
+
+# Rules written outside treegather, as a user reading the rule classes might: the one way to
+# write a gather rule of your own is a callable (``Rule`` is internal, not in the public face).
+class PlainMax(Rule):
+    def combine(self, col: tuple[Any, ...], ctx: Any) -> Any:
+        return torch.stack(col).amax(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenMax(Rule):
+    dim: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherMax(GatherRule):
+    def combine(self, col: tuple[Any, ...], ctx: Any) -> Any:
+        return torch.stack(col).amax(0)
+
+
+class SplitHalf(ScatterRule):
+    pass
+
+
+FOREIGN: list[Any] = [PlainMax(), FrozenMax(), GatherMax(), SplitHalf()]
+
+
+# ------------------------------------------------------------------------------ pad fills
+
+# A fill beyond each kind of dtype: float and integer ranges, NaN/inf in integers, complex in
+# reals, an infinity a float8 dtype does not have, a zero float8_e8m0fnu does not have.
+FILLS_THAT_DO_NOT_FIT: list[tuple[torch.dtype, Any]] = [
+    (torch.float16, 70000.0),
+    (torch.bfloat16, 1e39),
+    (torch.float32, 1e39),
+    (torch.float64, 10**400),
+    (torch.int8, 128),
+    (torch.int32, float("nan")),
+    (torch.int64, float("inf")),
+    (torch.float32, 1j),
+    (torch.complex64, complex(1e39, 0)),
+    (torch.complex32, complex(0, 70000)),
+    (torch.float8_e4m3fn, float("inf")),
+    (torch.float8_e8m0fnu, 0.0),
+]
+
+
 __all__ = [
     "AttrDict",
     "Batch",
@@ -228,6 +277,8 @@ __all__ = [
     "CASE_IDS",
     "Case",
     "CausalLMOutput",
+    "FILLS_THAT_DO_NOT_FIT",
+    "FOREIGN",
     "FrozenSample",
     "MarkedStatic",
     "ModelOutputBase",

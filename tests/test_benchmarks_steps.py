@@ -38,3 +38,24 @@ def test_the_three_ways_compute_the_same_gradients(k: int) -> None:
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             torch.testing.assert_close(a, b)
+
+
+def test_the_transformers_architectures_are_a_table_of_their_own() -> None:
+    """Every architecture of the conformance tests is one entry; a step of one runs, and its
+    three ways compute the same gradients (the model's own loss, gathered by its layout)."""
+    pytest.importorskip("transformers")
+    from treegather.benchmarks.architectures import ARCHITECTURES
+
+    assert {"bert", "gpt2", "llama", "t5", "vit", "wav2vec2", "clip", "bart"} <= set(ARCHITECTURES)
+    rows = steps.run_steps(["wav2vec2"], [2], batch=4, rounds=1, target_s=0.001)
+    assert {r["impl"] for r in rows} == {"floor", "data_parallel", "fresh"}
+    model = ARCHITECTURES["bert"].build().eval()  # (no dropout: the three ways agree)
+    fns = steps._steps("bert", model, 5, 3)
+    grads = []
+    for fn in fns.values():
+        fn()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for other in grads[1:]:
+        assert len(other) == len(grads[0])
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(a, b)

@@ -26,11 +26,13 @@ import pytest
 import spawned_groups
 import torch
 import torch.distributed as dist
+from corpus import FILLS_THAT_DO_NOT_FIT, FOREIGN
 from spawned_groups import WORLD_SIZES
 
 import treegather as tg
 from treegather import _tree
 from treegather._caches import FAST_PATHS, reference_only
+from treegather._errors import safe_repr
 from treegather.distributed.preamble import MAX_INLINE
 
 pytestmark = pytest.mark.distributed
@@ -470,6 +472,15 @@ def changed_structure_after_fast_calls(rank: int, world: int) -> Any:
     if rank == 1:
         tree["extra"] = torch.zeros(1)
     return tgd.all_gather(tree)
+
+
+@_error
+def pad_fill_overflow(rank: int, world: int) -> Any:
+    """A fill float16 cannot hold (torch's bare overflow error once): the rule's own error."""
+    import treegather.distributed as tgd
+
+    tree = {"h": torch.ones(1, 2 + rank, dtype=torch.float16)}
+    return tgd.all_gather(tree, {"h": tg.pad(1, fill=70000.0)})
 
 
 # ------------------------------------------------------------------------ collective counting
@@ -960,6 +971,7 @@ ERROR_EXPECTATIONS: dict[str, tuple[type[Exception], list[str]]] = {
         tg.StructureMismatchError,
         ["outputs['extra']", "missing on rank"],
     ),
+    "pad_fill_overflow": (tg.LeafTypeError, ["outputs['h']", "70000.0", "torch.float16"]),
 }
 
 
@@ -1463,6 +1475,30 @@ def test_local_problems_become_shared_errors(world_of_one: None) -> None:
         tgd.gather({"b": _Broken()})
     with pytest.raises(tg.BatchSizeError, match="sizes must be"):
         tgd.all_gather({"x": torch.ones(1)}, sizes=-1)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+def test_a_fill_the_dtype_cannot_hold_is_a_leaf_type_error(world_of_one: None) -> None:
+    """``pad``'s fill checked for every kind of dtype, as in ``tg.gather``: a ``LeafTypeError``
+    naming the path (cold, and with the wire plan), never torch's bare overflow error."""
+    import treegather.distributed as tgd
+
+    for dtype, fill in FILLS_THAT_DO_NOT_FIT:
+        tree = {"h": torch.ones(1, 2).to(dtype)}
+        for _ in range(2):
+            with pytest.raises(tg.LeafTypeError, match=r"outputs\['h'\]") as info:
+                tgd.all_gather(tree, {"h": tg.pad(1, fill)})
+            assert str(dtype) in str(info.value) and safe_repr(fill) in str(info.value)
+
+
+def test_a_rule_class_of_your_own_is_a_layout_error(world_of_one: None) -> None:
+    """As in ``tg.gather``: the rule classes are internal, a rule of your own is a callable."""
+    import treegather.distributed as tgd
+
+    for rule in FOREIGN:
+        for _ in range(2):
+            with pytest.raises(tg.LayoutError, match=r"outputs\['s'\]: .* f\(values, device\)"):
+                tgd.all_gather({"s": torch.ones(2)}, {"s": rule})
 
 
 def test_layouts_past_the_first_leaf_fall_back(world_of_one: None) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils._pytree as torch_pytree
 from corpus import Tagged
 from torch import nn
 
@@ -193,6 +194,44 @@ def test_dict_key_keeps_its_type_after_an_equal_key_was_cached(cached: Any, key:
     assert [type(k) for s in shards for k in s] == [type(key)] * 2
     out = tg.gather([{key: data}] * 2, "cpu")
     assert [type(k) for k in out] == [type(key)]
+
+
+class KeptContext:
+    """Registered only with torch's pytree; its unflatten keeps the context list it is given."""
+
+    def __init__(self, names: list[Any], values: list[Any]) -> None:
+        self.names, self.values = names, values
+
+
+torch_pytree.register_pytree_node(
+    KeptContext, lambda k: (list(k.values), list(k.names)), lambda ch, names: KeptContext(names, ch)
+)
+
+
+def test_a_cached_context_list_is_never_shared_between_results() -> None:
+    """A structure whose node context is a list of plain values (``ModelOutput``'s keys) is
+    rebuilt from the cached structure, and each result still gets a list of its own: changing
+    one result's list changes no later result; ``[True]`` is not taken for ``[1]``."""
+    data = torch.arange(4.0)
+    outs = []
+    for _ in range(WARM + 2):
+        shards = tg.scatter(KeptContext(["a", 1], [data, data]), CPU2)
+        out = tg.gather([KeptContext(["a", 1], [s.values[0], s.values[1]]) for s in shards], "cpu")
+        assert out.names == ["a", 1] and [type(n) for n in out.names] == [str, int]
+        out.names.append("changed")
+        shards[0].names.append("changed")
+        outs.append(out)
+    assert len({id(o.names) for o in outs}) == len(outs)
+    out = tg.gather([KeptContext([True], [data])] * 2, "cpu")
+    assert [type(n) for n in out.names] == [bool]
+    for _ in range(WARM):  # names that are strs, then an equal str subclass (an str enum)
+        tg.gather([KeptContext(["a"], [data])] * 2, "cpu")
+    out = tg.gather([KeptContext([StrKey.A], [data])] * 2, "cpu")
+    assert [type(n) for n in out.names] == [StrKey]
+    assert [type(n) for s in tg.scatter(KeptContext([True], [data]), CPU2) for n in s.names] == [
+        bool,
+        bool,
+    ]
 
 
 def test_rule_layout_keeps_its_fields_after_an_equal_rule_was_cached() -> None:
@@ -444,3 +483,36 @@ def test_registering_a_node_clears_caches_and_is_seen_at_once() -> None:
     assert {c.name: len(c) for c in caches() if c.trees} == {c.name: 0 for c in caches() if c.trees}
     out = tg.gather(outs, "cpu")
     assert type(out["f"]) is Fresh and out["f"].data.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_tensors_next_to_plain_values_scatter_as_the_definition_does() -> None:
+    """The flags of a transformers call (``use_cache=False``) beside the batch: warm calls
+    (the compiled layer's per-step case) give what ``reference_only()`` gives, each plain value
+    the very object in every shard; a batch size that differs, or a 0-dim tensor among them,
+    is the definition's answer too."""
+    from treegather._caches import reference_only
+
+    ids = torch.arange(24).view(6, 4)
+    flags = {"use_cache": False, "n": 3, "scale": -0.0, "name": "x", "raw": b"y", "z": 1j}
+    for _ in range(WARM + 1):
+        got = tg.scatter({"ids": ids, **flags, "mask": ids > 3}, ["cpu"] * 3)
+        with reference_only():
+            ref = tg.scatter({"ids": ids, **flags, "mask": ids > 3}, ["cpu"] * 3)
+        assert got.sizes == ref.sizes == (2, 2, 2)
+        for a, b in zip(got, ref):
+            assert list(a) == list(b) and torch.equal(a["ids"], b["ids"])
+            assert all(a[key] is flags[key] for key in flags)
+    for bad in (
+        {"ids": ids, "more": torch.ones(5), "use_cache": True},
+        {"ids": ids, "t": torch.tensor(1.0), "f": 1},
+    ):
+        for _ in range(WARM + 1):
+            outcomes = []
+            for context in (contextlib.nullcontext, reference_only):
+                with context():
+                    try:
+                        shards = tg.scatter(bad, CPU2)
+                        outcomes.append(("ok", shards.sizes, [sorted(s) for s in shards]))
+                    except tg.TreegatherError as exc:
+                        outcomes.append((type(exc).__name__, str(exc)))
+            assert outcomes[0] == outcomes[1]

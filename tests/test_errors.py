@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections import namedtuple
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from corpus import Sample, Tagged
+from corpus import FILLS_THAT_DO_NOT_FIT, Sample, Tagged
 
 import treegather as tg
+from treegather._errors import safe_repr
+from treegather._rules import fill_fits
+from treegather._rules.leafwise import fill_value
 
 CPU2 = ["cpu", "cpu"]
 Out = namedtuple("Out", ["logits", "hidden"])
@@ -427,6 +431,115 @@ def test_pad_fill_the_dtype_cannot_hold_is_an_error_naming_path_dtype_and_fill(
         tg.gather(outs, "cpu", tg.pad(fill=fill))
     text = str(info.value)
     assert "outputs['m']" in text and str(dtype) in text and repr(fill) in text
+
+
+# Every dtype a tensor can be padded in, and fills at and beyond their edges.
+PAD_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    *(getattr(torch, f"float8_{kind}") for kind in ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz")),
+    torch.float8_e8m0fnu,
+]
+NAN, INF = float("nan"), float("inf")
+EDGE_FILLS = [
+    *(0, 1, -1, 127, 128, 255, 256, -129, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**400),
+    *(0.5, -0.5, 1.0, -1.0, 65504.0, 65520.0, 70000.0, 448.0, 449.0, 1e39, -1e39, 3.0e38),
+    *(1e-50, 1e308, NAN, INF, -INF, True, False),
+    *(1j, 1 + 0j, complex(1e39, 0), complex(0, 70000), complex(NAN, 0), complex(0.5, -2)),
+]
+
+
+def _stored(fill: Any, dtype: torch.dtype) -> Any:
+    t = torch.zeros(2, dtype=dtype).new_full((2,), fill)
+    return (t.to(torch.complex64) if dtype == torch.complex32 else t)[0].item()
+
+
+def _is_the_fill(stored: Any, fill: Any) -> bool:
+    """``stored`` is ``fill`` as a dtype keeps it: whole numbers exactly, a float rounded (never
+    to another sign, to 0 from a nonzero value, or to an infinity), NaN as NaN."""
+    if isinstance(stored, complex) or isinstance(fill, complex):
+        s, f = complex(stored), complex(fill)
+        return _is_the_fill(s.real, f.real) and _is_the_fill(s.imag, f.imag)
+    if isinstance(stored, (bool, int)):
+        return stored == fill
+    if fill != fill:
+        return stored != stored
+    if math.isinf(fill) or math.isinf(stored):
+        return stored == fill
+    if fill == 0:
+        return bool(stored == 0)
+    if stored == 0:
+        return abs(fill) < 1e-30  # (a tiny fill underflowing to 0 is rounding)
+    return (stored > 0) == (fill > 0) and 0.5 <= stored / fill <= 2  # (float8: powers of 2)
+
+
+COMPLEX_HALF = "ignore:ComplexHalf support is experimental:UserWarning"
+
+
+@pytest.mark.filterwarnings(COMPLEX_HALF)
+@pytest.mark.parametrize("dtype", PAD_DTYPES, ids=str)
+def test_fill_fits_says_what_torch_stores_as_the_fill(dtype: torch.dtype) -> None:
+    """``pad``'s check of its fill (:func:`fill_fits`) against torch, for every dtype and fills
+    at and beyond the edges: a fill it accepts is stored as itself; one it refuses would be
+    refused by torch, wrapped, cut, overflowed (complex32 overflows to inf silently) or stored
+    as another number; a complex fill fits no real dtype, even with no imaginary part."""
+    for fill in EDGE_FILLS:
+        fits = fill_fits(fill, dtype)
+        if isinstance(fill, complex) and not dtype.is_complex:
+            assert not fits, fill
+            continue
+        try:
+            stored = _stored(fill_value(fill, dtype) if fits else fill, dtype)
+        except (RuntimeError, OverflowError):
+            stored = torch_refused = object()
+        else:
+            torch_refused = None
+        if fits:
+            assert torch_refused is None and _is_the_fill(stored, fill), (fill, stored)
+        else:
+            assert torch_refused is not None or not _is_the_fill(stored, fill), (fill, stored)
+
+
+def _fill_error(text: str, path: str, dtype: torch.dtype, fill: Any) -> None:
+    assert path in text and str(dtype) in text and safe_repr(fill) in text, text
+
+
+@pytest.mark.filterwarnings(COMPLEX_HALF)
+@pytest.mark.parametrize(("dtype", "fill"), FILLS_THAT_DO_NOT_FIT, ids=str)
+def test_a_fill_the_dtype_cannot_hold_is_a_leaf_type_error_in_gather_and_data_parallel(
+    dtype: torch.dtype, fill: Any
+) -> None:
+    """Not torch's bare overflow error: a ``LeafTypeError`` naming the path, the dtype and the
+    fill, cold and through the compiled layer, in ``tg.gather`` and ``data_parallel``, and
+    ``explain`` says it too."""
+    outs = [{"m": torch.ones(1, 2).to(dtype)}, {"m": torch.ones(1, 3).to(dtype)}]
+    for _ in range(3):
+        with pytest.raises(tg.LeafTypeError) as info:
+            tg.gather(outs, "cpu", {"m": tg.pad(fill=fill)})
+        _fill_error(str(info.value), "outputs['m']", dtype, fill)
+
+    def widths(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"h": torch.ones(len(x), 1 + int(x[0])).to(dtype)}
+
+    with pytest.raises(tg.LeafTypeError) as info:
+        tg.data_parallel(widths, torch.arange(2.0), ["cpu"] * 2, out_layout={"h": tg.pad(1, fill)})
+    _fill_error(str(info.value), "outputs['h']", dtype, fill)
+    explained = str(tg.explain(outs[0], {"m": tg.pad(fill=fill)}, way="gather"))
+    assert "cannot be stored" in explained, explained
 
 
 def test_pad_fill_the_dtype_holds_still_pads() -> None:

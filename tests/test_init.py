@@ -92,3 +92,15 @@ def test_the_doctests_run_in_this_session(request: pytest.FixtureRequest) -> Non
         pytest.skip("this run does not collect treegather/ (the full test command does)")
     assert len(found) > MIN_DOCTESTS
     assert any("treegather.gather" in nodeid or "_gather.py" in nodeid for nodeid in found)
+
+
+def test_dir_lists_the_public_names_only() -> None:
+    """``dir()`` of the package and of ``treegather.distributed``: what the docs document (the
+    names in ``__all__``, the lazy ``distributed`` submodule and ``__version__``); the internal
+    modules stay reachable but are not listed."""
+    import treegather.distributed as tgd
+
+    assert dir(treegather) == sorted([*treegather.__all__, "distributed", "__version__"])
+    assert dir(tgd) == sorted(tgd.__all__)
+    for module, internal in ((treegather, "_gather"), (tgd, "columns"), (tgd, "wire")):
+        assert internal not in dir(module) and hasattr(module, internal)

@@ -6,10 +6,14 @@ The reference is the non-reused path: the same calls with every cache cleared be
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import gc
+import random
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +24,7 @@ from torch import nn
 
 import treegather as tg
 import treegather._parallel.step as step_module
+from treegather._caches import reference_only
 from treegather._parallel.kept import kept_count
 
 
@@ -229,6 +234,18 @@ class ForwardState(Net):
         return out
 
 
+class ForwardPlacesHooks(Net):
+    """A forward that changes hook tables without ``register_*_hook``: it places a hook into a
+    child's table (never taken out) and assigns a child a whole new table, after using it.
+    Neither may reach the module or the next step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.head._forward_hooks[10**9] = lambda m, args, out: out * 2
+        self.lin._forward_pre_hooks = OrderedDict({10**9 + 1: lambda m, args: (args[0] + 1,)})
+        return out
+
+
 def _tiny_bert_for_steps() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(
@@ -314,7 +331,9 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.parametrize(
-    "make", [_net, ForwardState, _tiny_bert_for_steps], ids=["net", "forward_state", "hf_bert"]
+    "make",
+    [_net, ForwardState, ForwardPlacesHooks, _tiny_bert_for_steps],
+    ids=["net", "forward_state", "forward_places_hooks", "hf_bert"],
 )
 def test_kept_replicas_equal_fresh_ones_cold_warm_alternating_threads(
     make: Callable[[], nn.Module],
@@ -508,3 +527,216 @@ def test_kept_replicas_on_two_gpus_equal_fresh_ones() -> None:
         torch.testing.assert_close(o1, o2)
         for a, b in zip(g1, g2, strict=True):
             torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------- random edit sequences, kept against fresh
+
+
+class Config:
+    """A plain object a module holds (a config): not an atom, so written in every step."""
+
+    def __init__(self, mult: float) -> None:
+        self.mult = mult
+
+
+class Editable(nn.Module):
+    """A model whose forward reads what the edits change: plain attributes (numbers, a config
+    object, optional ones) on itself and on a child; hooks on any module change the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 3)
+        self.scale = 1.0
+        self.cfg = Config(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.bn(self.lin(x))) * getattr(self.lin, "gain", 1.0)
+        out = self.head(h) * getattr(self, "scale", 1.0) * getattr(self, "factor", 1.0)
+        cfg = getattr(self, "cfg", None) or getattr(self, "config", None)
+        if cfg is not None:
+            out = out * cfg.mult
+        shift = getattr(self.head, "shift", None)
+        return out if shift is None else out + shift
+
+
+TARGETS = ("", "lin", "head", "bn")  # the model and some of its submodules
+TABLES = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+)
+# Every kind of change a step may meet, with its weight in the random sequences.
+EDIT_KINDS = {
+    "step": 6,
+    "set_number": 1,  # model.scale = 1.5 (an atom replaced by another)
+    "set_config": 1,  # model.cfg = Config(3.0) (an object replaced by another)
+    "add": 1,  # model.factor = 3.0, lin.gain = 0.5, head.shift = 0.25 (a new attribute)
+    "delete": 1,  # del model.factor (an attribute removed)
+    "replace": 2,  # del model.scale; model.factor = 3.0 (one attribute for another)
+    "rename_config": 1,  # del model.cfg; model.config = the same object
+    "register": 2,  # register_forward_(pre_)hook(with_kwargs=...), on any module
+    "remove": 1,  # a registered hook's handle removed
+    "place": 2,  # m._forward_hooks[key] = hook: no register_*_hook, no handle
+    "assign": 2,  # m._forward_hooks = OrderedDict(...): a whole table (as dynamo does)
+    "clear": 1,  # m._forward_hooks.clear()
+    "train_eval": 1,
+    "in_place": 1,  # a parameter changed in place
+}
+
+
+def _edit_sequence(rng: random.Random, length: int) -> list[tuple[Any, ...]]:
+    """One random sequence of steps and edits, as data (each run applies it to its own model)."""
+    kinds, weights = list(EDIT_KINDS), list(EDIT_KINDS.values())
+    out: list[tuple[Any, ...]] = [("step", rng.choice((2, 3)))]
+    for _ in range(length):
+        kind = rng.choices(kinds, weights)[0]
+        target, table = rng.choice(TARGETS), rng.choice(TABLES)
+        value = rng.choice((0.5, 1.5, 2.0, 3.0))
+        if kind == "step":
+            out.append(("step", rng.choice((2, 3))))
+        else:
+            out.append((kind, target, table, value, rng.randrange(4)))
+    out.append(("step", rng.choice((2, 3))))
+    return out
+
+
+def _hook(table: str, value: float) -> Callable[..., Any]:
+    if table == "_forward_hooks":
+        return lambda m, args, out: out * value + 0.125
+    if table == "_forward_hooks_with_kwargs":
+        return lambda m, args, kwargs, out: out - value
+    if table == "_forward_pre_hooks":
+        return lambda m, args: (args[0] * value,)
+    return lambda m, args, kwargs: ((args[0] + value,), kwargs)
+
+
+def _apply_edit(
+    model: Editable, edit: tuple[Any, ...], handles: list[Any], state: dict[str, Any]
+) -> None:
+    kind, target, table, value, pick = edit
+    m: nn.Module = model.get_submodule(target)
+    optional = [("", "factor"), ("lin", "gain"), ("head", "shift")][pick % 3]
+    holder = model.get_submodule(optional[0])
+    if kind == "set_number":
+        if hasattr(model, "scale"):
+            model.scale = value
+    elif kind == "set_config":
+        if hasattr(model, "cfg"):
+            model.cfg = Config(value)
+    elif kind == "add":
+        setattr(holder, optional[1], value)
+    elif kind == "delete":
+        if optional[1] in vars(holder):
+            delattr(holder, optional[1])
+    elif kind == "replace":  # one attribute for another: the count of attributes unchanged
+        if "scale" in vars(model):
+            del model.scale
+            model.factor = value
+        elif "factor" in vars(model):
+            del model.factor
+            model.scale = value
+    elif kind == "rename_config":
+        for old, new in (("cfg", "config"), ("config", "cfg")):
+            if old in vars(model):
+                setattr(model, new, vars(model).pop(old))
+                break
+    elif kind == "register":
+        kwargs = table.endswith("with_kwargs")
+        if table.startswith("_forward_hooks"):
+            hook = _hook(table, value)
+            handles.append(m.register_forward_hook(hook, with_kwargs=kwargs))
+        else:
+            handles.append(m.register_forward_pre_hook(_hook(table, value), with_kwargs=kwargs))
+    elif kind == "remove":
+        if handles:
+            handles.pop(pick % len(handles)).remove()
+    elif kind == "place":  # as a library copying hooks from another module does
+        state["key"] += 1
+        key = state["key"]
+        getattr(m, table)[key] = _hook(table, value)
+        if table.endswith("with_kwargs"):  # the flag table says which hooks take kwargs
+            flags = (
+                "_forward_hooks_with_kwargs"
+                if table.startswith("_forward_hooks")
+                else ("_forward_pre_hooks_with_kwargs")
+            )
+            base = "_forward_hooks" if table.startswith("_forward_hooks") else "_forward_pre_hooks"
+            del getattr(m, table)[key]
+            getattr(m, base)[key] = _hook(table, value)
+            getattr(m, flags)[key] = True
+    elif kind == "assign":
+        base = "_forward_hooks" if table.startswith("_forward_hooks") else "_forward_pre_hooks"
+        plain = "_forward_hooks" if base == "_forward_hooks" else "_forward_pre_hooks"
+        state["key"] += 1
+        fresh = OrderedDict() if pick == 0 else OrderedDict({state["key"]: _hook(plain, value)})
+        setattr(m, base, fresh)  # nn.Module.__setattr__: into the module's __dict__
+    elif kind == "clear":  # a hook table, and the flags of the hooks it held
+        base = "_forward_hooks" if table.startswith("_forward_hooks") else "_forward_pre_hooks"
+        getattr(m, base).clear()
+        if table.endswith("with_kwargs"):
+            getattr(m, table).clear()
+    elif kind == "train_eval":
+        model.train(not model.training)
+    elif kind == "in_place":
+        with torch.no_grad():
+            model.lin.weight.mul_(value / 2)
+
+
+def _run_edits(sequence: list[tuple[Any, ...]], *, fresh: bool) -> list[Any]:
+    torch.manual_seed(0)
+    model = Editable()
+    x = torch.randn(7, 4, generator=torch.Generator().manual_seed(1))
+    handles: list[Any] = []
+    state = {"key": 10**9}  # placed hooks' keys: never a handle's id
+    trace: list[Any] = []
+    context = reference_only if fresh else contextlib.nullcontext
+    for edit in sequence:
+        if edit[0] != "step":
+            _apply_edit(model, edit, handles, state)
+            continue
+        with context():
+            out = tg.data_parallel(model, x, ["cpu"] * edit[1], backend="serial")
+        out.pow(2).sum().backward()
+        trace.append(out.detach())
+        trace.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    trace.append({k: v.clone() for k, v in model.state_dict().items()})
+    trace.append([sorted(vars(m)) for m in model.modules()])
+    trace.append([[len(getattr(m, t)) for t in TABLES] for m in model.modules()])
+    return trace
+
+
+SEQUENCES = 200
+
+
+@pytest.fixture
+def one_thread() -> Any:
+    """One intra-op thread: tiny ops (BatchNorm of 3 rows) wait on a busy thread pool else."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_kept_replicas_equal_fresh_ones_over_random_edit_sequences(one_thread: None) -> None:
+    """The differential test of kept replicas against fresh ones (``reference_only()``) over
+    seeded random sequences of steps (2 or 3 replicas, train and eval) and edits of every kind
+    the module's definition sees: attributes set, added, removed and replaced by others (the
+    count unchanged), a config renamed, hooks registered, removed, placed into a table without
+    ``register_*_hook``, whole tables assigned or cleared, parameters changed in place. Bit for
+    bit equal every step: outputs, gradients, then the state, attributes and hook tables."""
+    rng = random.Random(30)
+    kinds: collections.Counter[str] = collections.Counter()
+    for n in range(SEQUENCES):
+        sequence = _edit_sequence(rng, rng.randrange(3, 9))
+        kinds.update(edit[0] for edit in sequence)
+        kept = _run_edits(sequence, fresh=False)
+        fresh = _run_edits(sequence, fresh=True)
+        assert len(kept) == len(fresh)
+        for i, (a, b) in enumerate(zip(kept, fresh)):
+            assert _equal(a, b), (n, i, sequence)
+    assert set(kinds) == set(EDIT_KINDS)  # every kind of edit was tried
+    tg.clear_caches()

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from corpus import Point, Sample
+from corpus import FOREIGN, Point, Sample
+from torch import nn
 
 import treegather as tg
 
@@ -193,6 +194,50 @@ def test_a_rule_factory_not_called_is_a_layout_error(name: str) -> None:
         outs[0]["loss"],
         outs[1]["loss"],
     ]
+
+
+def _says_foreign(rule: Any, where: str, phase: str) -> str:
+    name = f"{type(rule).__module__}.{type(rule).__qualname__}"
+    use = r"a gather rule of your own is a callable f\(values, device\)" if phase else "scatter"
+    return rf"{where}: {name} subclasses treegather's internal rule class.*{use}"
+
+
+def test_rule_is_not_public() -> None:
+    assert not hasattr(tg, "Rule") and "Rule" not in tg.__all__ and "Rule" not in dir(tg)
+
+
+@pytest.mark.parametrize("rule", FOREIGN, ids=lambda r: type(r).__name__)
+def test_a_rule_class_of_your_own_is_a_layout_error_saying_to_pass_a_callable(rule: Any) -> None:
+    """In every entry point and every place a layout holds a rule: a LayoutError naming where,
+    cold and warm, and the custom rule beside it never runs (not a raw ``TypeError`` from
+    ``dataclasses``, nor a message with a hole: "is a  rule")."""
+    calls: list[Any] = []
+
+    def custom(values: list[Any], device: torch.device) -> Any:
+        calls.append(values)
+        return values
+
+    outs = [{"s": torch.ones(2), "other": torch.ones(1)} for _ in range(2)]
+    for _ in range(3):
+        with pytest.raises(tg.LayoutError, match=_says_foreign(rule, r"outputs\['s'\]", "g")):
+            tg.gather(outs, "cpu", {"s": rule, "other": custom})
+        with pytest.raises(tg.LayoutError, match=_says_foreign(rule, "layout at outputs", "g")):
+            tg.gather(outs, "cpu", rule)
+        with pytest.raises(tg.LayoutError, match=_says_foreign(rule, r"inputs\['x'\]", "")):
+            tg.scatter({"x": torch.arange(4)}, CPU2, {"x": rule})
+        with pytest.raises(tg.LayoutError, match=_says_foreign(rule, "by_path pattern 's'", "g")):
+            tg.by_path({"s": rule, "never": tg.cat()}, optional=["never"])
+        with pytest.raises(tg.LayoutError, match=_says_foreign(rule, "by_path default", "g")):
+            tg.by_path({}, default=rule)
+        with pytest.raises(tg.LayoutError, match=_says_foreign(rule, r"outputs\['s'\]", "g")):
+            tg.data_parallel(lambda x: {"s": x}, torch.arange(4.0), CPU2, out_layout={"s": rule})
+        with pytest.raises(tg.LayoutError, match=_says_foreign(rule, "layout", "")):
+            tg.data_parallel(lambda x: x, torch.arange(4.0), CPU2, in_layout=rule)
+        with pytest.raises(tg.LayoutError, match=_says_foreign(rule, r"outputs\['s'\]", "g")):
+            tg.explain(outs[0], {"s": rule, "other": 0}, way="gather")
+    with pytest.raises(tg.LayoutError, match=_says_foreign(rule, r"outputs", "g")):
+        tg.DataParallel(nn.Linear(2, 2), ["cpu"] * 2, out_layout=rule)(torch.ones(4, 2))
+    assert calls == []
 
 
 # -------------------------------------------------------------------------------- by_path

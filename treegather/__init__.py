@@ -42,7 +42,6 @@ from ._parallel import (
 )
 from ._rules import (
     Padded,
-    Rule,
     as_list,
     broadcast,
     cat,
@@ -84,7 +83,6 @@ __all__ = [
     # layouts: path patterns
     "by_path",
     "ByPath",
-    "Rule",
     # seeing what a layout does
     "explain",
     "Explanation",
@@ -127,3 +125,9 @@ def __getattr__(name: str) -> object:
 
         return importlib.import_module(".distributed", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """``dir(treegather)``: the public names (``__all__``, ``distributed`` and ``__version__``);
+    the internal modules (``_gather``, ``_rules``, ...) stay importable, unlisted."""
+    return sorted({*__all__, "distributed", "__version__"})

@@ -241,6 +241,7 @@ def reference_only() -> Iterator[None]:
 # ------------------------------------------------------------------------------- typed keys
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes)
+_ATOM_SET = frozenset(_ATOMS)
 
 
 def typed_key(value: Any) -> Hashable:
@@ -269,6 +270,10 @@ def typed_key(value: Any) -> Hashable:
         if kind in _ATOMS:
             out.append((kind, item))
         elif kind in (tuple, list):
+            types = set(map(type, item))
+            if types <= _ATOM_SET:  # (the usual metadata: keys, names) the same key, in C
+                out.append((kind, tuple(zip(map(type, item), item))))
+                continue
             stack.append((1, (kind, len(item))))
             stack.extend((0, x) for x in reversed(item))
         elif kind is dict:
@@ -296,8 +301,10 @@ def shareable(key: Any) -> bool:
     made from, so that a cache may hand out that one instead.
 
     True when its parts are immutable atoms (not floats or complex numbers: ``-0.0`` and ``0.0``
-    share a key), tuples of them, or objects keyed by identity; False when it holds a list or a
-    dict (an equal copy is another object, and mutable) or an object keyed by its fields.
+    share a key), tuples of them, objects keyed by identity, or objects keyed by such fields
+    whose class says that an equal one may stand for them (``_shareable_fields = True``: it
+    hands nothing of itself out); False when it holds a list or a dict (an equal copy is
+    another object, and mutable) or another object keyed by its fields.
 
     >>> shareable(typed_key(("a", 1, None))), shareable(typed_key(["a"])), shareable(typed_key(0.0))
     (True, False, False)
@@ -311,8 +318,8 @@ def shareable(key: Any) -> bool:
         if kind in _ATOMS:
             if kind not in _EXACT_ATOMS:
                 return False
-        elif kind is tuple:
-            stack.extend(payload)
+        elif kind is tuple or getattr(kind, "_shareable_fields", False):
+            stack.extend(payload)  # (an object that says an equal one may stand for it)
         else:  # a list, a dict, or an object keyed by its fields
             return False
     return True

@@ -46,6 +46,7 @@ class _Tensor0:
     """A 0-dim tensor attribute kept as metadata: its dtype and value (rebuilt per device)."""
 
     __slots__ = ("dtype", "value")
+    _shareable_fields = True  # (immutable: an equal one may stand for it in a cached structure)
 
     def __init__(self, t: torch.Tensor) -> None:
         self.dtype = t.dtype
@@ -98,6 +99,7 @@ class _Device(str):
     """A ``torch.device`` attribute as metadata (``""``: the device of the object's data)."""
 
     __slots__ = ()
+    _shareable_fields = True  # (immutable: an equal one may stand for it in a cached structure)
 
     def __repr__(self) -> str:
         return f"device({str.__repr__(self)})"
@@ -132,6 +134,9 @@ class _Meta:
     """
 
     __slots__ = ("_text", "parts")
+    # An equal one may stand for it in a cached structure: unflatten only reads its parts
+    # (plain values, classes, and the immutable _Device and _Tensor0).
+    _shareable_fields = True
 
     def __init__(self, parts: tuple[Any, ...]) -> None:
         self.parts = parts

@@ -80,11 +80,15 @@ def scatter(
         leaves, st, spec = recognise(inputs, root)
         if st is None:
             return Known(leaves, resolve(spec, layout, "scatter", dim, root))
-        tensors = False
+        tensors = plain = False
     else:
         st, leaves = found
         types = list(map(type, leaves))
-        tensors = types.count(Tensor) == len(types)
+        count = types.count(Tensor)
+        tensors = count == len(types)
+        # Tensors next to plain values (the flags of a transformers call: use_cache=False),
+        # which the default rule gives every device as they are: the per-step case too.
+        plain = bool(count) and not tensors and set(types) <= _TENSORS_AND_PLAIN
         if not tensors and not st.types_ok(types, leaves):  # a subtree where a leaf is
             leaves, spec = _flatten(inputs, root)
             return Known(leaves, resolve(spec, layout, "scatter", dim, root))
@@ -93,11 +97,14 @@ def scatter(
         if not st.exact:  # results are rebuilt from this tree's own structure
             leaves, spec = _flatten(inputs, root)
     plan = st.plan(layout, "scatter", dim, root, leaves, spec)[0]  # type: ignore[index]
-    if plan.default_only and tensors:
+    if plan.default_only and (tensors or plain):
         devices = kind(devs)
         if devices == "cpu":
-            fast = _scatter_cpu_tensors(leaves, st, devs, dim, spec=spec)
-        elif devices == "cuda":  # a CPU batch to the GPUs: coalesced copies
+            if plain:
+                fast = _scatter_cpu_mixed(leaves, types, st, devs, dim, spec)
+            else:
+                fast = _scatter_cpu_tensors(leaves, st, devs, dim, spec=spec)
+        elif devices == "cuda" and tensors:  # a CPU batch to the GPUs: coalesced copies
             fast = _scatter_cpu_tensors(leaves, st, devs, dim, move=True, spec=spec)
         else:
             fast = None
@@ -113,11 +120,13 @@ def _scatter_cpu_tensors(
     dim: int,
     move: bool = False,
     spec: Any = None,
-) -> Shards | None:
+    rows: bool = False,
+) -> Any:
     """Default rules, every leaf a CPU tensor of >= 1 dim with one batch size: split in C;
     with ``move``, each device's pieces are then copied there with :func:`coalesced_to` (one
     copy per dtype for the small ones). The trees are built with ``spec``'s containers (the
-    input's own structure when it is not ``st.spec``; ``None``: ``st.spec``).
+    input's own structure when it is not ``st.spec``; ``None``: ``st.spec``) into
+    :class:`Shards`; with ``rows``, ``(pieces per leaf, batch size, shards)`` is returned.
 
     ``None`` (not applicable) for anything else: the reference steps handle and report it.
     """
@@ -143,9 +152,11 @@ def _scatter_cpu_tensors(
             columns = list(map(split, leaves, repeat(k, count)))
     except (RuntimeError, NotImplementedError):  # sparse or nested: the reference explains
         return None
+    if rows:
+        return columns, n, k
     if move:
-        rows = [coalesced_to(row, d) for row, d in zip(zip(*columns), devs)]
-        columns = list(zip(*rows))
+        moved = [coalesced_to(row, d) for row, d in zip(zip(*columns), devs)]
+        columns = list(zip(*moved))
     if spec is None:
         spec = st.spec
     build = st.builder(k) if spec is st.spec else None
@@ -155,6 +166,36 @@ def _scatter_cpu_tensors(
         unflatten = spec.unflatten
         trees = [unflatten(c) for c in zip(*columns)]
     return Shards(trees, balanced(n, k), devs[:k])
+
+
+def _scatter_cpu_mixed(
+    leaves: list[Any],
+    types: list[type],
+    st: Structure,
+    devs: tuple[torch.device, ...],
+    dim: int,
+    spec: Any,
+) -> Shards | None:
+    """:func:`_scatter_cpu_tensors` for tensors next to plain values (bools, numbers,
+    strings): the tensors split in C, each plain value given to every device as it is (the
+    same object, as the default rule's broadcast gives it)."""
+    at = [i for i, t in enumerate(types) if t is Tensor]
+    found = _scatter_cpu_tensors(list(map(leaves.__getitem__, at)), st, devs, dim, rows=True)
+    if found is None:
+        return None
+    split, n, k = found
+    columns: list[Any] = [(leaf,) * k for leaf in leaves]
+    for i, column in zip(at, split):
+        columns[i] = column
+    build = st.builder(k) if spec is st.spec else None
+    if build is not None:
+        trees = build(*columns)
+    else:
+        trees = [spec.unflatten(c) for c in zip(*columns)]
+    return Shards(trees, balanced(n, k), devs[:k])
+
+
+_TENSORS_AND_PLAIN = frozenset([Tensor, bool, int, float, complex, str, bytes])
 
 
 # ---------------------------------------------------------------------------------- gather

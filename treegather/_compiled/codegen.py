@@ -29,7 +29,7 @@ import optree
 from optree import PyTreeSpec
 
 from .._caches import shareable, typed_key
-from .._tree import NAMESPACE
+from .._tree import NAMESPACE, context_names
 
 __all__ = [
     "MAX_CELLS",
@@ -174,21 +174,45 @@ def _step(node: Any) -> tuple[int, Any, list[tuple[Any, Any]]] | None:
         return _EXACT_TYPE, None, list(enumerate(node))
     try:
         children, meta, entries, _ = optree.tree_flatten_one_level(node, namespace=NAMESPACE)
+        handler = optree.register_pytree_node.get(cls, namespace=NAMESPACE)
     except Exception:
         return None
-    expected = (len(children), typed_key((meta, tuple(entries))))
+    if handler is None:
+        return None
+    flatten = handler.flatten_func
+    # (the class's own flatten function: the guard is used only while the registry is as it
+    # was, so the lookup optree.tree_flatten_one_level makes on every call is made once here)
+    entries = tuple(entries)
+    names = context_names(meta)  # (a ModelOutput: its keys say all its typed key says)
+    fast = names if names is not None and names[1] == entries else None
+    expected = (len(children), typed_key((meta, entries)), flatten, fast)
     return _CUSTOM, expected, list(enumerate(children))  # reached by index in the children
 
 
-def _custom_children(value: Any, expected: tuple[int, Any]) -> list[Any] | None:
-    """A custom node's children, when its metadata and entries are the expected ones."""
+def _custom_children(value: Any, expected: tuple[int, Any, Any, Any]) -> list[Any] | None:
+    """A custom node's children, when its metadata and entries are the expected ones: what
+    ``optree.tree_flatten_one_level`` gives (with ``expected``'s flatten function, the one the
+    registry holds for the value's class), checked as it checks it: by typed key, or for a
+    context of ``str`` names (a bridged ``ModelOutput``) by :func:`context_names`."""
     try:
-        children, meta, entries, _ = optree.tree_flatten_one_level(value, namespace=NAMESPACE)
+        returned = tuple(expected[2](value))
+        if len(returned) == 2:
+            children, meta = returned
+            entries: Any = None
+        else:
+            children, meta, entries = returned
+        children = list(children)
+        entries = tuple(range(len(children)) if entries is None else entries)
     except Exception:
         return None
-    if len(children) != expected[0] or typed_key((meta, tuple(entries))) != expected[1]:
+    if len(children) != expected[0] or len(entries) != expected[0]:
         return None
-    return list(children)
+    fast = expected[3]
+    if fast is not None:
+        return children if context_names(meta) == fast and entries == fast[1] else None
+    if typed_key((meta, entries)) != expected[1]:
+        return None
+    return children
 
 
 def _check(value: Any, kind: int, cls: type, expected: Any) -> Any:

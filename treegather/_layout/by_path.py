@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from .._caches import typed_key
 from .._errors import ArgumentTypeError, LayoutError, bullet_list, layout_error, safe_repr
-from .._rules import Rule, to_rule
+from .._rules import Rule, foreign_rule, is_foreign, to_rule
 from .._tree import INPUT_AND_KWARGS, Node, display_path, is_call_root
 
 __all__ = [
@@ -81,7 +81,11 @@ class ByPath:
                     f"by_path pattern {shown} is not a string (a dotted pattern) or a tuple "
                     f"(an exact path such as ({shown},))"
                 )
+            if is_foreign(rule):  # refused at once (also where an optional one matches nothing)
+                raise layout_error(foreign_rule(rule, "", f"by_path pattern {path_text(pattern)}"))
             items.append((pattern, segments, rule))
+        if is_foreign(default):
+            raise layout_error(foreign_rule(default, "", "by_path default"))
         self.patterns: tuple[tuple[str | tuple[Any, ...], tuple[Any, ...], Any], ...] = tuple(items)
         self.default = default
         at = _optional_flags([p for p, _, _ in items], optional)

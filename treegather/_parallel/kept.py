@@ -21,7 +21,8 @@ module as it is now:
 Guards: kept shells are used only while the module's tree is what it was when they were built:
 every submodule, parameter and buffer (``_modules``, ``_parameters``, ``_buffers``: keys, and
 values by identity), every module's class, training flag, in-place compiled forward
-(``m.compile()``) and the number of entries in its ``__dict__`` (a new attribute). A change to
+(``m.compile()``) and the keys of its ``__dict__`` (an attribute added, removed, or replaced by
+another: ``del m.scale; m.factor = 3.0``). A change to
 any of these rebuilds the shells, and so does a plain value that stops being an atom (below);
 other changes are re-bound at the next step, and changes made in place on a parameter
 (``load_state_dict``, ``requires_grad_(False)``, ``p.data = ...``) need nothing.
@@ -38,9 +39,11 @@ checkpointing, the caller of ``replicate(reuse=True)``) they are left intact and
 the next step refills them if they are still alive, and builds new ones if not. Either way a
 deleted module frees them.
 
-The originals' hook tables are looked at only when a hook was registered somewhere since the
-last look (torch numbers every registration through its API: ``RemovableHandle.next_id``);
-the tables that hold something are copied every step.
+The originals' hook tables are read every step: which of them hold something (their sizes, in
+one C pass) and, for those, their contents, so that a hook registered, removed, placed into a
+table without ``register_*_hook`` (a library copying hooks from another module), a whole table
+assigned (as ``torch._dynamo`` does around a call) or cleared is seen at the next step, as
+fresh replicas see it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._caches import FAST_PATHS, WeakCache
 from .shells import (
+    CALL_TABLES,
     OWN_TABLES,
     _build_rows,
     _check_replicatable,
@@ -82,6 +86,8 @@ _TREE = itemgetter("_modules", "_parameters", "_buffers")
 _BUFFERS = itemgetter("_buffers")
 _PARAMETERS = itemgetter("_parameters")
 _OWN_TABLES = itemgetter(*OWN_TABLES)
+_CALL_TABLES = tuple(t for t in OWN_TABLES if t in CALL_TABLES)
+_CALLS = itemgetter(*_CALL_TABLES)
 _DEREF = weakref.ref.__call__
 _PER_STEP = frozenset(("_modules", "_parameters", "_buffers"))
 _REQUIRED = frozenset((*OWN_TABLES, *_PER_STEP))
@@ -100,11 +106,14 @@ class Kept:
         "base_counts",
         "buffer_dicts",
         "buffer_lens",
+        "calls",
         "child_values",
         "children",
         "children_lens",
         "classes",
+        "compiled_at",
         "compiled_ids",
+        "compiled_now",
         "compiled_refs",
         "copy_params",
         "detach",
@@ -126,6 +135,8 @@ class Kept:
         "param_dicts",
         "plans",
         "refs",
+        "rest_getters",
+        "restores",
         "root",
         "rows",
         "shared",
@@ -134,12 +145,13 @@ class Kept:
         "slot_empties",
         "slot_keys",
         "src_filled",
-        "stamp",
+        "src_lens",
         "step",
         "step_stamp",
         "stripped",
         "tensor_refs",
         "training",
+        "training_at",
         "tree_ids",
         "tree_keys",
         "used_empties",
@@ -147,7 +159,7 @@ class Kept:
     )
 
     def __init__(self, module: nn.Module, devs: tuple[torch.device, ...], detach: bool) -> None:
-        self.stamp = RemovableHandle.next_id  # before the shells copy the hook tables
+        self.step_stamp = RemovableHandle.next_id  # (a hook registered from here on: the step's)
         originals, rows = _build_rows(module, devs, detach)
         self.root = weakref.ref(module)  # the cache is keyed weakly by it: never hold it
         self.devs = devs
@@ -164,16 +176,19 @@ class Kept:
         # The guards: weak references, and ids compared only while those are alive.
         self.refs = [weakref.ref(o) for o in originals]
         self.classes = list(map(type, originals))  # a swapped __class__ is in no __dict__
-        self.training = list(map(dict.get, ods, repeat("training")))
-        self.od_lens = list(map(len, ods))  # a new attribute on a module rebuilds
+        # An attribute added or removed changes a size; one replaced by another (the same size)
+        # is a recorded key missing, which reading them all each step finds (KeyError).
+        self.od_lens = list(map(len, ods))
         tables = list(chain.from_iterable(map(_TREE, ods)))
         self.tree_keys = list(chain.from_iterable(tables))
         self.tree_ids = list(map(id, chain.from_iterable(map(dict.values, tables))))
-        width = len(OWN_TABLES)
-        lens = map(len, chain.from_iterable(map(_OWN_TABLES, ods)))
-        self.src_filled = list(compress(range(len(ods) * width), lens))
+        self.src_lens = list(map(len, chain.from_iterable(map(_OWN_TABLES, ods))))
+        self.src_filled = list(compress(range(len(self.src_lens)), self.src_lens))
         compiled = list(map(dict.get, ods, repeat("_compiled_call_impl")))
         self.compiled_ids = list(map(id, compiled))
+        # (a module that gains one grows its __dict__, which the sizes see)
+        self.compiled_at = [i for i, f in enumerate(compiled) if f is not None]
+        self.compiled_now = [id(f) for f in compiled if f is not None]
         self.wrappers = [bool(_compiled_kind(o)) for o in originals]
         self.compiled_refs = [weakref.ref(f) for f in compiled if f is not None]
         params, buffers = tensors_of(originals)
@@ -187,7 +202,6 @@ class Kept:
         self.shell_refs = [weakref.ref(s) for s in flat]
         self.seal()
         self.step: list[torch.Tensor] | None = None  # this step's tensors (not after a build)
-        self.step_stamp = self.stamp
         self.stripped = False
         # What references each shell when only this object does (its rows, the parent shells'
         # _modules tables, a compiled forward bound to it): compared after every step.
@@ -248,6 +262,29 @@ class Kept:
             attrs = tuple(k for k, p in od["_parameters"].items() if p is not None)
             self.nones.append(dict.fromkeys(obj_keys + attrs))  # what they become after a step
             self.n_keys.append(len(own) + len(_PER_STEP) + len(keys) + len(attrs))
+        # Every key of every original is read each step (so a key replaced by another, at the
+        # same size, is missed by one read): the atoms, the other plain entries, the tables,
+        # and here the rest (a compiled module's own entries).
+        covered = [set(_REQUIRED)] * m
+        covered = [
+            covered[i].union(*(self.atom_keys[s] for s in range(i, len(keys_of), m)))
+            for i in range(m)
+        ]
+        for s, keys in zip(self.obj_at, self.obj_keys):
+            covered[s % m] = covered[s % m].union(keys)
+        self.rest_getters = []
+        for i, od in enumerate(ods):
+            rest = tuple(k for k in od if k not in covered[i])
+            if rest:
+                self.rest_getters.append((i, _getter(rest)))
+        # The training flags not compared with the atoms (not a bool): compared on their own.
+        atoms_of = [
+            set().union(*(self.atom_keys[s] for s in range(i, len(keys_of), m))) for i in range(m)
+        ]
+        self.training_at = [
+            i for i, od in enumerate(ods) if "training" in od and "training" not in atoms_of[i]
+        ]
+        self.training = [ods[i]["training"] for i in self.training_at]
         self.shared = not every_shell  # the replicas of a module share these (read only)
         if self.shared:
             self.nones, self.n_keys = self.nones * len(self.devs), self.n_keys * len(self.devs)
@@ -298,6 +335,19 @@ class Kept:
         else:
             self.obj_dicts = [[dicts[s] for s in self.obj_at]]
         self.atom_dicts = self.atoms * n if self.shared else self.atoms
+        # What each shell's __dict__ gets back after a step: None for its original's entries
+        # and this step's parameters, its own tables of hooks a call runs (a forward may have
+        # assigned others: the ones torch's _call_impl reads), and its original's atoms.
+        self.calls = list(chain.from_iterable(map(_CALLS, dicts)))
+        width = len(_CALL_TABLES)
+        self.restores = [
+            {
+                **self.nones[s],
+                **dict(zip(_CALL_TABLES, self.calls[s * width : (s + 1) * width])),
+                **self.atom_dicts[s],  # (a forward may have set one)
+            }
+            for s in range(len(dicts))
+        ]
         self.child_values = list(chain.from_iterable(map(dict.values, self.children)))
 
     def _current(
@@ -312,7 +362,8 @@ class Kept:
         ods = list(map(vars, mods))
         if list(map(len, ods)) != self.od_lens:
             return None
-        if list(map(dict.get, ods, repeat("training"))) != self.training:
+        # (a training flag that is an atom is compared with the atoms, _changed_atoms)
+        if [ods[i].get("training") for i in self.training_at] != self.training:
             return None
         try:
             tables = list(chain.from_iterable(map(_TREE, ods)))
@@ -326,10 +377,15 @@ class Kept:
         # Every recorded object is alive (held here): an equal id is the same object.
         if list(map(id, chain.from_iterable(map(dict.values, tables)))) != self.tree_ids:
             return None
-        compiled = map(dict.get, ods, repeat("_compiled_call_impl"))
-        if list(map(id, compiled)) != self.compiled_ids or not all(
-            map(is_not, map(_DEREF, self.compiled_refs), repeat(None))
+        if self.compiled_at and (
+            [id(ods[i].get("_compiled_call_impl")) for i in self.compiled_at] != self.compiled_now
+            or not all(map(is_not, map(_DEREF, self.compiled_refs), repeat(None)))
         ):
+            return None
+        try:  # the keys no other read looks up (a compiled module's own)
+            for i, getter in self.rest_getters:
+                getter(ods[i])
+        except KeyError:
             return None
         return cast("list[nn.Module]", mods), ods, cast("list[torch.Tensor]", tensors)
 
@@ -341,7 +397,13 @@ class Kept:
             return None
         _, ods, tensors = current
         m, n = self.plans.m, len(self.devs)
-        changed = self._changed_atoms(ods)
+        try:  # (a KeyError: a key replaced by another on some module; before any change)
+            changed = self._changed_atoms(ods)
+            tables = list(chain.from_iterable(map(_OWN_TABLES, ods)))
+            obj_ods = [ods[s % m] for s in self.obj_at]
+            objs = list(map(itemgetter.__call__, self.obj_getters, obj_ods))
+        except KeyError:
+            return None
         if changed is None:
             return None
         olds: list[dict[str, Any]] | None = None
@@ -371,17 +433,18 @@ class Kept:
             deque(map(dict.update, dicts, self.atom_dicts), 0)
         else:
             for s in changed:  # an atom changed on a module: every replica of it gets it
-                for table in self.dicts[s % m :: m] if self.shared else self.dicts[s : s + 1]:
+                at = slice(s % m, None, m) if self.shared else slice(s, s + 1)
+                for table in (*self.dicts[at], *self.restores[at]):
                     table.update(self.atoms[s])
         rows = self.rows
         assert rows is not None and self.own_tables is not None
-        self._sync_tables(ods, self.own_tables, n, intact=olds is not None)
+        self._sync_tables(tables, self.own_tables, n, intact=olds is not None)
         params, buffers = tensors[: self.n_params], tensors[self.n_params :]
         pcols = _columns(params, self.devs, self.detach, True) if self.copy_params else None
         bcols = None
         if buffers and (copy_buffers or olds is None):
             bcols = _columns(buffers, self.devs, self.detach, False)
-        self._fill(rows, ods, pcols, bcols, olds)
+        self._fill(rows, ods, objs, pcols, bcols, olds)
         self.step = tensors
         self.step_stamp = RemovableHandle.next_id
         self.stripped = False
@@ -399,61 +462,62 @@ class Kept:
             if not all(map(is_, new, old)):
                 if not all(map(_is_atom, new)):
                     return None
+                if "training" in self.atom_keys[s]:  # .train() / .eval(): the tree's guard
+                    at = self.atom_keys[s].index("training")
+                    if new[at] is not old[at]:
+                        return None
                 self.atom_values[s] = new
                 self.atoms[s].update(zip(self.atom_keys[s], new))
                 changed.append(s)
         return changed
 
     def _sync_tables(
-        self, ods: list[dict[str, Any]], own_tables: list[Any], n: int, *, intact: bool
+        self, tables: list[Any], own_tables: list[Any], n: int, *, intact: bool
     ) -> None:
         """Give every shell's own tables its original's contents (hooks, non-persistent names).
 
-        Which of the originals' tables hold something is looked up again only when a hook was
-        registered anywhere since the last look (torch numbers every registration: the
-        ``RemovableHandle`` counter); the contents of those tables are copied every step (a
-        hook removed from the module is gone at once). Own tables are empty after a strip;
-        intact shells' tables (held weakly) may hold what their last forward registered.
+        Which of the originals' tables hold something is read every step (their sizes, in one
+        C pass), and the tables themselves from the originals' ``__dict__``: a hook registered,
+        removed, placed into a table without ``register_*_hook``, a table assigned or cleared
+        are all seen at the next step. ``tables``: every original's, as they are now (in
+        :data:`OWN_TABLES` order). Own tables are empty after a strip; intact shells' tables
+        (held weakly) may hold what their last forward registered.
         """
-        width = len(OWN_TABLES)
-        stamp = RemovableHandle.next_id
-        if stamp != self.stamp:
-            self.stamp = stamp
-            lens = map(len, chain.from_iterable(map(_OWN_TABLES, ods)))
-            self.src_filled = list(compress(range(len(ods) * width), lens))
+        lens = list(map(len, tables))
+        if lens != self.src_lens:
+            self.src_lens = lens
+            self.src_filled = list(compress(range(len(lens)), lens))
         filled = self.src_filled
-        sources = [ods[p // width][OWN_TABLES[p % width]] for p in filled]
-        per_replica = len(ods) * width
+        sources = list(map(tables.__getitem__, filled))
+        per_replica = len(tables)
         if intact:
             for at in compress(range(len(own_tables)), map(len, own_tables)):
                 own_tables[at].clear()
         for j in range(n):
             for p, src in zip(filled, sources):
-                table = own_tables[j * per_replica + p]
-                table.clear()
-                table.update(src)
+                own_tables[j * per_replica + p].update(src)
 
     def _fill(
         self,
         rows: list[list[nn.Module]],
         ods: list[dict[str, Any]],
+        objs: list[tuple[Any, ...]],
         pcols: list[list[Any]] | None,
         bcols: list[list[Any]] | None,
         olds: list[dict[str, Any]] | None,
     ) -> None:
         """Put this step's entries into every shell's ``__dict__``: its original's plain entries
         (in C, one pass per replica), this step's parameters (also as attributes, as in torch),
-        submodule shells and buffers (Python only for the modules that have some)."""
+        submodule shells and buffers (Python only for the modules that have some). ``objs``:
+        the originals' entries that are no atoms, per module that has some."""
         plans = self.plans
         m = plans.m
         owners = [ods[i] for i, _, _ in plans.with_params]
-        obj_ods = [ods[s % m] for s in self.obj_at]
         for j in range(len(rows)):
             dicts = self.dicts[j * m : (j + 1) * m]
             if self.shared or j == 0:
                 targets = self.obj_dicts[j]
-                values = map(itemgetter.__call__, self.obj_getters, obj_ods)
-                deque(map(dict.update, targets, map(zip, self.obj_keys, values)), 0)
+                deque(map(dict.update, targets, map(zip, self.obj_keys, objs)), 0)
             if pcols is None:  # the source parameters themselves
                 params = list(map(dict.copy, map(_PARAMETERS, owners)))
             else:
@@ -494,7 +558,7 @@ class Kept:
         else:  # in use elsewhere: held weakly (what they hold may reach the module)
             self.rows = self.flat = self.own_tables = None
             self.dicts, self.empties, self.used_empties, self.param_dicts = [], [], [], []
-            self.obj_dicts, self.atom_dicts = [], []
+            self.obj_dicts, self.atom_dicts, self.restores, self.calls = [], [], [], []
             self.children, self.children_lens, self.child_values = [], [], []
             self.slot_dicts, self.slot_empties, self.buffer_dicts = [], [], []
             self.stripped = False
@@ -504,19 +568,24 @@ class Kept:
 
         Each shell keeps one ``__dict__`` from step to step, with the same keys: its own entries
         stay, the original's plain entries and this step's parameters become None, this step's
-        tables give way to empty ones of its own (nothing is inserted, deleted, allocated or
-        freed, and nothing of the originals is held). A forward that stored, registered or
-        deleted something on itself is found by the sizes and set right by
-        :meth:`_strip_carefully`.
+        tables give way to empty ones of its own, and its own hook tables are emptied (nothing
+        is inserted, deleted, allocated or freed, and nothing of the originals is held): the
+        tables a call runs hooks from, every one (a forward may have placed a hook in one, or
+        assigned itself another: its own is put back), and the others where the step copied
+        the original's, or every one after a hook was registered in the step. A forward that
+        stored, registered or deleted something on itself is found by the sizes and set right
+        by :meth:`_strip_carefully`.
         """
-        m, n = self.plans.m, len(self.devs)
         dicts = self.dicts
         own_tables = self.own_tables
         assert own_tables is not None
+        calls = self.calls
+        for table in compress(calls, map(len, calls)):
+            table.clear()
         clean = RemovableHandle.next_id == self.step_stamp  # no hook registered in the step
-        if clean:  # the own tables hold the originals' hooks, where those have some
-            per_replica = len(OWN_TABLES) * m
-            for j in range(n):
+        if clean:
+            per_replica = len(self.src_lens)
+            for j in range(len(self.devs)):
                 for p in self.src_filled:
                     own_tables[j * per_replica + p].clear()
         else:
@@ -529,8 +598,7 @@ class Kept:
         ):
             clean = False  # a submodule replaced, added or deleted in the step
         deque(map(dict.__setitem__, self.slot_dicts, self.slot_keys, self.slot_empties), 0)
-        deque(map(dict.update, dicts, self.nones), 0)
-        deque(map(dict.update, dicts, self.atom_dicts), 0)  # (a forward may have set one)
+        deque(map(dict.update, dicts, self.restores), 0)
         if not clean or any(map(len, self.used_empties)) or list(map(len, dicts)) != self.n_keys:
             self._strip_carefully(dicts)
 
@@ -539,11 +607,13 @@ class Kept:
         emptied (the next step refills them): after a forward stored, registered or deleted
         something on itself."""
         assert self.own_tables is not None
+        width = len(OWN_TABLES)
         for s, table in enumerate(dicts):
             keep = {*self.own_keys[s], *_PER_STEP, *self.nones[s], *self.atom_dicts[s]}
             for key in [k for k in table if k not in keep]:
                 del table[key]
-            table.update(self.nones[s])  # (also the ones a forward deleted)
+            table.update(self.restores[s])  # (also the ones a forward deleted)
+            table.update(zip(OWN_TABLES, self.own_tables[s * width : (s + 1) * width]))
             table.update(self.atom_dicts[s])
             for index, key in enumerate(_EMPTY_KEYS):
                 empty = self.empties[s][index]

@@ -31,6 +31,7 @@ from torch import nn
 from .._errors import UninitializedModuleError
 
 __all__ = [
+    "CALL_TABLES",
     "OWN_TABLES",
     "check_initialized",
     "params_copied",
@@ -49,6 +50,8 @@ OWN_TABLES: tuple[str, ...] = tuple(
     for key, value in vars(nn.Module()).items()
     if isinstance(value, (dict, set)) and key not in ("_parameters", "_buffers", "_modules")
 )
+# The ones torch's ``Module._call_impl`` reads on every call (the hooks a call runs).
+CALL_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _own_tables_of = itemgetter(*OWN_TABLES)
 _copy = methodcaller("copy")
 _values = methodcaller("values")

@@ -34,6 +34,8 @@ __all__ = [
     "by_replica",
     "constructor",
     "custom_rule",
+    "foreign_rule",
+    "is_foreign",
     "is_number",
     "rule_named",
     "to_rule",
@@ -44,7 +46,13 @@ R = TypeVar("R", bound=Callable[..., Any])
 
 
 class Rule:
-    """Base class of layout rules (frozen dataclasses, compared and keyed by value)."""
+    """Base class of treegather's layout rules (frozen dataclasses, compared and keyed by value).
+
+    Internal: the rules are made by their constructors (``tg.cat()``, ``tg.mean()``, ...), and a
+    gather rule of your own is a callable ``f(values, device)`` in the layout (the per-replica
+    values in, the gathered value out). A subclass defined outside treegather is refused in a
+    layout with a :class:`~treegather.LayoutError` that says so (:func:`to_rule`).
+    """
 
     phase: ClassVar[str] = ""
     whole: ClassVar[bool] = False
@@ -64,7 +72,9 @@ class Rule:
         return cls()
 
     def describe(self) -> str:
-        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        if not dataclasses.is_dataclass(self):  # (a subclass of someone else's: refused)
+            return f"{type(self).__name__.lower()}()"
+        fields = dataclasses.fields(self)
         args = ", ".join(
             f"{f.name}={safe_repr(getattr(self, f.name))}"
             for f in fields
@@ -73,8 +83,12 @@ class Rule:
         return f"{type(self).__name__.lower()}({args})"
 
     def _typed_fields(self) -> tuple[Any, ...]:
-        """The field values, for :func:`treegather._caches.typed_key` (``True`` is not ``1``)."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        """The field values, for :func:`treegather._caches.typed_key` (``True`` is not ``1``);
+        a subclass that is no dataclass (someone else's, refused by :func:`to_rule`) by its
+        id, so that the layout's key can be made and the layout refused as a cold call does."""
+        if not dataclasses.is_dataclass(self):
+            return (type(self).__qualname__, id(self))
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 # ------------------------------------------------------------------------------- scatter
@@ -221,6 +235,8 @@ def to_rule(value: Any, phase: str, dim: int, where: str) -> Rule | None:
     ``cat(d)``; a string is a rule's short name; a callable is a custom gather rule.
     """
     if isinstance(value, Rule):
+        if is_foreign(value):
+            raise layout_error(foreign_rule(value, phase, where))
         if value.phase != phase:
             raise layout_error(
                 f"{where}: {value.describe()} is a {value.phase} rule and cannot be used in {phase}"
@@ -297,4 +313,36 @@ def _names_by_closeness(name: str, phase: str) -> list[str]:
     return sorted(
         names,
         key=lambda n: (n != synonym, -difflib.SequenceMatcher(None, name, n).ratio(), n),
+    )
+
+
+_PACKAGE = "treegather."
+
+
+def is_foreign(value: Any) -> bool:
+    """A :class:`Rule` of a class defined outside treegather (which layouts refuse)."""
+    return isinstance(value, Rule) and not type(value).__module__.startswith(_PACKAGE)
+
+
+def foreign_rule(value: Rule, phase: str, where: str) -> str:
+    """The error for a subclass of :class:`Rule` defined outside treegather, in a layout: the
+    rule classes are internal, and a gather rule of your own is a callable (``phase`` empty:
+    a layout for either phase, as :func:`treegather.by_path` is when it is made)."""
+    cls = type(value)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    scatter = "scatter takes split(), broadcast() and split_items() (or an int, None or a name)"
+    if phase != "scatter":
+        use = (
+            "a gather rule of your own is a callable f(values, device) in the layout: it gets "
+            "the per-replica values (subtrees on an inner node) and the target device and "
+            "returns the gathered value, e.g. {'scores': lambda values, device: "
+            "torch.stack([v.to(device) for v in values]).amax(0)}"
+        )
+        if not phase:  # (a layout for either)
+            use += f"; {scatter}"
+    else:
+        use = scatter
+    return (
+        f"{where}: {name} subclasses treegather's internal rule class, "
+        f"which layouts do not take from outside treegather; {use}"
     )

@@ -32,6 +32,7 @@ __all__ = [
     "cat",
     "cat_values",
     "fill_fits",
+    "fill_value",
     "one_dtype",
     "pad",
     "stack",
@@ -230,8 +231,10 @@ class Pad(LeafRule, name="pad"):
 
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
         one_dtype(col)
-        if not fill_fits(self.fill, col[0].dtype):
-            raise ValueError(f"pad(fill={safe_repr(self.fill)}) cannot be stored in {col[0].dtype}")
+        dtype = col[0].dtype
+        if not fill_fits(self.fill, dtype):
+            raise ValueError(f"pad(fill={safe_repr(self.fill)}) cannot be stored in {dtype}")
+        fill = fill_value(self.fill, dtype)
         values = to_target(col, ctx.target)
         ndim = values[0].dim()
         if ndim == 0 or any(v.dim() != ndim for v in values):
@@ -247,7 +250,7 @@ class Pad(LeafRule, name="pad"):
             if list(v.shape) == want:
                 padded.append(v)
                 continue
-            buf = v.new_full(want, self.fill)
+            buf = v.new_full(want, fill)
             buf[tuple(slice(0, s) for s in v.shape)] = v
             padded.append(buf)
         data = torch.cat(padded, d)
@@ -261,8 +264,9 @@ class Pad(LeafRule, name="pad"):
     ) -> Problem | None:
         if not fill_fits(self.fill, dtype):
             return Problem(
-                f"{shown}: fill {safe_repr(self.fill)} cannot be stored in {dtype} (padding would "
-                "look like data, or be cut); pick a fill the dtype holds",
+                f"{shown}: fill {safe_repr(self.fill)} cannot be stored in {dtype} as itself (it "
+                "would wrap, be cut or overflow, or padding would look like data); pick a fill "
+                "the dtype holds",
                 True,
             )
         if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
@@ -280,6 +284,11 @@ class Pad(LeafRule, name="pad"):
         nd = len(shape)
         if nd == 0 or not -nd <= self.dim < nd:
             return "-", f"{self.describe()} needs tensors of at least {max(1, self.dim + 1)} dim(s)"
+        if not fill_fits(self.fill, x.dtype):
+            return (
+                "-",
+                f"{self.describe()}: fill {safe_repr(self.fill)} cannot be stored in {x.dtype}",
+            )
         shape[self.dim % nd] = _times(shape[self.dim % nd], k)
         data = f"Tensor{shape_text(shape)} {dtype_text(x.dtype)}"
         others = " (other dims padded to the largest replica)"
@@ -299,29 +308,97 @@ class Padded(NamedTuple):
 
 
 def fill_fits(fill: Any, dtype: torch.dtype) -> bool:
-    """Whether ``pad(fill=...)`` can be stored in ``dtype`` exactly (no wrap, no truncation).
+    """Whether ``pad(fill=...)`` can be stored in ``dtype`` as itself: no wrap, no truncation, no
+    overflow.
+
+    Integer dtypes (and ``bool``) hold the whole numbers of their range; floating dtypes the
+    numbers up to their largest finite value (rounded, as any float is: ``0.1`` fits), NaN, and
+    the infinities where the dtype has them (not ``float8_e4m3fn``, ``float8_e4m3fnuz``,
+    ``float8_e5m2fnuz``, ``float8_e8m0fnu``; the last holds no zero or negative number either);
+    complex dtypes hold a real or complex fill whose parts fit their real dtype; a complex fill
+    fits no real dtype. ``True`` and ``False`` are ``1`` and ``0``.
 
     >>> import torch
     >>> fill_fits(-1, torch.uint8), fill_fits(1.5, torch.int64), fill_fits(True, torch.bool)
     (False, False, True)
+    >>> fill_fits(70000.0, torch.float16), fill_fits(float("-inf"), torch.float16)
+    (False, True)
+    >>> fill_fits(float("nan"), torch.int32), fill_fits(1j, torch.float32), fill_fits(1j, torch.complex64)
+    (False, False, True)
     """
-    if isinstance(fill, bool):
-        return True  # False/True are 0/1 in every dtype
-    if not isinstance(fill, numbers.Number):
+    value: Any = _plain(fill)
+    if value is None:
         return False
     if dtype.is_complex:
-        return True
-    if isinstance(fill, complex):
+        parts: tuple[Any, ...] = (value.real, value.imag) if type(value) is complex else (value,)
+        real = _REAL_OF.get(dtype)
+        return real is not None and all(_float_holds(p, real) for p in parts)
+    if type(value) is complex:
         return False
     if dtype.is_floating_point:
-        return True
-    value = float(fill)  # type: ignore[arg-type]
-    if not value.is_integer():  # 1.5, nan, inf
-        return False
+        return _float_holds(value, dtype)
+    if type(value) is float:
+        if not value.is_integer():  # 1.5, nan, inf
+            return False
+        value = int(value)
     if dtype == torch.bool:
-        return value in (0.0, 1.0)
-    info = torch.iinfo(dtype)
-    return info.min <= value <= info.max
+        return value in (0, 1)
+    try:
+        info = torch.iinfo(dtype)
+    except TypeError:  # a dtype that is neither (quantized, bits): nothing is stored as itself
+        return False
+    return bool(info.min <= value <= info.max)
+
+
+def fill_value(fill: Any, dtype: torch.dtype) -> Any:
+    """The fill :func:`fill_fits` accepted, as the Python number ``new_full`` is given: numpy
+    scalars as Python ones (torch reads a numpy ``complex64`` as its real part), and a whole
+    number beyond int64 as a float for a floating dtype (torch cannot take it as an int)."""
+    value = _plain(fill)
+    inexact = dtype.is_floating_point or dtype.is_complex
+    if type(value) is int and inexact and not _INT64[0] <= value <= _INT64[1]:
+        return float(value)
+    return value
+
+
+def _plain(fill: Any) -> int | float | complex | None:
+    """``fill`` as a Python int, float or complex (a bool as 0 or 1), or None for no number."""
+    if type(fill) in (int, float, complex):
+        return fill
+    if isinstance(fill, bool):
+        return int(fill)
+    if isinstance(fill, numbers.Integral):
+        return int(fill)
+    if isinstance(fill, numbers.Real):
+        return float(fill)
+    if isinstance(fill, numbers.Complex):
+        return complex(fill)
+    return None
+
+
+def _float_holds(value: float | int, dtype: torch.dtype) -> bool:
+    """Whether a real number fits a floating dtype (its range; NaN; an infinity if it has one)."""
+    if value != value:  # NaN: every floating dtype has one
+        return True
+    if value in (_INF, -_INF):
+        return dtype not in _NO_INFINITY
+    info = torch.finfo(dtype)
+    return bool(info.min <= value <= info.max)  # (min: the lowest value, as torch checks)
+
+
+_INF = float("inf")
+_INT64 = (-(2**63), 2**63 - 1)
+_REAL_OF = {
+    torch.complex32: torch.float16,
+    torch.complex64: torch.float32,
+    torch.complex128: torch.float64,
+}
+# Floating dtypes without infinities (torch refuses to fill them with one).
+_NO_INFINITY = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+)
 
 
 # --------------------------------------------------------------------------- constructors

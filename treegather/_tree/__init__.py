@@ -22,6 +22,7 @@ from .paths import (
 from .registry import (
     NAMESPACE,
     Opaque,
+    context_names,
     is_leaf,
     register_dataclass,
     register_node,
@@ -38,6 +39,7 @@ __all__ = [
     "Node",
     "Opaque",
     "child_styles",
+    "context_names",
     "depth_error",
     "describe",
     "display_path",

@@ -19,9 +19,10 @@ import optree
 import torch.utils._pytree as _torch_pytree
 
 from .._caches import clear_tree_caches
-from .._errors import safe_repr
+from .._errors import ArgumentTypeError, safe_repr
 
 __all__ = [
+    "context_names",
     "NAMESPACE",
     "Opaque",
     "is_leaf",
@@ -154,6 +155,14 @@ def register_node(
     >>> shards[1].a
     tensor([2, 3])
     """
+    if not isinstance(cls, type):
+        raise ArgumentTypeError(f"register_node: cls must be a class, got {safe_repr(cls)}")
+    for name, fn in (("flatten", flatten), ("unflatten", unflatten)):
+        if not callable(fn):
+            raise ArgumentTypeError(
+                f"register_node({cls.__qualname__}, ...): {name} must be a function, got "
+                f"{safe_repr(fn)}"
+            )
     _register(cls, flatten, unflatten)
     return cls
 
@@ -220,28 +229,59 @@ class Opaque:
 _torch_synced = 0
 
 
+_PLAIN = frozenset([type(None), bool, int, str, bytes])  # (values that cannot change)
+
+
 class _Context:
     """Hashable wrapper for a torch pytree context (often a list of keys)."""
 
     __slots__ = ("_key", "value")
+    _shareable_fields = True  # (unflatten hands out copies of a list value: see _bridge)
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        # (process-independent, and the same for equal contexts whose repr fails)
-        self._key = safe_repr(value, None, stable=True)
+        self._key: str | None = None  # (made when first needed: every flatten makes one)
+
+    def _text(self) -> str:
+        if self._key is None:  # (process-independent, the same for equal ones whose repr fails)
+            self._key = safe_repr(self.value, None, stable=True)
+        return self._key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Context) and bool(self.value == other.value)
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return hash(self._text())
 
     def __repr__(self) -> str:
-        return self._key
+        return self._text()
 
     def _typed_fields(self) -> tuple[Any, ...]:
-        """For :func:`treegather._caches.typed_key`: the context's value, types included."""
-        return (self.value,)
+        """For :func:`treegather._caches.typed_key`: the context's value, types included. A list
+        of plain values (``ModelOutput``'s keys) is keyed as the immutable values it holds:
+        each unflatten gets a copy of it (:func:`_bridge`), so a structure's cached context may
+        stand for this one."""
+        value = self.value
+        if type(value) is list and set(map(type, value)) <= _PLAIN:
+            return ("list of", tuple(value))
+        return (value,)
+
+
+def context_names(meta: Any) -> tuple[type, tuple[str, ...]] | None:
+    """For a node bridged from torch's pytree whose context is a list or tuple of ``str``
+    (``ModelOutput``'s keys): the container's type and the names; else None. Two contexts with
+    the same answer have the same typed key (:func:`treegather._caches.typed_key`), told in a
+    few C passes (the compiled layer's guard asks on every call)."""
+    if type(meta) is not _Context:
+        return None
+    value = meta.value
+    kind = type(value)
+    if (kind is list or kind is tuple) and set(map(type, value)) <= _STR:
+        return kind, tuple(value)
+    return None
+
+
+_STR = frozenset([str])
 
 
 def _bridge(cls: type, node_def: Any) -> None:
@@ -261,7 +301,8 @@ def _bridge(cls: type, node_def: Any) -> None:
         return children, _Context(context), names
 
     def unflatten_fn(meta: _Context, children: Iterable[Any]) -> Any:
-        return t_unflatten(list(children), meta.value)
+        value = meta.value
+        return t_unflatten(list(children), list(value) if type(value) is list else value)
 
     optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)  # type: ignore[arg-type]
     _REGISTERED.add(cls)

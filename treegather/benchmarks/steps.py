@@ -12,8 +12,11 @@ into K shards on ``["cpu"] * K`` (serial backend, one intra-op thread):
   every step, as ``torch.nn.DataParallel`` does).
 
 Models: a 12-layer tiny BERT (``BertConfig(hidden_size=32, num_hidden_layers=12,
-num_attention_heads=2, intermediate_size=37)``, needs ``transformers``) and a 50-layer MLP.
-Each ratio is the median over rounds of (time / floor time in the same round), as in
+num_attention_heads=2, intermediate_size=37)``, needs ``transformers``) and a 50-layer MLP
+(``--quick`` and the default run); with ``--transformers``, every architecture of the
+transformers conformance tests (:mod:`treegather.benchmarks.architectures`: 2 layers, hidden
+size 32, each model's own loss from ``labels``, gathered as the tests gather it), whose step
+shows treegather's fixed cost. Each ratio is the median over rounds of (time / floor time in the same round), as in
 :mod:`treegather.benchmarks.scatter_gather`; times are CPU time of this thread with the garbage collector off
 (one collection before each round).
 """
@@ -37,6 +40,7 @@ from torch import nn
 import treegather as tg
 from treegather._parallel.kept import _KEPT
 
+from .architectures import ARCHITECTURES, available
 from .timing import prepare_allocator
 
 __all__ = ["run_steps", "main"]
@@ -82,7 +86,19 @@ def _steps(name: str, model: nn.Module, batch: int, k: int) -> dict[str, Step]:
     """The three step functions for one model and K (each: zero grads, forward, backward)."""
     devices = ["cpu"] * k
     gen = torch.Generator().manual_seed(0)
-    if name.startswith("bert"):
+    out_layout: Any = None
+    summed = False
+    if name in ARCHITECTURES:  # the model's own loss, gathered as the conformance tests do
+        arch = ARCHITECTURES[name]
+        kwargs = arch.batch(gen, batch)
+        out_layout = arch.out_layout()
+        summed = arch.reduce == "sum"
+
+        def loss_of(out: Any) -> torch.Tensor:
+            return out.loss
+
+        args: tuple[Any, ...] = ()
+    elif name.startswith("bert"):
         vocab: int = getattr(model, "config").vocab_size  # noqa: B009 - a transformers model
         ids = torch.randint(0, vocab, (batch, 16), generator=gen)
         kwargs = {"input_ids": ids}
@@ -90,7 +106,7 @@ def _steps(name: str, model: nn.Module, batch: int, k: int) -> dict[str, Step]:
         def loss_of(out: Any) -> torch.Tensor:
             return out.last_hidden_state.pow(2).mean()
 
-        args: tuple[Any, ...] = ()
+        args = ()
     else:
         kwargs = {}
         width: int = next(model.parameters()).shape[1]
@@ -100,7 +116,7 @@ def _steps(name: str, model: nn.Module, batch: int, k: int) -> dict[str, Step]:
             return out.pow(2).mean()
 
     arg_shards, kwarg_shards = tg.scatter_kwargs(args, kwargs, devices)
-    weights = [n / batch for n in arg_shards.sizes or [batch]]
+    weights = [1.0 if summed else n / batch for n in arg_shards.sizes or [batch]]
 
     def floor() -> None:
         model.zero_grad(set_to_none=True)
@@ -111,7 +127,9 @@ def _steps(name: str, model: nn.Module, batch: int, k: int) -> dict[str, Step]:
 
     def data_parallel() -> None:
         model.zero_grad(set_to_none=True)
-        out = tg.data_parallel(model, args, devices, module_kwargs=kwargs, backend="serial")
+        out = tg.data_parallel(
+            model, args, devices, module_kwargs=kwargs, out_layout=out_layout, backend="serial"
+        )
         loss_of(out).backward()
 
     def fresh() -> None:
@@ -119,6 +137,16 @@ def _steps(name: str, model: nn.Module, batch: int, k: int) -> dict[str, Step]:
         data_parallel()
 
     return {"floor": floor, "data_parallel": data_parallel, "fresh": fresh}
+
+
+def _model(name: str, bert_layers: int, bert_vocab: int, mlp_layers: int, mlp_width: int) -> Any:
+    """A freshly built model for ``name`` (seeded), or None when it needs transformers."""
+    torch.manual_seed(0)
+    if name in ARCHITECTURES:
+        return ARCHITECTURES[name].build() if available() else None
+    if name.startswith("bert"):
+        return _bert(bert_layers, bert_vocab)
+    return _mlp(mlp_layers, mlp_width)
 
 
 def run_steps(
@@ -139,8 +167,10 @@ def run_steps(
     >>> sorted(r["impl"] for r in rows), rows[0]["model"]
     (['data_parallel', 'floor', 'fresh'], 'mlp50')
 
-    Runs with one intra-op thread (restored on return). ``bert12`` is skipped (no rows)
-    when ``transformers`` is not installed. Smaller
+    ``models`` are ``bert12``, ``mlp50`` and the names of
+    :data:`~treegather.benchmarks.architectures.ARCHITECTURES`.
+    Runs with one intra-op thread (restored on return). ``bert12`` and the architectures are
+    skipped (no rows) when ``transformers`` is not installed. Smaller
     ``bert_layers``, ``bert_vocab`` (BERT's default: 30522) and ``mlp_layers`` make a quick
     smoke run.
     """
@@ -168,12 +198,7 @@ def _run_steps(
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in models:
-        torch.manual_seed(0)
-        model = (
-            _bert(bert_layers, bert_vocab)
-            if name.startswith("bert")
-            else _mlp(mlp_layers, mlp_width)
-        )
+        model = _model(name, bert_layers, bert_vocab, mlp_layers, mlp_width)
         if model is None:
             continue
         model.train()
@@ -212,28 +237,42 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
     parser.add_argument("--json", metavar="PATH", help="save the rows as JSON")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 9)")
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help="the architectures of the transformers conformance tests (K = 2, 3) instead",
+    )
+    parser.add_argument(
+        "--models", metavar="NAMES", help="comma-separated model names (default: the table's)"
+    )
+    parser.add_argument("--batch", type=int, help="rows per step (default 16; 8 --transformers)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rounds = args.rounds or (5 if args.quick else 9)
     target_s = 0.1 if args.quick else 0.2
+    names = list(ARCHITECTURES) if args.transformers else ["bert12", "mlp50"]
+    if args.models:
+        names = args.models.split(",")
+    ks = (2, 3) if args.transformers else (2, 4)
+    batch = args.batch or (8 if args.transformers else 16)
     print(
         f"treegather {tg.__version__}, torch {torch.__version__}, python "
         f"{platform.python_version()}; CPU x K ({platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores), serial backend; 1 intra-op thread; batch 16; "
+        f"{os.cpu_count()} cores), serial backend; 1 intra-op thread; batch {batch}; "
         f"median of {rounds} interleaved rounds; forward + backward per step"
     )
-    print(f"{'model':8} {'K':>2} | {'floor ms':>9} {'data_parallel':>17} {'fresh replicas':>17}")
+    print(f"{'model':10} {'K':>2} | {'floor ms':>9} {'data_parallel':>17} {'fresh replicas':>17}")
     rows: list[dict[str, Any]] = []
-    for name in ("bert12", "mlp50"):
-        for k in (2, 4):
-            case = run_steps([name], [k], rounds=rounds, target_s=target_s)
+    for name in names:
+        for k in ks:
+            case = run_steps([name], [k], batch=batch, rounds=rounds, target_s=target_s)
             if not case:
-                print(f"{name:8} {k:>2} | skipped: transformers is not installed", file=sys.stderr)
+                print(f"{name:10} {k:>2} | skipped: transformers is not installed", file=sys.stderr)
                 continue
             rows.extend(case)
             r = {row["impl"]: row for row in case}
             print(
-                f"{name:8} {k:>2} | {r['floor']['median_ms']:>9.2f} "
+                f"{name:10} {k:>2} | {r['floor']['median_ms']:>9.2f} "
                 f"{r['data_parallel']['median_ms']:>9.2f} {r['data_parallel']['ratio']:>5.2f}x "
                 f"{r['fresh']['median_ms']:>9.2f} {r['fresh']['ratio']:>5.2f}x",
                 flush=True,
