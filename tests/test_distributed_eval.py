@@ -481,6 +481,29 @@ def test_the_batch_dim_however_written_is_per_sample() -> None:
     assert out["b"].tolist() == [[1, -1], [2, 2], [3, -1]]
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "reference_only"])
+@pytest.mark.parametrize(
+    ("dtype", "fill", "dim"),
+    [
+        (torch.float16, 70000.0, 0),
+        (torch.bfloat16, 1e39, -2),
+        (torch.float32, 1e39, 0),
+        (torch.uint8, -1, 0),
+        (torch.int32, float("nan"), -2),
+        (torch.float32, 1j, 0),
+    ],
+)
+def test_a_pad_fill_the_dtype_cannot_hold_names_the_leaf(
+    dtype: torch.dtype, fill: Any, dim: int, fast: bool
+) -> None:
+    col = tgd.Collector()
+    col.add({"x": torch.zeros(2, 3, dtype=dtype), "y": torch.zeros(2)}, indices=[0, 1])
+    col.add({"x": torch.zeros(1, 2, dtype=dtype), "y": torch.zeros(1)}, indices=[2])
+    with contextlib.nullcontext() if fast else reference_only():
+        with pytest.raises(tg.LeafTypeError, match=r"outputs\['x'\]: pad\(.*cannot be stored in"):
+            col.all_gather(tg.by_path({"x": tg.pad(dim, fill=fill)}))
+
+
 def test_a_list_with_no_rule_is_an_error_naming_both_rules() -> None:
     col = tgd.Collector()
     col.add({"x": torch.zeros(2), "names": ["a", "b"]}, indices=[0, 1])

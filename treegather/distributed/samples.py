@@ -24,7 +24,7 @@ from .._caches import FAST_PATHS
 from .._compiled.structure import recognise
 from .._errors import BatchSizeError, LayoutError, LeafTypeError, TreegatherError
 from .._layout import Plan, resolve
-from .._rules import Cat, CatItems, Combining, Pad, Rule
+from .._rules import Cat, CatItems, Combining, Pad, Rule, fill_fits
 from .._tree import display_path, format_path
 from .wire import tensor_bytes
 
@@ -297,6 +297,8 @@ def join(
             if kind == SAMPLES:
                 if not alike(col, device, same_tail=not isinstance(rule, Pad)):
                     return reference()
+                if isinstance(rule, Pad) and not fill_fits(rule.fill, col[0].dtype):
+                    return reference()  # (which names the leaf)
                 if isinstance(rule, Pad):
                     out.append(rule.combine(col, Combining(device, True, None, 0)))
                 else:
