@@ -63,7 +63,7 @@ from . import protocol
 from .collector import Collector
 
 __all__ = ["Collector", "all_gather", "gather", "broadcast"]
-__dir__ = __all__.copy  # dir(): the public names, not the internal modules (columns, wire, ...)
+__dir__ = __all__.copy  # dir(): the public names, not the internal modules (wire, plan, ...)
 
 
 def all_gather(
