@@ -99,9 +99,12 @@ def _worker(
             world_size=world,
             timeout=COLLECTIVE_TIMEOUT,
         )
+        seconds = results["seconds"] = {}  # each check's wall time (where a group's time goes)
         for name in names:
             current = f"check {name!r}"
+            start = time.perf_counter()
             results[name] = _CHECKS[name].fn(rank, world)
+            seconds[name] = time.perf_counter() - start
     except Exception:
         results["fatal"] = f"{current}:\n{traceback.format_exc()}"
     finally:
