@@ -3,10 +3,14 @@ before every test."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+import spawned_groups
 import torch
 from _pytest.doctest import DoctestItem
 from hypothesis import HealthCheck, settings
@@ -60,7 +64,30 @@ SKIPPED_DOCTESTS = pytest.StashKey[list[str]]()
 MIN_DOCTESTS = 20
 
 
+Job = tuple[Any, Callable[[], Callable[[], Any]]]  # a key, and what makes its job
+
+
+def _background_job(item: pytest.Item) -> Job | None:
+    """The multi-process run (or fresh interpreter) a test reads its results from: a gloo
+    group, the torchrun launch, or what the test's module names (its ``background_job``)."""
+    world = spawned_groups.world_of(item)
+    if world is not None:
+        return ("group", world), functools.partial(spawned_groups.group_job, world)
+    if "torchrun_outputs" in getattr(item, "fixturenames", ()):
+        return ("torchrun",), lambda: functools.partial(
+            _torchrun, spawned_groups.scratch("torchrun")
+        )
+    own = getattr(getattr(item, "module", None), "background_job", None)
+    return own(item) if own is not None else None  # type: ignore[no-any-return]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The tests that read a multi-process run's results go last, in their order: their runs
+    # start at collection, in the background (pytest_collection_finish), and have the
+    # single-process tests' time to finish.
+    items[:] = [i for i in items if _background_job(i) is None] + [
+        i for i in items if _background_job(i) is not None
+    ]
     # The doctests run once, in this session (the test command collects treegather/ with
     # --doctest-modules): a run that collects the package must find them, or it fails here.
     if any(pathlib.Path(arg).resolve() == PACKAGE for arg in config.args):
@@ -95,8 +122,18 @@ def pytest_configure(config: pytest.Config) -> None:
     _config = config
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The multi-process runs the selected tests need (the gloo groups, the torchrun launch,
+    the notebooks' kernels, fresh interpreters) start now, in the background, one after another in the order the tests need them: they
+    run while the single-process tests do, and their tests wait for them."""
+    jobs = dict(job for job in map(_background_job, session.items) if job is not None)
+    for key, make in jobs.items():
+        spawned_groups.start(key, make())
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A doctest that skipped did not run: the run fails (every example must run on CPU)."""
+    spawned_groups.stop()  # (what still runs in the background is stopped)
     skipped = session.config.stash.get(SKIPPED_DOCTESTS, [])
     if skipped:
         print(f"\n{len(skipped)} doctest(s) skipped, which must run: {', '.join(skipped)}")
@@ -109,11 +146,18 @@ TORCHRUN_DEADLINE_S = 120.0  # the three scripts below, one launch
 @pytest.fixture(scope="session")
 def torchrun_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The stdout of each script that runs under ``torchrun --nproc-per-node 2`` (the
-    notebooks' scripts, the README's "Across processes" blocks), from one launch."""
+    notebooks' scripts, the README's "Across processes" blocks), from one launch (started at
+    collection, in the background, where the session's tests were collected)."""
+    job = spawned_groups.started(("torchrun",))
+    if job is not None:
+        return job.result()  # type: ignore[no-any-return]
+    return _torchrun(tmp_path_factory.mktemp("torchrun"))
+
+
+def _torchrun(tmp: pathlib.Path) -> dict[str, str]:
     import readme_blocks
     import torchrun_scripts
 
-    tmp = tmp_path_factory.mktemp("torchrun")
     readme = tmp / "readme_across.py"
     readme.write_text(readme_blocks.across_script())
     notebooks = torchrun_scripts.ROOT / "notebooks"
@@ -122,4 +166,4 @@ def torchrun_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
         "contrastive": notebooks / "contrastive.py",
         "readme": readme,
     }
-    return torchrun_scripts.launch(scripts, tmp, TORCHRUN_DEADLINE_S)
+    return torchrun_scripts.launch(scripts, tmp, TORCHRUN_DEADLINE_S, stop=spawned_groups.STOP)

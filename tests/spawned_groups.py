@@ -7,21 +7,34 @@ spawns one group of that size, whose ranks run every registered check in registr
 the same processes, each writing its results to a file. The results are kept for the session,
 so the next module's tests read them instead of spawning again.
 
+A session that will ask for groups starts them in the background as soon as its tests are
+collected (:func:`start` of a :func:`group_job`, from ``conftest.py``): one group after another, in a thread of
+the test process, while the single-process tests run on the other core; :func:`results` then
+waits for the group it needs. Each rank's output goes to a log file of its own, whose end a
+failure shows.
+
 Every group runs under a hard deadline (the sum of its checks' budgets); its processes are
-joined, then terminated or killed, before :func:`run_group` returns. A check that raises ends
+joined, then terminated or killed, before :func:`run_group` returns (at once when the session
+ends first: :func:`stop`). A check that raises ends
 its rank's run (the group is out of step after it): the tests of that check, and of the checks
 after it, then fail with the traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import multiprocessing
+import os
+import shutil
 import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -46,6 +59,11 @@ class _Registered(NamedTuple):
 
 _CHECKS: dict[str, _Registered] = {}
 _RESULTS: dict[int, list[dict[str, Any]] | Exception] = {}
+_STARTED: dict[Any, Future[Any]] = {}  # background jobs (groups, launches), by key
+_RUNNER: list[ThreadPoolExecutor] = []  # one thread: one job at a time, in submission order
+STOP = threading.Event()  # the session ended: what still runs is stopped
+_BASE: list[Path] = []  # where the background groups write
+_LIVE: set[Any] = set()  # the processes of the groups running now
 
 
 def register(name: str, *, budget_s: float) -> Callable[[F], F]:
@@ -74,6 +92,9 @@ def _loaded_collectives() -> list[str]:
 def _worker(
     rank: int, world: int, port: int, outdir: str, modules: Sequence[str], names: Sequence[str]
 ) -> None:
+    log = open(Path(outdir) / f"rank{rank}.log", "wb", buffering=0)
+    os.dup2(log.fileno(), 1)  # (not the terminal, nor whichever test captures output then)
+    os.dup2(log.fileno(), 2)
     torch.set_num_threads(1)
     # As a process torchrun starts: its own processes (a DataLoader's workers) fork, where the
     # spawn that started this one would make every worker import torch again (seconds each).
@@ -138,11 +159,13 @@ def run_group(
         ctx.Process(target=target, args=(r, world, port, str(outdir), *args), daemon=False)
         for r in range(world)
     ]
+    _LIVE.update(procs)
     for p in procs:
         p.start()
     deadline = time.monotonic() + deadline_s
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+        while p.is_alive() and time.monotonic() < deadline and not STOP.is_set():
+            p.join(min(0.2, max(0.0, deadline - time.monotonic())))
     stragglers = [p for p in procs if p.is_alive()]
     for p in stragglers:
         p.terminate()
@@ -152,26 +175,105 @@ def run_group(
             p.kill()
             p.join(5)
     assert not any(p.is_alive() for p in procs)
-    assert not stragglers, f"{len(stragglers)} rank(s) still running after {deadline_s}s: killed"
-    assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
+    _LIVE.difference_update(procs)
+    assert not STOP.is_set(), "the session ended before the group did: stopped"
+    logs = _logs(outdir, world)
+    assert not stragglers, (
+        f"{len(stragglers)} rank(s) still running after {deadline_s}s: killed{logs}"
+    )
+    assert [p.exitcode for p in procs] == [0] * world, f"{[p.exitcode for p in procs]}{logs}"
     results = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for r, res in enumerate(results):
-        assert "fatal" not in res, f"rank {r}, {res['fatal']}"
+        assert "fatal" not in res, f"rank {r}, {res['fatal']}{logs}"
     return results
+
+
+def _logs(outdir: Path, world: int, tail: int = 2000) -> str:
+    """The end of each rank's log (its stdout and stderr), for a failure's message."""
+    parts = []
+    for r in range(world):
+        path = outdir / f"rank{r}.log"
+        text = path.read_text(errors="replace")[-tail:] if path.exists() else ""
+        if text.strip():
+            parts.append(f"\n--- rank {r}'s output (end):\n{text}")
+    return "".join(parts)
+
+
+def _group(world: int, outdir: Path) -> list[dict[str, Any]]:
+    """A group of ``world`` ranks running every check registered so far."""
+    names = list(_CHECKS)
+    modules = list(dict.fromkeys(c.fn.__module__ for c in _CHECKS.values()))
+    deadline = sum(c.budget_s for c in _CHECKS.values())
+    outdir.mkdir(parents=True, exist_ok=True)
+    return run_group(world, outdir, _worker, (modules, names), deadline_s=deadline)
+
+
+def start(key: Any, job: Callable[[], Any]) -> None:
+    """Run ``job()`` in the background, after the jobs started before it; :func:`started`
+    gives its future."""
+    if key in _STARTED:
+        return
+    if not _RUNNER:
+        _RUNNER.append(ThreadPoolExecutor(1, thread_name_prefix="spawned-groups"))
+    _STARTED[key] = _RUNNER[0].submit(job)
+
+
+def started(key: Any) -> Future[Any] | None:
+    return _STARTED.get(key)
+
+
+def running() -> set[Any]:
+    """The processes of the groups that run now (in the background, or for a test)."""
+    return set(_LIVE)
+
+
+def world_of(item: Any) -> int | None:
+    """The group a collected test asks for: the world size its ``group_results`` or
+    ``ranks`` fixture is parametrized with (the modules of this package name them so)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for name in ("group_results", "ranks"):
+        value = params.get(name)
+        if isinstance(value, tuple):
+            value = value[0]
+        if isinstance(value, int) and value in WORLD_SIZES:
+            return value
+    return None
+
+
+def scratch(name: str) -> Path:
+    """A fresh folder for a background job's files (all removed by :func:`stop`)."""
+    if not _BASE:
+        _BASE.append(Path(tempfile.mkdtemp(prefix="treegather-groups-")))
+    path = _BASE[0] / name
+    path.mkdir()
+    return path
+
+
+def group_job(world: int) -> Callable[[], list[dict[str, Any]]]:
+    """The group of ``world`` ranks, as a job for :func:`start` (every check is registered by
+    the time the tests are collected: their modules were imported to collect them)."""
+    return functools.partial(_group, world, scratch(f"group{world}"))
+
+
+def stop() -> None:
+    """The session ends: groups still running are stopped, those not started never start."""
+    STOP.set()
+    if _RUNNER:
+        _RUNNER[0].shutdown(wait=True, cancel_futures=True)
+    for base in _BASE:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def results(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every rank's results of the session's group of ``world`` ranks (spawned on first use,
     running every check registered so far; a failure is kept too and raised again)."""
     if world not in _RESULTS:
-        names = list(_CHECKS)
-        modules = list(dict.fromkeys(c.fn.__module__ for c in _CHECKS.values()))
-        deadline = sum(c.budget_s for c in _CHECKS.values())
-        outdir = tmp_path_factory.mktemp(f"group{world}")
+        job = started(("group", world))
         try:
-            _RESULTS[world] = run_group(
-                world, outdir, _worker, (modules, names), deadline_s=deadline
-            )
+            if job is not None:
+                _RESULTS[world] = job.result()
+            else:
+                _RESULTS[world] = _group(world, tmp_path_factory.mktemp(f"group{world}"))
         except Exception as exc:
             _RESULTS[world] = exc
             raise

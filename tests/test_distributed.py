@@ -1133,7 +1133,8 @@ def test_dim_and_subgroups(group_results: Any) -> None:
 
 
 def test_all_tests_left_no_children() -> None:
-    assert multiprocessing.active_children() == []
+    # (a group still running in the background is not a test's: it is joined when it ends)
+    assert set(multiprocessing.active_children()) <= spawned_groups.running()
 
 
 # ---------------------------------------------------------------------- single-process checks

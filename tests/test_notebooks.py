@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
 
 import nbformat
 import pytest
+import spawned_groups
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -26,19 +34,71 @@ def test_notebook_is_stored_without_outputs(path: pathlib.Path) -> None:
             assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
 
 
+_EXECUTE = """
+import sys, nbformat
+from nbclient import NotebookClient
+nb = nbformat.read(sys.argv[1], as_version=4)
+client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": sys.argv[2]}})
+try:
+    client.execute()  # raises CellExecutionError, naming the cell, on any error
+finally:
+    nbformat.write(nb, sys.argv[3])
+"""
+DEADLINE_S = 300.0
+
+
+def execute(path: pathlib.Path, out: pathlib.Path) -> tuple[int, str, Any]:
+    """Run the notebook top to bottom in a kernel of its own (from a fresh interpreter, so that
+    it can run in the background: :func:`background_job`): the return code, the end of the
+    output, and the executed notebook (``None`` where none was written)."""
+    root = str(path.parent.parent)
+    env = {
+        **os.environ,
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "MPLBACKEND": "Agg",
+    }
+    written = out / f"{path.stem}.ipynb"
+    with (out / f"{path.stem}.log").open("w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _EXECUTE, str(path), root, str(written)],
+            cwd=root,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + DEADLINE_S
+        while (
+            proc.poll() is None and time.monotonic() < deadline and not spawned_groups.STOP.is_set()
+        ):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.2)
+        if proc.poll() is None:  # past the deadline, or the session ended: the kernel too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        text = log.read()[-4000:]
+    nb = nbformat.read(written, as_version=4) if written.exists() else None
+    return proc.returncode, text, nb
+
+
+def background_job(item: pytest.Item) -> Any:
+    """The notebook a ``test_notebook_runs`` item runs, as a job started at collection."""
+    path = getattr(item, "callspec", None) and item.callspec.params.get("path")
+    if getattr(item, "originalname", None) != "test_notebook_runs" or path is None:
+        return None
+    return ("notebook", path.stem), lambda: functools.partial(
+        execute, path, spawned_groups.scratch(f"notebook-{path.stem}")
+    )
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbclient import NotebookClient
-
-    root = str(path.parent.parent)
-    monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": root}}
-    )
-    client.execute()  # raises CellExecutionError, naming the cell, on any error
+def test_notebook_runs(path: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    job = spawned_groups.started(("notebook", path.stem))
+    returncode, output, nb = job.result() if job is not None else execute(path, tmp_path)
+    assert returncode == 0, output
+    assert nb is not None
     errors = [
         out
         for cell in nb.cells
@@ -47,3 +107,4 @@ def test_notebook_runs(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> N
         if out.output_type == "error"
     ]
     assert not errors
+    assert all(cell.execution_count for cell in nb.cells if cell.cell_type == "code")

@@ -11,17 +11,21 @@ are measured here too. Select with ``-m transformers``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import optree
 import pytest
+import spawned_groups
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -805,31 +809,55 @@ import treegather as tg
 """
 
 
-@pytest.fixture(scope="module")
-def import_orders() -> dict[str, tuple[int, str, str]]:
+def run_import_orders(out: Path) -> dict[str, tuple[int, str, str]]:
     """Both import orders below, each in a fresh interpreter, started side by side (their
     imports of torch and transformers overlap): ``(returncode, stdout, stderr)`` per order."""
-    procs = {
-        order: subprocess.Popen(
-            [sys.executable, "-c", code + _USE],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+    procs = {}
+    for order, code in (("later", _LATER), ("exported", _EXPORTED)):
+        with (out / f"{order}.out").open("w") as o, (out / f"{order}.err").open("w") as e:
+            procs[order] = subprocess.Popen(
+                [sys.executable, "-c", code + _USE],
+                cwd=ROOT,
+                stdout=o,
+                stderr=e,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
+    deadline = time.monotonic() + 120
+    for proc in procs.values():
+        while proc.poll() is None and time.monotonic() < deadline:
+            if spawned_groups.STOP.is_set():
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.2)
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return {
+        order: (
+            proc.returncode,
+            (out / f"{order}.out").read_text(),
+            (out / f"{order}.err").read_text(),
         )
-        for order, code in (("later", _LATER), ("exported", _EXPORTED))
+        for order, proc in procs.items()
     }
-    out = {}
-    for order, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for p in procs.values():
-                p.kill()
-            raise
-        out[order] = (proc.returncode, stdout, stderr)
-    return out
+
+
+def background_job(item: pytest.Item) -> Any:
+    """The two fresh interpreters of ``import_orders``, as a job started at collection."""
+    if "import_orders" not in getattr(item, "fixturenames", ()):
+        return None
+    return ("import_orders",), lambda: functools.partial(
+        run_import_orders, spawned_groups.scratch("import_orders")
+    )
+
+
+@pytest.fixture(scope="module")
+def import_orders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str]]:
+    job = spawned_groups.started(("import_orders",))
+    if job is not None:
+        return job.result()  # type: ignore[no-any-return]
+    return run_import_orders(tmp_path_factory.mktemp("import_orders"))
 
 
 @pytest.mark.parametrize("order", ["later", "exported"])

@@ -25,6 +25,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -33,11 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(
-    scripts: dict[str, Path], out_dir: Path, deadline_s: float, nproc: int = 2
+    scripts: dict[str, Path],
+    out_dir: Path,
+    deadline_s: float,
+    nproc: int = 2,
+    stop: threading.Event | None = None,
 ) -> dict[str, str]:
     """Each script's stdout (rank 0's lines, then rank 1's, ...), from one ``torchrun
     --standalone`` launch; an ``AssertionError`` with the end of stderr when the launch fails
-    or is stopped at ``deadline_s``."""
+    or is stopped at ``deadline_s`` (or once ``stop`` is set: the session ended)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     args = [f"{name}={path}" for name, path in scripts.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHRUN_SCRIPTS_OUT": str(out_dir)}
@@ -50,11 +56,14 @@ def launch(
             env=env,
             start_new_session=True,  # one process group: torchrun (its workers: their own)
         )
-    try:
-        proc.wait(timeout=deadline_s)
-        late = False
-    except subprocess.TimeoutExpired:
-        late = True
+    deadline = time.monotonic() + deadline_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+    late = proc.poll() is None
+    if late:
         os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops its workers
         try:
             proc.wait(timeout=15)
