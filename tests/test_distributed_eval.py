@@ -1251,15 +1251,16 @@ def test_the_evaluation_benchmark_runs(ranks: Any) -> None:
         )
         ev, add, sync = bench["evaluation"], bench["add"], bench["sync_grads"]
         # Every implementation installed here ran (each was checked against the dataset
-        # before timing); treegather and the floor always do.
+        # before timing); treegather and the floors always do.
         names = ev["implementations"]
-        assert {"treegather", "floor"} <= set(names)
+        assert {"treegather", "floor", "floor_joined"} <= set(names)
         assert sorted(names + ev["missing"]) == sorted(evaluation.LABELS)
         for name in names:
             assert ev[f"{name}_ms"] > 0 and ev[f"{name}_cpu_ms"] >= 0, name
             assert ev[f"treegather_vs_{name}"] > 0, name
             assert ev["collectives"][name] >= 1, name
         assert ev["collectives"]["treegather"] == 1 and ev["collectives"]["floor"] == 1
+        assert ev["collectives"]["floor_joined"] == 1
         if rank == 0:
             assert "calls on rank 0" in ev["profile"] and "all_gather" in ev["profile"]
         else:

@@ -23,7 +23,11 @@ runs). It measures:
   - ``floor``: the least any such exchange does: one ``all_gather_into_tensor`` of this rank's
     tensor bytes and its ids' UTF-8 bytes (padded to the largest rank's size), every other
     rank's ids decoded, the rows picked into dataset order (the order, the sizes and the rows'
-    places worked out once beforehand, untimed; no checks).
+    places worked out once beforehand, untimed; no checks; this rank's batches joined into the
+    bytes it sends beforehand, untimed, too);
+  - ``floor_joined``: the floor, with this rank's batches joined into the bytes it sends in
+    the call (each tensor's batches concatenated, the ids encoded), as every other
+    implementation, which starts from the batches in hand, must.
 
   Every result is checked against the dataset before timing. Each round times every
   implementation once, in an order rotated from round to round, each call after a barrier with
@@ -205,25 +209,33 @@ def _accelerate(batches: list[Outputs]) -> Callable[[], Any] | None:
     return call
 
 
-def _floor(batches: list[Outputs]) -> Callable[[], Any]:
+def _floor(batches: list[Outputs], joined: bool = False) -> Callable[[], Any]:
     """One ``all_gather_into_tensor`` of this rank's tensor bytes and ids (UTF-8, joined by
     ``"\x00"``), padded to the largest rank's; every other rank's ids decoded; the rows picked
-    into dataset order. Sizes, places and the order are worked out here, untimed."""
+    into dataset order. Sizes, places and the order are worked out here, untimed; so are this
+    rank's batches joined into the bytes sent, unless ``joined`` (then each call joins them)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = {key: torch.cat([b[key] for b in batches]) for key in TENSORS}
     ids = [i for b in batches for i in b["ids"]]
-    encoded = "\x00".join(ids).encode()
-    tensors = torch.cat([local[key].reshape(-1).view(torch.uint8) for key in TENSORS])
-    sizes = [[int(v) for v in row] for row in _per_rank([len(ids), len(encoded)]).tolist()]
+
+    def fill(buf: torch.Tensor) -> list[str]:  # this rank's batches, joined into its bytes
+        local = [torch.cat([b[key] for b in batches]) for key in TENSORS]
+        tensors = torch.cat([t.reshape(-1).view(torch.uint8) for t in local])
+        own = [i for b in batches for i in b["ids"]]
+        encoded = "\x00".join(own).encode()
+        buf[: tensors.numel()] = tensors
+        if encoded:
+            buf[tensors.numel() : tensors.numel() + len(encoded)] = torch.frombuffer(
+                bytearray(encoded), dtype=torch.uint8
+            )
+        return own
+
+    encoded_size = len("\x00".join(ids).encode())
+    sizes = [[int(v) for v in row] for row in _per_rank([len(ids), encoded_size]).tolist()]
     width = -(-max(n * 56 + m for n, m in sizes) // 8) * 8  # 10 float32, 2 int64, the ids
     buf = torch.zeros(width, dtype=torch.uint8)
-    buf[: tensors.numel()] = tensors
-    if encoded:
-        buf[tensors.numel() : tensors.numel() + len(encoded)] = torch.frombuffer(
-            bytearray(encoded), dtype=torch.uint8
-        )
+    fill(buf)
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, local["index"])
+    dist.all_gather_object(every, torch.cat([b["index"] for b in batches]))
     index = torch.cat(every)
     ordered, perm = torch.sort(index, stable=True)
     first = torch.ones_like(ordered, dtype=torch.bool)
@@ -232,6 +244,7 @@ def _floor(batches: list[Outputs]) -> Callable[[], Any]:
     gather = flat_all_gather(buf)
 
     def call() -> Outputs:
+        own = fill(buf) if joined else ids
         raw = gather().view(world, width)
         parts: dict[str, list[torch.Tensor]] = {key: [] for key in TENSORS}
         names: list[str] = []
@@ -241,7 +254,7 @@ def _floor(batches: list[Outputs]) -> Callable[[], Any]:
             parts["labels"].append(row[n * 40 : n * 48].view(torch.int64))
             parts["index"].append(row[n * 48 : n * 56].view(torch.int64))
             if r == rank:
-                names += ids
+                names += own
             elif n:
                 names += row[n * 56 : n * 56 + m].numpy().tobytes().decode().split("\x00")
         out: Outputs = {key: torch.cat(parts[key]).index_select(0, pick) for key in TENSORS}
@@ -267,6 +280,7 @@ def _peers_row(
         "torchmetrics": _torchmetrics(batches),
         "accelerate": _accelerate(batches),
         "floor": _floor(batches),
+        "floor_joined": _floor(batches, joined=True),
     }
     calls = {name: fn for name, fn in found.items() if fn is not None}
     counted: dict[str, int] = {}
@@ -507,6 +521,7 @@ LABELS = {
     "torchmetrics": "torchmetrics-style (gather_all_tensors, all_gather_object)",
     "accelerate": "accelerate gather_for_metrics per batch",
     "floor": "floor (one collective, ids decoded, rows picked)",
+    "floor_joined": "floor, this rank's batches joined in the call",
 }
 
 
