@@ -6,12 +6,13 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import spawned_groups
 import torch
+import torch.distributed as dist
 from _pytest.doctest import DoctestItem
 from hypothesis import HealthCheck, settings
 
@@ -49,6 +50,16 @@ def _cold_caches() -> None:
     """Every test starts cold, as in a fresh process: no structure, plan or compiled code
     cached by an earlier test can decide (or hide) what this one sees."""
     treegather.clear_caches()
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A gloo group of this process alone (a HashStore: no port), for single-rank checks."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(params=_device_sets())

@@ -1140,15 +1140,6 @@ def test_all_tests_left_no_children() -> None:
 # ---------------------------------------------------------------------- single-process checks
 
 
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_uninitialised_group_is_a_clear_error() -> None:
     import treegather.distributed as tgd
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from corpus import FILLS_THAT_DO_NOT_FIT, FOREIGN
 from torch import nn
 
@@ -291,15 +290,6 @@ def _jactorch() -> dict[str, Call]:
 
 
 _cases("jactorch", _jactorch())
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _distributed() -> dict[str, Call]:

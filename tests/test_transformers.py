@@ -32,6 +32,23 @@ from torch import nn
 
 import treegather as tg
 
+# The tiny models (and their constants) shared with the step benchmark (`python -m
+# treegather.benchmarks.steps --transformers`), defined once there: it times what these check.
+from treegather.benchmarks.architectures import (
+    EAGER,
+    PAD,
+    TOKENS,
+    VOCAB,
+    _bart,
+    _bert,
+    _clip,
+    _gpt2,
+    _llama,
+    _t5,
+    _vit,
+    _wav2vec2,
+)
+
 transformers = pytest.importorskip("transformers")
 T: Any = transformers
 
@@ -40,10 +57,6 @@ pytestmark = pytest.mark.transformers
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu"] * 3
 N = 7  # rows: shards of 3, 2 and 2
-VOCAB = 64
-PAD = 0
-EAGER = {"attn_implementation": "eager"}  # attentions are returned by the eager kernels
-TOKENS = {"pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2}
 
 
 # ---------------------------------------------------------------------------- architectures
@@ -64,43 +77,6 @@ def _ids(g: torch.Generator, rows: int = N, length: int = 6) -> torch.Tensor:
     return torch.randint(3, VOCAB, (rows, length), generator=g)
 
 
-def _bert() -> nn.Module:
-    config = T.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        num_labels=3,
-        pad_token_id=PAD,
-        **EAGER,
-    )
-    return T.BertForSequenceClassification(config)
-
-
-def _gpt2() -> nn.Module:
-    config = T.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, **TOKENS, **EAGER
-    )
-    return T.GPT2LMHeadModel(config)
-
-
-def _llama() -> nn.Module:
-    config = T.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        **TOKENS,
-        **EAGER,
-    )
-    return T.LlamaForCausalLM(config)
-
-
 def _mistral() -> nn.Module:
     config = T.MistralConfig(
         vocab_size=VOCAB,
@@ -117,101 +93,9 @@ def _mistral() -> nn.Module:
     return T.MistralForCausalLM(config)
 
 
-def _t5(**extra: Any) -> nn.Module:
-    config = T.T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        decoder_start_token_id=PAD,
-        pad_token_id=PAD,
-        eos_token_id=2,
-        **EAGER,
-        **extra,
-    )
-    return T.T5ForConditionalGeneration(config)
-
-
 def _t5_varied() -> nn.Module:
     """T5 at a larger init scale: at the default one, greedy decoding repeats the pad token."""
     return _t5(initializer_factor=5.0)
-
-
-def _bart() -> nn.Module:
-    config = T.BartConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=32,
-        decoder_start_token_id=2,
-        forced_eos_token_id=None,
-        **TOKENS,
-        **EAGER,
-    )
-    return T.BartForConditionalGeneration(config)
-
-
-def _vit() -> nn.Module:
-    config = T.ViTConfig(
-        image_size=16,
-        patch_size=8,
-        num_channels=3,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_labels=3,
-        **EAGER,
-    )
-    return T.ViTForImageClassification(config)
-
-
-def _wav2vec2() -> nn.Module:
-    config = T.Wav2Vec2Config(
-        vocab_size=16,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(4, 4),
-        conv_kernel=(8, 8),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=4,
-        mask_time_prob=0.0,
-        pad_token_id=PAD,
-        **EAGER,
-    )
-    return T.Wav2Vec2ForCTC(config)
-
-
-def _clip() -> nn.Module:
-    text = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=16,
-        **TOKENS,
-    )
-    vision = dict(
-        image_size=16,
-        patch_size=8,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-    )
-    config = T.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16, **EAGER)
-    return T.CLIPModel(config)
 
 
 def _whisper() -> nn.Module:

@@ -105,7 +105,7 @@ def _llama() -> nn.Module:
     return t.LlamaForCausalLM(config)
 
 
-def _t5() -> nn.Module:
+def _t5(**extra: Any) -> nn.Module:
     t = _t()
     config = t.T5Config(
         vocab_size=VOCAB,
@@ -118,6 +118,7 @@ def _t5() -> nn.Module:
         pad_token_id=PAD,
         eos_token_id=2,
         **EAGER,
+        **extra,
     )
     return t.T5ForConditionalGeneration(config)
 
