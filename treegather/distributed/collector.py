@@ -21,12 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .._devices import DeviceLike, as_device
-from .._errors import (
-    BatchSizeError,
-    StateError,
-    StructureMismatchError,
-    TreegatherError,
-)
+from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import AsList
 from .._tree import display_path
