@@ -120,16 +120,53 @@ def _scatter_cpu_tensors(
     dim: int,
     move: bool = False,
     spec: Any = None,
-    rows: bool = False,
-) -> Any:
+) -> Shards | None:
     """Default rules, every leaf a CPU tensor of >= 1 dim with one batch size: split in C;
     with ``move``, each device's pieces are then copied there with :func:`coalesced_to` (one
     copy per dtype for the small ones). The trees are built with ``spec``'s containers (the
-    input's own structure when it is not ``st.spec``; ``None``: ``st.spec``) into
-    :class:`Shards`; with ``rows``, ``(pieces per leaf, batch size, shards)`` is returned.
+    input's own structure when it is not ``st.spec``; ``None``: ``st.spec``).
 
     ``None`` (not applicable) for anything else: the reference steps handle and report it.
     """
+    found = _split_cpu(leaves, devs, dim)
+    if found is None:
+        return None
+    columns, n = found
+    if move:
+        moved = [coalesced_to(row, d) for row, d in zip(zip(*columns), devs)]
+        columns = list(zip(*moved))
+    return _shards(columns, st, st.spec if spec is None else spec, n, devs)
+
+
+def _scatter_cpu_mixed(
+    leaves: list[Any],
+    types: list[type],
+    st: Structure,
+    devs: tuple[torch.device, ...],
+    dim: int,
+    spec: Any,
+) -> Shards | None:
+    """:func:`_scatter_cpu_tensors` for tensors next to plain values (bools, numbers,
+    strings): the tensors split in C, each plain value given to every device as it is (the
+    same object, as the default rule's broadcast gives it)."""
+    at = [i for i, t in enumerate(types) if t is Tensor]
+    found = _split_cpu(list(map(leaves.__getitem__, at)), devs, dim)
+    if found is None:
+        return None
+    split, n = found
+    k = len(split[0])
+    columns: list[Any] = [(leaf,) * k for leaf in leaves]
+    for i, column in zip(at, split):
+        columns[i] = column
+    return _shards(columns, st, spec, n, devs)
+
+
+def _split_cpu(
+    leaves: list[Any], devs: tuple[torch.device, ...], dim: int
+) -> tuple[list[Any], int] | None:
+    """Every leaf (a CPU tensor of >= 1 dim, one batch size) split in C into one piece per
+    device (fewer for fewer rows): ``(pieces per leaf, batch size)``; ``None`` where that
+    does not apply."""
     count = len(leaves)  # (every leaf a Tensor: the caller checked)
     if not count or not all(map(_IS_CPU, leaves)):  # (a meta tensor is not on the CPU either)
         return None
@@ -152,46 +189,21 @@ def _scatter_cpu_tensors(
             columns = list(map(split, leaves, repeat(k, count)))
     except (RuntimeError, NotImplementedError):  # sparse or nested: the reference explains
         return None
-    if rows:
-        return columns, n, k
-    if move:
-        moved = [coalesced_to(row, d) for row, d in zip(zip(*columns), devs)]
-        columns = list(zip(*moved))
-    if spec is None:
-        spec = st.spec
+    return columns, n
+
+
+def _shards(
+    columns: list[Any], st: Structure, spec: Any, n: int, devs: tuple[torch.device, ...]
+) -> Shards:
+    """The shards of ``n`` rows from each leaf's pieces, built with ``spec``'s containers
+    (the structure's generated builder where ``spec`` is its own)."""
+    k = len(columns[0])
     build = st.builder(k) if spec is st.spec else None
     if build is not None:
         trees = build(*columns)
     else:
         unflatten = spec.unflatten
         trees = [unflatten(c) for c in zip(*columns)]
-    return Shards(trees, balanced(n, k), devs[:k])
-
-
-def _scatter_cpu_mixed(
-    leaves: list[Any],
-    types: list[type],
-    st: Structure,
-    devs: tuple[torch.device, ...],
-    dim: int,
-    spec: Any,
-) -> Shards | None:
-    """:func:`_scatter_cpu_tensors` for tensors next to plain values (bools, numbers,
-    strings): the tensors split in C, each plain value given to every device as it is (the
-    same object, as the default rule's broadcast gives it)."""
-    at = [i for i, t in enumerate(types) if t is Tensor]
-    found = _scatter_cpu_tensors(list(map(leaves.__getitem__, at)), st, devs, dim, rows=True)
-    if found is None:
-        return None
-    split, n, k = found
-    columns: list[Any] = [(leaf,) * k for leaf in leaves]
-    for i, column in zip(at, split):
-        columns[i] = column
-    build = st.builder(k) if spec is st.spec else None
-    if build is not None:
-        trees = build(*columns)
-    else:
-        trees = [spec.unflatten(c) for c in zip(*columns)]
     return Shards(trees, balanced(n, k), devs[:k])
 
 
