@@ -265,11 +265,10 @@ class Kept:
         # Every key of every original is read each step (so a key replaced by another, at the
         # same size, is missed by one read): the atoms, the other plain entries, the tables,
         # and here the rest (a compiled module's own entries).
-        covered = [set(_REQUIRED)] * m
-        covered = [
-            covered[i].union(*(self.atom_keys[s] for s in range(i, len(keys_of), m)))
-            for i in range(m)
+        atoms_of = [
+            set().union(*(self.atom_keys[s] for s in range(i, len(keys_of), m))) for i in range(m)
         ]
+        covered = [atoms | _REQUIRED for atoms in atoms_of]
         for s, keys in zip(self.obj_at, self.obj_keys):
             covered[s % m] = covered[s % m].union(keys)
         self.rest_getters = []
@@ -278,9 +277,6 @@ class Kept:
             if rest:
                 self.rest_getters.append((i, _getter(rest)))
         # The training flags not compared with the atoms (not a bool): compared on their own.
-        atoms_of = [
-            set().union(*(self.atom_keys[s] for s in range(i, len(keys_of), m))) for i in range(m)
-        ]
         self.training_at = [
             i for i, od in enumerate(ods) if "training" in od and "training" not in atoms_of[i]
         ]
