@@ -96,9 +96,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The tests that read a multi-process run's results go last, in their order: their runs
     # start at collection, in the background (pytest_collection_finish), and have the
     # single-process tests' time to finish.
-    items[:] = [i for i in items if _background_job(i) is None] + [
-        i for i in items if _background_job(i) is not None
-    ]
+    items.sort(key=lambda item: _background_job(item) is not None)  # (a stable sort)
     # The doctests run once, in this session (the test command collects treegather/ with
     # --doctest-modules): a run that collects the package must find them, or it fails here.
     if any(pathlib.Path(arg).resolve() == PACKAGE for arg in config.args):
