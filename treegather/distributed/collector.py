@@ -68,8 +68,9 @@ class Payload(NamedTuple):
     indices: Tensor  # the dataset index of every row, in add order
     rows: Tensor  # rows per add
     values: tuple[Any, ...]  # per plan position: a tensor of every row, Texts, or Opaque
-    # (the structure down to the nodes taken whole, what each position is, the first add's)
-    shape: Opaque
+    # The pickle of (the structure down to the nodes taken whole, what each position is, the
+    # first add's): equal bytes, the same structure with the same dict key order.
+    shape: bytes
 
 
 class _Add(NamedTuple):
@@ -261,7 +262,7 @@ class Collector:
                 )
             self._done = True
             adds, self._adds = self._adds, []  # (let go of them: the payload holds what travels)
-        plans: dict[Any, tuple[Plan, list[int], Any]] = {}
+        plans: dict[bytes, tuple[Plan, list[Any]]] = {}  # this rank's: its plan, its values
         local: Any = None
         unexpected: Exception | None = None
         try:
@@ -320,7 +321,6 @@ class Collector:
         """This rank's adds concatenated: per-sample leaves in one piece, the others listed."""
         trees = [add.outputs for add in adds]
         plan, kinds, spec0 = plan_of(trees[0], layout)
-        plans[spec0] = (plan, kinds, spec0)
         up = plan.up_spec
         try:
             values = list(map(up.flatten_up_to, trees))
@@ -365,7 +365,10 @@ class Collector:
             )
             for p, (k, v) in enumerate(zip(kinds, combined))
         )
-        shape = Opaque((up, tuple(kinds), spec0))  # (ranks compare the first two)
+        shape = pickle.dumps(
+            (up, tuple(kinds), spec0), pickle.HIGHEST_PROTOCOL
+        )  # (ranks compare the first two)
+        plans[shape] = (plan, combined)
         return Payload(idx, torch.tensor(rows), wrapped, shape)
 
     def _target(self, values: list[list[Any]] | None = None) -> torch.device:
@@ -388,30 +391,40 @@ class Collector:
         if not present:
             self.indices = torch.zeros(0, dtype=torch.int64)
             return None
-        up, kinds, spec = present[0][1].shape.value
-        found = plans.get(spec)
-        if found is not None and not _same_order(found[2], spec):
-            found = None  # (the first rank's dict keys in another order: its plan, its order)
+        first = present[0][1].shape
+        up, kinds, spec = pickle.loads(first)
+        if any(p.shape != first for _, p in present[1:]):  # (dict keys in another order too)
+            if any(pickle.loads(p.shape)[:2] != (up, kinds) for _, p in present[1:]):
+                _raise_differences(present)
+        found = plans.get(first)  # (where the first rank's keys are in this rank's order)
         plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
-        if any(p.shape.value[:2] != (up, kinds) for _, p in present[1:]):
-            _raise_differences(present)
         device = self._target()
         rules = rules_of(plan)
         up = plan.up_spec
         order = dataset_order([p.indices for _, p in present])
-        per_rank = [[arrived(v) for v in p.values] for _, p in present]
+        own = dict(present).get(dist.get_rank() if _initialized() else 0)
+        mine = plans[own.shape][1] if own is not None else ()
+        per_rank = [  # (this rank's strings as it had them, not decoded again)
+            [m if type(v) is Texts else arrived(v) for v, m in zip(p.values, mine)]
+            if p is own
+            else list(map(arrived, p.values))
+            for _, p in present
+        ]
         plain = [all(isinstance(p.values[j], Texts) for _, p in present) for j in range(len(kinds))]
-        values = per_rank[0]
+        values = [v if k == PER_ADD else [v] for k, v in zip(kinds, per_rank[0])]
         if len(per_rank) > 1:
 
             def reference() -> list[Any]:  # the definition: gather over the ranks
                 cross = up.unflatten([CROSS[k](r) for k, r in zip(kinds, rules)])
                 trees = [up.unflatten(v) for v in per_rank]
                 names = [r for r, _ in present]
-                return up.flatten_up_to(gather_noted(trees, device, cross, None, "rank {r}", names))
+                got = up.flatten_up_to(gather_noted(trees, device, cross, None, "rank {r}", names))
+                return [v if k == PER_ADD else [v] for k, v in zip(kinds, got)]  # (as parts)
 
-            values = join(list(zip(*per_rank)), kinds, rules, device, reference, plain=plain)
-        out = [v if k == PER_ADD else placed([v], order) for k, v in zip(kinds, values)]
+            values = join(
+                list(zip(*per_rank)), kinds, rules, device, reference, plain=plain, parts=True
+            )
+        out = [v if k == PER_ADD else placed(v, order) for k, v in zip(kinds, values)]
         if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
             rows = torch.cat([p.rows for _, p in present]).tolist()
             many = len(present) > 1
@@ -442,18 +455,6 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
     if dst is None:
         return finish(protocol.all_gather(local, AsList(), group, 0, None, False, COLLECT))
     return protocol.gather(local, dst, AsList(), group, 0, None, finish, COLLECT)
-
-
-def _same_order(mine: Any, first: Any) -> bool:
-    """Whether two equal structures also list their dicts' keys in the same order (optree's
-    ``==`` and hash do not tell; unflattening follows the order). The result follows the first
-    rank's."""
-    if mine is first:
-        return True
-    try:
-        return pickle.dumps(mine) == pickle.dumps(first)
-    except Exception:  # (a node that does not pickle came from this rank alone)
-        return True
 
 
 def _initialized() -> bool:
@@ -588,7 +589,7 @@ def _raise_differences(present: list[tuple[int, Any]]) -> NoReturn:
     """The ranks' adds differ in structure, or (the same structure) in which leaves are per
     sample: name them."""
     named = {SAMPLES: "per sample", ITEMS: "a per-sample list", PER_ADD: "one value per add"}
-    shapes = [p.shape.value for _, p in present]
+    shapes = [pickle.loads(p.shape) for _, p in present]
     same = all(s[0] == shapes[0][0] for s in shapes)
 
     def said(up: Any, kinds: list[int]) -> list[tuple[str, str]]:

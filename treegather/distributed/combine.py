@@ -17,6 +17,7 @@ import torch
 from .. import _tree
 from .._errors import TreegatherError
 from .._gather import gather as _gather_local
+from .._rules import AsList
 from . import payload, wire
 from .errors import rank_note
 from .grads import connect as _connect_grads
@@ -50,6 +51,8 @@ def fast(
         own = [local.leaves[i] for i in plan.grads]
         _connect_grads(per_rank, [plan.grads] * len(ranks), own, g.rank, g.handle, g.device)
     trees = [spec.unflatten(leaves) for leaves in per_rank]
+    if type(layout) is AsList:  # (the trees untouched, as the rule returns them)
+        return trees
     sizes: list[Any] = received.sizes if received.sizes is not None else [None]
     return rules(ranks, trees, target, layout, dim, sizes)
 

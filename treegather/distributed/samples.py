@@ -278,6 +278,7 @@ def join(
     per_add: bool = False,
     types: dict[int, set[type]] | None = None,
     plain: Sequence[bool] = (),
+    parts: bool = False,
 ) -> list[Any]:
     """Each position's values (one per add, or one per rank) joined as its rule joins them:
     tensors concatenated (``cat``) or padded (``pad``), lists one after the other (per-add
@@ -287,7 +288,8 @@ def join(
     :func:`treegather.gather` with the same rules, which gives the same result or names the
     problem; so does every call under :func:`treegather._caches.reference_only`. ``types``
     receives the item types of each list position it joined; ``plain``: the positions known to
-    hold strings only.
+    hold strings only; ``parts``: per-sample positions left as their parts (checked), for
+    :func:`placed` to join in the result's order.
     """
     if not FAST_PATHS.on:  # the one fast-path switch: the definition only
         return reference()
@@ -300,21 +302,23 @@ def join(
                 if isinstance(rule, Pad) and not fill_fits(rule.fill, col[0].dtype):
                     return reference()  # (which names the leaf)
                 if isinstance(rule, Pad):
-                    out.append(rule.combine(col, Combining(device, True, None, 0)))
+                    padded = rule.combine(col, Combining(device, True, None, 0))
+                    out.append([padded] if parts else padded)
                 else:
-                    out.append(torch.cat(col) if len(col) > 1 else col[0])
+                    out.append(col if parts else torch.cat(col) if len(col) > 1 else col[0])
             elif kind == PER_ADD:
                 out.append(list(col) if per_add else list(chain.from_iterable(col)))
             else:
                 if not all(type(v) in (list, tuple) for v in col) or len(set(map(type, col))) > 1:
                     return reference()
-                items = list(chain.from_iterable(col))
-                found: set[type] = {str} if p < len(plain) and plain[p] else set(map(type, items))
+                known = p < len(plain) and plain[p]
+                items = [] if known and parts else list(chain.from_iterable(col))
+                found: set[type] = {str} if known else set(map(type, items))
                 if Tensor in found:  # tensors among the items: moved there
                     return reference()
                 if types is not None:
                     types[p] = found
-                out.append(tuple(items) if type(col[0]) is tuple else items)
+                out.append(col if parts else tuple(items) if type(col[0]) is tuple else items)
     return out
 
 
@@ -357,12 +361,14 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
     """
     idx = torch.cat(list(parts)) if len(parts) != 1 else parts[0].clone()
     n = idx.numel()
-    if n < 2 or bool((idx[1:] > idx[:-1]).all()):
+    if n < 2 or (len(parts) == 1 and bool((idx[1:] > idx[:-1]).all())):  # (one part, in order)
         return Order(idx, None)
     lo, hi = (int(v) for v in torch.aminmax(idx))
     if lo >= 0 and hi < 2 * n + 1024:  # dense indices: one scatter, no sort
         first = torch.full((hi + 1,), n, dtype=torch.int64)
         first.scatter_reduce_(0, idx, torch.arange(n), "amin")
+        if lo == 0 and bool((first < n).all()):  # every index from 0 to the last: no gaps
+            return Order(torch.arange(hi + 1), first)
         kept = (first < n).nonzero().squeeze(1)
         return Order(kept, first.index_select(0, kept))
     ordered, order = torch.sort(idx, stable=True)
@@ -402,10 +408,9 @@ def _spans(lengths: list[int], perm: Tensor) -> list[tuple[int, int, int]] | Non
     kept = [(n - r + w - 1) // w for r in range(w)]
     if any(k > m for k, m in zip(kept, lengths)):
         return None
-    at = torch.tensor(list(accumulate(lengths[:-1], initial=0)))
-    j = torch.arange(n)
-    if not torch.equal(perm, at[j % w] + j // w):
-        return None
+    for r, start in enumerate(accumulate(lengths[:-1], initial=0)):  # part r's first rows
+        if not torch.equal(perm[r::w], torch.arange(start, start + kept[r])):
+            return None
     return [(r, w, k) for r, k in enumerate(kept)]
 
 
