@@ -599,7 +599,8 @@ def _check_order(parts: list[torch.Tensor]) -> None:
     order = dataset_order(parts)
     perm, kept = _first_seen(parts)
     assert order.kept.tolist() == kept, parts
-    assert (order.perm.tolist() if order.perm is not None else list(range(len(kept)))) == perm
+    at = order.positions()
+    assert (at.tolist() if at is not None else list(range(len(kept)))) == perm
     rows = [torch.randn(p.numel(), 2) for p in parts]
     got = placed(rows, order)
     assert torch.equal(got, torch.cat(rows)[perm]) and all(

@@ -262,7 +262,7 @@ class Collector:
                 )
             self._done = True
             adds, self._adds = self._adds, []  # (let go of them: the payload holds what travels)
-        plans: dict[bytes, tuple[Plan, list[Any]]] = {}  # this rank's: its plan, its values
+        plans: dict[bytes, tuple[Plan, list[int], list[Any]]] = {}  # this rank's: plan, values
         local: Any = None
         unexpected: Exception | None = None
         try:
@@ -335,7 +335,8 @@ class Collector:
                         "cat_items())"
                     ) from None
             raise
-        rows = rows_per_add(values, plan, kinds)
+        columns = list(zip(*values))
+        rows = rows_per_add(columns, plan, kinds)
         idx, taken = _indices(rows, adds, source)
         _complete(taken, source, partial)
         device = self._target(values)
@@ -350,9 +351,7 @@ class Collector:
             )
 
         types: dict[int, set[type]] = {}
-        combined = join(
-            list(zip(*values)), kinds, rules, device, reference, per_add=True, types=types
-        )
+        combined = join(columns, kinds, rules, device, reference, per_add=True, types=types)
         sent = _initialized()  # (pickled now, so that what does not pickle is named here)
         wrapped = tuple(
             v
@@ -365,10 +364,8 @@ class Collector:
             )
             for p, (k, v) in enumerate(zip(kinds, combined))
         )
-        shape = pickle.dumps(
-            (up, tuple(kinds), spec0), pickle.HIGHEST_PROTOCOL
-        )  # (ranks compare the first two)
-        plans[shape] = (plan, combined)
+        shape = pickle.dumps((up, tuple(kinds), spec0), pickle.HIGHEST_PROTOCOL)
+        plans[shape] = (plan, kinds, combined)
         return Payload(idx, torch.tensor(rows), wrapped, shape)
 
     def _target(self, values: list[list[Any]] | None = None) -> torch.device:
@@ -392,18 +389,18 @@ class Collector:
             self.indices = torch.zeros(0, dtype=torch.int64)
             return None
         first = present[0][1].shape
-        up, kinds, spec = pickle.loads(first)
-        if any(p.shape != first for _, p in present[1:]):  # (dict keys in another order too)
+        found = plans.get(first)  # (this rank's plan, where the first rank's keys are in its order)
+        if found is None or any(p.shape != first for _, p in present[1:]):
+            up, kinds, spec = pickle.loads(first)  # (ranks compare the first two)
             if any(pickle.loads(p.shape)[:2] != (up, kinds) for _, p in present[1:]):
                 _raise_differences(present)
-        found = plans.get(first)  # (where the first rank's keys are in this rank's order)
-        plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
+        plan, kinds = found[:2] if found else (resolve(spec, layout, "gather", 0, ROOT), kinds)
         device = self._target()
         rules = rules_of(plan)
         up = plan.up_spec
         order = dataset_order([p.indices for _, p in present])
         own = dict(present).get(dist.get_rank() if _initialized() else 0)
-        mine = plans[own.shape][1] if own is not None else ()
+        mine = plans[own.shape][2] if own is not None else ()
         per_rank = [  # (this rank's strings as it had them, not decoded again)
             [m if type(v) is Texts else arrived(v) for v, m in zip(p.values, mine)]
             if p is own

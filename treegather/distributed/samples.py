@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 import pickle
 from collections.abc import Callable, Sequence
-from itertools import accumulate, chain, compress
+from itertools import chain, compress
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
@@ -188,8 +188,9 @@ def _lists_need_a_rule(plan: Plan, kinds: list[int], values: list[Any]) -> None:
         )
 
 
-def rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[int]:
-    """Each add's rows, from its per-sample leaves (which must agree within the add)."""
+def rows_per_add(columns: list[tuple[Any, ...]], plan: Plan, kinds: list[int]) -> list[int]:
+    """Each add's rows, from its per-sample leaves (``columns``: each position's values, one
+    per add), which must agree within the add."""
     if SAMPLES not in kinds and ITEMS not in kinds:
         raise BatchSizeError(
             "the Collector found no per-sample leaf in the outputs (a tensor with the batch dim "
@@ -197,7 +198,7 @@ def rows_per_add(values: list[list[Any]], plan: Plan, kinds: list[int]) -> list[
             "to samples"
         )
     sample = [p for p, k in enumerate(kinds) if k != PER_ADD]
-    columns = list(zip(*values)) if values else []
+    values = list(zip(*columns))
     try:  # every per-sample value's rows, one C pass per position; equal: the rows
         lengths = [
             list(map(_ROWS if type(columns[p][0]) is Tensor else len, columns[p])) for p in sample
@@ -348,7 +349,16 @@ class Order(NamedTuple):
     """Where the ranks' rows go: each dataset index once (the first seen), in index order."""
 
     kept: Tensor  # the result's dataset indices, in order
-    perm: Tensor | None  # positions in the rows one after the other; None: as they are
+    perm: Tensor | None  # positions in the rows one after the other; None: as they are (or:)
+    dealt: tuple[tuple[int, int], ...] | None = None  # per part: where it starts, rows it keeps
+
+    def positions(self) -> Tensor | None:
+        """``perm``, or where the dealt rows are (part ``r``'s first rows at ``r``, ``r + w``,
+        ...) in the rows one after the other; ``None``: as they are."""
+        if self.dealt is None:
+            return self.perm
+        j, w = torch.arange(self.kept.numel()), len(self.dealt)
+        return torch.tensor([start for start, _ in self.dealt])[j % w] + j // w
 
 
 def dataset_order(parts: Sequence[Tensor]) -> Order:
@@ -356,19 +366,20 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
     index once (the first seen), in index order.
 
     >>> o = dataset_order([torch.tensor([0, 2, 4]), torch.tensor([1, 3, 0])])  # padded
-    >>> o.kept.tolist(), o.perm.tolist()
-    ([0, 1, 2, 3, 4], [0, 3, 1, 4, 2])
+    >>> o.kept.tolist(), o.positions().tolist(), o.dealt
+    ([0, 1, 2, 3, 4], [0, 3, 1, 4, 2], ((0, 3), (3, 2)))
     """
     idx = torch.cat(list(parts)) if len(parts) != 1 else parts[0].clone()
     n = idx.numel()
     if n < 2 or (len(parts) == 1 and bool((idx[1:] > idx[:-1]).all())):  # (one part, in order)
         return Order(idx, None)
     lo, hi = (int(v) for v in torch.aminmax(idx))
+    dealt = _dealt(parts, hi + 1) if lo == 0 else None
+    if dealt is not None:
+        return Order(torch.arange(hi + 1), None, dealt)
     if lo >= 0 and hi < 2 * n + 1024:  # dense indices: one scatter, no sort
         first = torch.full((hi + 1,), n, dtype=torch.int64)
         first.scatter_reduce_(0, idx, torch.arange(n), "amin")
-        if lo == 0 and bool((first < n).all()):  # every index from 0 to the last: no gaps
-            return Order(torch.arange(hi + 1), first)
         kept = (first < n).nonzero().squeeze(1)
         return Order(kept, first.index_select(0, kept))
     ordered, order = torch.sort(idx, stable=True)
@@ -377,41 +388,47 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
     return Order(ordered[keep], order[keep])
 
 
+def _dealt(parts: Sequence[Tensor], n: int) -> tuple[tuple[int, int], ...] | None:
+    """Each part's start and rows kept when the indices ``0`` to ``n - 1`` were dealt to the
+    parts in turn (part ``r``'s first rows ``r``, ``r + w``, ...: ``DistributedSampler``
+    without shuffling) and every other row repeats an index first seen before it (its
+    padding); else ``None``."""
+    w, start, out = len(parts), 0, []
+    for r, part in enumerate(parts):
+        k = (n - r + w - 1) // w
+        if part.numel() < k or not torch.equal(part[:k], torch.arange(r, r + w * k, w)):
+            return None
+        if part.numel() > k and bool((part[k:] % w > r).any()):  # first seen in a later part
+            return None
+        out.append((start, k))
+        start += part.numel()
+    return tuple(out)
+
+
 def placed(values: Sequence[Any], order: Order) -> Any:
     """One position's values of every part (tensors of one dtype and trailing shape, or lists
     of non-tensors), one after the other, in the result's order. Tensors are new ones (never
     views of a part) and lists new lists."""
-    first = values[0]
+    first, n = values[0], order.kept.numel()
+    if order.dealt is not None and len(values) == len(order.dealt):  # slices, no index per row
+        w = len(values)
+        joined: Any = (
+            first.new_empty((n, *first.shape[1:])) if type(first) is Tensor else [None] * n
+        )
+        for r, (v, (_, k)) in enumerate(zip(values, order.dealt)):
+            joined[r::w] = v if k == len(v) else v[:k]
+        return joined if type(first) is not tuple else tuple(joined)
+    perm = order.positions()
     if type(first) is Tensor:
         rows = torch.cat(list(values)) if len(values) > 1 else first
-        if order.perm is not None:
-            return rows.index_select(0, order.perm)
+        if perm is not None:
+            return rows.index_select(0, perm)
         return rows if len(values) > 1 else rows.clone()
-    spans = None if order.perm is None else _spans(list(map(len, values)), order.perm)
-    if spans is not None:  # each part's kept rows every few places: slices, no index per row
-        joined: list[Any] = [None] * order.kept.numel()
-        for (start, step, kept), v in zip(spans, values):
-            joined[start : start + step * (kept - 1) + 1 : step] = v if kept == len(v) else v[:kept]
-    else:
-        joined = list(chain.from_iterable(values))
-        if order.perm is not None:
-            picked = order.perm.tolist()
-            joined = list(itemgetter(*picked)(joined)) if len(picked) > 1 else [joined[picked[0]]]
+    joined = list(chain.from_iterable(values))
+    if perm is not None:
+        picked = perm.tolist()
+        joined = list(itemgetter(*picked)(joined)) if len(picked) > 1 else [joined[picked[0]]]
     return tuple(joined) if type(first) is tuple else joined
-
-
-def _spans(lengths: list[int], perm: Tensor) -> list[tuple[int, int, int]] | None:
-    """``(start, step, kept)`` per part (``lengths`` rows each, one after the other) when the
-    result's rows are dealt from the parts in turn, part ``r``'s first rows at ``r``, ``r + w``,
-    ... (``DistributedSampler`` without shuffling); else ``None``."""
-    w, n = len(lengths), perm.numel()
-    kept = [(n - r + w - 1) // w for r in range(w)]
-    if any(k > m for k, m in zip(kept, lengths)):
-        return None
-    for r, start in enumerate(accumulate(lengths[:-1], initial=0)):  # part r's first rows
-        if not torch.equal(perm[r::w], torch.arange(start, start + kept[r])):
-            return None
-    return [(r, w, k) for r, k in enumerate(kept)]
 
 
 def moved(tree: Any, device: torch.device | None) -> Any:
