@@ -15,6 +15,7 @@ import operator
 import pickle
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import accumulate
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -369,13 +370,9 @@ class Collector:
         return Payload(idx, torch.tensor(rows), wrapped, shape)
 
     def _target(self, values: list[list[Any]] | None = None) -> torch.device:
-        if self._device is not None:
-            return self._device
-        for row in values or ():
-            for x in row:
-                if isinstance(x, Tensor):
-                    return x.device
-        return torch.device("cpu")
+        """The Collector's device, else the first tensor's (of the adds' ``values``), else the CPU."""
+        found = (x.device for row in values or () for x in row if isinstance(x, Tensor))
+        return self._device if self._device is not None else next(found, torch.device("cpu"))
 
     def _combine(self, payloads: list[Any], layout: Any, plans: dict[Any, Any]) -> Any:
         """Every rank's payload -> one tree, each sample once, in index order (the same on
@@ -408,19 +405,16 @@ class Collector:
             for _, p in present
         ]
         plain = [all(isinstance(p.values[j], Texts) for _, p in present) for j in range(len(kinds))]
-        values = [v if k == PER_ADD else [v] for k, v in zip(kinds, per_rank[0])]
-        if len(per_rank) > 1:
 
-            def reference() -> list[Any]:  # the definition: gather over the ranks
-                cross = up.unflatten([CROSS[k](r) for k, r in zip(kinds, rules)])
-                trees = [up.unflatten(v) for v in per_rank]
-                names = [r for r, _ in present]
-                got = up.flatten_up_to(gather_noted(trees, device, cross, None, "rank {r}", names))
-                return [v if k == PER_ADD else [v] for k, v in zip(kinds, got)]  # (as parts)
+        def reference() -> list[Any]:  # the definition: gather over the ranks
+            cross = up.unflatten([CROSS[k](r) for k, r in zip(kinds, rules)])
+            trees = [up.unflatten(v) for v in per_rank]
+            names = [r for r, _ in present]
+            got = up.flatten_up_to(gather_noted(trees, device, cross, None, "rank {r}", names))
+            return [v if k == PER_ADD else [v] for k, v in zip(kinds, got)]  # (as parts)
 
-            values = join(
-                list(zip(*per_rank)), kinds, rules, device, reference, plain=plain, parts=True
-            )
+        columns = list(zip(*per_rank))
+        values = join(columns, kinds, rules, device, reference, plain=plain, parts=True)
         out = [v if k == PER_ADD else placed(v, order) for k, v in zip(kinds, values)]
         if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
             rows = torch.cat([p.rows for _, p in present]).tolist()
@@ -503,7 +497,8 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
     order, ends = source.order, source.ends
     total = sum(rows)
     if order is not None and total <= order.numel() and all(a.indices is None for a in adds):
-        if ends is None or _in_time(rows, adds, ends):
+        # (every add's rows received by the loop when it was made)
+        if ends is None or all(t <= ends[a.yielded] for t, a in zip(accumulate(rows), adds)):
             return order[:total], total
     named = [a.indices for a in adds]  # every add names its rows, int64 on the CPU: one check
     if order is None and set(map(type, named)) == {Tensor} and set(map(_KIND, named)) == {_INT64}:
@@ -556,16 +551,6 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
 
 _KIND = operator.attrgetter("dtype", "device", "ndim")
 _INT64 = (torch.int64, torch.device("cpu"), 1)
-
-
-def _in_time(rows: list[int], adds: list[_Add], ends: list[int]) -> bool:
-    """Whether every add's rows had been received by the loop when it was made."""
-    total = 0
-    for n, add in zip(rows, adds):
-        total += n
-        if total > ends[add.yielded]:
-            return False
-    return True
 
 
 def _complete(taken: int, source: _Rows, partial: bool) -> None:

@@ -198,22 +198,19 @@ def rows_per_add(columns: list[tuple[Any, ...]], plan: Plan, kinds: list[int]) -
             "to samples"
         )
     sample = [p for p, k in enumerate(kinds) if k != PER_ADD]
-    values = list(zip(*columns))
     try:  # every per-sample value's rows, one C pass per position; equal: the rows
         lengths = [
             list(map(_ROWS if type(columns[p][0]) is Tensor else len, columns[p])) for p in sample
         ]
         if all(n == lengths[0] for n in lengths[1:]) and all(
-            type(row[p]) is Tensor or type(row[p]) in (list, tuple)
-            for row in values[:1]
-            for p in sample
+            type(columns[p][0]) in (Tensor, list, tuple) for p in sample
         ):
             return lengths[0]
     except (TypeError, IndexError, AttributeError):  # a 0-dim tensor, no len: named below
         pass
     rows: list[int] = []
     problems: list[str] = []
-    for a, row in enumerate(values):
+    for a, row in enumerate(zip(*columns)):
         counts = [
             (v.shape[0] if v.dim() else -1)
             if isinstance(v, Tensor)
