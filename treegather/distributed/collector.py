@@ -69,9 +69,7 @@ class Payload(NamedTuple):
     indices: Tensor  # the dataset index of every row, in add order
     rows: Tensor  # rows per add
     values: tuple[Any, ...]  # per plan position: a tensor of every row, Texts, or Opaque
-    # The pickle of (the structure down to the nodes taken whole, what each position is, the
-    # first add's): equal bytes, the same structure with the same dict key order.
-    shape: bytes
+    shape: bytes  # pickled (structure to the nodes taken whole, each position's kind, add #0's)
 
 
 class _Add(NamedTuple):
@@ -370,7 +368,7 @@ class Collector:
         return Payload(idx, torch.tensor(rows), wrapped, shape)
 
     def _target(self, values: list[list[Any]] | None = None) -> torch.device:
-        """The Collector's device, else the first tensor's (of the adds' ``values``), else the CPU."""
+        """The Collector's device, else the adds' first tensor's, else the CPU."""
         found = (x.device for row in values or () for x in row if isinstance(x, Tensor))
         return self._device if self._device is not None else next(found, torch.device("cpu"))
 

@@ -350,8 +350,7 @@ class Order(NamedTuple):
     dealt: tuple[tuple[int, int], ...] | None = None  # per part: where it starts, rows it keeps
 
     def positions(self) -> Tensor | None:
-        """``perm``, or where the dealt rows are (part ``r``'s first rows at ``r``, ``r + w``,
-        ...) in the rows one after the other; ``None``: as they are."""
+        """``perm``, or where the dealt rows are in the rows one after the other (or ``None``)."""
         if self.dealt is None:
             return self.perm
         j, w = torch.arange(self.kept.numel()), len(self.dealt)
@@ -371,8 +370,7 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
     if n < 2 or (len(parts) == 1 and bool((idx[1:] > idx[:-1]).all())):  # (one part, in order)
         return Order(idx, None)
     lo, hi = (int(v) for v in torch.aminmax(idx))
-    dealt = _dealt(parts, hi + 1) if lo == 0 else None
-    if dealt is not None:
+    if lo == 0 and (dealt := _dealt(parts, hi + 1)) is not None:
         return Order(torch.arange(hi + 1), None, dealt)
     if lo >= 0 and hi < 2 * n + 1024:  # dense indices: one scatter, no sort
         first = torch.full((hi + 1,), n, dtype=torch.int64)
@@ -386,10 +384,9 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
 
 
 def _dealt(parts: Sequence[Tensor], n: int) -> tuple[tuple[int, int], ...] | None:
-    """Each part's start and rows kept when the indices ``0`` to ``n - 1`` were dealt to the
-    parts in turn (part ``r``'s first rows ``r``, ``r + w``, ...: ``DistributedSampler``
-    without shuffling) and every other row repeats an index first seen before it (its
-    padding); else ``None``."""
+    """Each part's start and rows kept when ``0`` to ``n - 1`` were dealt to the parts in turn
+    (part ``r``'s first rows ``r``, ``r + w``, ...: ``DistributedSampler`` without shuffling)
+    and every other row repeats an index first seen before it (padding); else ``None``."""
     w, start, out = len(parts), 0, []
     for r, part in enumerate(parts):
         k = (n - r + w - 1) // w
