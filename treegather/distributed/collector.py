@@ -394,7 +394,7 @@ class Collector:
         rules = rules_of(plan)
         up = plan.up_spec
         order = dataset_order([p.indices for _, p in present])
-        own = dict(present).get(dist.get_rank() if _initialized() else 0)
+        own: Any = dict(present).get(dist.get_rank() if _initialized() else 0)
         mine = plans[own.shape][2] if own is not None else ()
         per_rank = [  # (this rank's strings as it had them, not decoded again)
             [m if type(v) is Texts else arrived(v) for v, m in zip(p.values, mine)]
