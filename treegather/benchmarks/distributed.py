@@ -503,6 +503,7 @@ def _worker(
             rows.append(_row(_large_tree(rank, large), label, few, few))
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
+        dist.barrier()  # (every rank done with gloo before any tears it down)
     finally:
         dist.destroy_process_group()
 
