@@ -503,7 +503,6 @@ def _worker(
             rows.append(_row(_large_tree(rank, large), label, few, few))
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
-        dist.barrier()  # (every rank done with gloo before any tears it down)
     finally:
         dist.destroy_process_group()
 
@@ -573,7 +572,9 @@ def spawn(target: Callable[..., None], world: int, args: tuple[Any, ...], timeou
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         full = (world, port, *args, out)
-        procs = [ctx.Process(target=target, args=(r, *full), daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank, args=(target, r, *full), daemon=True) for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -590,6 +591,16 @@ def spawn(target: Callable[..., None], world: int, args: tuple[Any, ...], timeou
         if codes != [0] * world or not os.path.exists(out):
             raise RuntimeError(f"benchmark ranks failed or timed out (exit codes {codes})")
         return json.loads(Path(out).read_text())
+
+
+def _rank(target: Callable[..., None], *args: Any) -> None:
+    """Run one rank's ``target``, then leave without Python's teardown: a process that used
+    ``torch.distributed.nn``'s autograd collectives on gloo can abort there ("terminate called
+    without an active exception", exit code -6) after its work is done and written."""
+    target(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -478,7 +478,6 @@ def _worker(
         result = measure(samples, batch=batch, rounds=rounds, profile=profile)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
-        dist.barrier()  # (every rank done with gloo before any tears it down)
     finally:
         dist.destroy_process_group()
 
