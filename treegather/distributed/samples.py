@@ -367,11 +367,13 @@ def dataset_order(parts: Sequence[Tensor]) -> Order:
     """
     idx = torch.cat(list(parts)) if len(parts) != 1 else parts[0].clone()
     n = idx.numel()
-    if n < 2 or (len(parts) == 1 and bool((idx[1:] > idx[:-1]).all())):  # (one part, in order)
+    if n < 2:
         return Order(idx, None)
     lo, hi = (int(v) for v in torch.aminmax(idx))
     if lo == 0 and (dealt := _dealt(parts, hi + 1)) is not None:
         return Order(torch.arange(hi + 1), None, dealt)
+    if bool((idx[1:] > idx[:-1]).all()):  # in order already (the ranks' blocks one after another)
+        return Order(idx, None)
     if lo >= 0 and hi < 2 * n + 1024:  # dense indices: one scatter, no sort
         first = torch.full((hi + 1,), n, dtype=torch.int64)
         first.scatter_reduce_(0, idx, torch.arange(n), "amin")
