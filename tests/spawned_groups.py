@@ -22,11 +22,13 @@ after it, then fail with the traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import importlib
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -95,6 +97,8 @@ def _worker(
     log = open(Path(outdir) / f"rank{rank}.log", "wb", buffering=0)
     os.dup2(log.fileno(), 1)  # (not the terminal, nor whichever test captures output then)
     os.dup2(log.fileno(), 2)
+    # A rank terminated at the deadline writes where each of its threads was, into its log.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     torch.set_num_threads(1)
     # As a process torchrun starts: its own processes (a DataLoader's workers) fork, where the
     # spawn that started this one would make every worker import torch again (seconds each).
