@@ -26,6 +26,7 @@ import faulthandler
 import functools
 import importlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import signal
@@ -100,9 +101,6 @@ def _worker(
     # A rank terminated at the deadline writes where each of its threads was, into its log.
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     torch.set_num_threads(1)
-    # As a process torchrun starts: its own processes (a DataLoader's workers) fork, where the
-    # spawn that started this one would make every worker import torch again (seconds each).
-    multiprocessing.set_start_method("fork", force=True)
     # A fresh process that imported treegather (with this module) but not the collectives yet.
     results: dict[str, Any] = {"lazy": not _loaded_collectives()}
     current = "importing the test modules"
@@ -113,6 +111,7 @@ def _worker(
             raise RuntimeError(
                 f"checks registered here {list(_CHECKS)} != the session's {list(names)}"
             )
+        _start_fork_server(modules)
         current = "init_process_group"
         from treegather.benchmarks.distributed import torchrun_environment
 
@@ -142,6 +141,24 @@ def _worker(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _start_fork_server(modules: Sequence[str]) -> None:
+    """Start this rank's DataLoader workers from a fork server, which imports torch, treegather
+    and the test modules that set ``LOADER_WORKERS = True`` (their datasets' classes) once.
+
+    Forked from the rank itself (torchrun's default), a worker can hang before it runs a line
+    (2 groups in about 15 test runs did): CPython 3.11's child clears the other threads' states
+    under the interpreter's thread-list lock before it re-initialises that lock, so it waits
+    forever where another thread (gloo's, a queue's feeder) held it at the fork. The server is
+    a process of one thread (started by fork and exec, safe from a threaded rank). Spawned, every
+    worker would import torch again (seconds each)."""
+    preload = [m for m in modules if getattr(sys.modules[m], "LOADER_WORKERS", False)]
+    multiprocessing.set_start_method("forkserver", force=True)
+    # (3.11's fork server ignores the sys.path it is given, and imports nothing it cannot find)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    multiprocessing.set_forkserver_preload(["torch", "treegather", *preload])
+    multiprocessing.forkserver.ensure_running()
 
 
 def _free_port() -> int:

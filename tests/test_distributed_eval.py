@@ -43,6 +43,7 @@ from treegather._caches import reference_only
 from treegather.benchmarks import evaluation
 from treegather.benchmarks.distributed import counting
 
+LOADER_WORKERS = True  # (spawned_groups: the ranks' fork servers import this module)
 GROUP_DEADLINE_S = 90.0  # the checks below, in one group
 N = 11  # samples: uneven over 2 and 3 ranks, so DistributedSampler pads
 LAYOUT = tg.by_path({"names": tg.cat_items(), "loss": tg.mean()})

@@ -42,6 +42,7 @@ import treegather as tg
 import treegather.distributed as tgd
 
 N = 29  # samples: uneven over 2 and 3 ranks and over batches of 4
+LOADER_WORKERS = True  # (spawned_groups: the ranks' fork servers import this module)
 BATCH = 4
 EPOCHS = 2
 X = torch.randn(N, 3, generator=torch.Generator().manual_seed(0))
