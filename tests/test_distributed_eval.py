@@ -372,7 +372,10 @@ def test_a_batch_sampler_loader_means_its_batch_sampler() -> None:
 
 def test_a_loop_that_stops_early_is_an_error_unless_partial() -> None:
     loader = DataLoader(_dataset(), batch_size=3)
-    with pytest.raises(tg.BatchSizeError, match=r"stopped after 2 of its loader's 4 batch"):
+    with pytest.raises(
+        tg.BatchSizeError,
+        match=r"stopped early \(yielded 2 of its loader's 4 batch\(es\), added 6 of their 6 row",
+    ):
         _observed(loader, stop=1).all_gather()
     col = _observed(loader, stop=1)
     out = col.all_gather(partial=True)
@@ -1094,6 +1097,9 @@ ANSWERS: dict[str, Callable[[int, int], Any]] = {
         {"x": torch.zeros(2), "meta": (lambda: 0) if rank == 1 else 0},
         lambda c: c.all_gather(tg.by_path({"meta": tg.as_list()})),
     ),
+    "sparse_leaf": lambda rank, world: _one_add(
+        {"x": torch.eye(2).to_sparse() if rank == 1 else torch.eye(2)}, lambda c: c.all_gather()
+    ),
     "dst_differs": lambda rank, world: _one_add(
         {"x": torch.zeros(2)}, lambda c: c.gather(dst=0 if rank == 0 else 1)
     ),
@@ -1402,7 +1408,12 @@ def test_a_cold_transformers_evaluation_equals_one_process(ranks: Any) -> None:
 EXPECTED: dict[str, tuple[str, tuple[str, ...]] | None] = {
     "stopped_early": (
         "BatchSizeError",
-        ("incomplete", "rank 1: its loop stopped after 1 of its loader's", "partial=True"),
+        (
+            "incomplete",
+            "rank 1: its loop stopped early (yielded 1 of its loader's",
+            "batch(es), added 2 of their 2 row(s))",
+            "partial=True",
+        ),
     ),
     "stopped_early_partial": None,
     "layouts_differ": ("LayoutError", ("cat_items()} on rank 0", "as_list()} on rank")),
@@ -1416,6 +1427,10 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]] | None] = {
         ("outputs['b']: a leaf, per sample on rank 0; a leaf, one value per add on rank",),
     ),
     "unpicklable": ("LeafTypeError", ("on rank 1: outputs['meta'] (add #0): function",)),
+    "sparse_leaf": (
+        "LeafTypeError",
+        ("on rank 1: outputs['x']: Tensor(shape=(2, 2)", "layout torch.sparse_coo", ".to_dense()"),
+    ),
     "dst_differs": ("StructureMismatchError", ("rank 0: Collector.gather(..., dst=0)", "dst=1")),
     "calls_differ": ("StructureMismatchError", ("rank 0: Collector.all_gather\n",)),
 }

@@ -34,20 +34,7 @@ those are spread over several). Bytes travel on the device torch uses for object
 (torch's default ``cpu:gloo,cuda:nccl``) holds GPU tensors on every rank.
 
 How it works, module by module (all internal; the public names are the four in ``__all__``):
-:mod:`~treegather.distributed.protocol` (each call's collectives, in order),
-:mod:`~treegather.distributed.group` (the process group: ranks, devices, the inline capacity),
-:mod:`~treegather.distributed.preamble` (the first collective: every rank's row, and the
-payload inline), :mod:`~treegather.distributed.plan` (the cached wire plan of a repeated
-structure) and :mod:`~treegather.distributed.payload` (its bytes),
-:mod:`~treegather.distributed.wire` (the full exchange's format: header and bytes),
-:mod:`~treegather.distributed.layout` (how ranks compare layouts),
-:mod:`~treegather.distributed.errors` (the same error on every rank),
-:mod:`~treegather.distributed.outcome` (``gather``'s outcome from ``dst``),
-:mod:`~treegather.distributed.combine` (the results, by the single-process rules),
-:mod:`~treegather.distributed.grads` (``sync_grads``),
-:mod:`~treegather.distributed.collector` (:class:`Collector`),
-:mod:`~treegather.distributed.loaders` (the indices a loader hands out, observed) and
-:mod:`~treegather.distributed.samples` (its per-sample values, and their dataset order).
+"Across processes" in ``treegather/ARCHITECTURE.md``.
 
 Security:
     Non-tensor leaves and the headers travel as :mod:`pickle` data and are unpickled on the

@@ -46,6 +46,7 @@ from .samples import (
     plan_of,
     rows_per_add,
     rules_of,
+    sendable,
     travelling,
 )
 from .wire import format_problems
@@ -353,7 +354,7 @@ class Collector:
         combined = join(columns, kinds, rules, device, reference, per_add=True, types=types)
         sent = _initialized()  # (pickled now, so that what does not pickle is named here)
         wrapped = tuple(
-            v
+            sendable(v, plan.node_of(p))
             if k == SAMPLES
             else travelling(
                 v,
@@ -558,7 +559,8 @@ def _complete(taken: int, source: _Rows, partial: bool) -> None:
         return
     if seen is not None and not seen.finished:
         of = f" of its loader's {seen.length}" if seen.length is not None else ""
-        raise _Short(f"its loop stopped after {seen.yielded}{of} batch(es), {taken} row(s) added")
+        got = f"added {taken} of their {order.numel()} row(s)"
+        raise _Short(f"its loop stopped early (yielded {seen.yielded}{of} batch(es), {got})")
     if taken != order.numel():
         how = "its loader yielded" if seen is not None else "its sampler holds"
         why = "" if seen is not None else " (a loader's drop_last? Collector(loader) knows it)"

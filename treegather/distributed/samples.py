@@ -25,7 +25,7 @@ from .._compiled.structure import recognise
 from .._errors import BatchSizeError, LayoutError, LeafTypeError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import Cat, CatItems, Combining, Pad, Rule, fill_fits
-from .._tree import display_path, format_path
+from .._tree import describe, display_path, format_path
 from .wire import tensor_bytes
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "plan_of",
     "rows_per_add",
     "rules_of",
+    "sendable",
     "travelling",
 ]
 
@@ -117,6 +118,16 @@ def travelling(
             f"({type(found).__name__}: {found})\nHint: non-tensor outputs must pickle "
             "(strings, numbers, lists of them); leave the others out of what you add"
         ) from None
+
+
+def sendable(t: Tensor, node: Any) -> Tensor:
+    """A per-sample tensor, when a collective can send it; else an error naming its leaf."""
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta:
+        raise LeafTypeError(
+            f"{display_path(node, ROOT)}: {describe(t)}, layout {t.layout}: no collective sends "
+            "it\nHint: convert it first (e.g. .to_dense() or .dequantize())"
+        )
+    return t
 
 
 def arrived(value: Any) -> Any:
