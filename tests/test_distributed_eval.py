@@ -34,6 +34,7 @@ from torch.utils.data import (
     DataLoader,
     DistributedSampler,
     RandomSampler,
+    Subset,
     TensorDataset,
 )
 
@@ -1076,6 +1077,17 @@ def _one_add(outputs: Any, call: Callable[[tgd.Collector], Any]) -> Any:
     return call(col)
 
 
+SUBSET = Subset(_dataset(), [10, 3, 7, 1, 0, 5])  # (the same on every rank)
+
+
+def _plain(loader: Any) -> Any:
+    """The plain loop over ``Collector(loader)`` (a sampler that may be read again)."""
+    col = tgd.Collector(loader)
+    for ids, x in loader:
+        col.add({"ids": ids, "x": x})
+    return col.all_gather()
+
+
 ANSWERS: dict[str, Callable[[int, int], Any]] = {
     "stopped_early": lambda rank, world: _early(rank, False),
     "stopped_early_partial": lambda rank, world: _early(rank, True),
@@ -1100,6 +1112,20 @@ ANSWERS: dict[str, Callable[[int, int], Any]] = {
     "sparse_leaf": lambda rank, world: _one_add(
         {"x": torch.eye(2).to_sparse() if rank == 1 else torch.eye(2)}, lambda c: c.all_gather()
     ),
+    # Each rank's own part of the dataset (uneven, and at 3 ranks two of one length), and
+    # even shards: indices that restart at 0 on every rank would be taken for padding.
+    "datasets_differ": lambda rank, world: _observed(
+        DataLoader(Subset(_dataset(), range(rank, N, world)), batch_size=2)
+    ).all_gather(),
+    "datasets_differ_plain": lambda rank, world: _plain(
+        DataLoader(Subset(_dataset(), range(rank, N, world)), batch_size=2)
+    ),
+    "shards_even": lambda rank, world: _observed(
+        DataLoader(Subset(_dataset(), range(rank * 3, rank * 3 + 3)), batch_size=2)
+    ).all_gather(),
+    "one_subset": lambda rank, world: _observed(
+        DataLoader(SUBSET, batch_size=2, sampler=DistributedSampler(SUBSET, shuffle=False))
+    ).all_gather(),
     "dst_differs": lambda rank, world: _one_add(
         {"x": torch.zeros(2)}, lambda c: c.gather(dst=0 if rank == 0 else 1)
     ),
@@ -1431,6 +1457,25 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]] | None] = {
         "LeafTypeError",
         ("on rank 1: outputs['x']: Tensor(shape=(2, 2)", "layout torch.sparse_coo", ".to_dense()"),
     ),
+    "datasets_differ": (
+        "BatchSizeError",
+        (
+            "the ranks' loaders index different datasets (a Subset of ",
+            ") of a TensorDataset of 11 samples on rank 0;",
+        ),
+    ),
+    "datasets_differ_plain": (
+        "BatchSizeError",
+        ("the ranks' loaders index different datasets (a Subset of ", "on rank 0;"),
+    ),
+    "shards_even": (
+        "BatchSizeError",
+        (
+            "index different datasets (a Subset of 3 samples (0, 1, 2) of a TensorDataset",
+            "of 11 samples on rank 0; a Subset of 3 samples (3, 4, 5) of",
+        ),
+    ),
+    "one_subset": None,
     "dst_differs": ("StructureMismatchError", ("rank 0: Collector.gather(..., dst=0)", "dst=1")),
     "calls_differ": ("StructureMismatchError", ("rank 0: Collector.all_gather\n",)),
 }
@@ -1453,6 +1498,8 @@ def test_one_answer_on_every_rank(ranks: Any, name: str) -> None:
         assert first[0] == "ok", first
         for got in outcomes.values():
             assert_tree_equal(got[1], first[1])
+        if name == "one_subset":  # every sample of the subset once, in the subset's order
+            assert first[1]["ids"].tolist() == [10, 3, 7, 1, 0, 5]
         if name == "stopped_early_partial":  # rank 1's first batch, every other rank's all
             result, indices = first[1]
             assert result["ids"].tolist() == indices.tolist()

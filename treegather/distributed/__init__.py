@@ -6,24 +6,14 @@ combine them with exactly the rules of the single-process :func:`treegather.gath
 with uneven sizes, ``stack``, ``mean`` weighted by ``sizes``, ``pad``, ``as_list``, ``first`` and
 custom callables; non-tensor leaves default to ``as_list()``. :class:`Collector` collects an
 evaluation's outputs on each rank and exchanges them once, each sample once, in dataset order.
-
-The number of collectives does not grow with the number of leaves: a repeated structure (only
-the batch rows changing) costs one collective while its payload fits the group's inline
-capacity (up to 1 MiB per rank), else two (``gather``: one more, for the outcome); a new
-structure takes the full exchange of a pickled header and the tensor bytes, which is the
-definition of results and errors. Only all-gather, gather and broadcast are used, which never
+Only all-gather, gather and broadcast are used (how many: see :func:`all_gather`), which never
 look at the values: ``bool``, ``bfloat16``, complex and float8 leaves travel on any backend;
 conjugate and negative views travel as their values.
 
-Every rank checks every rank's header the same way (``gather``: ``dst`` checks and broadcasts the
-outcome), so when the trees differ (a missing key, a list against a tuple, a tensor against a
-string, mismatched dtypes or non-cat dims, ``sizes=`` on some ranks only, another ``dst``,
-``layout`` or ``dim``) every rank raises the same error naming the leaf path and the ranks,
-instead of hanging in a mismatched collective. Problems found before the exchange (an
-unpicklable leaf, a layout that does not fit, a ``dst``/``src`` that names no rank of the group)
-reach every rank too. Nodes that the layout takes whole (``cat_items()``, ``as_list()``,
-``first()``, a callable on an inner node) may differ between ranks, like per-sample lists of
-uneven length.
+When the trees differ (a missing key, a tensor against a string, mismatched dtypes, ``sizes=``
+on some ranks only, another ``dst``, ``layout`` or ``dim``) or a rank finds a problem before the
+exchange (an unpicklable leaf), every rank raises the same error naming the leaf path and the
+ranks, instead of hanging in a mismatched collective (``gather``: ``dst`` checks and tells).
 
 Results are new tensors, detached from autograd (unless ``all_gather(sync_grads=True)``; a
 backward through them says to pass it), built from the exchanged bytes on every rank (its own

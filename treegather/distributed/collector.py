@@ -1,12 +1,8 @@
 """Collector: an evaluation's outputs, collected on each rank and exchanged once.
 
-Each :meth:`~Collector.add`'s rows are matched to the dataset indices its loader handed out
-(:mod:`~treegather.distributed.loaders`), everything stays local until the exchange, one
-:func:`treegather.distributed.all_gather` (``gather``: to ``dst``) of every rank's adds joined
-(a :class:`Payload`: per-sample tensors in one piece, strings as UTF-8 bytes, the rest pickled
-once) under ``as_list()``, each taken whole: a repeated evaluation is the wire plan's one
-collective, and ranks whose adds differ still meet in it. Every rank then checks what every
-rank sent and puts the rows in dataset order (:mod:`~treegather.distributed.samples`).
+The adds' rows are the dataset indices the loader handed out (:mod:`.loaders`); the exchange
+is one all-gather of every rank's adds joined (a :class:`Payload`), after which every rank checks
+what every rank sent and puts the rows in dataset order (:mod:`.samples`); ARCHITECTURE.md says more.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from .._rules import AsList
 from .._tree import display_path
 from . import errors, protocol
 from .layout import layout_text
-from .loaders import OBSERVE, Observation, index_tensor, observe, pure_sampler, read
+from .loaders import OBSERVE, Observation, dataset_key, index_tensor, observe, pure_sampler, read
 from .preamble import COLLECT
 from .samples import (
     CROSS,
@@ -102,15 +98,14 @@ class Collector:
             col.add(model(batch["x"]))
         result = col.all_gather({"names": tg.cat_items()})
 
-    The adds take the indices of the batches the loop received, one after the other, as the
-    loader's index sampler handed them out (nothing is read twice). ``Collector(sampler)`` (or
-    ``Collector(loader)``) with a plain ``for batch in loader`` loop reads the sampler's order
-    again at the first add, which only samplers known to give the same order again allow
-    (``SequentialSampler``, ``DistributedSampler`` after ``set_epoch``, a ``BatchSampler`` over
-    those). ``add(outputs, indices=...)`` names the rows itself. Samples seen twice (the padding
-    ``DistributedSampler`` adds) are kept once, the first rank's, in dataset index order
-    (:attr:`indices`). The exchange checks that every rank added its whole epoch
-    (``partial=True``: what was added).
+    The adds take the indices the loader's index sampler handed out for the batches the loop
+    received (nothing is read twice). ``Collector(sampler)`` (or ``Collector(loader)``) with a
+    plain loop reads the sampler again at the first add, which only ``SequentialSampler``,
+    ``DistributedSampler`` and a ``BatchSampler`` over those allow; ``add(outputs, indices=...)``
+    names the rows itself. Every rank's loader must index the same dataset (its class, length
+    and a ``Subset``'s indices are compared). A sample seen twice (a ``DistributedSampler``'s
+    padding) is kept once, the first rank's, in dataset index order (:attr:`indices`); every
+    rank must add its whole epoch (``partial=True``: what was added).
 
     Per-sample leaves are those the layout joins along the batch dim (``cat()``, ``cat(-2)`` of
     2-D leaves, ``pad(0)``) and lists under ``cat_items()``; every other leaf is one value per
@@ -139,6 +134,8 @@ class Collector:
         group: Any = None,
     ) -> None:
         self._sampler = pure_sampler(source)
+        ds = getattr(source, "dataset", None)  # (a DataLoader's, a DistributedSampler's)
+        self._dataset = None if ds is None else dataset_key(ds)
         self._device = None if device is None else as_device(device)
         self._group = group
         self._lock = threading.Lock()
@@ -163,10 +160,8 @@ class Collector:
         batch in loader`` does, noting the dataset indices of every batch it yields: the adds
         made in the loop take them, one after the other.
 
-        The loader's index sampler (its ``batch_sampler``, else its ``sampler``) is seen
-        through a recorder while the loader's iterator is made (an attribute of the loader set
-        for that moment and put back), so that whatever it hands out is noted as it is handed
-        out, to the main process or its workers. ``loader`` is checked at once.
+        What the loader's index sampler hands out (to the main process or its workers) is
+        noted as it is handed out (:mod:`.loaders`). ``loader`` is checked at once.
 
         Raises:
             ArgumentTypeError: ``loader`` makes its batches from no index sampler of its own (an
@@ -217,19 +212,19 @@ class Collector:
     def all_gather(self, layout: Any = None, *, partial: bool = False) -> Any:
         """Every rank's adds, combined on every rank: each sample once, in index order.
 
-        ``layout`` is a layout of one add's outputs, as for :func:`treegather.gather`, the same
-        on every rank. One :func:`treegather.distributed.all_gather` of this rank's adds,
-        joined: a repeated evaluation that fits the group's inline capacity is one collective
-        (see the module). ``None`` when no rank added anything.
+        One :func:`treegather.distributed.all_gather` of every rank's adds, joined (a repeated
+        evaluation: one collective). ``None`` when no rank added anything.
 
         Args:
-            layout: how to combine each leaf, for one add's outputs.
+            layout: how to combine each leaf of one add's outputs (as for gather), the same on
+                every rank.
             partial: take what was added, even where a rank did not add its whole epoch
                 (:attr:`indices` tells which samples the result holds); the same on every rank.
 
         Raises:
             BatchSizeError: a rank added fewer (or more) rows than its epoch holds, or rows
-                that are not its loader's; raised on every rank.
+                that are not its loader's, or the ranks' loaders index different datasets;
+                raised on every rank.
             StructureMismatchError: the ranks' adds differ in structure (the path is named).
             LayoutError: the ranks passed different layouts (or ``partial``); a list of
                 non-tensors has no rule.
@@ -281,17 +276,28 @@ class Collector:
         del adds
         key, shown = layout_text(layout, 0)
         shown = shown.removesuffix(", dim=0") + (", partial=True" if partial else "")
-        call = (f"{key};partial={bool(partial)}", shown)
+        data = self._seen.dataset if self._seen is not None else self._dataset
+        call = (f"{key};partial={bool(partial)}", shown, data)
 
         def finish(received: list[Any]) -> Any:
             try:
+                ranks = _ranks(self._group)
                 errors.same_layouts(
-                    _ranks(self._group),
-                    [c.value for c, _ in received],
+                    ranks,
+                    [c.value[:2] for c, _ in received],
                     "the ranks passed different layouts (or partial=): each would combine the "
                     "adds with other rules",
                     "pass the same layout (and partial=) on every rank",
                 )
+                known = [(r, c.value[2]) for r, (c, _) in zip(ranks, received) if c.value[2]]
+                if len({d[0] for _, d in known}) > 1:  # (rows are matched by dataset index)
+                    raise BatchSizeError(
+                        "the ranks' loaders index different datasets ("
+                        + errors.by_rank([r for r, _ in known], [d[1] for _, d in known])
+                        + "): the same index on two ranks would be taken for one sample (a "
+                        "DistributedSampler's padding)\nHint: give every rank the same dataset, "
+                        "split by its sampler, or pass add(outputs, indices=...) into one dataset"
+                    )
                 return self._combine([p for _, p in received], layout, plans)
             except TreegatherError as exc:
                 raise type(exc)(f"{name}: {exc}") from exc.__cause__

@@ -1,16 +1,9 @@
 """Where a Collector's rows come from: the dataset indices a loader hands out, observed.
 
-:func:`observe` iterates a ``DataLoader`` once, as ``for batch in loader`` does, and records
-what its index sampler (the batch sampler, or the sampler) hands out while the loader's
-iterator is made, and from then on: the indices of every batch, in the order the loader yields
-the batches (``in_order``, the default), worker processes and accelerate's prepared loaders
-included. Nothing is iterated twice, so random samplers, generators and epoch counters end as
-they would without it.
-
-:func:`pure_sampler` is the other way, for ``Collector(sampler)``: a sampler whose order can be
-read again without changing anything (``SequentialSampler``, ``DistributedSampler`` at its
-epoch, Lightning's ``UnrepeatedDistributedSampler``, a ``BatchSampler`` over those); any other
-sampler is refused. :func:`index_tensor` checks what ``add(indices=...)`` passed.
+:func:`observe` records what a loader's index sampler hands out as the loader iterates it
+(nothing is iterated twice); :func:`pure_sampler`, for ``Collector(sampler)``, takes only a
+sampler that reading again changes nothing in; :func:`index_tensor` checks ``add(indices=...)``;
+:func:`dataset_key` is what the ranks compare of the datasets their indices index.
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     SequentialSampler,
+    Subset,
 )
 
 from .._errors import ArgumentTypeError
@@ -41,9 +35,10 @@ _LIGHTNING = ("lightning.pytorch.overrides.distributed", "pytorch_lightning.over
 class Observation:
     """One pass over a loader: what its index sampler handed out, and how far the loop got."""
 
-    __slots__ = ("finished", "handed", "length", "started", "yielded")
+    __slots__ = ("dataset", "finished", "handed", "length", "started", "yielded")
 
     def __init__(self) -> None:
+        self.dataset: tuple[str, str] | None = None  # what its indices index (dataset_key)
         self.handed: list[Any] = []  # each item the index sampler handed out (a batch of indices)
         self.length: int | None = None  # len(loader) when it has one
         self.started = False  # the loader iterated the index sampler it was given
@@ -143,6 +138,7 @@ def observe(loader: Iterable[Any], seen: Observation) -> Iterator[Any]:
     base = _base(loader)
     with contextlib.suppress(TypeError):  # (a sampler with no length: the loader has none)
         seen.length = len(base)  # (accelerate's loaders: their base's length)
+    seen.dataset = dataset_key(base.dataset)
     return _batches(loader, base, seen)
 
 
@@ -165,6 +161,18 @@ def _batches(loader: Iterable[Any], base: DataLoader[Any], seen: Observation) ->
 
 
 _END: Any = object()
+
+
+def dataset_key(dataset: Any) -> tuple[str, str]:
+    """What a loader's indices index, as the ranks compare it and as shown: the dataset's class
+    and length, a ``Subset``'s indices (hashed: ints hash alike in every process)."""
+    kind, n = type(dataset), len(dataset) if hasattr(type(dataset), "__len__") else None
+    if not isinstance(dataset, Subset):
+        return f"{kind.__module__}.{kind.__qualname__}:{n}", f"a {kind.__qualname__} of {n} samples"
+    picked = tuple(torch.as_tensor(dataset.indices, dtype=torch.int64).tolist())
+    inner = dataset_key(dataset.dataset)
+    shown = ", ".join(map(str, picked[:4])) + (", ..." if len(picked) > 4 else "")
+    return f"Subset:{hash(picked)}:{inner[0]}", f"a Subset of {n} samples ({shown}) of {inner[1]}"
 
 
 def _pure(sampler: Any) -> bool:

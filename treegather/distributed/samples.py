@@ -1,12 +1,10 @@
-"""A Collector's per-sample values: how the adds' (and then the ranks') values are joined,
-checked, put in dataset order, and sent.
+"""A Collector's values: joined, checked, sent and put in dataset order.
 
-Each position of one add's plan is per sample (``SAMPLES``: tensors under ``cat()`` or
-``pad(0)``; ``ITEMS``: lists under ``cat_items()``) or one value per add (``PER_ADD``).
-:func:`join` joins a column of values as its rule does, taking the gather rules themselves
-(:func:`treegather.gather`) whenever anything is unusual; :func:`dataset_order` gives the
-positions that put rows in index order, each index once (:func:`placed` puts them there); lists
-of strings travel as one UTF-8 tensor (:func:`travelling`, :func:`arrived`).
+Each position of an add's plan is per sample (``SAMPLES``: tensors under ``cat()``/``pad(0)``;
+``ITEMS``: lists under ``cat_items()``) or one value per add (``PER_ADD``). :func:`join` joins
+a column as its rule does (the gather rules themselves when anything is unusual);
+:func:`dataset_order` and :func:`placed` put rows in index order, each index once; strings
+travel as one UTF-8 tensor (:func:`travelling`, :func:`arrived`).
 """
 
 from __future__ import annotations
@@ -241,9 +239,7 @@ def rows_per_add(columns: list[tuple[Any, ...]], plan: Plan, kinds: list[int]) -
         )
         problems.append(f"add #{a}: per-sample leaves disagree on the rows: {parts}")
     if problems:
-        shown = problems[:10] + (
-            [f"... and {len(problems) - 10} more"] if len(problems) > 10 else []
-        )
+        shown = problems[:10] + [f"... and {len(problems) - 10} more"] * (len(problems) > 10)
         raise BatchSizeError(
             "\n".join(shown)
             + "\nHint: per-sample leaves (cat(), pad(0), cat_items()) have one row per sample; "
