@@ -23,8 +23,7 @@ those are spread over several). Bytes travel on the device torch uses for object
 (CPU for gloo, the current GPU for NCCL), or on the GPU when a group with several backends
 (torch's default ``cpu:gloo,cuda:nccl``) holds GPU tensors on every rank.
 
-How it works, module by module (all internal; the public names are the four in ``__all__``):
-"Across processes" in ``treegather/ARCHITECTURE.md``.
+The internal modules, one by one: "Across processes" in ``treegather/ARCHITECTURE.md``.
 
 Security:
     Non-tensor leaves and the headers travel as :mod:`pickle` data and are unpickled on the

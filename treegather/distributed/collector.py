@@ -2,7 +2,7 @@
 
 The adds' rows are the dataset indices the loader handed out (:mod:`.loaders`); the exchange
 is one all-gather of every rank's adds joined (a :class:`Payload`), after which every rank checks
-what every rank sent and puts the rows in dataset order (:mod:`.samples`); ARCHITECTURE.md says more.
+what every rank sent and puts the rows in dataset order (:mod:`.samples`; ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -157,11 +157,9 @@ class Collector:
 
     def observe(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Iterate ``loader`` (a ``DataLoader``, or one accelerate prepared) once, as ``for
-        batch in loader`` does, noting the dataset indices of every batch it yields: the adds
-        made in the loop take them, one after the other.
-
-        What the loader's index sampler hands out (to the main process or its workers) is
-        noted as it is handed out (:mod:`.loaders`). ``loader`` is checked at once.
+        batch in loader`` does, noting the dataset indices its index sampler hands out (to the
+        main process or its workers) for every batch: the adds made in the loop take them, one
+        after the other. ``loader`` is checked at once.
 
         Raises:
             ArgumentTypeError: ``loader`` makes its batches from no index sampler of its own (an
@@ -294,9 +292,8 @@ class Collector:
                     raise BatchSizeError(
                         "the ranks' loaders index different datasets ("
                         + errors.by_rank([r for r, _ in known], [d[1] for _, d in known])
-                        + "): the same index on two ranks would be taken for one sample (a "
-                        "DistributedSampler's padding)\nHint: give every rank the same dataset, "
-                        "split by its sampler, or pass add(outputs, indices=...) into one dataset"
+                        + "): an index on two ranks would be kept once, as padding\nHint: give each"
+                        " rank one dataset, split by its sampler, or pass add(indices=...) into it"
                     )
                 return self._combine([p for _, p in received], layout, plans)
             except TreegatherError as exc:

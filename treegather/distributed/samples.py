@@ -24,7 +24,7 @@ from .._errors import BatchSizeError, LayoutError, LeafTypeError, TreegatherErro
 from .._layout import Plan, resolve
 from .._rules import Cat, CatItems, Combining, Pad, Rule, fill_fits
 from .._tree import describe, display_path, format_path
-from .wire import tensor_bytes
+from .wire import tensor_bytes, unsendable
 
 __all__ = [
     "CROSS",
@@ -120,7 +120,7 @@ def travelling(
 
 def sendable(t: Tensor, node: Any) -> Tensor:
     """A per-sample tensor, when a collective can send it; else an error naming its leaf."""
-    if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta:
+    if unsendable(t):
         raise LeafTypeError(
             f"{display_path(node, ROOT)}: {describe(t)}, layout {t.layout}: no collective sends "
             "it\nHint: convert it first (e.g. .to_dense() or .dequantize())"

@@ -118,6 +118,11 @@ def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return flat.resolve_conj().resolve_neg().view(torch.uint8)
 
 
+def unsendable(t: torch.Tensor) -> bool:
+    """Sparse, quantized, nested and meta tensors: no collective sends their bytes."""
+    return t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The bytes of a 1-dim ``uint8`` tensor on any device (without numpy, which torch does not
     require).
@@ -194,11 +199,10 @@ def _encode(
     objects: list[Any] = []
     bad: list[int] = []
     devices: set[torch.device] = set()
-    strided = torch.strided
     names = DTYPE_NAMES
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            if leaf.layout is not strided or leaf.is_quantized or leaf.is_nested or leaf.is_meta:
+            if unsendable(leaf):
                 bad.append(i)
             devices.add(leaf.device)
             if with_spec:
