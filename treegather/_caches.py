@@ -43,6 +43,7 @@ __all__ = [
     "caches",
     "clear_caches",
     "clear_tree_caches",
+    "exact",
     "shareable",
     "typed_key",
 ]
@@ -322,6 +323,26 @@ def shareable(key: Any) -> bool:
             stack.extend(payload)  # (an object that says an equal one may stand for it)
         else:  # a list, a dict, or an object keyed by its fields
             return False
+    return True
+
+
+def exact(key: Any) -> bool:
+    """Whether every value with the typed key ``key`` is equal to the one it was made from in
+    every respect, its text too: no float or complex part (``-0.0`` and ``0.0`` share a key).
+
+    >>> exact(typed_key(("a", 1, None))), exact(typed_key(["a", 0.0]))
+    (True, False)
+    """
+    stack = [key]
+    while stack:
+        part = stack.pop()
+        if len(part) == 3:  # (type, id, _Identity): the object itself
+            continue
+        kind, payload = part
+        if kind is float or kind is complex:
+            return False
+        if kind not in _EXACT_ATOMS:
+            stack.extend(payload)
     return True
 
 

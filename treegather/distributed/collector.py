@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 import torch.distributed as dist
 
+from .._caches import LRU
 from .._devices import DeviceLike, as_device
 from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from .._layout import Plan, resolve
@@ -51,6 +52,9 @@ __all__ = ["Collector"]
 
 Tensor = torch.Tensor
 ROOT = "outputs"
+
+
+_SHAPES: LRU[Any, tuple[Any, Any, bytes]] = LRU("distributed.collector_shapes", maxsize=64)
 
 
 class _Problem(NamedTuple):
@@ -367,7 +371,11 @@ class Collector:
             )
             for p, (k, v) in enumerate(zip(kinds, combined))
         )
-        shape = pickle.dumps((up, tuple(kinds), spec0), pickle.HIGHEST_PROTOCOL)
+        key = (id(up), id(spec0), tuple(kinds))  # (the structure's pickle, made once)
+        if (found := _SHAPES.get(key)) is None or found[0] is not up or found[1] is not spec0:
+            found = (up, spec0, pickle.dumps((up, key[2], spec0), pickle.HIGHEST_PROTOCOL))
+            _SHAPES.put(key, found)
+        shape = found[2]
         plans[shape] = (plan, kinds, combined)
         return Payload(idx, torch.tensor(rows), wrapped, shape)
 

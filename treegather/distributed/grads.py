@@ -7,12 +7,8 @@ such leaves. The rules then combine them with ordinary differentiable torch ops,
 (``cat`` of uneven rows, ``stack``, ``pad``, ``mean``, ``sum``, a custom callable) passes
 gradients back to every rank's values.
 
-The backward is one collective for the whole tree: each rank lays out the gradients it got for
-every rank's values in one wide dtype, and an all-to-all sends each rank its part, summed there
-(:class:`_Summed`, itself differentiable). That is the gradient of the sum of every rank's loss
-with respect to this rank's contribution, as with ``torch.distributed.nn.functional.all_gather``.
-Every rank must therefore run the backward (and a double backward): a rank that has nothing of
-its own that requires grad still takes part (its function has an empty input that does).
+The backward is one all-to-all for the whole tree, itself differentiable (:class:`_Summed`):
+ARCHITECTURE.md, "The wire plan, in detail".
 """
 
 from __future__ import annotations

@@ -7,22 +7,8 @@ kept in a cache (:class:`Facts`, in the :class:`~treegather._caches.WeakCache`
 ``distributed.groups``, keyed weakly by the group object). :func:`treegather.clear_caches`
 empties it, harmlessly: the next call looks the same facts up again.
 
-The *inline capacity* is not a cache: it is the one piece of protocol state treegather keeps
-(:class:`ProtocolState`, in a weak table of its own, keyed by the group object and never
-cleared). It is the size of the inline area of every call's first collective (see
-:mod:`~treegather.distributed.preamble`), a function of the rows every rank received from the
-earlier calls on the group, so the same on every rank. A rank that forgot it, as a cache may,
-would send a first collective of another size, which gloo answers by aborting the process. A
-destroyed and re-created group starts again from 0 on every rank.
-
-The current accelerator (``torch.cuda.current_device()``) may change between calls, so devices
-are resolved on every call from the kept kinds.
-
-A group also keeps the CPU receive buffer of its last large wire-plan call
-(:func:`receive_buffer`, up to ``MAX_KEPT`` bytes), as fusion buffers are kept elsewhere: a
-buffer of tens of MiB is otherwise mapped fresh and page-faulted by every call, which can cost
-as much as moving the bytes. It is a cache (:func:`treegather.clear_caches` releases it, and it
-goes with the group), used only when the results are copies that never alias it.
+The *inline capacity* (:class:`ProtocolState`) is protocol state, not a cache, and the group's
+kept receive buffer (:func:`receive_buffer`) a cache: ARCHITECTURE.md, "The wire plan, in detail".
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import optree
 
 from .. import _tree
+from .._caches import LRU, exact, typed_key
 from .._errors import safe_repr
 from .._layout import ByPath, path_text
 from .._rules import Custom, Rule
@@ -68,6 +69,10 @@ def _callable_name(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
+# The texts of immutable layouts (by_path, a rule) whose typed key tells them apart.
+_TEXTS: LRU[Any, tuple[str, str]] = LRU("distributed.layout_texts", maxsize=128, trees=False)
+
+
 def layout_text(layout: Any, dim: Any, sync: bool = False) -> tuple[str, str]:
     """``(key, shown)`` for a layout and ``dim`` (and ``sync_grads``): equal keys iff the ranks
     combine alike.
@@ -81,6 +86,19 @@ def layout_text(layout: Any, dim: Any, sync: bool = False) -> tuple[str, str]:
     >>> layout_text(None, 0)[0] == layout_text(None, False)[0]
     False
     """
+    key = None
+    if type(dim) is int and isinstance(layout, (ByPath, Rule)):
+        typed = layout._key if type(layout) is ByPath else typed_key(layout)
+        key = (typed, dim, bool(sync)) if exact(typed) else None
+        if (found := _TEXTS.get(key)) is not None:
+            return found
+    text = _layout_text(layout, dim, sync)
+    if key is not None:
+        _TEXTS.put(key, text)
+    return text
+
+
+def _layout_text(layout: Any, dim: Any, sync: bool) -> tuple[str, str]:
     atoms = (bool, int, float, str, type(None))
     dim_key = f"{type(dim).__name__}:{dim!r}" if type(dim) in atoms else f"?{type(dim)}"
     if sync:

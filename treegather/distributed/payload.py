@@ -8,13 +8,8 @@ One rank's payload, for a :class:`~treegather.distributed.plan.WirePlan`::
 straight into the buffer the collective sends (after the first collective's row, when the
 payload rides with it). Every rank's payload arrives in one buffer at a fixed stride
 (:class:`Payloads`); :func:`parse` reads the heads and works out where each rank's values are.
-For the default rules (``cat`` along dim 0, ``as_list`` for other leaves) :func:`unpack`
-builds the results vectorised: a region's rows are reordered from rank-major to leaf-major
-with one ``index_select`` (straight from the receive buffer when the rows are aligned in it;
-the permutation is kept while the rows repeat) and split once into the result leaves; large
-leaves are one ``torch.cat`` each (one copy per result leaf, each with its own storage). Every
-result is a copy, so the buffer may be reused. Other layouts rebuild each rank's leaves with
-:func:`rank_leaves` (views of the buffer) and apply the rules of :func:`treegather.gather`.
+Unpacking: :func:`unpack` (the default rules, vectorised) or :func:`rank_leaves` (views of the
+buffer, for the rules of :func:`treegather.gather`); ARCHITECTURE.md, "The wire plan, in detail".
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """The cached wire plan of :mod:`treegather.distributed`: a repeated structure, no header.
 
 For a tree whose structure, leaf dtypes and trailing shapes (every dim but the first) the ranks
-share, nothing but the batch rows changes from call to call. Each rank then computes a 128-bit
-*digest* of what must agree (the exact structure, dict key order and node metadata included,
-each leaf's dtype and trailing shape, the layout and ``dim``, whether ``sizes`` was passed) and
-the ranks exchange only that digest, in the row of the first collective
-(:mod:`~treegather.distributed.preamble`), and one payload per rank
-(:mod:`~treegather.distributed.payload`), which rides in the same collective when it fits.
-There is no header: when any rank's digest differs (or a rank cannot use the plan), every rank
-takes the full exchange of :mod:`~treegather.distributed.wire`, whose checks and errors are the
-definition.
-
-Finding the plan is most of a repeated call's own work, so it is cheap: the compiled layer
-(:func:`treegather._compiled.structure.recognise`) recognises a structure seen before with its generated
-guard (exact containers, dict keys in order and by type, typed node metadata) and hands back the
-same :class:`~treegather._compiled.structure.Structure` each time; the plan seen last with that structure,
-layout and these exact dtypes and shapes is then one comparison of two lists away (for a tree
-of tensors, lists of element counts and dtypes: see :func:`prepare`). Otherwise
-plans are looked up by the pickled structure (type-aware: ``True``, ``1`` and ``1.0`` differ, and
-so does key order) with each leaf's dtype and trailing shape, in bounded
-LRUs (:class:`~treegather._caches.LRU`) that :func:`treegather.clear_caches` empties.
+share, each rank computes a 128-bit *digest* of what must agree (the exact structure, dict key
+order and node metadata, each leaf's dtype and trailing shape, the layout and ``dim``, whether
+``sizes`` was passed); the ranks exchange that digest and one payload each, with no header
+(:mod:`~treegather.distributed.protocol`, steps 1-2). When any rank's digest differs, every rank
+takes the full exchange of :mod:`~treegather.distributed.wire`, whose checks are the definition.
+Finding the plan cheaply: ARCHITECTURE.md, "The wire plan, in detail".
 
 Nothing here formats user data (no ``repr``): the digest hashes the pickled structure, dtype
 names and shapes.
@@ -231,13 +218,8 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) ->
     layout that does not resolve: the full exchange reports those. Tensors on several devices
     or of other layouts past the first are found by :func:`checked` or by packing.
 
-    A tree of tensors only, whose leaves have the dtypes and element counts of the last call
-    with its structure and whose first leaf of each region has that call's exact shape, takes
-    that call's plan without reading every shape (a ``torch.Size`` per leaf costs twice an
-    element count): packing each region with one ``torch.cat`` then proves every other leaf's
-    shape, since ``cat`` refuses leaves whose dims past the first differ from the first leaf's,
-    and equal counts then mean equal rows. A rank whose packing fails sends no plan, and
-    :func:`checked` reads the shapes before a payload that is packed after the ranks agreed.
+    A tree of tensors only, like the last call with its structure, is compared by element
+    counts (ARCHITECTURE.md, "The wire plan, in detail").
 
     With ``sync`` (``sync_grads``), which leaves require grad is part of the plan (and of its
     digest), so the ranks agree on it, and every call reads its leaves' shapes.

@@ -13,17 +13,11 @@ that names no rank): the rank still joins the exchange, and then every rank join
 learn each such rank's message and raises the same error, instead of the others waiting for
 a rank that raised on its own.
 When every rank sent the same digest and its payload inline, that one collective is the whole
-call (``gather``: plus the outcome): a repeated structure of up to ``MAX_INLINE`` (1 MiB) per
-rank costs one collective, like a single ``all_gather`` of its bytes (a Collector's exchange
-is one such call, ``COLLECT`` in the row). Otherwise the payload (or the full exchange) follows in a collective of its own, and
-the inline bytes are not read.
+call (``gather``: plus the outcome), up to ``MAX_INLINE`` (1 MiB) per rank; a Collector's
+exchange is one such call (``COLLECT`` in the row). Otherwise see :mod:`.protocol`, step 2.
 
-``capacity`` is the process group's protocol state
-(:class:`~treegather.distributed.group.ProtocolState`, not a cache): every rank computes the
-next one with :func:`next_capacity` from the rows it just received, which are the same on every
-rank, so every rank's first collective keeps the same size. It follows the payloads of repeated
-structures, with headroom for rows that grow, and shrinks when they get much smaller; payloads
-above ``MAX_INLINE`` always take a second collective.
+How ``capacity`` follows the payloads: :func:`next_capacity` (ARCHITECTURE.md, "The wire plan,
+in detail").
 """
 
 from __future__ import annotations

@@ -24,11 +24,8 @@ passed, and a digest of it) and then:
 3. ``gather`` only: one small broadcast of the outcome from ``dst``
    (:mod:`~treegather.distributed.outcome`).
 
-So a repeated structure costs one collective (``gather``: two), or two (three) while its payload
-does not fit; digests that differ three (four), and a structure mismatch two more, to name every
-difference (:mod:`~treegather.distributed.errors`). :func:`broadcast` always sends the header
-(the receivers have no structure of their own to compare): one length exchange and one
-broadcast. The results are built by :mod:`~treegather.distributed.combine`.
+What each kind of call costs, in collectives: ARCHITECTURE.md, "The wire plan, in detail". The
+results are built by :mod:`~treegather.distributed.combine`.
 """
 
 from __future__ import annotations
