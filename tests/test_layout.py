@@ -396,6 +396,28 @@ def test_by_path_optional_is_part_of_the_layouts_value() -> None:
     assert "optional=('loss',)" in layout_text(opt, 0)[1]
 
 
+def test_layout_text_kept_per_layout_tells_equal_keys_apart() -> None:
+    """A layout's text is kept per immutable layout; layouts whose typed keys are equal but
+    whose texts differ (-0.0 and 0.0, True and 1) never share it, in either order, warm."""
+    from treegather.distributed.layout import layout_text
+
+    tg.clear_caches()
+    pairs = [
+        (tg.by_path({"x": tg.pad(fill=-0.0)}), tg.by_path({"x": tg.pad(fill=0.0)})),
+        (tg.pad(fill=-0.0), tg.pad(fill=0.0)),
+        (tg.by_path({"x": tg.pad(fill=True)}), tg.by_path({"x": tg.pad(fill=1)})),
+        (tg.by_path({"x": tg.cat()}), tg.by_path({"x": tg.stack()})),
+    ]
+    for a, b in pairs:
+        for _ in range(2):
+            assert layout_text(a, 0)[0] != layout_text(b, 0)[0]
+            assert layout_text(b, 0)[0] != layout_text(a, 0)[0]
+            assert layout_text(a, 0) != layout_text(a, True)  # (dim's type counts)
+            assert layout_text(a, 0, True) != layout_text(a, 0)
+    same = tg.by_path({"x": tg.cat()})
+    assert layout_text(same, 0) == layout_text(tg.by_path({"x": tg.cat()}), 0)
+
+
 # --------------------------------------------------------------- inner nodes: leaf-wise vs whole
 
 
