@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 from corpus import assert_tree_equal
@@ -146,6 +147,36 @@ CASES: dict[str, tuple[Callable[[], list[Any]], Any]] = {
         lambda: [{"x": torch.nn.Parameter(torch.ones(2))}, {"x": torch.ones(1)}],
         None,
     ),
+    "a_parameter_in_a_later_add": (  # the definition, detached as the fast path's result
+        lambda: [{"x": torch.ones(2, 3)}, {"x": torch.nn.Parameter(torch.zeros(1, 3))}],
+        None,
+    ),
+    # What torch.cat itself checks in the fast join (devices, the dims past the first) and what
+    # it lets through (a 1-D empty tensor beside any shape): the definition's result or error.
+    "a_1d_empty_tensor_between": (
+        lambda: [{"x": torch.ones(2, 3)}, {"x": torch.zeros(0)}, {"x": torch.zeros(1, 3)}],
+        None,
+    ),
+    "a_1d_empty_tensor_first": (
+        lambda: [{"x": torch.zeros(0)}, {"x": torch.ones(2, 3)}],
+        None,
+    ),
+    "dims_differ_in_a_later_add": (
+        lambda: [{"x": torch.ones(2, 3)}, {"x": torch.zeros(1, 3, 1)}],
+        None,
+    ),
+    "a_meta_tensor_in_a_later_add": (
+        lambda: [{"x": torch.ones(2, 3)}, {"x": torch.zeros(1, 3, device="meta")}],
+        None,
+    ),
+    "an_ndarray_in_a_later_add": (
+        lambda: [{"x": torch.ones(2, 3)}, {"x": torch.zeros(1, 3).numpy()}],
+        None,
+    ),
+    "a_transposed_view": (
+        lambda: [{"x": torch.arange(6.0).view(3, 2).t()}, {"x": torch.zeros(1, 3)}],
+        None,
+    ),
 }
 
 
@@ -168,7 +199,7 @@ def _run(adds: list[Any], layout: Any, *, mutate: Callable[[list[Any]], None] | 
 
 
 def _rows(outputs: Any) -> int:
-    for leaf in tg.tree_leaves(outputs) if not isinstance(outputs, dict) else outputs.values():
+    for leaf in optree.tree_leaves(outputs, namespace=tg.NAMESPACE):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return leaf.shape[0]
     return 0
@@ -179,6 +210,8 @@ def _same(fast: Any, reference: Any) -> None:
         assert fast == reference
     else:
         assert_tree_equal(fast, reference)
+        for leaf in optree.tree_leaves((fast, reference), namespace=tg.NAMESPACE):  # detached
+            assert not (isinstance(leaf, torch.Tensor) and leaf.requires_grad)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -295,10 +295,10 @@ def join(
     hold strings only; ``parts``: per-sample positions left as their parts (checked), for
     :func:`placed` to join in the result's order.
     """
-    if not FAST_PATHS.on:  # the one fast-path switch: the definition only
-        return reference()
     out: list[Any] = []
-    with torch.no_grad():  # results are detached
+    with torch.no_grad():  # results are detached (the definition's too)
+        if not FAST_PATHS.on:  # the one fast-path switch: the definition only
+            return reference()
         for p, (kind, rule, col) in enumerate(zip(kinds, rules, columns)):
             if kind == SAMPLES and not parts and len(col) > 1 and not isinstance(rule, Pad):
                 joined = _catted(col, device)
