@@ -43,7 +43,6 @@ __all__ = [
     "caches",
     "clear_caches",
     "clear_tree_caches",
-    "exact",
     "shareable",
     "typed_key",
 ]
@@ -297,9 +296,11 @@ def typed_key(value: Any) -> Hashable:
 _EXACT_ATOMS = frozenset([type(None), bool, int, str, bytes])
 
 
-def shareable(key: Any) -> bool:
+def shareable(key: Any, *, equal: bool = False) -> bool:
     """Whether every value with the typed key ``key`` is indistinguishable from the one it was
-    made from, so that a cache may hand out that one instead.
+    made from, so that a cache may hand out that one instead (``equal``: only whether every
+    such value equals it in every respect, its text too, so that what is made from it may be
+    shared: lists, dicts and objects keyed by their fields allowed).
 
     True when its parts are immutable atoms (not floats or complex numbers: ``-0.0`` and ``0.0``
     share a key), tuples of them, objects keyed by identity, or objects keyed by such fields
@@ -309,6 +310,8 @@ def shareable(key: Any) -> bool:
 
     >>> shareable(typed_key(("a", 1, None))), shareable(typed_key(["a"])), shareable(typed_key(0.0))
     (True, False, False)
+    >>> shareable(typed_key(["a"]), equal=True), shareable(typed_key(["a", 0.0]), equal=True)
+    (True, False)
     """
     stack = [key]
     while stack:
@@ -319,30 +322,10 @@ def shareable(key: Any) -> bool:
         if kind in _ATOMS:
             if kind not in _EXACT_ATOMS:
                 return False
-        elif kind is tuple or getattr(kind, "_shareable_fields", False):
+        elif equal or kind is tuple or getattr(kind, "_shareable_fields", False):
             stack.extend(payload)  # (an object that says an equal one may stand for it)
         else:  # a list, a dict, or an object keyed by its fields
             return False
-    return True
-
-
-def exact(key: Any) -> bool:
-    """Whether every value with the typed key ``key`` is equal to the one it was made from in
-    every respect, its text too: no float or complex part (``-0.0`` and ``0.0`` share a key).
-
-    >>> exact(typed_key(("a", 1, None))), exact(typed_key(["a", 0.0]))
-    (True, False)
-    """
-    stack = [key]
-    while stack:
-        part = stack.pop()
-        if len(part) == 3:  # (type, id, _Identity): the object itself
-            continue
-        kind, payload = part
-        if kind is float or kind is complex:
-            return False
-        if kind not in _EXACT_ATOMS:
-            stack.extend(payload)
     return True
 
 

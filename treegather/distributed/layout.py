@@ -15,7 +15,7 @@ from typing import Any
 import optree
 
 from .. import _tree
-from .._caches import LRU, exact, typed_key
+from .._caches import LRU, shareable, typed_key
 from .._errors import safe_repr
 from .._layout import ByPath, path_text
 from .._rules import Custom, Rule
@@ -89,7 +89,7 @@ def layout_text(layout: Any, dim: Any, sync: bool = False) -> tuple[str, str]:
     key = None
     if type(dim) is int and isinstance(layout, (ByPath, Rule)):
         typed = layout._key if type(layout) is ByPath else typed_key(layout)
-        key = (typed, dim, bool(sync)) if exact(typed) else None
+        key = (typed, dim, bool(sync)) if shareable(typed, equal=True) else None
         if (found := _TEXTS.get(key)) is not None:
             return found
     text = _layout_text(layout, dim, sync)
