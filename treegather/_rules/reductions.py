@@ -88,7 +88,7 @@ class Mean(_Reduction, name="mean"):
             # _weighted_mean computes it bit for bit, in three ops instead of seven
             total = builtins.sum(sizes)
             out = col[0] * (sizes[0] / total)
-            for v, s in zip(col[1:], sizes[1:]):
+            for v, s in zip(col[1:], sizes[1:], strict=True):
                 out = out + v * (s / total)
             return out
         if all(is_number(v) for v in col):
