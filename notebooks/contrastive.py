@@ -90,6 +90,9 @@ def main() -> None:
     if rank == 0:
         print(f"ranks={world}: global batch {len(both['image'])} rows, loss {loss.item():.4f}")
         print("every parameter's gradient equals one process holding every rank's rows")
+    # DDP holds the process group: let go of it (and of the step's tensors) while every rank
+    # still has its group, so that no rank tears gloo down alone after destroying it.
+    del ddp, local, both, loss
     dist.barrier()
     dist.destroy_process_group()
 

@@ -107,6 +107,7 @@ def main() -> None:
         print(f"gathered {len(result['ids'])} samples, each once, in dataset order")
         print(f"accuracy={accuracy:.3f} loss={exact:.4f} (batch-loss mean {result['loss']:.4f})")
         print(f"token_scores {tuple(result['token_scores'].shape)}")
+    del model  # DDP holds the process group: let go of it while every rank still has the group
     dist.barrier()  # every rank done before the group goes (DDP's threads may abort otherwise)
     dist.destroy_process_group()
 
