@@ -323,8 +323,8 @@ def join(
                 known = p < len(plain) and plain[p]
                 items = [] if known and parts else list(chain.from_iterable(col))
                 # (strings only, the usual case, told by one count: faster than a set of types)
-                known = known or (bool(items) and list(map(type, items)).count(str) == len(items))
-                found: set[type] = {str} if known else set(map(type, items))
+                strings = known or (bool(items) and list(map(type, items)).count(str) == len(items))
+                found: set[type] = {str} if strings else set(map(type, items))
                 if Tensor in found:  # tensors among the items: moved there
                     return reference()
                 if types is not None:
@@ -336,12 +336,7 @@ def join(
 def alike(col: tuple[Any, ...], device: torch.device, *, same_tail: bool) -> bool:
     """Tensors of >= 1 dim, of one dtype, on ``device`` (and of one shape past the first dim):
     a few C passes over the column."""
-    first = col[0]
-    if type(first) is not Tensor or first.dim() == 0 or first.device != device:
-        return False
-    if list(map(type, col)).count(Tensor) != len(col):
-        return False
-    if len(set(map(DTYPE, col))) != 1 or len(set(map(DEVICE, col))) != 1:
+    if not _tensors(col, device) or len(set(map(DEVICE, col))) != 1:
         return False
     shapes = set(map(SHAPE, col))  # a few distinct ones: the rows differ, the rest should not
     if same_tail:
@@ -352,15 +347,20 @@ def alike(col: tuple[Any, ...], device: torch.device, *, same_tail: bool) -> boo
 def _catted(col: tuple[Any, ...], device: torch.device) -> Tensor | None:
     """``torch.cat(col)`` where :func:`alike` holds, else ``None``: what ``cat`` checks itself
     (one device, one shape past the first dim, at one number of dims) left to it."""
-    first = col[0]
-    if type(first) is not Tensor or first.dim() == 0 or first.device != device:
-        return None
-    if list(map(type, col)).count(Tensor) != len(col) or len({*map(DTYPE, col)}) != 1:
-        return None
-    try:  # (one number of dims: cat takes a 1-D empty tensor beside any shape)
-        return torch.cat(col) if len({*map(NDIM, col)}) == 1 else None
+    if not _tensors(col, device) or len({*map(NDIM, col)}) != 1:
+        return None  # (one number of dims: cat takes a 1-D empty tensor beside any shape)
+    try:
+        return torch.cat(col)
     except RuntimeError:
         return None
+
+
+def _tensors(col: tuple[Any, ...], device: torch.device) -> bool:
+    """Tensors only, of one dtype, the first of >= 1 dim and on ``device``."""
+    first = col[0]
+    if type(first) is not Tensor or first.dim() == 0 or first.device != device:
+        return False
+    return list(map(type, col)).count(Tensor) == len(col) and len(set(map(DTYPE, col))) == 1
 
 
 DTYPE = attrgetter("dtype")
