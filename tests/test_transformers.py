@@ -576,6 +576,109 @@ def test_recipe_sampling_draws_differ_from_one_device_but_repeat_with_a_seed() -
     assert torch.equal(first, again)  # the serial backend draws in shard order: reproducible
 
 
+# ------------------------------------------------- mixture of experts: no weighting is exact
+
+
+def _mixtral() -> nn.Module:
+    config = T.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        output_router_logits=True,  # (router_aux_loss_coef: the default, 0.001)
+        **TOKENS,
+        **EAGER,
+    )
+    return T.MixtralForCausalLM(config)
+
+
+def _qwen2_moe() -> nn.Module:
+    config = T.Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        output_router_logits=True,
+        **TOKENS,
+        **EAGER,
+    )
+    return T.Qwen2MoeForCausalLM(config)
+
+
+MOE = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe}
+
+
+def _moe_batch() -> dict[str, torch.Tensor]:
+    """7 rows, two of them padded (attention mask 0, label -100), two more with fewer labels."""
+    ids = _ids(torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[[1, 4], 4:] = 0
+    labels = _padded(ids).masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def moe_loss(model: nn.Module, out: Any, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The guide's recipe: the model's own loss on the gathered logits and router logits."""
+    lb = sys.modules[type(model).__module__].load_balancing_loss_func  # (Mixtral's = Qwen2-MoE's)
+    aux = lb(out.router_logits, model.num_experts, model.num_experts_per_tok, mask)
+    lm = model.loss_function(out.logits, labels, model.config.vocab_size)
+    return lm + model.router_aux_loss_coef * aux
+
+
+def _worst(model: nn.Module, ref: nn.Module, only: str = "") -> float:
+    """The largest gradient difference, relative to the largest entry of each gradient."""
+    grads = dict(ref.named_parameters())
+    return max(
+        float((p.grad - grads[n].grad).abs().max() / grads[n].grad.abs().max())
+        for n, p in model.named_parameters()
+        if only in n
+    )
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_recipe_moe_loss_from_the_gathered_router_logits_equals_one_device(name: str) -> None:
+    build = MOE[name]
+    ref = pristine(build)
+    batch = _moe_batch()
+    expected = ref(**batch)
+    expected.loss.backward()
+
+    # the token-weighted recipe: its cross-entropy is exact, its load-balancing term is not
+    # (a product of two batch means), and aux_loss is one value per shard
+    weighted = pristine(build)
+    layout = tg.by_path({"loss": tg.mean(weight=shifted)})
+    old = tg.data_parallel(weighted, (), DEVICES, module_kwargs=batch, out_layout=layout)
+    assert old.aux_loss.shape == (3,)
+    old.loss.backward()
+    assert _worst(weighted, ref, "mlp.gate.weight") > 1e-3  # the router's gate, off
+
+    # gathered logits and router logits (no labels: no loss per shard), the loss on the batch
+    model = pristine(build)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    out = tg.data_parallel(model, (), DEVICES, module_kwargs=inputs)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (N * 6, 4)
+    loss = moe_loss(model, out, batch["labels"], batch["attention_mask"])
+    torch.testing.assert_close(loss, expected.loss, rtol=1e-6, atol=0)
+    loss.backward()
+    for pname, p in model.named_parameters():
+        q = dict(ref.named_parameters())[pname].grad
+        assert p.grad is not None and q is not None, pname
+        torch.testing.assert_close(p.grad, q, rtol=1e-6, atol=1e-6 * float(q.abs().max()))
+    assert _worst(model, ref) < 1e-5 < _worst(weighted, ref)
+
+
 # ------------------------------------------------------------------------ caches as nodes
 
 
@@ -633,6 +736,40 @@ def test_caches_that_cannot_be_split_are_refused_with_the_reason() -> None:
     assert "its layer 1 is a LinearAttentionLayer" in (
         explained["inputs['cache'].layers"].problem or ""
     )
+
+
+def _mamba() -> nn.Module:
+    config = T.MambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        state_size=4,
+        num_hidden_layers=2,
+        expand=2,
+        conv_kernel=3,
+        **TOKENS,
+    )
+    return T.MambaForCausalLM(config)
+
+
+def test_a_recurrent_cache_is_gathered_as_the_list_of_the_replicas_caches() -> None:
+    """Mamba's cache (LinearAttentionLayer states) cannot be split or joined by rows: gathered,
+    it is the replicas' caches, each of its shard's rows; fed back, scatter refuses it."""
+    model, ref = pristine(_mamba), pristine(_mamba)
+    ids = _ids(torch.Generator().manual_seed(9), N, 5)
+    with torch.no_grad():
+        out = tg.data_parallel(model, (), DEVICES, module_kwargs={"input_ids": ids})
+        one = ref(input_ids=ids)
+    torch.testing.assert_close(out.logits, one.logits, atol=2e-5, rtol=1e-4)
+    assert type(out.cache) is list and len(out.cache) == 3
+    assert all(type(c) is type(one.cache) for c in out.cache)
+    for cache, rows in zip(out.cache, (slice(0, 3), slice(3, 5), slice(5, 7))):
+        for mine, whole in zip(cache.layers, one.cache.layers, strict=True):
+            for states in ("conv_states", "recurrent_states"):
+                got, want = getattr(mine, states)[0], getattr(whole, states)[0][rows]
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    step = {"input_ids": ids[:, :1], "cache": out.cache}
+    with pytest.raises(tg.LeafTypeError, match=r"kwargs\['cache'\]\[0\]\.layers: a DynamicCache"):
+        tg.data_parallel(model, (), DEVICES, module_kwargs=step)
 
 
 def test_an_encoder_decoder_cache_round_trips_and_a_user_registration_wins() -> None:
