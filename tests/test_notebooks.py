@@ -17,16 +17,20 @@ import pytest
 import spawned_groups
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+# The guides that need an optional dependency carry its marker (``-m transformers`` selects them).
+MARKS = {"transformers": [pytest.mark.transformers]}
+PARAMS = [pytest.param(p, id=p.stem, marks=MARKS.get(p.stem, [])) for p in NOTEBOOKS]
 
 
 def test_notebooks_exist() -> None:
     names = {p.name for p in NOTEBOOKS}
-    missing = {"benchmark.ipynb", "quickstart.ipynb", "migrating.ipynb"} - names
+    missing = {"benchmark.ipynb", "quickstart.ipynb", "migrating.ipynb", "transformers.ipynb"}
+    missing -= names
     assert not missing, f"notebooks/ lacks {sorted(missing)}"
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", PARAMS)
 def test_notebook_is_stored_without_outputs(path: pathlib.Path) -> None:
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
@@ -94,7 +98,7 @@ def background_job(item: pytest.Item) -> Any:
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", PARAMS)
 def test_notebook_runs(path: pathlib.Path, tmp_path: pathlib.Path) -> None:
     job = spawned_groups.started(("notebook", path.stem))
     returncode, output, written = job.result() if job is not None else execute(path, tmp_path)
