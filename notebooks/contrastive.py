@@ -11,6 +11,11 @@ too) in one collective; with ``sync_grads=True`` the result is differentiable, a
 sends every rank the gradient of every rank's loss with respect to its own embeddings in one
 all-to-all. DDP then averages the parameter gradients as usual. Rank 0 checks the step against
 one process that holds every rank's rows.
+
+Every rank must run the backward (the all-to-all is a collective). It is itself differentiable:
+with ``create_graph=True`` (a gradient penalty, a Hessian-vector product) second derivatives
+are exact, every rank running the same double backward. Without ``sync_grads``, a backward that
+reaches the result of tensors that require grad raises, saying to pass it.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ called; every test works on deep copies of it, so each call through treegather i
 first (transformers installs its output-capture hooks lazily, on a model's first call). Each
 case runs 7 rows on ``["cpu"] * 3`` (shards of 3, 2, 2) and compares with one device: loss,
 logits, hidden states, attentions, caches and every parameter's gradient; the source's hooks
-(per submodule) and ``state_dict()`` are unchanged. The README's "Hugging Face models" recipes
-are measured here too. Select with ``-m transformers``.
+(per submodule) and ``state_dict()`` are unchanged. The recipes of the README's "Hugging Face
+models" section and of its guide, notebooks/transformers.ipynb, are measured here too (the MoE
+loss on Mixtral and Qwen2-MoE, Mamba's list of caches). Select with ``-m transformers``.
 """
 
 from __future__ import annotations
@@ -371,7 +372,7 @@ def test_generate_with_uneven_lengths_pads_with_the_pad_id(name: str) -> None:
 
 
 def steps(scores: list[tuple[torch.Tensor, ...]], device: torch.device) -> tuple[Any, ...]:
-    """The README's rule for generate's scores: each shard's tuple holds a [rows, vocab] tensor
+    """The guide's rule for generate's scores (notebooks/transformers.ipynb): each shard's tuple holds a [rows, vocab] tensor
     per step it ran; a step a shard did not run (it stopped) is -inf for its rows."""
     longest = max(map(len, scores))
     return tuple(
@@ -532,7 +533,7 @@ def test_token_losses_with_padding_weighted_by_the_data_equal_one_device_cold(na
             assert (p.grad is None) == (q.grad is None), pname
             if q.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=0, msg=pname)
-    with torch.no_grad():  # what the README's loss paragraph says instead
+    with torch.no_grad():  # what the guide's loss paragraph says instead
         three = pristine(build)
         if name == "t5":
             rows = tg.by_path({"loss": tg.mean()})
