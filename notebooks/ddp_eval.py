@@ -12,7 +12,8 @@ rows in the sampler's order, and a metric over them is off; so is a per-rank tot
 the padding duplicate included: 22 samples seen). The code written by hand today gathers, then
 undoes the sampler by index (strings need ``all_gather_object`` on top); accelerate's
 ``gather_for_metrics`` drops the duplicates of the last batch only, and keeps the ranks'
-interleaved order. Sections 1 and 2 of ``main`` show both.
+interleaved order. Sections 1 and 2 of ``main`` show the gather by hand and the per-rank
+totals.
 
 **The Collector.** Run the loop through ``collector.observe(loader)``: it iterates the loader
 once, as ``for batch in loader`` does, and notes the dataset indices the loader's sampler hands
