@@ -20,8 +20,8 @@ once, as ``for batch in loader`` does, and notes the dataset indices the loader'
 out for each batch. ``add`` keeps each batch's outputs local (no communication); one exchange at
 the end gives every rank each sample once, in dataset order: per-sample ids (strings), logits,
 labels, variable-length per-token scores, and a batch loss (section 3). The same loop serves a
-loader that accelerate prepared (section 4). Rank 0 checks everything against evaluating the
-whole dataset in one process.
+loader that accelerate prepared (section 4, which needs ``accelerate``). Every rank checks the
+results against evaluating the whole dataset in one process.
 
 - **Where the rows come from.** Each ``add`` takes the next rows of the batches the loop
   received, as the sampler (or batch sampler) handed them out, to the main process or to
