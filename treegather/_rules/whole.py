@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -208,41 +209,74 @@ def _moved_metas(values: Sequence[Any], ctx: Combining) -> Problem | None:
 
 
 def tree_equal(a: Any, b: Any) -> bool:
-    """Whether two subtrees hold equal values (tensors by value, array-likes as arrays)."""
+    """Whether two subtrees hold equal values (tensors by value, array-likes as arrays), NaN
+    equal to NaN in the same place (a value compared with itself is the same value)."""
     la, sa = flatten(a)
     lb, sb = flatten(b)
     if sa != sb:
         return False
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         if isinstance(x, Tensor) or isinstance(y, Tensor):
             if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
                 return False
-            if x.shape != y.shape or not torch.equal(x, y.to(x.device)):
+            if x.shape != y.shape or not _same_tensor(x, y.to(x.device)):
                 return False
         elif not _same_value(x, y):
             return False
     return True
 
 
+def _same_tensor(x: Tensor, y: Tensor) -> bool:
+    """``torch.equal``, with NaN equal to NaN where both hold one (complex: part by part)."""
+    if torch.equal(x, y):
+        return True
+    if not (x.is_floating_point() or x.is_complex()) or x.dtype != y.dtype:
+        return False
+    if x.is_complex():
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
+    nan = x.isnan()
+    return torch.equal(nan, y.isnan()) and torch.equal(x[~nan], y[~nan])
+
+
 def _same_value(x: Any, y: Any) -> bool:
-    """``x == y`` as one bool; array-likes (numpy arrays, ...) compared as arrays: the same
-    shape, then every element (``bool()`` of an elementwise ``==`` is ambiguous). Duck-typed:
-    numpy is not a dependency."""
+    """``x == y`` as one bool, NaN equal to NaN in the same place; array-likes (numpy arrays,
+    ...) compared as arrays: the same shape, then every element (``bool()`` of an elementwise
+    ``==`` is ambiguous). Duck-typed: numpy is not a dependency."""
     shape_x, shape_y = getattr(x, "shape", None), getattr(y, "shape", None)
     if shape_x is None and shape_y is None:
-        return bool(x == y)
+        return bool(x == y) or _both_nan(x, y)
     try:
         if tuple(shape_x) != tuple(shape_y):  # type: ignore[arg-type]
             return False
     except TypeError:  # a ``shape`` that is not a sequence of dims: compare the values
-        return bool(x == y)
+        return bool(x == y) or _both_nan(x, y)
     same = x == y
+    if _has_nan(x) and _has_nan(y):  # (NaN is only in float and complex arrays)
+        same = same | ((x != x) & (y != y))  # NaN in both, there
     for _ in range(64):  # an array of results: reduce it with its own all() (a DataFrame: twice)
         every = getattr(same, "all", None)
         if not getattr(same, "ndim", 0) or not callable(every):
             break
         same = every()
     return bool(same)
+
+
+def _both_nan(x: Any, y: Any) -> bool:
+    """Two numbers (Python's, numpy's) that are NaN alike: a float NaN each, or complex numbers
+    with NaN in the same parts and the other parts equal."""
+    if not (isinstance(x, numbers.Number) and isinstance(y, numbers.Number)):
+        return False
+    if isinstance(x, numbers.Real) and isinstance(y, numbers.Real):
+        return bool(x != x and y != y)
+    if not (isinstance(x, numbers.Complex) and isinstance(y, numbers.Complex)):
+        return False
+    parts = [(x.real, y.real), (x.imag, y.imag)]
+    return all(p == q or (p != p and q != q) for p, q in parts)
+
+
+def _has_nan(x: Any) -> bool:
+    """Whether an array-like may hold a NaN: a floating or complex dtype (numpy's kinds)."""
+    return getattr(getattr(x, "dtype", None), "kind", None) in ("f", "c")
 
 
 # --------------------------------------------------------------------------- constructors
