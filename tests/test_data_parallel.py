@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -701,29 +702,128 @@ def test_weight_errors_are_typed_and_name_the_path() -> None:
     with pytest.raises(
         tg.ArgumentTypeError,
         match=(
-            r"^outputs\['loss'\]: mean\(weight=<lambda>\): the weight of replica 0 must be a count "
-            r"\(an int or a 0-dim integer tensor, e\.g\. \(labels != -100\)\.sum\(\)\), got float 1\.5$"
+            r"^outputs\['loss'\]: mean\(weight=<lambda>\): the weight of replica 0 must be a "
+            r"number >= 0 \(an int, a float or a 0-dim tensor, e\.g\. \(labels != -100\)\.sum\(\) "
+            r"or class_weight\[labels\]\.sum\(\)\), got complex \(1\+1j\)$"
         ),
     ):
-        run(lambda **_: 1.5)
+        run(lambda **_: 1 + 1j)
     for bad in (
-        lambda **_: torch.tensor(2.0),
         lambda **_: torch.ones(2, dtype=torch.long),
+        lambda **_: torch.tensor(True),
+        lambda **_: torch.tensor(1j),
         lambda **_: True,
         lambda **_: None,
+        lambda **_: "3",
     ):
-        with pytest.raises(tg.ArgumentTypeError, match=r"the weight of replica 0 must be a count"):
+        with pytest.raises(tg.ArgumentTypeError, match=r"the weight of replica 0 must be a number"):
             run(bad)
-    with pytest.raises(
-        tg.BatchSizeError,
-        match=r"^outputs\['loss'\]: mean\(weight=<lambda>\): the "
-        r"weight of replica 0 is -1, and a count is >= 0$",
-    ):
-        run(lambda **_: -1)
+    for value, shown in ((-1, "-1"), (-0.5, "-0.5"), (math.nan, "nan"), (math.inf, "inf")):
+        with pytest.raises(
+            tg.BatchSizeError,  # (a WeightError, which is one)
+            match=r"^outputs\['loss'\]: mean\(weight=<lambda>\): the "
+            rf"weight of replica 0 is {shown}, and a weight is a finite number >= 0$",
+        ) as info:
+            run(lambda **_: value)  # noqa: B023  (run at once)
+        assert type(info.value) is tg.WeightError
     with pytest.raises(tg.ArgumentTypeError, match=r"mean\(weight=\.\.\.\) takes a callable"):
         tg.mean(weight=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         tg.mean(_tokens)  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.parametrize("entry", ["data_parallel", "DataParallel"])
+def test_a_weight_that_fails_is_a_weight_error_naming_path_rule_and_cause(entry: str) -> None:
+    from treegather._caches import reference_only
+
+    model, batch = TokenLoss(), _padded_batch()
+
+    def no_keywords(labels: torch.Tensor) -> torch.Tensor:  # the shard's call also has x=
+        return (labels != -100).sum()
+
+    def divides(labels: torch.Tensor, **_: Any) -> int:
+        return int((labels != -100).sum()) // 0
+
+    call = "0 positional argument(s) and keyword(s) 'x', 'labels'"
+    for weight, cause, text in (
+        (no_keywords, TypeError, f"no_keywords does not take replica 0's call, which has {call} "),
+        (
+            divides,
+            ZeroDivisionError,
+            f"divides raised ZeroDivisionError on replica 0's call ({call}): ",
+        ),
+    ):
+        layout = tg.by_path({"loss": tg.mean(weight=weight)})
+        messages = set()
+        for reference in (True, False, False, False):  # the plain path, cold, seen, compiled
+            with reference_only() if reference else contextlib.nullcontext():
+                with pytest.raises(tg.WeightError) as info:
+                    if entry == "data_parallel":
+                        tg.data_parallel(
+                            model, (), ["cpu"] * 2, module_kwargs=batch, out_layout=layout
+                        )
+                    else:
+                        tg.DataParallel(model, ["cpu"] * 2, out_layout=layout)(**batch)
+            assert isinstance(info.value, tg.TreegatherError)
+            assert type(info.value.__cause__) is cause
+            messages.add(str(info.value))
+        (message,) = messages
+        assert message.startswith(f"outputs['loss']: mean(weight={weight.__name__}): {text}")
+        hint = "take what it does not read as **_, e.g. lambda labels, **_:"
+        assert (hint in message) is (weight is no_keywords)
+
+
+class ClassWeightedLoss(nn.Module):
+    """A class-weighted cross entropy (mean reduction: the sum of each target's class weight
+    times its loss, over the sum of the targets' class weights; -100 ignored)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+        self.loss_fn = nn.CrossEntropyLoss(weight=weight)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.proj(x)
+        return {"loss": self.loss_fn(logits, labels), "logits": logits}
+
+
+@pytest.mark.parametrize("entry", ["data_parallel", "DataParallel"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_class_weighted_loss_weighted_by_its_class_weights_is_the_one_device_loss(
+    entry: str, k: int
+) -> None:
+    from treegather._caches import reference_only
+
+    torch.manual_seed(0)
+    w = torch.tensor([0.0, 1.0, 2.5, 0.5])  # class 0 weighs nothing
+    model, ref = ClassWeightedLoss(w), ClassWeightedLoss(w)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(7, 3)
+    labels = torch.tensor([1, 2, -100, 3, 2, 0, -100])  # on 3 devices the last shard weighs 0
+    expected = ref(x, labels)
+    expected["loss"].backward()
+
+    def weight(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return model.loss_fn.weight[labels[labels != -100]].sum()  # a float, not a count
+
+    layout = tg.by_path({"loss": tg.mean(weight=weight)})
+    devices = ["cpu"] * k
+    by_rows = tg.data_parallel(model, (x, labels), devices, out_layout=tg.by_path({"loss": "mean"}))
+    assert not torch.allclose(by_rows["loss"], expected["loss"])  # rows are not the weights
+    for reference in (True, False, False, False):  # the plain path, cold, seen, compiled
+        model.zero_grad()
+        with reference_only() if reference else contextlib.nullcontext():
+            if entry == "data_parallel":
+                out = tg.data_parallel(model, (x, labels), devices, out_layout=layout)
+            else:
+                out = tg.DataParallel(model, devices, out_layout=layout)(x, labels)
+        assert torch.isfinite(out["loss"])
+        torch.testing.assert_close(out["loss"], expected["loss"], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out["logits"], expected["logits"])
+        out["loss"].backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_a_gather_without_the_calls_says_where_the_weights_come_from() -> None:

@@ -27,6 +27,7 @@ from ._errors import (
     TreeDepthError,
     TreegatherError,
     UninitializedModuleError,
+    WeightError,
 )
 from ._explain import explain
 from ._explain.table import ExplainedLeaf, Explanation
@@ -98,6 +99,7 @@ __all__ = [
     "LayoutError",
     "StructureMismatchError",
     "BatchSizeError",
+    "WeightError",
     "LeafTypeError",
     "ShapeMismatchError",
     "DeviceError",

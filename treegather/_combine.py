@@ -110,7 +110,8 @@ def combine_planned(
         try:
             out.append(cast(GatherRule, rule).combine(col, ctx))
         except TreegatherError as exc:  # a leaf rule's own typed error: say where
-            raise type(exc)(f"{display_path(plan.node_of(pos), ROOT)}: {exc}") from None
+            located = type(exc)(f"{display_path(plan.node_of(pos), ROOT)}: {exc}")
+            raise located from exc.__cause__  # (mean(weight=f): what f raised)
     for pos, (_, node, whole), col in deferred:
         out[pos] = cast(GatherRule, whole).combine(col, ctx._replace(node=node))
     return out

@@ -19,6 +19,7 @@ __all__ = [
     "LayoutError",
     "StructureMismatchError",
     "BatchSizeError",
+    "WeightError",
     "LeafTypeError",
     "ShapeMismatchError",
     "DeviceError",
@@ -44,6 +45,13 @@ class StructureMismatchError(TreegatherError, ValueError):
 
 class BatchSizeError(TreegatherError, ValueError):
     """Split leaves disagree on the batch size, or explicit shard sizes do not add up."""
+
+
+class WeightError(BatchSizeError):
+    """``mean(weight=f)`` could not weigh a replica: ``f`` does not take the shard's call or
+    raised (its exception is the ``__cause__``), or it returned a weight below 0, NaN or
+    infinite. The message names the path and the rule. (A weight that is no number at all is an
+    :class:`ArgumentTypeError`.)"""
 
 
 class LeafTypeError(TreegatherError, TypeError):
@@ -87,6 +95,7 @@ for _cls in (
     LayoutError,
     StructureMismatchError,
     BatchSizeError,
+    WeightError,
     LeafTypeError,
     ShapeMismatchError,
     DeviceError,

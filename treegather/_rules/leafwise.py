@@ -85,8 +85,8 @@ class LeafRule(GatherRule):
                     True,
                     "dataclass",
                 )
-            if self.numbers and all(is_number(v) for v in col):
-                return None
+            if self.numbers:
+                return _numbers_problem(col, tensors, shown)
             bad = tensors.index(False)
             return Problem(
                 f"{shown} needs tensors, replica {bad} holds {describe(col[bad])}", True, "shape"
@@ -105,6 +105,26 @@ class LeafRule(GatherRule):
     ) -> Problem | None:
         """What is wrong with tensors of these shapes (one dtype) under this rule."""
         return None
+
+
+def _numbers_problem(col: Sequence[Any], tensors: list[bool], shown: str) -> Problem | None:
+    """What is wrong with values that are not all tensors, for a rule that also takes numbers
+    (``mean``, ``sum``): nothing when every one is a number; else the first that is neither
+    (a bool is not a number to these rules: ``True`` is not ``1``), or the mix."""
+    numbers = [is_number(v) for v in col]
+    if all(numbers):
+        return None
+    wrong = [r for r, (t, n) in enumerate(zip(tensors, numbers, strict=True)) if not (t or n)]
+    if wrong:
+        bad = wrong[0]
+        flag = " (a bool is neither here)" if isinstance(col[bad], bool) else ""
+        text = f"{shown} needs tensors or numbers, replica {bad} holds {describe(col[bad])}{flag}"
+    else:
+        kinds = ", ".join(
+            f"replica {r}: {'a tensor' if t else 'a number'}" for r, t in enumerate(tensors)
+        )
+        text = f"{shown} needs tensors in every replica or numbers in every replica, got {kinds}"
+    return Problem(text, True, "shape")
 
 
 def _unknown_dataclasses(col: Sequence[Any]) -> str:

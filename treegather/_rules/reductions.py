@@ -1,26 +1,29 @@
-"""The gather rules that reduce over the replicas: mean (weighted by rows, or by counts taken
+"""The gather rules that reduce over the replicas: mean (weighted by rows, or by weights taken
 from each replica's inputs) and sum.
 
-Of tensors or of Python numbers, elementwise; see :mod:`.leafwise` for what every leaf-wise
-rule checks.
+Of tensors or of numbers (Python's and numpy's scalars: :mod:`.numbers`), elementwise; see
+:mod:`.leafwise` for what every leaf-wise rule checks.
 """
 
 from __future__ import annotations
 
 import builtins
 import dataclasses
+import inspect
 import math
+import numbers
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .._caches import FAST_PATHS
-from .._errors import ArgumentTypeError, BatchSizeError, LayoutError, safe_repr
+from .._errors import ArgumentTypeError, LayoutError, WeightError, safe_repr
 from .._tree import describe, dtype_text, shape_text
 from .base import Combining, Problem, by_replica, constructor, is_number
 from .leafwise import LeafRule, one_dtype, to_target
+from .numbers import mean_of, sum_of
 
 __all__ = ["Mean", "Sum", "mean", "sum"]
 
@@ -62,7 +65,7 @@ class _Reduction(LeafRule):
 @dataclasses.dataclass(frozen=True)
 class Mean(_Reduction, name="mean"):
     """The mean over the replicas, weighted by their rows when the sizes are known, or by the
-    count ``weight`` finds in each replica's inputs."""
+    weight ``weight`` finds in each replica's inputs."""
 
     weight: Callable[..., Any] | None = None
 
@@ -71,9 +74,9 @@ class Mean(_Reduction, name="mean"):
 
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
         if self.weight is not None:
-            sizes: tuple[int, ...] | None = self.counts(ctx)
+            sizes: tuple[float, ...] | None = self.weights(ctx)
             if len(col) == 1:
-                sizes = None  # one replica: its value, whatever it counts
+                sizes = None  # one replica: its value, whatever it weighs
         else:
             sizes = ctx.sizes
             if sizes is not None and builtins.sum(sizes) == 0:
@@ -92,46 +95,53 @@ class Mean(_Reduction, name="mean"):
                 out = out + v * (s / total)
             return out
         if all(is_number(v) for v in col):
-            if sizes is None:
-                return builtins.sum(col) / len(col)
-            total = builtins.sum(sizes)
-            if not total:  # counts that are all 0: the mean of no items
-                return math.nan
-            if all(type(v) is int for v in col):  # exact
-                return builtins.sum(v * s for v, s in zip(col, sizes)) / total
-            # Each value times its share of the rows: never a product larger than the value (a
-            # numpy float16 times 4096 rows overflows); a share of 0 leaves the value out (NaN).
-            return builtins.sum(v * (s / total) for v, s in zip(col, sizes) if s)
+            return mean_of(col, sizes)  # (exact; weights that are all 0: NaN)
         one_dtype(col)
+        if sizes is not None and 0 in sizes and any(sizes):
+            # A replica that weighs 0 takes no part, and no gradient flows into it: its value
+            # (the NaN mean of an empty shard, a class-weighted loss over 0/0) would give NaN
+            # gradients even times 0. Its shape is checked all the same.
+            if len({v.shape for v in col}) > 1:
+                raise ValueError("per-replica tensors have different shapes")
+            col = tuple(v for v, s in zip(col, sizes, strict=True) if s)
+            sizes = tuple(s for s in sizes if s)
         stacked = torch.stack(to_target(col, ctx.target))
         if not (stacked.is_floating_point() or stacked.is_complex()):
             stacked = stacked.to(torch.get_default_dtype())
         return stacked.mean(0) if sizes is None else _weighted_mean(stacked, sizes)
 
-    def counts(self, ctx: Combining) -> tuple[int, ...]:
-        """What ``weight`` counts in each replica's inputs (``weight(*args, **kwargs)``), as
-        ints; a typed error for anything but a count, or for a gather without inputs."""
-        assert self.weight is not None
+    def weights(self, ctx: Combining) -> tuple[float, ...]:
+        """What ``weight`` finds in each replica's inputs (``weight(*args, **kwargs)``): ints
+        and floats, each finite and >= 0. A typed error naming the rule for a ``weight`` that
+        does not take the call or raises (:class:`WeightError`, from its exception), for a
+        weight that is no real number, is negative, NaN or infinite, or for a gather without
+        inputs; the combine step adds the path."""
+        weight = self.weight
+        assert weight is not None
         shown = self.describe()
         if ctx.inputs is None:
             raise LayoutError(
-                f"{shown} weighs each replica by what {_name(self.weight)} counts in its inputs, "
+                f"{shown} weighs each replica by what {_name(weight)} counts in its inputs, "
                 "and this gather has none: data_parallel, DataParallel and patch pass each "
                 "shard's call; elsewhere gather with mean() and sizes=[each replica's count] "
                 "(treegather.distributed: each rank's count as sizes=)"
             )
-        return tuple(
-            _count(self.weight(*args, **kwargs), r, shown)
-            for r, (args, kwargs) in enumerate(ctx.inputs)
-        )
+        out = []
+        for r, (args, kwargs) in enumerate(ctx.inputs):
+            try:
+                value = weight(*args, **kwargs)
+            except Exception as exc:
+                raise WeightError(_failed(weight, shown, r, args, kwargs, exc)) from exc
+            out.append(_weight(value, r, shown))
+        return tuple(out)
 
-    def shape_problem(
-        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
-    ) -> Problem | None:
+    def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
+        shown = shown or self.describe()
         sizes = ctx.sizes
         if self.weight is None and sizes is not None and len(sizes) > 1 and not any(sizes):
+            # (first: of numbers too, which the leaf-wise checks accept)
             return Problem(f"{shown} is weighted by sizes {list(sizes)}, which add up to 0")
-        return super().shape_problem(shapes, dtype, ctx, shown)
+        return super().problem(col, ctx, shown)
 
 
 _WIDE_FLOATS = (torch.float32, torch.float64)
@@ -156,24 +166,62 @@ def _name(fn: Callable[..., Any]) -> str:
     return name.rpartition("<locals>.")[2] if isinstance(name, str) else safe_repr(fn)
 
 
-def _count(value: Any, r: int, shown: str) -> int:
-    """Replica ``r``'s count: an int, or a 0-dim integer tensor (read back: on a GPU, one sync)."""
+def _weight(value: Any, r: int, shown: str) -> float:
+    """Replica ``r``'s weight: a real number (an int or a float, numpy's too) or a 0-dim real
+    tensor (read back: on a GPU, one sync), finite and >= 0; ints stay ints (exact means)."""
     if isinstance(value, torch.Tensor):
-        if value.dim() == 0 and not value.is_floating_point() and not value.is_complex():
-            if value.dtype != torch.bool:
-                value = value.item()
-    try:
-        if isinstance(value, (bool, torch.Tensor)):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
+        if value.dim() == 0 and value.dtype not in (torch.bool,) and not value.is_complex():
+            value = value.item()
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        w: float = operator.index(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        w = float(value)
+    else:
         raise ArgumentTypeError(
-            f"{shown}: the weight of replica {r} must be a count (an int or a 0-dim integer "
-            f"tensor, e.g. (labels != -100).sum()), got {describe(value)}"
-        ) from None
-    if n < 0:
-        raise BatchSizeError(f"{shown}: the weight of replica {r} is {n}, and a count is >= 0")
-    return n
+            f"{shown}: the weight of replica {r} must be a number >= 0 (an int, a float or a "
+            "0-dim tensor, e.g. (labels != -100).sum() or class_weight[labels].sum()), got "
+            f"{describe(value)}"
+        )
+    if not w >= 0 or w == math.inf:  # (NaN is not >= 0)
+        raise WeightError(
+            f"{shown}: the weight of replica {r} is {w}, and a weight is a finite number >= 0"
+        )
+    return w
+
+
+def _failed(
+    weight: Callable[..., Any],
+    shown: str,
+    r: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    exc: BaseException,
+) -> str:
+    """The message for a ``weight`` that raised on replica ``r``'s call: whether its signature
+    does not take the call (the usual mistake: keywords it has no parameter for), or it failed
+    inside, then the call's shape and the exception."""
+    name = _name(weight)
+    call = f"{len(args)} positional argument(s)"
+    if kwargs:
+        call += " and keyword(s) " + ", ".join(map(safe_repr, kwargs))
+    try:
+        inspect.signature(weight).bind(*args, **kwargs)
+        takes = True
+    except TypeError:
+        takes = False
+    except ValueError:  # (no signature to read: a builtin)
+        takes = True
+    if takes:
+        return (
+            f"{shown}: {name} raised {type(exc).__name__} on replica {r}'s call ({call}): "
+            f"{safe_repr(str(exc), None, text=str)}"
+        )
+    return (
+        f"{shown}: {name} does not take replica {r}'s call, which has {call} "
+        f"({type(exc).__name__}: {safe_repr(str(exc), None, text=str)}); the weight is called "
+        "as the replica was, weight(*args, **kwargs): take what it does not read as **_, e.g. "
+        "lambda labels, **_: (labels != -100).sum()"
+    )
 
 
 # The dtype torch's mean accumulates in, where it is not the input's (at::opmath_type).
@@ -184,18 +232,18 @@ _ACCUMULATE = {
 }
 
 
-def _weighted_mean(stacked: Tensor, sizes: tuple[int, ...]) -> Tensor:
+def _weighted_mean(stacked: Tensor, sizes: Sequence[float]) -> Tensor:
     """The mean of ``stacked`` along dim 0 weighted by ``sizes`` (adding up to more than 0),
     accumulated as :func:`torch.mean` does (float16 and bfloat16 in float32), each value times
     its share of the rows (so no product exceeds the value: a float16 loss of 100 times 4096
-    rows would be inf), and returned in the input's dtype. A replica of 0 rows takes no part:
-    its value (the NaN mean of an empty batch) is replaced by 0 before it is weighted by 0,
-    which also gives it a zero gradient rather than a NaN one."""
+    rows would be inf), and returned in the input's dtype. (:meth:`Mean.combine` leaves out the
+    replicas of 0 rows while any replica has rows; weights that are all 0 come here: each
+    value is replaced by 0 before it is weighted by NaN, which gives it a zero gradient.)"""
     dtype = stacked.dtype
     wide = _ACCUMULATE.get(dtype, dtype)
     total = builtins.sum(sizes)
     shape = (-1,) + (1,) * (stacked.dim() - 1)
-    # (Counts that are all 0, from mean(weight=f): the mean of no items, NaN, with no gradient.)
+    # (Weights that are all 0, from mean(weight=f): the mean of no items, NaN, no gradient.)
     shared = [s / total if total else math.nan for s in sizes]
     shares = torch.tensor(shared, dtype=wide, device=stacked.device)
     values = stacked.to(wide)
@@ -211,7 +259,7 @@ class Sum(_Reduction, name="sum"):
 
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
         if all(is_number(v) for v in col):
-            return builtins.sum(col)
+            return sum_of(col)  # (exact: numpy's narrow ints added as int64, as numpy.sum does)
         one_dtype(col)
         return torch.stack(to_target(col, ctx.target)).sum(0)
 
@@ -219,43 +267,55 @@ class Sum(_Reduction, name="sum"):
 @constructor(Mean)
 def mean(*, weight: Callable[..., Any] | None = None) -> Mean:
     """Gather rule: the mean of the per-replica values, weighted by shard sizes when known, or
-    by what ``weight`` counts in each shard's inputs.
+    by the weight ``weight`` finds in each shard's inputs.
 
     With ``gather(..., sizes=[...])`` (which :func:`treegather.data_parallel` passes for you) the
     mean of per-shard batch means equals the full-batch mean, even for uneven splits. Integer
-    tensors are promoted to the default float dtype; Python numbers give a Python float.
+    tensors are promoted to the default float dtype. Python numbers give a Python float, numpy
+    scalars the dtype :func:`numpy.mean` gives (float64 for integers, else their own), computed
+    from their exact values, so that they never overflow: ``numpy.int8(100)`` twice is ``100.0``,
+    ``numpy.float16(60000)`` twice ``60000``. Sizes that add up to 0 are a
+    :class:`ShapeMismatchError` (there is no mean to weigh).
 
     The weighted mean accumulates as :func:`torch.mean` does: float16 and bfloat16 values (and
     complex32) in float32, other dtypes in their own, each value multiplied by its share of the
     rows (``sizes[i] / sum(sizes)``, so no product is larger than the value), and the result
     comes back in the values' dtype: a float16 loss of 100.0 over two shards of 4096 rows is
     100.0, not ``inf``. A replica of 0 rows (``sizes[i] == 0``) takes no part in the mean: its
-    value (torch's mean of an empty batch is NaN) neither reaches the result nor gets a NaN
-    gradient (its gradient is zero). Without ``sizes`` it is the plain :func:`torch.mean` of
-    the per-replica values. The result is differentiable either way.
+    value (torch's mean of an empty batch is NaN) neither reaches the result nor gets a
+    gradient (none flows into it, so no NaN either). Without ``sizes`` it is the plain
+    :func:`torch.mean` of the per-replica values. The result is differentiable either way.
 
     Weights from the data: a loss that averages over something other than rows (tokens whose
-    label is not ``-100``, the frames of a padded utterance) is exact only weighted by what it
-    averages over. ``weight`` counts that for one shard: after the replicas ran, it is called
-    once per replica (at every position the rule applies to) with that shard's call, exactly
-    as the replica was called, ``weight(*args, **kwargs)``: ``args`` the shard's positional
-    inputs, ``kwargs`` its keyword inputs, split and on the shard's device. So for
-    ``data_parallel(model, (), devices, module_kwargs=batch)`` and ``DataParallel(model)(**batch)``
-    (every Hugging Face model) it is ``weight(**shard)``, the shard's keyword arguments, e.g.
-    ``lambda labels, **_: (labels != -100).sum()`` (for a causal LM, which shifts its labels by
-    one, ``(labels[:, 1:] != -100).sum()``); for ``data_parallel(fn, batch)`` it is
-    ``weight(shard)``. It returns the count, an int or a 0-dim integer tensor (read back as an
-    int: on a GPU, one synchronisation per replica). The result is the mean weighted by the
-    counts instead of the rows, accumulated as above; a replica that counts 0 takes no part
-    (its NaN loss included), and when every replica counts 0 it is NaN (the mean of no items,
-    as a one-device loss over no tokens), with no gradient. Only a gather that follows a call
-    has its inputs: :func:`treegather.data_parallel`, :class:`treegather.DataParallel` and
+    label is not ``-100``, the frames of a padded utterance, the targets' class weights) is
+    exact only weighted by what it averages over. ``weight`` finds that for one shard: after the
+    replicas ran, it is called once per replica (at every position the rule applies to) with
+    that shard's call, exactly as the replica was called, ``weight(*args, **kwargs)``: ``args``
+    the shard's positional inputs, ``kwargs`` its keyword inputs, split and on the shard's
+    device. So for ``data_parallel(model, (), devices, module_kwargs=batch)`` and
+    ``DataParallel(model)(**batch)`` (every Hugging Face model) it is ``weight(**shard)``, the
+    shard's keyword arguments, e.g. ``lambda labels, **_: (labels != -100).sum()`` (for a causal
+    LM, which shifts its labels by one, ``(labels[:, 1:] != -100).sum()``); for
+    ``data_parallel(fn, batch)`` it is ``weight(shard)``. It returns the shard's weight, any
+    real number >= 0: a count (an int, a 0-dim integer tensor) or a sum of real weights (a
+    float, a 0-dim floating tensor: for ``CrossEntropyLoss(weight=w)`` or ``NLLLoss(weight=w)``
+    with the mean reduction, ``w[labels].sum()``, labels ``ignore_index`` left out), read back
+    as a Python number (on a GPU, one synchronisation per replica). The result is the mean
+    weighted by these instead of the rows, accumulated as above; a replica that weighs 0 takes
+    no part (its NaN loss included), and when every replica weighs 0 it is NaN (the mean of no
+    items, as a one-device loss over no tokens), with no gradient. A weight below 0, NaN or
+    infinite, and a ``weight`` that does not take the shard's call (a keyword it has no
+    parameter for: end it with ``**_``) or raises, are a :class:`WeightError` naming the path
+    and the rule (the exception ``weight`` raised is its ``__cause__``); a weight that is no
+    real number, an :class:`ArgumentTypeError`. Only a gather that follows a call has its
+    inputs: :func:`treegather.data_parallel`, :class:`treegather.DataParallel` and
     :func:`treegather.patch` pass them (:func:`treegather.explain` shows the weight); a
     :func:`treegather.gather` of outputs alone, or across processes, raises a
-    :class:`LayoutError` (pass the counts as ``sizes=`` there).
+    :class:`LayoutError` (there, pass each replica's count as ``sizes=``).
 
     Args:
-        weight: ``weight(*args, **kwargs) -> int`` for each shard's call, or ``None`` (rows).
+        weight: ``weight(*args, **kwargs) -> number >= 0`` for each shard's call, or ``None``
+            (rows).
 
     >>> import torch, treegather as tg
     >>> tg.gather([torch.tensor(1.0), torch.tensor(4.0)], "cpu", tg.mean(), sizes=[2, 1])
@@ -275,10 +335,19 @@ def mean(*, weight: Callable[..., Any] | None = None) -> Mean:
     {'loss': tensor(3.2000)}
     >>> token_loss(**batch)  # one device; mean() would weigh the shards by rows: 3.75
     {'loss': tensor(3.2000)}
+    >>> w = torch.tensor([1.0, 4.0])  # class weights: the loss averages over w[labels]
+    >>> loss = lambda scores, labels: torch.nn.functional.cross_entropy(scores, labels, weight=w)
+    >>> scores = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 3.0]])
+    >>> labels = torch.tensor([0, 0, 1, 1])
+    >>> tg.data_parallel(loss, (scores, labels), ["cpu"] * 2,
+    ...                  out_layout=tg.mean(weight=lambda scores, labels: w[labels].sum()))
+    tensor(0.4407)
+    >>> loss(scores, labels)  # one device; mean() by rows would give 0.5455
+    tensor(0.4407)
     """
     if weight is not None and not callable(weight):
         raise ArgumentTypeError(
-            f"mean(weight=...) takes a callable counting a shard's inputs, got {describe(weight)}"
+            f"mean(weight=...) takes a callable weighing a shard's inputs, got {describe(weight)}"
         )
     return Mean(weight)
 

@@ -1,0 +1,112 @@
+"""How ``mean`` and ``sum`` combine numbers rather than tensors: Python's and numpy's scalars.
+
+The result is computed from the values' exact values, never in their own narrow dtype, and then
+given the type numpy's (or Python's) own reduction of them would have:
+
+- Python numbers: ints add exactly; a mean is a float (or a complex), each division correctly
+  rounded; a float mean whose sum would overflow (``1e308`` twice) is taken share by share.
+- numpy scalars: read exactly with ``.item()`` (Python ints, Python floats: float16, float32 and
+  float64 exactly; ``longdouble`` stays itself), combined as Python numbers are, then stored in
+  the dtype :func:`numpy.mean` or :func:`numpy.sum` gives an array of them: a mean of integers is
+  float64, of floats their own dtype (rounded once: ``float16(60000)`` twice averages to
+  ``60000``, not ``inf``; ``int8(100)`` twice to ``100.0``, not ``-28.0``); a sum of integers
+  narrower than 64 bits is int64 (uint64 when unsigned), as numpy accumulates them. A float sum
+  beyond its dtype is ``inf``, as a tensor's (torch's float16 sum) and a Python float's are; an
+  integer sum that its dtype cannot hold is refused (:func:`sum_of` raises), where numpy and
+  torch would wrap around.
+
+numpy is not a dependency: it is only looked at when a value is one of its scalars (so it is
+imported already).
+"""
+
+from __future__ import annotations
+
+import builtins
+import cmath
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import ShapeMismatchError
+
+__all__ = ["mean_of", "sum_of"]
+
+
+def mean_of(col: Sequence[Any], weights: Sequence[float] | None) -> Any:
+    """The mean of the numbers ``col``, weighted by ``weights`` (non-negative reals; ``None``:
+    equally); weights that are all 0 give NaN (the mean of no items)."""
+    dtype = _numpy_dtype(col)
+    try:
+        if dtype is None:
+            return _mean(col, weights)
+        mean = _mean([v.item() if hasattr(v, "item") else v for v in col], weights)
+    except OverflowError:  # Python ints beyond any float
+        raise ShapeMismatchError(_BEYOND.format(what="mean()")) from None
+    out = dtype if dtype.kind in "fc" else _numpy().dtype("float64")  # (numpy.mean's dtype)
+    return out.type(mean)
+
+
+def sum_of(col: Sequence[Any]) -> Any:
+    """The sum of the numbers ``col``; a :class:`ShapeMismatchError` for numpy integers whose
+    sum their result dtype cannot hold."""
+    dtype = _numpy_dtype(col)
+    try:
+        if dtype is None:
+            return builtins.sum(col)
+        total = builtins.sum(v.item() if hasattr(v, "item") else v for v in col)
+    except OverflowError:  # Python ints beyond any float, added to floats
+        raise ShapeMismatchError(_BEYOND.format(what="sum()")) from None
+    np = _numpy()
+    out = np.empty(0, dtype).sum().dtype  # numpy's accumulator: int8 -> int64, uint8 -> uint64
+    if out.kind in "iu":
+        info = np.iinfo(out)
+        if not info.min <= total <= info.max:
+            raise ShapeMismatchError(
+                f"sum() of numpy {dtype} values is {total}, which {out} cannot hold (numpy and "
+                "torch would wrap around); convert them to Python ints first for an exact sum"
+            )
+    with np.errstate(over="ignore"):  # a float sum beyond the dtype is inf, as a tensor's is
+        return out.type(total)
+
+
+_BEYOND = (
+    "{what} of these numbers is beyond a float: a Python int above 1.8e308 mixed with floats, "
+    "or divided; gather such ints with as_list()"
+)
+
+
+def _mean(col: Sequence[Any], weights: Sequence[float] | None) -> Any:
+    """:func:`mean_of` of Python numbers (and ``longdouble`` scalars, which compute in kind)."""
+    n = len(col)
+    if weights is None:
+        total = builtins.sum(col)
+        if type(total) is int or _finite(total) or not all(map(_finite, col)):
+            return total / n
+        return builtins.sum(v / n for v in col)  # the sum overflowed; the shares cannot
+    whole = builtins.sum(weights)
+    if not whole:  # weights that are all 0: the mean of no items
+        return float("nan")
+    if all(type(v) is int for v in col) and all(type(w) is int for w in weights):  # exact
+        return builtins.sum(v * w for v, w in zip(col, weights, strict=True)) / whole
+    # Each value times its share: never a product larger than the value; a share of 0 leaves
+    # the value out (the NaN mean of an empty shard).
+    return builtins.sum(v * (w / whole) for v, w in zip(col, weights, strict=True) if w)
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return cmath.isfinite(x)
+    except (TypeError, OverflowError):  # (a longdouble beyond a Python float: finite)
+        return True
+
+
+def _numpy() -> Any:
+    return sys.modules["numpy"]
+
+
+def _numpy_dtype(col: Sequence[Any]) -> Any:
+    """numpy's result dtype of ``col`` when any value is a numpy scalar, else ``None``."""
+    np = sys.modules.get("numpy")
+    if np is None or not any(isinstance(v, np.generic) for v in col):
+        return None
+    return np.result_type(*col)
