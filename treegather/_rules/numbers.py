@@ -29,7 +29,7 @@ from typing import Any
 
 from .._errors import ShapeMismatchError
 
-__all__ = ["mean_of", "sum_of"]
+__all__ = ["mean_of", "result_type_name", "sum_of"]
 
 
 def mean_of(col: Sequence[Any], weights: Sequence[float] | None) -> Any:
@@ -39,10 +39,12 @@ def mean_of(col: Sequence[Any], weights: Sequence[float] | None) -> Any:
     try:
         if dtype is None:
             return _mean(col, weights)
-        mean = _mean([v.item() if hasattr(v, "item") else v for v in col], weights)
+        np = _numpy()
+        with np.errstate(over="ignore"):  # (a longdouble sum that overflows: taken by shares)
+            mean = _mean([v.item() if hasattr(v, "item") else v for v in col], weights)
     except OverflowError:  # Python ints beyond any float
         raise ShapeMismatchError(_BEYOND.format(what="mean()")) from None
-    out = dtype if dtype.kind in "fc" else _numpy().dtype("float64")  # (numpy.mean's dtype)
+    out = dtype if dtype.kind in "fc" else np.dtype("float64")  # (numpy.mean's dtype)
     return out.type(mean)
 
 
@@ -53,10 +55,11 @@ def sum_of(col: Sequence[Any]) -> Any:
     try:
         if dtype is None:
             return builtins.sum(col)
-        total = builtins.sum(v.item() if hasattr(v, "item") else v for v in col)
+        np = _numpy()
+        with np.errstate(over="ignore"):  # a float sum beyond the dtype is inf, as a tensor's is
+            total = builtins.sum(v.item() if hasattr(v, "item") else v for v in col)
     except OverflowError:  # Python ints beyond any float, added to floats
         raise ShapeMismatchError(_BEYOND.format(what="sum()")) from None
-    np = _numpy()
     out = np.empty(0, dtype).sum().dtype  # numpy's accumulator: int8 -> int64, uint8 -> uint64
     if out.kind in "iu":
         info = np.iinfo(out)
@@ -65,7 +68,7 @@ def sum_of(col: Sequence[Any]) -> Any:
                 f"sum() of numpy {dtype} values is {total}, which {out} cannot hold (numpy and "
                 "torch would wrap around); convert them to Python ints first for an exact sum"
             )
-    with np.errstate(over="ignore"):  # a float sum beyond the dtype is inf, as a tensor's is
+    with np.errstate(over="ignore"):
         return out.type(total)
 
 
@@ -73,6 +76,21 @@ _BEYOND = (
     "{what} of these numbers is beyond a float: a Python int above 1.8e308 mixed with floats, "
     "or divided; gather such ints with as_list()"
 )
+
+
+def result_type_name(x: Any, mean: bool) -> str:
+    """For :func:`treegather.explain`: the type the mean (``mean``) or the sum of numbers like
+    ``x`` has (``float``, ``complex``, ``int``; numpy's: ``numpy.float64``, ``numpy.int64``)."""
+    np = sys.modules.get("numpy")
+    if np is None or not isinstance(x, np.generic):
+        if mean:
+            return "complex" if isinstance(x, complex) else "float"
+        return type(x).__qualname__
+    if mean:
+        dtype = x.dtype if x.dtype.kind in "fc" else np.dtype("float64")
+    else:
+        dtype = np.empty(0, x.dtype).sum().dtype
+    return f"numpy.{dtype.type.__name__}"
 
 
 def _mean(col: Sequence[Any], weights: Sequence[float] | None) -> Any:
@@ -94,10 +112,10 @@ def _mean(col: Sequence[Any], weights: Sequence[float] | None) -> Any:
 
 
 def _finite(x: Any) -> bool:
-    try:
-        return cmath.isfinite(x)
-    except (TypeError, OverflowError):  # (a longdouble beyond a Python float: finite)
-        return True
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.generic):  # (a longdouble beyond a Python float)
+        return bool(np.isfinite(x))
+    return cmath.isfinite(x)
 
 
 def _numpy() -> Any:

@@ -23,7 +23,7 @@ from .._errors import ArgumentTypeError, LayoutError, WeightError, safe_repr
 from .._tree import describe, dtype_text, shape_text
 from .base import Combining, Problem, by_replica, constructor, is_number
 from .leafwise import LeafRule, one_dtype, to_target
-from .numbers import mean_of, sum_of
+from .numbers import mean_of, result_type_name, sum_of
 
 __all__ = ["Mean", "Sum", "mean", "sum"]
 
@@ -58,7 +58,7 @@ class _Reduction(LeafRule):
                 )
             return f"Tensor{shape_text(list(x.shape))} {dtype_text(dtype)}{weighted}", None
         if is_number(x):
-            return ("float" if mean else type(x).__qualname__), None
+            return result_type_name(x, mean), None
         return "-", f"{self.describe()} needs a tensor or a number, got {type(x).__qualname__}"
 
 
@@ -355,6 +355,13 @@ def mean(*, weight: Callable[..., Any] | None = None) -> Mean:
 @constructor(Sum)
 def sum() -> Sum:
     """Gather rule: the elementwise sum of the per-replica values.
+
+    Tensors add as :func:`torch.sum` adds them (integers and bools in int64). Python numbers
+    give their Python sum; numpy scalars their exact sum in the dtype :func:`numpy.sum` gives
+    (integers narrower than 64 bits in int64, unsigned in uint64: ``numpy.int8(100)`` twice is
+    ``200``, not ``-56``): a float sum beyond its dtype is ``inf``, as a tensor's is, and an
+    integer sum that int64 (uint64) cannot hold is a :class:`ShapeMismatchError`, where numpy
+    and torch would wrap around.
 
     >>> import torch, treegather as tg
     >>> tg.gather([{"n": torch.tensor(2)}, {"n": torch.tensor(3)}], "cpu", tg.sum())
