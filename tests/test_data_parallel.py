@@ -750,7 +750,8 @@ def test_a_weight_that_fails_is_a_weight_error_naming_path_rule_and_cause(entry:
         (
             divides,
             ZeroDivisionError,
-            f"divides raised ZeroDivisionError on replica 0's call ({call}): ",
+            "divides raised ZeroDivisionError: integer division or modulo by zero on replica 0's "
+            f"call ({call})",
         ),
     ):
         layout = tg.by_path({"loss": tg.mean(weight=weight)})

@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from corpus import FILLS_THAT_DO_NOT_FIT, FOREIGN
@@ -104,6 +105,10 @@ def _raises(values: list[Any], device: torch.device) -> Any:
     raise ValueError("no")
 
 
+def _raise(exc: BaseException) -> Any:
+    raise exc
+
+
 T1, T2, T3 = torch.ones(2, 3), torch.ones(2, 4), torch.ones(3)
 OUTS = [{"x": T1, "n": 1}, {"x": T2, "n": 2}]
 
@@ -148,6 +153,11 @@ _cases(
         "sizes_negative": lambda: tg.gather([T3, T3], "cpu", sizes=[1, -1]),
         "sizes_float": lambda: tg.gather([T3, T3], "cpu", sizes=[1, 1.5]),
         "sizes_zero": lambda: tg.gather([T3, T3], "cpu", tg.mean(), sizes=[0, 0]),
+        "sizes_zero_numbers": lambda: tg.gather([1.0, 2.0], "cpu", tg.mean(), sizes=[0, 0]),
+        "sum_beyond_int64": lambda: tg.gather([np.int64(2**62)] * 2, "cpu", tg.sum()),
+        "mean_beyond_a_float": lambda: tg.gather([10**400, 1], "cpu", tg.mean()),
+        "mean_of_bools": lambda: tg.gather([True, False], "cpu", tg.mean()),
+        "sum_of_a_tensor_and_a_number": lambda: tg.gather([T3, 1.0], "cpu", tg.sum()),
         "meta": lambda: tg.gather([torch.ones(2, device="meta")] * 2, "cpu"),
         "cat_items": lambda: tg.gather([["a"], "b"], "cpu", tg.cat_items()),
         "cat_items_sizes": lambda: tg.gather([["a"], ["b"]], "cpu", tg.cat_items(), sizes=[2, 1]),
@@ -243,6 +253,25 @@ _cases(
         "in_layout": lambda: tg.data_parallel(
             lambda x: x, {"a": torch.ones(4)}, CPU2, in_layout=tg.by_path({"b": 0})
         ),
+        **{
+            f"weight_{name}": (
+                lambda weight=weight: tg.data_parallel(
+                    torch.mean,
+                    (),
+                    CPU2,
+                    module_kwargs={"input": torch.ones(4)},
+                    out_layout=tg.mean(weight=weight),
+                )
+            )
+            for name, weight in (
+                ("signature", lambda labels: 1),
+                ("raises", lambda **_: 1 // 0),
+                ("raises_no_text", lambda **_: _raise(KeyError())),
+                ("negative", lambda **_: -0.5),
+                ("nan", lambda **_: float("nan")),
+                ("not_a_number", lambda **_: "3"),
+            )
+        },
     },
 )
 _cases(

@@ -211,16 +211,14 @@ def _failed(
         takes = False
     except ValueError:  # (no signature to read: a builtin)
         takes = True
+    said = safe_repr(exc, None, text=str)
+    raised = type(exc).__name__ + (f": {said}" if said else "")
     if takes:
-        return (
-            f"{shown}: {name} raised {type(exc).__name__} on replica {r}'s call ({call}): "
-            f"{safe_repr(str(exc), None, text=str)}"
-        )
+        return f"{shown}: {name} raised {raised} on replica {r}'s call ({call})"
     return (
-        f"{shown}: {name} does not take replica {r}'s call, which has {call} "
-        f"({type(exc).__name__}: {safe_repr(str(exc), None, text=str)}); the weight is called "
-        "as the replica was, weight(*args, **kwargs): take what it does not read as **_, e.g. "
-        "lambda labels, **_: (labels != -100).sum()"
+        f"{shown}: {name} does not take replica {r}'s call, which has {call} ({raised}); the "
+        "weight is called as the replica was, weight(*args, **kwargs): take what it does not "
+        "read as **_, e.g. lambda labels, **_: (labels != -100).sum()"
     )
 
 
