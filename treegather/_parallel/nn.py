@@ -176,7 +176,7 @@ def patch(dp: DP, *, in_layout: Any = None, out_layout: Any = None) -> DP:
     (torch's own DataParallel still has both methods on a CPU-only machine, where its forward
     is a plain call). ``dp.parallel_apply`` stays torch's, its outputs carrying the shard sizes
     of its inputs and the shards' calls, so that ``mean()`` in ``out_layout`` is weighted
-    exactly by torch's forward, by rows or (``mean(weight=f)``) by what ``f`` counts in each
+    exactly by torch's forward, by rows or (``mean(weight=f)``) by what ``f`` weighs in each
     call (torch passes the scatter's result to parallel_apply and that one's to gather). A gather of
     a plain list of outputs uses the sizes of ``dp``'s latest scatter, kept beside ``dp`` (in a
     weak table of treegather's, never on ``dp``): do not interleave two such manual steps on one
