@@ -5,7 +5,8 @@ the bare torch ops on pre-flattened leaves (``floor``), :mod:`treegather`, a tor
 ``scatter_gather``-style recursion over dicts (``_rec_scatter`` / ``_rec_gather``; on CUDA,
 torch's own ``scatter_gather``) and, on the CPU, the same steps written with a pytree library:
 optree (``optree_scatter`` / ``optree_gather``) and torch's C++ pytree,
-``torch.utils._cxx_pytree`` (``cxx_scatter`` / ``cxx_gather``).
+``torch.utils._cxx_pytree`` (``cxx_scatter`` / ``cxx_gather``). ``transfer_impls`` are the
+implementations of a case whose batch moves between devices (the CUDA table, the GPU check).
 """
 
 from __future__ import annotations
@@ -116,15 +117,40 @@ def cxx_gather(outs: Sequence[Any]) -> Any:
     )
 
 
-def _cuda_impls(
-    tree: Any, k: int, leaves: list[Any], outs: list[Any], columns: list[Any]
+def transfer_impls(
+    tree: Any, devices: Sequence[torch.device], outs: Sequence[Any], to: torch.device
 ) -> dict[str, dict[str, Callable[[], Any]]]:
-    """On CUDA: CPU batch -> ``cuda:0`` repeated ``k`` times, and back onto ``cuda:0``."""
+    """A CPU batch ``tree`` onto ``devices`` (scatter), and the replicas' outputs ``outs``
+    onto ``to`` (gather), three ways each:
+
+    - ``floor``: per-leaf ``.to()``: one ``tensor_split`` per leaf and one ``.to(device)`` per
+      piece; gather: one ``.to(to)`` per piece and one ``torch.cat`` per leaf;
+    - ``treegather``: :func:`treegather.scatter` / :func:`treegather.gather`;
+    - ``recursion``: torch's own ``torch.nn.parallel.scatter_gather`` (``Scatter`` and
+      ``Gather``), which takes CUDA devices only: a caller runs it once to learn whether it
+      accepts ``devices`` and ``to``.
+
+    Each call waits for the CUDA device (``torch.cuda.synchronize``) when any is involved.
+
+    >>> tree = {"a": torch.arange(4.0)}
+    >>> impls = transfer_impls(tree, [torch.device("cpu")] * 2, tg.scatter(tree, ["cpu"] * 2), torch.device("cpu"))
+    >>> [p.tolist() for p in impls["scatter"]["floor"]()[0]], impls["gather"]["treegather"]()["a"].tolist()
+    ([[0.0, 1.0], [2.0, 3.0]], [0.0, 1.0, 2.0, 3.0])
+    """
     from torch.nn.parallel import scatter_gather as torch_sg
 
-    dev = torch.device("cuda", 0)
+    k = len(devices)
+    leaves, _ = tg._tree.flatten(tree)
+    columns = list(zip(*[tg._tree.flatten(o)[0] for o in outs]))
+    cuda = any(d.type == "cuda" for d in (*devices, to))
+    # (torch's Gather takes "cpu" for the host, its Scatter device indices)
+    target: Any = "cpu" if to.type == "cpu" else to.index or 0
+    indices = [d.index if d.type == "cuda" else d for d in devices]
 
     def sync(fn: Callable[[], Any]) -> Callable[[], Any]:
+        if not cuda:
+            return fn
+
         def run() -> Any:
             out = fn()
             torch.cuda.synchronize()
@@ -132,18 +158,26 @@ def _cuda_impls(
 
         return run
 
+    def floor_scatter() -> Any:
+        return [
+            [p.to(d, non_blocking=True) for p, d in zip(x.tensor_split(k), devices)] for x in leaves
+        ]
+
+    def floor_gather() -> Any:
+        if all(d == to for d in devices):  # (the pieces are where the result goes)
+            return [torch.cat(c) for c in columns]
+        return [torch.cat([p.to(to) for p in c]) for c in columns]
+
     return {
         "scatter": {
-            "floor": sync(
-                lambda: [[p.to(dev, non_blocking=True) for p in x.tensor_split(k)] for x in leaves]
-            ),
-            "treegather": sync(lambda: tg.scatter(tree, [dev] * k)),
-            "recursion": sync(lambda: torch_sg.scatter(tree, [0] * k)),
+            "floor": sync(floor_scatter),
+            "treegather": sync(lambda: tg.scatter(tree, list(devices))),
+            "recursion": sync(lambda: torch_sg.scatter(tree, indices)),
         },
         "gather": {
-            "floor": sync(lambda: [torch.cat(c) for c in columns]),
-            "treegather": sync(lambda: tg.gather(outs, dev)),
-            "recursion": sync(lambda: torch_sg.gather(outs, 0)),
+            "floor": sync(floor_gather),
+            "treegather": sync(lambda: tg.gather(outs, to)),
+            "recursion": sync(lambda: torch_sg.gather(outs, target)),
         },
     }
 
@@ -171,11 +205,11 @@ def run_case(
         prepare_allocator()
     devices = [device if device == "cpu" else "cuda:0"] * k
     tree = nested_tree(n_leaves, shape)
-    leaves, _ = tg._tree.flatten(tree)
     shards = tg.scatter(tree, devices)
     outs = list(shards)
-    columns = list(zip(*[tg._tree.flatten(o)[0] for o in outs]))
     if device == "cpu":
+        leaves, _ = tg._tree.flatten(tree)
+        columns = list(zip(*[tg._tree.flatten(o)[0] for o in outs]))
         impls: dict[str, dict[str, Callable[[], Any]]] = {
             "scatter": {
                 "floor": lambda: [x.tensor_split(k) for x in leaves],
@@ -193,7 +227,9 @@ def run_case(
             },
         }
     else:
-        impls = _cuda_impls(tree, k, leaves, outs, columns)
+        # CPU batch -> cuda:0 repeated k times, and back onto cuda:0
+        cuda = torch.device("cuda", 0)
+        impls = transfer_impls(tree, [cuda] * k, outs, cuda)
     clock = time.thread_time if device == "cpu" else time.perf_counter
     rows = []
     for op, fns in impls.items():
