@@ -9,7 +9,11 @@ into K shards on ``["cpu"] * K`` (serial backend, one intra-op thread):
   step must do);
 - ``data_parallel``: :func:`treegather.data_parallel` with its kept replicas (issue 14);
 - ``fresh``: the same call with the kept replicas dropped before each step (replicas rebuilt
-  every step, as ``torch.nn.DataParallel`` does).
+  every step, as ``torch.nn.DataParallel`` does);
+- ``DataParallel``: ``torch.nn.DataParallel`` over the same devices, where they are CUDA
+  devices (:func:`run_steps` with ``device="cuda:0"``, as the GPU check runs it: the model on
+  the chip, the batch from the CPU, the floor's shards on the chip; wall time, each step
+  waiting for the device).
 
 Models: a 12-layer tiny BERT (``BertConfig(hidden_size=32, num_hidden_layers=12,
 num_attention_heads=2, intermediate_size=37)``, needs ``transformers``) and a 50-layer MLP
@@ -31,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,24 +43,26 @@ import torch
 from torch import nn
 
 import treegather as tg
+from treegather._parallel.apply import Backend
 from treegather._parallel.kept import _KEPT
 
 from .architectures import ARCHITECTURES, available
 from .timing import prepare_allocator
 
-__all__ = ["run_steps", "main"]
+__all__ = ["run_steps", "check_gradients", "main"]
 
 Step = Callable[[], Any]
 
 
-def _time(fn: Step, reps: int) -> float:
-    """CPU seconds of this thread per call, garbage collector off (collect once per round)."""
+def _time(fn: Step, reps: int, clock: Callable[[], float] = time.thread_time) -> float:
+    """Seconds of ``clock`` per call (by default CPU seconds of this thread), garbage
+    collector off (collect once per round)."""
     gc.disable()
     try:
-        t0 = time.thread_time()
+        t0 = clock()
         for _ in range(reps):
             fn()
-        return (time.thread_time() - t0) / reps
+        return (clock() - t0) / reps
     finally:
         gc.enable()
 
@@ -82,9 +89,19 @@ def _bert(layers: int, vocab: int) -> nn.Module | None:
     return BertModel(config)
 
 
-def _steps(name: str, model: nn.Module, batch: int, k: int) -> dict[str, Step]:
-    """The three step functions for one model and K (each: zero grads, forward, backward)."""
-    devices = ["cpu"] * k
+def _steps(
+    name: str,
+    model: nn.Module,
+    batch: int,
+    k: int,
+    *,
+    device: str = "cpu",
+    backend: Backend = "serial",
+) -> dict[str, Step]:
+    """The step functions for one model (on ``device``) and K (each: zero grads, forward,
+    backward): the three ways, and on CUDA ``torch.nn.DataParallel`` too (each step then
+    waits for the device)."""
+    devices = [device] * k
     gen = torch.Generator().manual_seed(0)
     out_layout: Any = None
     summed = False
@@ -128,7 +145,7 @@ def _steps(name: str, model: nn.Module, batch: int, k: int) -> dict[str, Step]:
     def data_parallel() -> None:
         model.zero_grad(set_to_none=True)
         out = tg.data_parallel(
-            model, args, devices, module_kwargs=kwargs, out_layout=out_layout, backend="serial"
+            model, args, devices, module_kwargs=kwargs, out_layout=out_layout, backend=backend
         )
         loss_of(out).backward()
 
@@ -136,7 +153,83 @@ def _steps(name: str, model: nn.Module, batch: int, k: int) -> dict[str, Step]:
         _KEPT.pop(model)
         data_parallel()
 
-    return {"floor": floor, "data_parallel": data_parallel, "fresh": fresh}
+    fns: dict[str, Step] = {"floor": floor, "data_parallel": data_parallel, "fresh": fresh}
+    if torch.device(device).type != "cuda":
+        return fns
+    index = torch.device(device).index or 0
+    wrapped = nn.DataParallel(model, device_ids=[index] * k)
+
+    def data_parallel_torch() -> None:
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # (torch's gather of 0-dim losses warns each call)
+            warnings.simplefilter("ignore", UserWarning)
+            out = wrapped(*args, **kwargs)
+        loss = loss_of(out)
+        # torch gathers the shards' losses into a vector (the shards are even: batch % k == 0)
+        (loss if loss.dim() == 0 else loss.sum() if summed else loss.mean()).backward()
+
+    fns["DataParallel"] = data_parallel_torch
+    return {name: _synced(fn) for name, fn in fns.items()}
+
+
+def _synced(fn: Step) -> Step:
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def check_gradients(
+    name: str,
+    k: int,
+    *,
+    device: str = "cpu",
+    batch: int = 16,
+    backend: Backend = "serial",
+    bert_layers: int = 12,
+    bert_vocab: int = 30522,
+    mlp_layers: int = 50,
+    mlp_width: int = 32,
+) -> dict[str, float]:
+    """Run one step each way on ``name`` (built as :func:`run_steps` builds it, in eval mode:
+    no dropout) and check that every way's gradients are the floor's.
+
+    Returns each way's largest absolute difference from the floor's gradients. A way that
+    fails to run is left out (``torch.nn.DataParallel`` where it does not run: :func:`run_steps`
+    says why); gradients that differ are an ``AssertionError`` naming the way and parameter.
+
+    >>> sorted(check_gradients("mlp50", 2, batch=6))
+    ['data_parallel', 'fresh']
+    """
+    model = _model(name, bert_layers, bert_vocab, mlp_layers, mlp_width)
+    if model is None:
+        raise ImportError(f"{name} needs transformers")
+    model.eval().to(device)
+    fns = _steps(name, model, batch, k, device=device, backend=backend)
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for impl, fn in fns.items():
+        try:
+            fn()
+        except Exception:
+            if impl != "DataParallel":
+                raise
+            continue
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    floor = grads.pop("floor")
+    found = {}
+    for impl, got in grads.items():
+        if got.keys() != floor.keys():
+            raise AssertionError(f"{impl}: gradients of {sorted(got.keys() ^ floor.keys())} differ")
+        for param, g in got.items():
+            try:
+                torch.testing.assert_close(g, floor[param], rtol=1e-3, atol=1e-5)
+            except AssertionError as e:
+                raise AssertionError(
+                    f"{impl}: the gradient of {param} is not the floor's: {e}"
+                ) from e
+        found[impl] = max(((g - floor[n]).abs().max().item() for n, g in got.items()), default=0.0)
+    return found
 
 
 def _model(name: str, bert_layers: int, bert_vocab: int, mlp_layers: int, mlp_width: int) -> Any:
@@ -160,8 +253,10 @@ def run_steps(
     bert_vocab: int = 30522,
     mlp_layers: int = 50,
     mlp_width: int = 32,
+    device: str = "cpu",
+    backend: Backend = "serial",
 ) -> list[dict[str, Any]]:
-    """Time the three step functions per model and K; one row per (model, K, implementation).
+    """Time the step functions per model and K; one row per (model, K, implementation).
 
     >>> rows = run_steps(["mlp50"], [2], rounds=1, target_s=0.001, mlp_layers=2)
     >>> sorted(r["impl"] for r in rows), rows[0]["model"]
@@ -172,15 +267,17 @@ def run_steps(
     Runs with one intra-op thread (restored on return). ``bert12`` and the architectures are
     skipped (no rows) when ``transformers`` is not installed. Smaller
     ``bert_layers``, ``bert_vocab`` (BERT's default: 30522) and ``mlp_layers`` make a quick
-    smoke run.
+    smoke run. With a CUDA ``device`` (replicas on ``[device] * K``) the model lives there,
+    times are wall seconds of steps that wait for the device, and ``torch.nn.DataParallel``
+    is timed too; where it does not run, its row holds ``error`` (the exception) instead of
+    times. ``backend`` is ``data_parallel``'s.
     """
     prepare_allocator()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the benchmark's setting; restored on return
     try:
-        return _run_steps(
-            models, ks, batch, rounds, target_s, bert_layers, bert_vocab, mlp_layers, mlp_width
-        )
+        sizes = (bert_layers, bert_vocab, mlp_layers, mlp_width)
+        return _run_steps(models, ks, batch, rounds, target_s, sizes, device, backend)
     finally:
         torch.set_num_threads(threads)
 
@@ -191,29 +288,36 @@ def _run_steps(
     batch: int,
     rounds: int,
     target_s: float,
-    bert_layers: int,
-    bert_vocab: int,
-    mlp_layers: int,
-    mlp_width: int,
+    sizes: tuple[int, int, int, int],
+    device: str,
+    backend: Backend,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    clock = time.perf_counter if torch.device(device).type == "cuda" else time.thread_time
     for name in models:
-        model = _model(name, bert_layers, bert_vocab, mlp_layers, mlp_width)
+        model = _model(name, *sizes)
         if model is None:
             continue
-        model.train()
+        model.train().to(device)
         for k in ks:
-            fns = _steps(name, model, batch, k)
-            for fn in fns.values():  # warm up: kept replicas, scatter/gather caches
-                for _ in range(3):
-                    fn()
-            reps = max(1, int(target_s / max(_time(fns["floor"], 2), 1e-7)))
+            fns = _steps(name, model, batch, k, device=device, backend=backend)
+            for impl, fn in list(fns.items()):  # warm up: kept replicas, scatter/gather caches
+                try:
+                    for _ in range(3):
+                        fn()
+                except Exception as e:
+                    if impl != "DataParallel":  # (torch's, where it runs)
+                        raise
+                    del fns[impl]
+                    error = f"{type(e).__name__}: {e}"
+                    rows.append({"model": name, "replicas": k, "impl": impl, "error": error})
+            reps = max(1, int(target_s / max(_time(fns["floor"], 2, clock), 1e-7)))
             samples: dict[str, list[float]] = {impl: [] for impl in fns}
             names = list(fns)
             for r in range(rounds):
                 gc.collect()
                 for impl in names[r % len(names) :] + names[: r % len(names)]:
-                    samples[impl].append(_time(fns[impl], reps))
+                    samples[impl].append(_time(fns[impl], reps, clock))
             for impl, ts in samples.items():
                 ratios = [t / f for t, f in zip(ts, samples["floor"])]
                 rows.append(
