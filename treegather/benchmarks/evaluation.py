@@ -386,27 +386,34 @@ def _add_row(sampler: Any, batches: list[Outputs], rounds: int) -> dict[str, Any
     return row
 
 
-def _sync_grads_row(batch: int, rounds: int) -> dict[str, Any]:
+def _sync_grads_row(batch: int, rounds: int, device: str = "cpu") -> dict[str, Any]:
+    """The ``sync_grads`` row: the logits of a linear layer on ``device`` (each timed call
+    waits for a CUDA device), their ids and names, gathered with and without ``sync_grads``."""
     import treegather as tg
     import treegather.distributed as tgd
 
     rank = dist.get_rank()
     layout = tg.by_path({"names": tg.cat_items()})
     torch.manual_seed(0)
-    lin = torch.nn.Linear(16, 10)
-    x = torch.randn(batch, 16, generator=torch.Generator().manual_seed(rank))
+    lin = torch.nn.Linear(16, 10).to(device)
+    x = torch.randn(batch, 16, generator=torch.Generator().manual_seed(rank)).to(device)
     ids = torch.arange(batch) + rank * batch
     names = [f"sample-{int(i):06d}" for i in ids]
+    ids = ids.to(device)
+    wait = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
 
     def tree() -> Outputs:
         return {"logits": lin(x), "ids": ids, "names": names}
 
     def forward(sync: bool) -> Any:
-        return tgd.all_gather(tree(), layout, sync_grads=sync)
+        out = tgd.all_gather(tree(), layout, sync_grads=sync)
+        wait()
+        return out
 
     def backward() -> None:
         lin.zero_grad()
         forward(True)["logits"].pow(2).sum().backward()
+        wait()
 
     for _ in range(2):
         forward(True)
