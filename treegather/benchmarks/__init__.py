@@ -12,6 +12,8 @@
   evaluation (the final exchange, the cost of one ``add``, the collectives of
   ``all_gather(sync_grads=True)``);
 - ``python -m treegather.benchmarks.apply``: the ``parallel_apply`` backends.
+- ``python -m treegather.benchmarks.gpu OUT_DIR [--cpu]`` (:mod:`~treegather.benchmarks.gpu`):
+  the GPU check, one prepared command for one CUDA device (``--cpu``: its dry run).
 
 How each one times, and the last measured tables, are in ``treegather/benchmarks/README.md``.
 Nothing here is imported by ``import treegather``.

@@ -157,19 +157,21 @@ def _steps(
     if torch.device(device).type != "cuda":
         return fns
     index = torch.device(device).index or 0
-    wrapped = nn.DataParallel(model, device_ids=[index] * k)
+    wrapped: list[nn.Module] = []  # (made at the first step: where it fails, the step does)
 
     def data_parallel_torch() -> None:
+        if not wrapped:
+            wrapped.append(nn.DataParallel(model, device_ids=[index] * k))
         model.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # (torch's gather of 0-dim losses warns each call)
             warnings.simplefilter("ignore", UserWarning)
-            out = wrapped(*args, **kwargs)
+            out = wrapped[0](*args, **kwargs)
         loss = loss_of(out)
         # torch gathers the shards' losses into a vector (the shards are even: batch % k == 0)
         (loss if loss.dim() == 0 else loss.sum() if summed else loss.mean()).backward()
 
     fns["DataParallel"] = data_parallel_torch
-    return {name: _synced(fn) for name, fn in fns.items()}
+    return {impl: _synced(fn) for impl, fn in fns.items()}
 
 
 def _synced(fn: Step) -> Step:

@@ -113,13 +113,22 @@ def run(
     torch.set_num_threads(1)  # (the benchmarks' setting; restored on return)
     try:
         for name in names:
-            result["stages"].append(_run_stage(name, plan, out))
+            # (written first as running: a run that dies in a stage shows which)
+            result["stages"].append(_running(name))
+            _write(result, out)
+            result["stages"][-1] = _run_stage(name, plan, out)
             result["ok"] = all(s["status"] != "failed" for s in result["stages"])
             result["seconds"] = time.perf_counter() - start
             _write(result, out)
     finally:
         torch.set_num_threads(threads)
     return result
+
+
+def _running(name: str) -> dict[str, Any]:
+    said = {"reason": "", "summary": "(running, or the run died here)", "seconds": 0.0}
+    entry = {"name": name, "title": STAGES[name].title, "status": "running", **said}
+    return {**entry, "rows": [], "notes": []}
 
 
 def _run_stage(name: str, plan: Plan, out: Path) -> dict[str, Any]:
@@ -140,9 +149,8 @@ def _run_stage(name: str, plan: Plan, out: Path) -> dict[str, Any]:
         status, entry["reason"] = "failed", f"{type(e).__name__}: {e}"
         entry["traceback"] = traceback.format_exc()
     entry.update(status=status, seconds=time.perf_counter() - start, rows=rows, notes=notes)
-    line = (
-        entry["summary"] or entry["reason"].splitlines()[0] if entry["reason"] else entry["summary"]
-    )
+    said = entry["reason"] or entry["summary"]
+    line = said.splitlines()[0] if said else ""
     print(
         f"[gpu check] {name}: {status} ({entry['seconds']:.1f} s) {line}",
         file=sys.stderr,
@@ -219,7 +227,7 @@ def format_table(result: dict[str, Any]) -> str:
     env = result["environment"]
     commit = f" ({env['commit']})" if env.get("commit") else ""
     lines = [
-        f"# treegather GPU check: {'ok' if result['ok'] else 'FAILED'}",
+        f"# treegather GPU check: {_verdict(result)}",
         "",
         f"{env['mode']} on {env['devices']} ({env['device_name']}); treegather "
         f"{env['treegather']}{commit}, torch {env['torch']} (CUDA {env['cuda'] or 'none'}), "
@@ -241,6 +249,12 @@ def format_table(result: dict[str, Any]) -> str:
         if s["notes"]:
             lines += ["", *(f"- {note}" for note in s["notes"])]
     return "\n".join(lines)
+
+
+def _verdict(result: dict[str, Any]) -> str:
+    if any(s["status"] == "running" for s in result["stages"]):
+        return "unfinished"
+    return "ok" if result["ok"] else "FAILED"
 
 
 def _rows_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -273,7 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line (``python -m treegather.benchmarks.gpu --help``): 0 when no stage
     failed, 1 otherwise, 2 for a usage error (CUDA asked for and not available)."""
     parser = argparse.ArgumentParser(
-        prog="python -m treegather.benchmarks.gpu", description=__doc__.split("\n")[0]
+        prog="python -m treegather.benchmarks.gpu",
+        description="The GPU check on one CUDA device (cuda:0 x 2): tests, scatter/gather, "
+        "copies, training steps, gloo ranks; writes gpu.md and gpu.json to OUT_DIR.",
     )
     parser.add_argument("out_dir", type=Path, help="where gpu.md, gpu.json and the logs go")
     parser.add_argument(
