@@ -59,3 +59,16 @@ def test_the_transformers_architectures_are_a_table_of_their_own() -> None:
         assert len(other) == len(grads[0])
         for a, b in zip(grads[0], other):
             torch.testing.assert_close(a, b)
+
+
+def test_the_torch_data_parallel_way_computes_the_floor_gradients() -> None:
+    """The GPU check's fourth way, ``torch.nn.DataParallel`` (on CUDA devices there; a plain
+    call of the module without CUDA, which is what runs here): its step is wired like the
+    others (the batch, the model's own loss), so its gradients are the floor's."""
+    pytest.importorskip("transformers")
+    if torch.cuda.is_available():
+        pytest.skip("checks the plain call DataParallel makes without CUDA")
+    for name in ("mlp50", "llama"):
+        found = steps.check_gradients(name, 2, batch=4, torch_dp=True, mlp_layers=3)
+        assert sorted(found) == ["DataParallel", "data_parallel", "fresh"]
+        assert all(diff < 1e-4 for diff in found.values())

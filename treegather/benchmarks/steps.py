@@ -97,10 +97,13 @@ def _steps(
     *,
     device: str = "cpu",
     backend: Backend = "serial",
+    torch_dp: bool | None = None,
 ) -> dict[str, Step]:
     """The step functions for one model (on ``device``) and K (each: zero grads, forward,
-    backward): the three ways, and on CUDA ``torch.nn.DataParallel`` too (each step then
-    waits for the device)."""
+    backward): the three ways, and with ``torch_dp`` (by default on CUDA)
+    ``torch.nn.DataParallel`` too (without CUDA, a plain call of the module). On CUDA each step
+    waits for the device."""
+    cuda = torch.device(device).type == "cuda"
     devices = [device] * k
     gen = torch.Generator().manual_seed(0)
     out_layout: Any = None
@@ -154,8 +157,23 @@ def _steps(
         data_parallel()
 
     fns: dict[str, Step] = {"floor": floor, "data_parallel": data_parallel, "fresh": fresh}
-    if torch.device(device).type != "cuda":
-        return fns
+    if torch_dp is None:
+        torch_dp = cuda
+    if torch_dp:
+        fns["DataParallel"] = _torch_data_parallel(model, device, k, args, kwargs, loss_of, summed)
+    return {impl: _synced(fn) for impl, fn in fns.items()} if cuda else fns
+
+
+def _torch_data_parallel(
+    model: nn.Module,
+    device: str,
+    k: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_of: Callable[[Any], torch.Tensor],
+    summed: bool,
+) -> Step:
+    """A step through ``torch.nn.DataParallel`` over ``device`` repeated ``k`` times."""
     index = torch.device(device).index or 0
     wrapped: list[nn.Module] = []  # (made at the first step: where it fails, the step does)
 
@@ -170,8 +188,7 @@ def _steps(
         # torch gathers the shards' losses into a vector (the shards are even: batch % k == 0)
         (loss if loss.dim() == 0 else loss.sum() if summed else loss.mean()).backward()
 
-    fns["DataParallel"] = data_parallel_torch
-    return {impl: _synced(fn) for impl, fn in fns.items()}
+    return data_parallel_torch
 
 
 def _synced(fn: Step) -> Step:
@@ -193,6 +210,7 @@ def check_gradients(
     bert_vocab: int = 30522,
     mlp_layers: int = 50,
     mlp_width: int = 32,
+    torch_dp: bool | None = None,
 ) -> dict[str, float]:
     """Run one step each way on ``name`` (built as :func:`run_steps` builds it, in eval mode:
     no dropout) and check that every way's gradients are the floor's.
@@ -200,6 +218,7 @@ def check_gradients(
     Returns each way's largest absolute difference from the floor's gradients. A way that
     fails to run is left out (``torch.nn.DataParallel`` where it does not run: :func:`run_steps`
     says why); gradients that differ are an ``AssertionError`` naming the way and parameter.
+    ``torch_dp`` as for ``_steps`` (by default on CUDA).
 
     >>> sorted(check_gradients("mlp50", 2, batch=6))
     ['data_parallel', 'fresh']
@@ -208,7 +227,7 @@ def check_gradients(
     if model is None:
         raise ImportError(f"{name} needs transformers")
     model.eval().to(device)
-    fns = _steps(name, model, batch, k, device=device, backend=backend)
+    fns = _steps(name, model, batch, k, device=device, backend=backend, torch_dp=torch_dp)
     grads: dict[str, dict[str, torch.Tensor]] = {}
     for impl, fn in fns.items():
         try:
