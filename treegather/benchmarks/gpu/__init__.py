@@ -263,7 +263,7 @@ def _rows_table(rows: list[dict[str, Any]]) -> list[str]:
         all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in columns
     ]
     lines = [
-        "| " + " | ".join(columns) + " |",
+        "| " + " | ".join(_cell(c) for c in columns) + " |",
         "|" + "".join("---:|" if n else "---|" for n in numeric),
     ]
     for row in rows:

@@ -246,7 +246,7 @@ def training_steps(plan: Plan, out: Path) -> Found:
             if "error" in got:
                 notes.append(f"torch.nn.DataParallel on {name} did not run: {got['error']}")
         row["gradients = floor's (ways)"] = ", ".join(agree)
-        row["max |grad - floor's|"] = max(agree.values())
+        row["largest grad difference"] = max(agree.values())
         rows.append(row)
     summary = "; ".join(
         f"{r['model']}: kept {r['kept replicas / floor']:.2f}x, fresh {r['fresh replicas / floor']:.2f}x"
