@@ -104,12 +104,14 @@ class Collector:
 
     The adds take the indices the loader's index sampler handed out for the batches the loop
     received (nothing is read twice). ``Collector(sampler)`` (or ``Collector(loader)``) with a
-    plain loop reads the sampler again at the first add, which only ``SequentialSampler``,
-    ``DistributedSampler`` and a ``BatchSampler`` over those allow; ``add(outputs, indices=...)``
-    names the rows itself. Every rank's loader must index the same dataset (its class, length
-    and a ``Subset``'s indices are compared). A sample seen twice (a ``DistributedSampler``'s
-    padding) is kept once, the first rank's, in dataset index order (:attr:`indices`); every
-    rank must add its whole epoch (``partial=True``: what was added).
+    plain loop, or a loop a framework runs (Lightning: ``Collector(trainer.val_dataloaders)``),
+    reads the sampler again at the first add, which only ``SequentialSampler``,
+    ``DistributedSampler``, a ``BatchSampler`` over those and wrappers that hand one of them on
+    (Lightning's) allow; ``add(outputs, indices=...)`` names the rows itself. Every rank's
+    loader must index the same dataset (its class, length and a ``Subset``'s indices are
+    compared). A sample seen twice (a ``DistributedSampler``'s padding) is kept once, the first
+    rank's, in dataset index order (:attr:`indices`); every rank must add its whole epoch
+    (``partial=True``: what was added).
 
     Per-sample leaves are those the layout joins along the batch dim (``cat()``, ``cat(-2)`` of
     2-D leaves, ``pad(0)``) and lists under ``cat_items()``; every other leaf is one value per
@@ -127,7 +129,8 @@ class Collector:
             process when none is initialised.
 
     Raises:
-        ArgumentTypeError: ``source`` is a sampler whose order cannot be read again.
+        ArgumentTypeError: ``source`` is a sampler whose order cannot be read again, or a list
+            of loaders.
     """
 
     def __init__(
@@ -222,6 +225,8 @@ class Collector:
                 every rank.
             partial: take what was added, even where a rank did not add its whole epoch
                 (:attr:`indices` tells which samples the result holds); the same on every rank.
+                Lightning's sanity check (two batches per rank before ``fit``):
+                ``partial=self.trainer.sanity_checking``.
 
         Raises:
             BatchSizeError: a rank added fewer (or more) rows than its epoch holds, or rows
@@ -478,7 +483,8 @@ def _problem_error(problems: list[tuple[int, _Problem]]) -> TreegatherError:
                 [f"rank {r}: {p.message}" for r, p in short],
                 "every rank must add every batch of its epoch (a step limit that one rank "
                 "reaches drops its samples); pass partial=True to take what was added "
-                "(col.indices then tells which samples the result holds)",
+                "(col.indices then tells which samples the result holds; Lightning's sanity "
+                "check before fit: partial=self.trainer.sanity_checking)",
             )
         )
     return errors.rank_errors([(r, p.error, p.message) for r, p in problems])

@@ -2,7 +2,7 @@
 
 :func:`observe` records what a loader's index sampler hands out as the loader iterates it
 (nothing is iterated twice); :func:`pure_sampler`, for ``Collector(sampler)``, takes only a
-sampler that reading again changes nothing in; :func:`index_tensor` checks ``add(indices=...)``;
+sampler that reading again changes nothing in (:mod:`.samplers`); :func:`index_tensor` checks ``add(indices=...)``;
 :func:`dataset_key` is what the ranks compare of the datasets their indices index.
 """
 
@@ -15,21 +15,23 @@ from typing import Any
 
 import torch
 from torch.utils.data import (
-    BatchSampler,
     DataLoader,
-    DistributedSampler,
     IterableDataset,
-    SequentialSampler,
     Subset,
 )
 
 from .._errors import ArgumentTypeError
+from .samplers import chain, reader
 
 __all__ = ["Observation", "index_tensor", "observe", "pure_sampler"]
 
 Tensor = torch.Tensor
-OBSERVE = "iterate with `for batch in col.observe(loader)`, or pass add(outputs, indices=...)"
-_LIGHTNING = ("lightning.pytorch.overrides.distributed", "pytorch_lightning.overrides.distributed")
+OBSERVE = (
+    "in a loop of your own, iterate with `for batch in col.observe(loader)`; where a framework "
+    "runs the loop, make the Collector with the loader it runs (Collector(trainer.val_dataloaders) "
+    "in Lightning) or pass add(outputs, indices=...) with each batch's dataset indices (Lightning "
+    "gives them to its prediction writers as batch_indices)"
+)
 
 
 class Observation:
@@ -175,42 +177,42 @@ def dataset_key(dataset: Any) -> tuple[str, str]:
     return f"Subset:{hash(picked)}:{inner[0]}", f"a Subset of {n} samples ({shown}) of {inner[1]}"
 
 
-def _pure(sampler: Any) -> bool:
-    """Whether iterating ``sampler`` again gives the same order and changes nothing (a list of
-    indices too)."""
-    kind = type(sampler)
-    if kind in (SequentialSampler, DistributedSampler, list, tuple, range, Tensor):
-        return True
-    if kind.__qualname__ == "UnrepeatedDistributedSampler" and kind.__module__ in _LIGHTNING:
-        return True
-    return kind is BatchSampler and _pure(sampler.sampler)
-
-
 def pure_sampler(source: Any) -> Any:
     """The index sampler behind ``source`` (a sampler, or a ``DataLoader``'s batch sampler or
-    sampler) when reading it again is known to change nothing, else a typed error."""
+    sampler) when reading it again is known to change nothing (:mod:`.samplers`), else a typed
+    error."""
     if source is None:
         return None
+    if isinstance(source, (list, tuple)) and any(isinstance(x, DataLoader) for x in source):
+        raise ArgumentTypeError(
+            f"Collector({type(source).__name__}): a {type(source).__name__} of {len(source)} "
+            "DataLoaders (a framework's loaders: Lightning's trainer.val_dataloaders with "
+            "several); give the Collector the one loader it collects, e.g. "
+            "Collector(trainer.val_dataloaders[dataloader_idx])"
+        )
     sampler = source
     if isinstance(source, DataLoader):
         sampler = source.batch_sampler if source.batch_sampler is not None else source.sampler
-    if _pure(sampler):
+    if reader(sampler) is not None:
         return sampler
-    what = type(sampler).__name__
-    if isinstance(sampler, BatchSampler):
-        what += f" over a {type(getattr(sampler, 'sampler', None)).__name__}"
+    what = chain(sampler).removeprefix("a ")
     held = f"the {what} of this {type(source).__name__}" if sampler is not source else f"a {what}"
     raise ArgumentTypeError(
         f"Collector({type(source).__name__}): {held} is not known to give the same order when "
         "read again (random samplers draw a new one, accelerate's advance their epoch), so the "
         f"Collector will not read it a second time: {OBSERVE}. Collector(sampler) reads "
-        "SequentialSampler, DistributedSampler or a BatchSampler over those"
+        "SequentialSampler, DistributedSampler, Lightning's samplers over those, a BatchSampler "
+        "over those, or a wrapper that hands one of them on"
     )
 
 
 def read(sampler: Any) -> Tensor:
-    """This epoch's indices of a :func:`pure_sampler` (batches flattened), as int64."""
-    return index_tensor(list(sampler), "the sampler's indices")
+    """This epoch's indices of a :func:`pure_sampler` (batches flattened), as int64, read from
+    copies where it is a wrapper (:func:`.samplers.reader`)."""
+    found = reader(sampler)
+    if found is None:  # (it held what it holds now when the Collector was made)
+        raise ArgumentTypeError(f"Collector: {chain(sampler)} no longer gives a known order")
+    return index_tensor(list(found), "the sampler's indices")
 
 
 def index_tensor(given: Any, what: str = "indices=") -> Tensor:

@@ -1,0 +1,154 @@
+"""Which samplers the Collector may read again: an order that reading again changes nothing in.
+
+Known by their class: torch's ``SequentialSampler`` and ``DistributedSampler``, Lightning's
+``UnrepeatedDistributedSampler``, a list, tuple, range or tensor of indices, a ``BatchSampler``
+over one of those. A wrapper over one of them is known by what it holds and how it iterates,
+not by its name (a framework's private class may change):
+
+- a *pass-through* (Lightning's predict loaders record the batches they hand out in one):
+  everything it holds is a sampler known here or plain data (numbers, strings, containers, a
+  live iterator), and a copy of it hands out exactly what one of the samplers it holds does;
+  that sampler is read instead.
+- a *redistributing* ``DistributedSampler`` (Lightning's and catalyst's
+  ``DistributedSamplerWrapper``, Lightning's ``UnrepeatedDistributedSamplerWrapper``, which the
+  Trainer puts in its predict loaders): its ``dataset`` holds one sampler known here (and plain
+  data), and a copy of it hands out that sampler's items at the positions its base class's order
+  names.
+
+Every read is of copies (:func:`reader`): a wrapper's records, a live iterator and whatever a
+read writes (a list the wrapper's dataset keeps) stay as they were in the loader's objects.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler, Sampler, SequentialSampler
+
+__all__ = ["chain", "reader"]
+
+Tensor = torch.Tensor
+_LIGHTNING = ("lightning.pytorch.overrides.distributed", "pytorch_lightning.overrides.distributed")
+_INDICES = (list, tuple, range, Tensor)
+_PLAIN = (type(None), bool, int, float, str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _own_order(kind: type) -> bool:
+    """Whether ``kind``'s own ``__iter__`` is an order that reading again changes nothing in."""
+    if kind in (SequentialSampler, DistributedSampler):
+        return True
+    return kind.__qualname__ == "UnrepeatedDistributedSampler" and kind.__module__ in _LIGHTNING
+
+
+def _sampler_like(value: Any) -> bool:
+    """A sampler a wrapper may read (a torch ``Sampler``, or an object that iterates and has a
+    length), not plain data."""
+    if isinstance(value, _PLAIN) or isinstance(value, Tensor) or isinstance(value, Iterator):
+        return False
+    kind = type(value)
+    return isinstance(value, Sampler) or (hasattr(kind, "__iter__") and hasattr(kind, "__len__"))
+
+
+def _held(obj: Any) -> dict[str, Any] | None:
+    """The samplers ``obj`` holds, by attribute, when everything else it holds is plain data (or
+    a live iterator); ``None`` otherwise, or when it has no ``__dict__``."""
+    state = getattr(obj, "__dict__", None)
+    if not isinstance(state, dict):
+        return None
+    held = {k: v for k, v in state.items() if _sampler_like(v)}
+    plain = all(isinstance(v, (*_PLAIN, Iterator)) for k, v in state.items() if k not in held)
+    return held if plain else None
+
+
+def _copied(obj: Any, replace: dict[str, Any]) -> Any:
+    """A shallow copy of ``obj`` with ``replace`` set, its containers copied and its live
+    iterators dropped: reading the copy writes on nothing ``obj`` holds."""
+    out = copy.copy(obj)
+    state = vars(out)
+    for k, v in state.items():
+        if isinstance(v, (list, dict, set)):
+            state[k] = copy.copy(v)
+        elif isinstance(v, Iterator):
+            state[k] = None
+    state.update(replace)
+    return out
+
+
+def _items(items: Iterable[Any]) -> list[Any]:
+    """What a sampler hands out, comparable with ``==`` (a tensor batch as a list)."""
+    return [x.tolist() if isinstance(x, Tensor) else x for x in items]
+
+
+def reader(sampler: Any) -> Any:
+    """Something to read ``sampler``'s order from now (itself, or copies of what it holds),
+    reading which writes on nothing the loader holds; ``None`` when that order is not known to
+    be the same each time it is read."""
+    kind = type(sampler)
+    if kind in _INDICES or _own_order(kind):
+        return sampler
+    try:
+        if kind is BatchSampler:
+            inner = reader(sampler.sampler)
+            if inner is None or inner is sampler.sampler:
+                return None if inner is None else sampler
+            return _copied(sampler, {"sampler": inner})
+        if isinstance(sampler, DistributedSampler):
+            return _redistributing(sampler)
+        return _pass_through(sampler)
+    except Exception:  # (a wrapper that does not copy or iterate as one: not known)
+        return None
+
+
+def _pass_through(wrapper: Any) -> Any:
+    held = _held(wrapper)
+    if not held:
+        return None
+    readers = {k: reader(v) for k, v in held.items()}
+    if any(r is None for r in readers.values()):
+        return None  # (it may read a sampler that draws a new order)
+    handed = _items(_copied(wrapper, readers))
+    return next((r for r in readers.values() if _items(r) == handed), None)
+
+
+def _redistributing(sampler: DistributedSampler[Any]) -> Any:
+    base = next((b for b in type(sampler).__mro__[1:] if _own_order(b)), None)
+    dataset = sampler.dataset
+    held = _held(dataset)
+    if base is None or held is None or len(held) != 1:
+        return None
+    ((name, inner),) = held.items()
+    inner = reader(inner)
+    if inner is None:
+        return None
+    copied = _copied(sampler, {"dataset": _copied(dataset, {name: inner})})
+    items = _items(inner)
+    positions = list(base.__iter__(copied))  # type: ignore[attr-defined]
+    if _items(copied) != [items[i] for i in positions]:
+        return None
+    return copied
+
+
+def chain(sampler: Any) -> str:
+    """``sampler`` as an error names it: the class, then what it wraps (``a BatchSampler over a
+    RandomSampler``)."""
+    names: list[str] = []
+    seen: set[int] = set()
+    while sampler is not None and id(sampler) not in seen and len(names) < 6:
+        seen.add(id(sampler))
+        names.append(type(sampler).__name__)
+        sampler = _wrapped(sampler)
+    return "a " + " over a ".join(names)
+
+
+def _wrapped(sampler: Any) -> Any:
+    """What ``sampler`` wraps, where it is one of the wrappers above (else ``None``)."""
+    if isinstance(sampler, BatchSampler):
+        return sampler.sampler
+    if type(sampler) in _INDICES or _own_order(type(sampler)):
+        return None
+    held = _held(sampler.dataset if isinstance(sampler, DistributedSampler) else sampler) or {}
+    inner = {id(getattr(v, "sampler", None)) for v in held.values()}
+    return next((v for v in held.values() if id(v) not in inner), None)
