@@ -114,3 +114,16 @@ def test_notebook_runs(path: pathlib.Path, tmp_path: pathlib.Path) -> None:
     ]
     assert not errors
     assert all(cell.execution_count for cell in nb.cells if cell.cell_type == "code")
+
+
+def test_every_script_guide_runs_in_the_suite() -> None:
+    """Each guide that is a script (notebooks/*.py) runs in the suite: under torchrun in
+    conftest's launch (``ddp_eval.py``, ``contrastive.py``), or on a spawned group's ranks
+    from the test module that loads it (``frameworks.py``: tests/test_frameworks.py, where
+    Lightning is imported already)."""
+    tests = pathlib.Path(__file__).parent
+    text = "".join(p.read_text() for p in tests.glob("*.py") if p.name != "test_notebooks.py")
+    scripts = sorted((tests.parent / "notebooks").glob("*.py"))
+    assert scripts, "notebooks/ holds no script guide"
+    missing = [p.name for p in scripts if f'"{p.name}"' not in text]
+    assert not missing, f"no test runs {missing}"
