@@ -53,6 +53,33 @@ def _cold_caches() -> None:
 
 
 @pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per multi-device step of ``data_parallel`` or ``DataParallel``: True when its
+    replicas were built anew, False when kept ones were re-bound (issue 14)."""
+    import treegather._parallel.step as step_module
+
+    log: list[bool] = []
+    real = step_module.take  # looked up there by _replicas_for_step (both entry points)
+
+    def take(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        log.append(result[2])
+        return result
+
+    monkeypatch.setattr(step_module, "take", take)
+    return log
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: tiny ops (BatchNorm of 3 rows) wait on a busy thread pool else."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def world_of_one() -> Iterator[None]:
     """A gloo group of this process alone (a HashStore: no port), for single-rank checks."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

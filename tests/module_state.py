@@ -57,12 +57,23 @@ def _bn_stat_names(module: nn.Module) -> set[str]:
 
 
 def assert_unchanged(
-    module: nn.Module, before: dict[str, Any], *, allow_bn_update: bool = False
+    module: nn.Module, before: dict[str, Any], *, allow_bn_update: bool = False, values: bool = True
 ) -> None:
-    """Compare ``module`` with ``before``; BatchNorm statistics may move if ``allow_bn_update``."""
+    """Compare ``module`` with ``before``; BatchNorm statistics may move if ``allow_bn_update``.
+
+    ``values=False``: after training steps, where the optimizer moved the parameters and the
+    step the buffers (their values are compared with a reference elsewhere): everything else,
+    the tree, every ``__dict__`` entry and the identity of every parameter and buffer."""
     after = snapshot(module)
     for key in ("modules", "dicts", "tables"):
         assert after[key] == before[key], f"{key} changed"
+    if not values:
+        same = [(n, i, rg) for n, i, _, rg, _ in after["parameters"]]
+        assert same == [(n, i, rg) for n, i, _, rg, _ in before["parameters"]], "parameters replaced"
+        same = [(n, i) for n, i, _ in after["buffers"]]
+        assert same == [(n, i) for n, i, _ in before["buffers"]], "buffers replaced"
+        assert [k for k, _ in after["state_dict"]] == [k for k, _ in before["state_dict"]]
+        return
     skip = _bn_stat_names(module) if allow_bn_update else set()
     for (n1, i1, v1, rg1, g1), (n2, i2, v2, rg2, g2) in zip(
         before["parameters"], after["parameters"], strict=True

@@ -23,7 +23,6 @@ from module_state import assert_unchanged, snapshot
 from torch import nn
 
 import treegather as tg
-import treegather._parallel.step as step_module
 from treegather._caches import reference_only
 from treegather._parallel.kept import kept_count
 
@@ -44,21 +43,6 @@ class Net(nn.Module):
 def _net() -> Net:
     torch.manual_seed(0)
     return Net()
-
-
-@pytest.fixture
-def builds(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """One entry per multi-device step: True when its replicas were built anew."""
-    log: list[bool] = []
-    real = step_module.take  # looked up there by _replicas_for_step (both entry points)
-
-    def take(*args: Any, **kwargs: Any) -> Any:
-        result = real(*args, **kwargs)
-        log.append(result[2])
-        return result
-
-    monkeypatch.setattr(step_module, "take", take)
-    return log
 
 
 def _dp(model: nn.Module, x: torch.Tensor, k: int = 2, **kw: Any) -> torch.Tensor:
@@ -710,15 +694,6 @@ def _run_edits(sequence: list[tuple[Any, ...]], *, fresh: bool) -> list[Any]:
 
 
 SEQUENCES = 200
-
-
-@pytest.fixture
-def one_thread() -> Any:
-    """One intra-op thread: tiny ops (BatchNorm of 3 rows) wait on a busy thread pool else."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_kept_replicas_equal_fresh_ones_over_random_edit_sequences(one_thread: None) -> None:
