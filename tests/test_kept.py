@@ -542,7 +542,12 @@ class Editable(nn.Module):
         if cfg is not None:
             out = out * cfg.mult
         shift = getattr(self.head, "shift", None)
-        return out if shift is None else out + shift
+        out = out if shift is None else out + shift
+        for m in (self, self.lin, self.head, self.bn):  # a buffer the edits register: None or not
+            extra = getattr(m, "extra", None)
+            if extra is not None:
+                out = out + extra
+        return out
 
 
 TARGETS = ("", "lin", "head", "bn")  # the model and some of its submodules
@@ -568,6 +573,12 @@ EDIT_KINDS = {
     "clear": 1,  # m._forward_hooks.clear()
     "train_eval": 1,
     "in_place": 1,  # a parameter changed in place
+    # register_buffer("extra", None / a tensor / None, persistent=False), or del m.extra: a
+    # buffer table that holds None entries, tensors, or is empty again
+    "buffer": 2,
+    # model.bn = BatchNorm1d(6, track_running_stats=...): without statistics its buffers are
+    # None, and with no "extra" tensor the model has None buffers and no tensor buffer
+    "stats": 1,
 }
 
 
@@ -667,6 +678,15 @@ def _apply_edit(
     elif kind == "in_place":
         with torch.no_grad():
             model.lin.weight.mul_(value / 2)
+    elif kind == "buffer":
+        if pick == 3:
+            if "extra" in m._buffers:
+                del m.extra
+        else:
+            tensor = torch.tensor(value) if pick == 1 else None
+            m.register_buffer("extra", tensor, persistent=pick != 2)
+    elif kind == "stats":
+        model.bn = nn.BatchNorm1d(6, track_running_stats=pick % 2 == 0).train(model.training)
 
 
 def _run_edits(sequence: list[tuple[Any, ...]], *, fresh: bool) -> list[Any]:
@@ -690,6 +710,9 @@ def _run_edits(sequence: list[tuple[Any, ...]], *, fresh: bool) -> list[Any]:
     trace.append({k: v.clone() for k, v in model.state_dict().items()})
     trace.append([sorted(vars(m)) for m in model.modules()])
     trace.append([[len(getattr(m, t)) for t in TABLES] for m in model.modules()])
+    trace.append(
+        [[dict(m._buffers), sorted(m._non_persistent_buffers_set)] for m in model.modules()]
+    )
     return trace
 
 
@@ -701,8 +724,11 @@ def test_kept_replicas_equal_fresh_ones_over_random_edit_sequences(one_thread: N
     seeded random sequences of steps (2 or 3 replicas, train and eval) and edits of every kind
     the module's definition sees: attributes set, added, removed and replaced by others (the
     count unchanged), a config renamed, hooks registered, removed, placed into a table without
-    ``register_*_hook``, whole tables assigned or cleared, parameters changed in place. Bit for
-    bit equal every step: outputs, gradients, then the state, attributes and hook tables."""
+    ``register_*_hook``, whole tables assigned or cleared, parameters changed in place, buffers
+    registered as None or tensors (persistent or not) and deleted, a BatchNorm without running
+    statistics (None buffers: with no other buffer, a model with no tensor buffer, issue 41).
+    Bit for bit equal every step: outputs, gradients, then the state, attributes, hook and
+    buffer tables."""
     rng = random.Random(30)
     kinds: collections.Counter[str] = collections.Counter()
     for n in range(SEQUENCES):

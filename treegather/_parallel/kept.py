@@ -437,8 +437,13 @@ class Kept:
         self._sync_tables(tables, self.own_tables, n, intact=olds is not None)
         params, buffers = tensors[: self.n_params], tensors[self.n_params :]
         pcols = _columns(params, self.devs, self.detach, True) if self.copy_params else None
+        # Every shell whose original has a buffer table gets it rebuilt from this step's
+        # column, whatever the table holds: None entries (``register_buffer(name, None)``, a
+        # loss module's ``weight``) are the column's last item, so a tree whose buffers are all
+        # None re-binds as one with tensors does. Only copy_buffers=False on intact shells
+        # keeps each replica's own (``_fill``).
         bcols = None
-        if buffers and (copy_buffers or olds is None):
+        if self.plans.with_buffers and (copy_buffers or olds is None):
             bcols = _columns(buffers, self.devs, self.detach, False)
         self._fill(rows, ods, objs, pcols, bcols, olds)
         self.step = tensors
@@ -691,7 +696,10 @@ class Plans:
 def _columns(
     tensors: list[torch.Tensor], devs: tuple[torch.device, ...], detach: bool, params: bool
 ) -> list[list[Any]]:
-    """This step's copies: per device, one per tensor (in order), then None."""
+    """This step's copies: per device, one per tensor (in order), then None (where a table's
+    None entries point)."""
+    if not tensors:
+        return [[None] for _ in devs]
     copies = (
         _tensor_copies(tensors, (), devs, detach)
         if params
