@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .._errors import UninitializedModuleError
 
@@ -97,14 +98,21 @@ def check_initialized(module: nn.Module, n_devices: int) -> None:
 
     A lazy module infers its shapes on its first forward and then changes its parameters and
     its class in place: replicas would each initialize the source's own (shared) parameter
-    objects, or fail inside torch. Every such module is listed, by its ``named_modules()``
-    path under ``model``.
+    objects, or fail inside torch. A lazy module with no tensor to infer
+    (``nn.LazyInstanceNorm1d(affine=False, track_running_stats=False)``) is refused too while
+    its first forward has not run: each replica would run its initialization, which removes
+    the hook it was registered by from the source's table (the handle points there), leaving
+    the caller's module lazy and without it. Every such module is listed, by its
+    ``named_modules()`` path under ``model``.
     """
     from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
-    tables = [t for m in module.modules() for t in (m._parameters, m._buffers)]
+    modules = list(module.modules())
+    tables = [t for m in modules for t in (m._parameters, m._buffers)]
     tensors = chain.from_iterable(map(_values, tables))  # (TorchScript's tables are no dicts)
-    if not any(map(isinstance, tensors, repeat(UninitializedTensorMixin))):
+    if not any(map(isinstance, tensors, repeat(UninitializedTensorMixin))) and not any(
+        map(_before_first_forward, modules)
+    ):
         return
     lazy: list[str] = []
     for name, m in module.named_modules(prefix="model"):
@@ -112,6 +120,8 @@ def check_initialized(module: nn.Module, n_devices: int) -> None:
         names = [key for key, t in found if isinstance(t, UninitializedTensorMixin)]
         if names:
             lazy.append(f"{name} ({type(m).__name__}: {', '.join(names)})")
+        elif _before_first_forward(m):
+            lazy.append(f"{name} ({type(m).__name__}: its first forward)")
     where = "1 device" if n_devices == 1 else f"{n_devices} devices"
     raise UninitializedModuleError(
         f"cannot replicate a module with uninitialized (lazy) parameters onto {where}: "
@@ -119,6 +129,17 @@ def check_initialized(module: nn.Module, n_devices: int) -> None:
         "data_parallel / DataParallel with a single device, which calls the module "
         "itself) so that torch infers their shapes; then replicate it"
     )
+
+
+def _before_first_forward(m: nn.Module) -> bool:
+    """A lazy module whose initialization hook (run by its first forward, then removed) is
+    still registered."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    if not isinstance(m, LazyModuleMixin):
+        return False
+    hook = vars(m).get("_initialize_hook")
+    return isinstance(hook, RemovableHandle) and hook.id in m._forward_pre_hooks
 
 
 def _check_replicatable(module: nn.Module) -> None:
