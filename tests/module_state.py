@@ -69,7 +69,9 @@ def assert_unchanged(
         assert after[key] == before[key], f"{key} changed"
     if not values:
         same = [(n, i, rg) for n, i, _, rg, _ in after["parameters"]]
-        assert same == [(n, i, rg) for n, i, _, rg, _ in before["parameters"]], "parameters replaced"
+        assert same == [(n, i, rg) for n, i, _, rg, _ in before["parameters"]], (
+            "parameters replaced"
+        )
         same = [(n, i) for n, i, _ in after["buffers"]]
         assert same == [(n, i) for n, i, _ in before["buffers"]], "buffers replaced"
         assert [k for k, _ in after["state_dict"]] == [k for k, _ in before["state_dict"]]

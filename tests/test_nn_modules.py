@@ -8,9 +8,10 @@ cover fails :func:`test_every_public_module_class_has_a_case` (a new torch canno
 table gives each one small constructor arguments and an input maker, or a typed reason why it is
 excluded; loss modules are held by a small model as ``self.loss_fn``, as users hold them.
 
-Each case runs, in train and in eval mode, on 2 devices (``data_parallel``) and on 3
-(``DataParallel``), repeated CPU devices, three SGD steps (eval: then two forwards under
-``no_grad``), each run from the same freshly seeded model, and compares:
+Each case runs in train and in eval mode, from the same freshly seeded model each time: three
+SGD steps on 2 devices (``data_parallel``) and three on 3 (``DataParallel``), repeated CPU
+devices, the two alternating (each device count's kept replicas are re-bound after a step on the
+other), then in eval two forwards on each under ``no_grad`` (detached replicas). It compares:
 
 - kept replicas with fresh ones (``reference_only()``), bit for bit: outputs, the inputs' and
   parameters' gradients, buffers after every step, the final ``state_dict``; and that the kept
@@ -31,7 +32,7 @@ import importlib
 import inspect
 import pkgutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -41,7 +42,6 @@ import torch
 import torch.utils._pytree as pytree
 from module_state import assert_unchanged, snapshot
 from torch import nn
-from torch.nn import functional as F
 from torch.nn.utils import parametrizations, parametrize, prune
 
 import treegather as tg
@@ -221,7 +221,9 @@ class UsesDict(nn.Module):
 class UsesParameterList(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.weights = nn.ParameterList([nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))])
+        self.weights = nn.ParameterList(
+            [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))]
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h @ self.weights[0] + self.weights[1]
@@ -230,7 +232,9 @@ class UsesParameterList(nn.Module):
 class UsesParameterDict(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.weights = nn.ParameterDict({"w": nn.Parameter(torch.randn(4, 3)), "b": nn.Parameter(torch.randn(3))})
+        self.weights = nn.ParameterDict(
+            {"w": nn.Parameter(torch.randn(4, 3)), "b": nn.Parameter(torch.randn(3))}
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h @ self.weights["w"] + self.weights["b"]
@@ -283,7 +287,9 @@ def _weight_norm_old() -> nn.Module:
 def _globally_pruned() -> nn.Module:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
     prune.global_unstructured(
-        [(model[0], "weight"), (model[2], "weight")], pruning_method=prune.L1Unstructured, amount=0.3
+        [(model[0], "weight"), (model[2], "weight")],
+        pruning_method=prune.L1Unstructured,
+        amount=0.3,
     )
     return model
 
@@ -341,17 +347,16 @@ def one(make: Callable[[], nn.Module], *leaves: Leaf, **kw: Any) -> dict[str, Ca
     return {"": Case(make, args(*leaves), **kw)}
 
 
+# Modules of one float tensor that take no arguments: (B, 4) rows.
+ELEMENTWISE = (
+    nn.CELU, nn.ELU, nn.GELU, nn.GLU, nn.Hardshrink, nn.Hardsigmoid, nn.Hardswish, nn.Hardtanh,
+    nn.LeakyReLU, nn.LogSigmoid, nn.Mish, nn.PReLU, nn.ReLU, nn.ReLU6, nn.SELU, nn.SiLU,
+    nn.Sigmoid, nn.Softplus, nn.Softshrink, nn.Softsign, nn.Tanh, nn.Tanhshrink, nn.Identity,
+)  # fmt: skip
+
 CASES: dict[type[nn.Module], dict[str, Case]] = {
     # activations
-    **{
-        cls: one(cls, x(4))
-        for cls in (
-            nn.CELU, nn.ELU, nn.GELU, nn.GLU, nn.Hardshrink, nn.Hardsigmoid, nn.Hardswish,
-            nn.Hardtanh, nn.LeakyReLU, nn.LogSigmoid, nn.Mish, nn.PReLU, nn.ReLU, nn.ReLU6,
-            nn.SELU, nn.SiLU, nn.Sigmoid, nn.Softplus, nn.Softshrink, nn.Softsign, nn.Tanh,
-            nn.Tanhshrink, nn.Identity,
-        )
-    },  # fmt: skip
+    **{cls: one(cls, x(4)) for cls in ELEMENTWISE},
     nn.RReLU: one(nn.RReLU, x(4), rows=EVAL),  # (train: a random slope per element)
     nn.Threshold: one(lambda: nn.Threshold(0.1, 20.0), x(4)),
     nn.Softmax: one(lambda: nn.Softmax(dim=1), x(4)),
@@ -564,7 +569,9 @@ CASES: dict[type[nn.Module], dict[str, Case]] = {
             inputs=x(5, 4),
         )
     },
-    nn.CosineEmbeddingLoss: {"": loss(nn.CosineEmbeddingLoss, t(kind="sign"), width=4, prepare=_pair)},
+    nn.CosineEmbeddingLoss: {
+        "": loss(nn.CosineEmbeddingLoss, t(kind="sign"), width=4, prepare=_pair)
+    },
     nn.CrossEntropyLoss: {
         "": loss(nn.CrossEntropyLoss, i(3)),
         "weight": loss(lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5])), i(3)),
@@ -580,7 +587,9 @@ CASES: dict[type[nn.Module], dict[str, Case]] = {
     },
     nn.L1Loss: {"": loss(nn.L1Loss, t(3))},
     nn.MSELoss: {"": loss(nn.MSELoss, t(3))},
-    nn.MarginRankingLoss: {"": loss(nn.MarginRankingLoss, t(kind="sign"), width=2, prepare=_columns)},
+    nn.MarginRankingLoss: {
+        "": loss(nn.MarginRankingLoss, t(kind="sign"), width=2, prepare=_columns)
+    },
     nn.MultiLabelMarginLoss: {"": loss(nn.MultiLabelMarginLoss, labels_padded(3))},
     nn.MultiLabelSoftMarginLoss: {"": loss(nn.MultiLabelSoftMarginLoss, t(3, kind="counts"))},
     nn.MultiMarginLoss: {"": loss(nn.MultiMarginLoss, i(3))},
@@ -693,7 +702,9 @@ def public_wrappers() -> set[str]:
     pruning = {
         f"prune.{name}"
         for name, value in vars(prune).items()
-        if inspect.isfunction(value) and not name.startswith("_") and value.__module__ == prune.__name__
+        if inspect.isfunction(value)
+        and not name.startswith("_")
+        and value.__module__ == prune.__name__
     }
     return {
         "weight_norm",
@@ -785,7 +796,9 @@ def _call(model: nn.Module, dp: nn.Module | None, inputs: tuple[Any, ...], how: 
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
-    return [v for v in pytree.tree_leaves(tree) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return [
+        v for v in pytree.tree_leaves(tree) if isinstance(v, torch.Tensor) and v.is_floating_point()
+    ]
 
 
 def run(case: Case, mode: str, how: str) -> list[Any]:
@@ -814,7 +827,9 @@ def _run(case: Case, mode: str, how: str) -> list[Any]:
         torch.default_generator.manual_seed(100 + step)  # (dropout's draws; the CPU's only)
         with torch.set_grad_enabled(grad):
             out = _call(model, dp[k], inputs, how, k)
-        trace.append(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out))
+        trace.append(
+            pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
+        )
         if grad:
             loss = sum((v.pow(2).mean() for v in _floats(out)), torch.zeros(()))
             if loss.requires_grad:
@@ -874,3 +889,50 @@ def test_kept_replicas_equal_fresh_ones_torch_and_one_device(name: str, builds: 
         assert_same(kept, run(case, mode, "torch"), f"{where}, vs torch", **CLOSE)
         if mode in case.rows:
             assert_same(kept, run(case, mode, "one"), f"{where}, vs one device", **ONE_DEVICE)
+
+
+# ---------------------------------------------------------------------------- lazy modules
+
+# Lazy modules with nothing to infer but their first forward (no uninitialized tensor).
+NOTHING_TO_INFER = {
+    f"{cls.__name__}[no_tensors]": Case(
+        lambda cls=cls: cls(affine=False, track_running_stats=False), args(x(*shape))
+    )
+    for cls, shape in (
+        (nn.LazyInstanceNorm1d, (2, 4)),
+        (nn.LazyInstanceNorm2d, (2, 3, 3)),
+        (nn.LazyInstanceNorm3d, (2, 2, 2, 2)),
+    )
+}
+LAZY_CASES = {
+    **{
+        cls.__name__: cases[""]
+        for cls, cases in CASES.items()
+        if issubclass(cls, nn.modules.lazy.LazyModuleMixin)
+    },
+    **NOTHING_TO_INFER,
+}
+
+
+# (torch's: with nothing to infer, num_features stays 0, and every forward says so)
+@pytest.mark.filterwarnings("ignore:input's size at dim=1 does not match num_features")
+@pytest.mark.parametrize("name", sorted(LAZY_CASES))
+def test_a_lazy_module_is_refused_until_its_first_forward(name: str) -> None:
+    """Every lazy class, before its first forward: refused with a typed error naming it, the
+    caller's module untouched (a replica's initialization would remove the source's own hook);
+    after one forward on one device, replicated like any module."""
+    case = LAZY_CASES[name]
+    assert all(c.lazy for c in LAZY_CASES.values() if c not in NOTHING_TO_INFER.values())
+    torch.default_generator.manual_seed(0)
+    model = case.make()
+    state = lambda: (type(model), [*model._forward_pre_hooks.items()], {**vars(model)})  # noqa: E731
+    before = state()
+    batch = case.inputs(torch.Generator().manual_seed(0))
+    with pytest.raises(tg.UninitializedModuleError, match=f"model \\({type(model).__name__}: "):
+        tg.data_parallel(model, batch, ["cpu"] * 2)
+    assert state() == before  # (the snapshot reads values: an uninitialized one cannot be)
+    with torch.no_grad():
+        model.eval()(*batch)  # one device: the shapes inferred
+    assert not isinstance(model, nn.modules.lazy.LazyModuleMixin)
+    with torch.no_grad():
+        torch.testing.assert_close(tg.data_parallel(model, batch, ["cpu"] * 2), model(*batch))
