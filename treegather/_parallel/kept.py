@@ -13,7 +13,10 @@ module as it is now:
   between steps runs from the next step on; one a replica's forward registered is gone, as is
   an attribute it stored on itself);
 - buffers: replica 0 shares the source's (on the source's device), every other replica gets
-  fresh copies, so BatchNorm statistics move through replica 0 only, exactly as in torch;
+  fresh copies, so BatchNorm statistics move through replica 0 only, exactly as in torch; every
+  buffer table is rebuilt each step, its None entries (a loss module's ``weight``, a norm
+  without running statistics, ``register_buffer(name, None)``) None in every replica, whether
+  or not the module has any tensor buffer;
 - parameters: on the source's device the shells hold the source parameters themselves, so
   nothing is copied; on other devices (and for detached replicas) they are copied again, by
   torch's coalesced, differentiable broadcast when the devices are distinct CUDA devices.
