@@ -57,6 +57,7 @@ DEVICE_COUNTS = (2, 3)
 STEPS = 3
 SCHEDULE = DEVICE_COUNTS * STEPS  # each run's training steps: device counts alternating
 NO_GRAD = DEVICE_COUNTS * 2  # eval: then forwards under no_grad
+KEPT_OR_FRESH = ("kept", "fresh")  # the runs through treegather
 BOTH = frozenset(MODES)
 EVAL = frozenset({"eval"})
 NEVER: frozenset[str] = frozenset()
@@ -816,7 +817,10 @@ def _run(case: Case, mode: str, how: str) -> list[Any]:
     model = _model(case).train(mode == "train")
     before = snapshot(model) if how == "kept" else None
     # 2 devices through data_parallel, 3 through DataParallel (both take kept replicas)
-    dp = {3: tg.DataParallel(model, ["cpu"] * 3, backend="serial"), 2: None}
+    wrapped = (
+        tg.DataParallel(model, ["cpu"] * 3, backend="serial") if how in KEPT_OR_FRESH else None
+    )
+    dp = {2: None, 3: wrapped}
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.05) if params else None
     schedule = SCHEDULE + (NO_GRAD if mode == "eval" else ())
