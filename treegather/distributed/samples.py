@@ -159,19 +159,36 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
     plan = found[0] if found is not None else resolve(spec, layout, "gather", 0, ROOT)
     values = leaves if plan.up_spec is spec else plan.up_spec.flatten_up_to(tree)
     kinds = []
-    for rule, value in zip(rules_of(plan), values):
+    for p, (rule, value) in enumerate(zip(rules_of(plan), values)):
         if isinstance(rule, CatItems):
             kinds.append(ITEMS)
         elif (
             isinstance(value, Tensor)
             and value.dim() > 0
-            and (rule is None or (isinstance(rule, (Cat, Pad)) and rule.dim % value.dim() == 0))
+            and (rule is None or (isinstance(rule, (Cat, Pad)) and _batch_dim(rule.dim, value)))
         ):
+            if isinstance(rule, Pad) and rule.lengths:
+                raise LayoutError(
+                    f"{display_path(plan.node_of(p), ROOT)}: {rule.describe()} in a Collector: "
+                    "its lengths would be each add's, and the rows are put in dataset order, "
+                    "not in adds\nHint: use pad(0), and add each row's lengths as a per-sample "
+                    "leaf (e.g. {'lengths': torch.tensor([len(s) for s in batch])} under cat())"
+                )
             kinds.append(SAMPLES)  # joined along the batch dim (cat(-2) of a 2-D leaf too)
         else:
+            if isinstance(rule, (Cat, Pad)) and isinstance(value, Tensor) and value.dim():
+                if not -value.dim() <= rule.dim < value.dim():  # gather's error, as it says it
+                    from .._gather import gather
+
+                    gather([tree], value.device, layout)
             kinds.append(PER_ADD)
     _lists_need_a_rule(plan, kinds, values)
     return plan, kinds, spec
+
+
+def _batch_dim(dim: int, value: Tensor) -> bool:
+    """Whether ``dim`` is ``value``'s first dim, as written (``-2`` of a 2-D tensor too)."""
+    return -value.dim() <= dim < value.dim() and dim % value.dim() == 0
 
 
 def _lists_need_a_rule(plan: Plan, kinds: list[int], values: list[Any]) -> None:
