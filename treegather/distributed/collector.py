@@ -10,8 +10,9 @@ from __future__ import annotations
 import operator
 import pickle
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import accumulate
+from itertools import pairwise
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -76,7 +77,7 @@ class Payload(NamedTuple):
 class _Add(NamedTuple):
     outputs: Any
     indices: Any  # as given to add(), or None
-    yielded: int  # batches the observed loop had yielded when it was added
+    yielded: int  # batches the observed loop had yielded when it was added (-1: it had ended)
 
 
 class Collector:
@@ -102,16 +103,17 @@ class Collector:
             col.add(model(batch["x"]))
         result = col.all_gather({"names": tg.cat_items()})
 
-    The adds take the indices the loader's index sampler handed out for the batches the loop
-    received (nothing is read twice). ``Collector(sampler)`` (or ``Collector(loader)``) with a
-    plain loop, or a loop a framework runs (Lightning: ``Collector(trainer.val_dataloaders)``),
-    reads the sampler again at the first add, which only ``SequentialSampler``,
-    ``DistributedSampler``, a ``BatchSampler`` over those and wrappers that hand one of them on
-    (Lightning's) allow; ``add(outputs, indices=...)`` names the rows itself. Every rank's
-    loader must index the same dataset (its class, length and a ``Subset``'s indices are
-    compared). A sample seen twice (a ``DistributedSampler``'s padding) is kept once, the first
-    rank's, in dataset index order (:attr:`indices`); every rank must add its whole epoch
-    (``partial=True``: what was added).
+    An add in the loop takes the rows of the batch the loop last yielded, the indices the
+    loader's index sampler handed out for it (nothing is read twice; the ``collate_fn`` keeps
+    the samples in order, or the loop passes their ids: see :meth:`observe`).
+    ``Collector(sampler)`` (or ``Collector(loader)``) with a plain loop, or a loop a framework
+    runs (Lightning: ``Collector(trainer.val_dataloaders)``), reads the sampler again at the
+    first add, which only ``SequentialSampler``, ``DistributedSampler``, a ``BatchSampler``
+    over those and wrappers that hand one of them on (Lightning's) allow; ``add(outputs,
+    indices=...)`` names the rows itself. Every rank's loader must index the same dataset (its
+    class, length and a ``Subset``'s indices are compared). A sample seen twice (a
+    ``DistributedSampler``'s padding) is kept once, the first rank's, in dataset index order
+    (:attr:`indices`); every rank must add its whole epoch (``partial=True``: what was added).
 
     Per-sample leaves are those the layout joins along the batch dim (``cat()``, ``cat(-2)`` of
     2-D leaves, ``pad(0)``) and lists under ``cat_items()``; every other leaf is one value per
@@ -165,8 +167,24 @@ class Collector:
     def observe(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Iterate ``loader`` (a ``DataLoader``, or one accelerate prepared) once, as ``for
         batch in loader`` does, noting the dataset indices its index sampler hands out (to the
-        main process or its workers) for every batch: the adds made in the loop take them, one
-        after the other. ``loader`` is checked at once.
+        main process or its workers) for every batch, copied as they are handed out (a list,
+        tuple, tensor, numpy array, range or other iterable of ints). ``loader`` is checked at
+        once.
+
+        An :meth:`add` made in the loop takes rows of the batch the loop last yielded: a
+        batch's outputs in one add, or in several (its rows in order); a batch with no add is
+        skipped (with ``partial=True`` the result leaves its samples out, and :attr:`indices`
+        says which it holds). Adds made after the loop take the batches it received in turn,
+        whole.
+
+        Rows are matched to the batch's indices by position, so ``collate_fn`` must keep the
+        batch's samples and their order (torch's default does). One that drops samples (a
+        corrupt one), adds rows or reorders them (sorted by length for
+        ``pack_padded_sequence``) must carry each sample's dataset index in the batch, for the
+        loop to pass: ``col.add(outputs, indices=batch["index"])``, checked against the
+        observed batch (its rows, each once, in any order). Adds of a batch that hold more or
+        fewer rows than it has indices, without ``indices=``, are an error at the exchange; a
+        reordered batch without them cannot be told from the outputs.
 
         Raises:
             ArgumentTypeError: ``loader`` makes its batches from no index sampler of its own (an
@@ -190,7 +208,8 @@ class Collector:
         """Keep one batch's ``outputs`` (no communication).
 
         The rows of the per-sample leaves are ``indices`` (this batch's dataset indices), or
-        the next rows the observed loop (or the sampler) gave this rank. With the Collector's
+        in an observed loop the next rows of the batch it last yielded (:meth:`observe`), or
+        the next rows of the sampler (``Collector(sampler)``). With the Collector's
         ``device``, tensors are moved there (detached); without it they are kept as they are
         (detached when grad mode is on: evaluate under ``torch.no_grad()`` and nothing is
         copied or flattened here).
@@ -212,7 +231,7 @@ class Collector:
                 and self._sampler is not None
             ):
                 self._order = read(self._sampler)
-            self._adds.append(_Add(outputs, indices, 0 if seen is None else seen.yielded))
+            self._adds.append(_Add(outputs, indices, 0 if seen is None else seen.at))
 
     def all_gather(self, layout: Any = None, *, partial: bool = False) -> Any:
         """Every rank's adds, combined on every rank: each sample once, in index order.
@@ -320,8 +339,7 @@ class Collector:
         the sampler's order (read now if no add read it), or nothing."""
         seen = self._seen
         if seen is not None:
-            rows, ends = seen.rows()
-            order = index_tensor(rows, "the indices the loader's sampler handed out")
+            order, ends = seen.rows()
             return _Rows(order, ends, seen)
         if self._order is None and self._sampler is not None:
             self._order = read(self._sampler)
@@ -510,18 +528,17 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
     """Every row's dataset index, in add order, and how many of the epoch's rows the adds took
     (the ones without ``indices=`` take the next ones; ``indices=`` beside them must name the
     same rows)."""
-    order, ends = source.order, source.ends
+    if source.seen is not None:
+        return _loop_indices(rows, adds, source)
+    order = source.order
     total = sum(rows)
     if order is not None and total <= order.numel() and all(a.indices is None for a in adds):
-        # (every add's rows received by the loop when it was made)
-        if ends is None or all(t <= ends[a.yielded] for t, a in zip(accumulate(rows), adds)):
-            return order[:total], total
+        return order[:total], total
     named = [a.indices for a in adds]  # every add names its rows, int64 on the CPU: one check
     if order is None and set(map(type, named)) == {Tensor} and set(map(_KIND, named)) == {_INT64}:
         flat = torch.cat(named)
         if list(map(Tensor.numel, named)) == rows and (not flat.numel() or int(flat.min()) >= 0):
             return flat, 0
-    what = "loader" if source.seen is not None else "sampler"
     parts: list[Tensor] = []
     taken = 0
     for a, (n, add) in enumerate(zip(rows, adds)):
@@ -542,20 +559,14 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
         left = order.numel() - taken
         if n > left:
             raise BatchSizeError(
-                f"add #{a}: {n} row(s), but the {what} has {left} of its {order.numel()} "
+                f"add #{a}: {n} row(s), but the sampler has {left} of its {order.numel()} "
                 f"indices left for this rank (the adds before it hold {taken} rows): add each "
                 "batch once"
-            )
-        if ends is not None and taken + n > ends[add.yielded]:
-            raise BatchSizeError(
-                f"add #{a}: {n} row(s), but when it was made the loop had received "
-                f"{add.yielded} batch(es), with {ends[add.yielded] - taken} row(s) not added yet: "
-                "add each batch's outputs inside the loop, after the batch"
             )
         ahead = order[taken : taken + n]
         if given is not None and not torch.equal(given, ahead):
             raise BatchSizeError(
-                f"add #{a}: indices= {given[:8].tolist()} are not the next indices its {what} "
+                f"add #{a}: indices= {given[:8].tolist()} are not the next indices its sampler "
                 f"handed out, {ahead[:8].tolist()}: pass indices= on every add, or on none"
             )
         parts.append(ahead)
@@ -563,6 +574,136 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
     if not parts:
         return torch.zeros(0, dtype=torch.int64), taken
     return (torch.cat(parts) if len(parts) > 1 else parts[0]), taken
+
+
+def _loop_indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, int]:
+    """:func:`_indices` in an observed loop. An add made in the loop takes rows of the batch
+    the loop last yielded: the next ones of it, or those its ``indices=`` names (rows of that
+    batch, in any order); a batch's adds that take rows by counting hold all its rows (split
+    or whole) or none (a skipped batch). Adds made after the loop ended name their rows (rows
+    the loop received that no add took), or take whole batches in turn, after the last batch an
+    add in the loop took rows of, through the last one the loop received."""
+    order, ends = source.order, source.ends
+    assert order is not None and ends is not None
+    k = len(adds)
+    if (  # the usual loop: one add per batch, each batch in turn, nothing named
+        k < len(ends)
+        and rows == [e - s for s, e in pairwise(ends[: k + 1])]
+        and list(map(_YIELDED, adds)) == list(range(1, k + 1))
+        and all(a.indices is None for a in adds)
+    ):
+        return order[: ends[k]], ends[k]
+    parts: list[Tensor] = []
+    pos = [0] * (len(ends) - 1)  # rows of each batch the adds in the loop took
+    free: dict[int, Counter[int]] = {}  # batches an add in the loop named rows of: rows left
+    counted: dict[int, int] = {}  # batches an add in the loop took rows of by counting: its #
+    last = -1  # the last batch an add in the loop took rows of
+    named: bool | None = None  # whether the adds after the loop name their rows
+    left: Counter[int] | None = None  # the rows no add took, for those that name them
+    start = cursor = 0  # where the adds after the loop that count start, and go on
+    bounds: set[int] = set()  # where batches end
+    for a, (n, add) in enumerate(zip(rows, adds)):
+        given = None if add.indices is None else index_tensor(add.indices, f"add #{a}: indices=")
+        if given is not None and given.numel() != n:
+            raise BatchSizeError(
+                f"add #{a}: indices= has {given.numel()} index(es) for {n} row(s) of "
+                "per-sample outputs"
+            )
+        if add.yielded < 0:  # (made after the loop ended)
+            if named is None:
+                named, start, bounds = given is not None, ends[last + 1], set(ends)
+                cursor = start
+            elif named != (given is not None):
+                raise BatchSizeError(
+                    f"add #{a}: made after the loop, {'without' if named else 'with'} "
+                    "indices=, beside adds after the loop that are not: pass indices= on every "
+                    "add made after the loop, or on none"
+                )
+            if given is not None:
+                if left is None:
+                    left = Counter(order.tolist())
+                    left.subtract(torch.cat(parts).tolist() if parts else [])
+                wanted = Counter(given.tolist())
+                if wanted - left:
+                    raise BatchSizeError(
+                        f"add #{a}: indices= {given[:8].tolist()} are not rows the loop "
+                        "received that no add before it took (it was made after the loop)"
+                    )
+                left.subtract(wanted)
+            else:
+                end = cursor + n
+                if end not in bounds:
+                    sizes = [e - s for s, e in pairwise(ends) if s >= cursor][:8]
+                    raise BatchSizeError(
+                        f"add #{a}: made after the loop, with {n} row(s), but the batches the "
+                        f"loop received next hold {sizes or 'no'} row(s): an add made after "
+                        "the loop takes whole batches, in turn (those after the adds in the "
+                        f"loop); {_OWN_ROWS}"
+                    )
+                given, cursor = order[cursor:end], end
+            parts.append(given)
+            continue
+        b = add.yielded - 1
+        if b < 0:
+            raise BatchSizeError(
+                f"add #{a}: made before the loop received its first batch, so it belongs to no "
+                "batch: add each batch's outputs inside the loop, after the batch"
+            )
+        first, m, p = ends[b], ends[b + 1] - ends[b], pos[b]
+        if p + n > m:
+            raise BatchSizeError(
+                f"add #{a}: {n} row(s), but when it was made the loop was on its batch #{b}, "
+                f"and the loader has {m - p} of its {m} indices left for that batch (the adds "
+                "before it took the rest): add each batch's outputs once, inside the loop after "
+                f"the batch; {_OWN_ROWS}"
+            )
+        batch = order[first : first + m]
+        took = batch[p : p + n] if given is None else given
+        rest = free.get(b)
+        if rest is None and given is not None:  # (less what the adds before it counted)
+            rest = free[b] = Counter(batch[p:].tolist())
+        if rest is not None:
+            wanted = Counter(took.tolist())
+            if wanted - rest:
+                if given is None:
+                    raise BatchSizeError(
+                        f"add #{a}: takes the next {n} row(s) of batch #{b}, "
+                        f"{took[:8].tolist()}, which an add before it named with indices=: "
+                        "pass indices= on every add of a batch, or on none"
+                    )
+                raise BatchSizeError(
+                    f"add #{a}: indices= {given[:8].tolist()} are not the rows of the batch the "
+                    f"loop was on when it was made (its batch #{b}: {batch[:8].tolist()}), or "
+                    "repeat rows an add before it took: indices= names rows of that batch"
+                )
+            rest.subtract(wanted)
+        if given is None:
+            counted.setdefault(b, a)
+        parts.append(took)
+        pos[b], last = p + n, b
+    for b, a in counted.items():  # taken by counting: all of its rows, or its rows lie
+        if pos[b] < ends[b + 1] - ends[b]:
+            raise BatchSizeError(
+                f"the adds made while the loop was on its batch #{b} (add #{a} first) hold "
+                f"{pos[b]} of its {ends[b + 1] - ends[b]} rows: with fewer rows than the batch "
+                f"has samples, the Collector cannot tell which rows are which; {_OWN_ROWS}"
+            )
+    if named is False and cursor != ends[-1]:
+        raise BatchSizeError(
+            f"the adds made after the loop hold {cursor - start} of the {ends[-1] - start} rows "
+            "of the batches the loop received after those the adds in it took: adds made "
+            f"after the loop take all these batches, in turn; {_OWN_ROWS}"
+        )
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64), 0
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]), sum(rows)
+
+
+_OWN_ROWS = (
+    "a collate_fn that drops, adds or reorders samples needs add(outputs, indices=ids) with "
+    "each row's dataset index, carried in the batch (checked against the batch's indices)"
+)
+_YIELDED = operator.attrgetter("yielded")
 
 
 _KIND = operator.attrgetter("dtype", "device", "ndim")

@@ -9,8 +9,10 @@ sampler that reading again changes nothing in (:mod:`.samplers`); :func:`index_t
 from __future__ import annotations
 
 import contextlib
+import operator
 from array import array
 from collections.abc import Iterable, Iterator
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -37,29 +39,64 @@ OBSERVE = (
 class Observation:
     """One pass over a loader: what its index sampler handed out, and how far the loop got."""
 
-    __slots__ = ("dataset", "finished", "handed", "length", "started", "yielded")
+    __slots__ = ("at", "dataset", "finished", "handed", "length", "started", "yielded")
 
     def __init__(self) -> None:
         self.dataset: tuple[str, str] | None = None  # what its indices index (dataset_key)
-        self.handed: list[Any] = []  # each item the index sampler handed out (a batch of indices)
+        self.handed: list[array[int] | str] = []  # each batch of indices handed out, copied
         self.length: int | None = None  # len(loader) when it has one
         self.started = False  # the loader iterated the index sampler it was given
         self.yielded = 0  # batches the loop received
         self.finished = False  # the loader ran to its end
+        self.at = 0  # what an add notes: batches the loop received; -1 once the loop is over
 
-    def rows(self) -> tuple[list[Any], list[int]]:
-        """The indices of the batches the loop received, one after the other, and where each
-        batch ends in them (``0`` first)."""
-        out: list[Any] = []
-        ends = [0]
-        for item in self.handed[: self.yielded]:
-            out += (
-                item.reshape(-1).tolist()
-                if isinstance(item, Tensor)
-                else (item if isinstance(item, (list, tuple)) else [item])
-            )
-            ends.append(len(out))
-        return out, ends
+    def rows(self) -> tuple[Tensor, list[int]]:
+        """The indices of the batches the loop received, one after the other (int64), and where
+        each batch ends in them (``0`` first); a typed error where one is not dataset indices."""
+        received: list[array[int]] = []
+        for b, item in enumerate(self.handed[: self.yielded]):
+            if isinstance(item, str):
+                raise ArgumentTypeError(
+                    f"the loader's batch #{b} of indices is not dataset indices ({item}): the "
+                    "Collector cannot tell its rows; pass add(outputs, indices=...) and iterate "
+                    "the loader itself"
+                )
+            received.append(item)
+        flat = bytearray(b"".join(received))  # (each batch's int64s, one after the other)
+        ends = [0, *accumulate(map(len, received))]
+        if not flat:
+            return torch.zeros(0, dtype=torch.int64), ends
+        return index_tensor(torch.frombuffer(flat, dtype=torch.int64), _HANDED), ends
+
+
+_HANDED = "the indices the loader's sampler handed out"
+
+
+def _copied(item: Any) -> tuple[Any, array[int] | str]:
+    """One item an index sampler hands out (a batch of indices: a list, tuple, tensor, numpy
+    array, range or other iterable of ints; or one index) as the loader gets it, and a copy of
+    its indices taken now (a sampler may refill one list in place), or why it has none."""
+    try:
+        kind = type(item)
+        if kind is list or kind is tuple or kind is range:
+            return item, array("q", item)  # (one C pass)
+        if isinstance(item, Tensor) or kind.__module__ == "numpy":
+            ok = item.dtype.kind in "iu" if kind.__module__ == "numpy" else _integer(item.dtype)
+            if not ok:
+                return item, f"{kind.__name__} of {item.dtype}"
+            return item, array("q", item.reshape(-1).tolist())
+        if hasattr(item, "__index__"):  # one index (a sampler without batches)
+            return item, array("q", (operator.index(item),))
+        if iter(item) is item:  # read once (a generator): the loader gets what was read
+            items = list(item)
+            return iter(items), array("q", items)
+        return item, array("q", item)
+    except (TypeError, ValueError, OverflowError) as exc:
+        return item, f"{type(item).__name__}: {exc}"
+
+
+def _integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 class _Recording:
@@ -73,7 +110,8 @@ class _Recording:
         self._seen.started = True
         handed = self._seen.handed
         for item in self._sampler:
-            handed.append(item)
+            item, kept = _copied(item)
+            handed.append(kept)
             yield item
 
     def __len__(self) -> int:
@@ -153,13 +191,17 @@ def _batches(loader: Iterable[Any], base: DataLoader[Any], seen: Observation) ->
             f"Collector.observe: {type(loader).__name__} made its batches without the index "
             "sampler it holds; pass add(outputs, indices=...) with each batch's indices"
         )
-    if first is not _END:
-        seen.yielded = 1
-        yield first
-        for batch in batches:
-            seen.yielded += 1
-            yield batch
-    seen.finished = True
+    try:
+        if first is not _END:
+            seen.yielded = seen.at = 1
+            yield first
+            for batch in batches:
+                seen.yielded += 1
+                seen.at = seen.yielded
+                yield batch
+        seen.finished = True
+    finally:  # (finished, left by an error, or by break: that closes this generator at once)
+        seen.at = -1
 
 
 _END: Any = object()
