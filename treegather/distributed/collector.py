@@ -585,14 +585,15 @@ def _loop_indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Ten
     add in the loop took rows of, through the last one the loop received."""
     order, ends = source.order, source.ends
     assert order is not None and ends is not None
-    k = len(adds)
-    if (  # the usual loop: one add per batch, each batch in turn, nothing named
-        k < len(ends)
-        and rows == [e - s for s, e in pairwise(ends[: k + 1])]
-        and list(map(_YIELDED, adds)) == list(range(1, k + 1))
-        and all(a.indices is None for a in adds)
-    ):
-        return order[: ends[k]], ends[k]
+    at = list(map(_YIELDED, adds))  # (in add order: 0 first, -1 last, others ascending)
+    if at[0] > 0 and at[-1] > 0 and all(a.indices is None for a in adds):
+        held: dict[int, int] = {}  # the usual loops: in it, nothing named, batches whole
+        for n, y in zip(rows, at):
+            held[y] = held.get(y, 0) + n
+        if all(ends[y] - ends[y - 1] == n for y, n in held.items()):
+            if len(held) == at[-1]:  # (every batch, in turn)
+                return order[: ends[at[-1]]], ends[at[-1]]
+            return torch.cat([order[ends[y - 1] : ends[y]] for y in held]), sum(rows)
     parts: list[Tensor] = []
     pos = [0] * (len(ends) - 1)  # rows of each batch the adds in the loop took
     free: dict[int, Counter[int]] = {}  # batches an add in the loop named rows of: rows left
