@@ -249,7 +249,8 @@ class Collector:
 
         Raises:
             BatchSizeError: a rank added fewer (or more) rows than its epoch holds, or rows
-                that are not its loader's, or the ranks' loaders index different datasets;
+                that are not its loader's, or a batch's adds hold more or fewer rows than it
+                has samples (:meth:`observe`), or the ranks' loaders index different datasets;
                 raised on every rank.
             StructureMismatchError: the ranks' adds differ in structure (the path is named).
             LayoutError: the ranks passed different layouts (or ``partial``); a list of
