@@ -23,11 +23,15 @@ labels, variable-length per-token scores, and a batch loss (section 3). The same
 loader that accelerate prepared (section 4, which needs ``accelerate``). Every rank checks the
 results against evaluating the whole dataset in one process.
 
-- **Where the rows come from.** Each ``add`` takes the next rows of the batches the loop
-  received, as the sampler (or batch sampler) handed them out, to the main process or to
-  ``num_workers`` workers: any sampler, a seeded ``RandomSampler``, ``batch_sampler=``,
-  accelerate's loaders (their shards, and the batches they repeat to even them out, observed as
-  they come). Nothing is read twice, so the shuffle, the generators and the epoch counters are
+- **Where the rows come from.** Each ``add`` in the loop takes rows of the batch the loop last
+  yielded: the indices the sampler (or batch sampler) handed out for it, to the main process or
+  to ``num_workers`` workers, copied as they were handed out: any sampler, a seeded
+  ``RandomSampler``, ``batch_sampler=`` yielding lists, tuples, tensors, numpy arrays, ranges or
+  other iterables of ints, accelerate's loaders (their shards, and the batches they repeat to
+  even them out, observed as they come). A batch may be added in several parts (its rows in
+  order); a batch with no add is skipped (``continue`` on a bad batch, a caught out-of-memory
+  error), and ``partial=True`` then holds exactly the samples added. Outputs kept and added
+  after the loop take its batches in turn, whole. Nothing is read twice, so the shuffle, the generators and the epoch counters are
   what they would be without a Collector. ``Collector(loader)`` with a plain ``for batch in
   loader`` loop reads the sampler again at the first ``add``, which only samplers known to give
   the same order again allow (``SequentialSampler``, ``DistributedSampler`` after
@@ -35,6 +39,14 @@ results against evaluating the whole dataset in one process.
   and ``indices=``. ``add(outputs, indices=...)`` names the rows itself (an
   ``IterableDataset``, any other loop; non-negative integers). With no process group, a
   Collector works in one process.
+- **What ``collate_fn`` must keep.** Rows are matched to the batch's indices by position, so
+  the ``collate_fn`` must keep the batch's samples and their order (torch's default does). One
+  that drops samples (a corrupt one), adds rows or reorders them (sorting by length for
+  ``pack_padded_sequence``) must carry each sample's dataset index in the batch, and the loop
+  passes it: ``col.add(outputs, indices=batch["index"])``, checked against the batch the loop is
+  on (its samples, each once, in any order). Without them, a batch whose adds hold more or fewer
+  rows than it has samples is an error naming the batch; a reordered batch cannot be told from
+  the outputs, and its rows would be mislabelled.
 - **One dataset.** Rows are matched across ranks by dataset index, so every rank's loader must
   index the same dataset, split by its sampler. A rank's own part of it (``Subset(data,
   my_indices)``, a dataset sharded per rank) restarts its indices at 0, and the same index on
@@ -52,7 +64,9 @@ results against evaluating the whole dataset in one process.
   strings needs its rule (``cat_items()`` per sample, ``as_list()`` per add). Any other leaf,
   such as a 0-dim batch loss, is one value per ``add`` combined by its rule, padding duplicates
   included: per-sample values are the exact way (here the loss recomputed from the gathered
-  logits, next to the batch-loss mean).
+  logits, next to the batch-loss mean). A ``cat()``/``pad()`` dim the leaf does not have is the
+  error ``tg.gather`` gives; ``pad(0, lengths=True)`` is refused, as its lengths are per add:
+  add each row's length as a per-sample leaf instead.
 - **One answer.** Every rank must pass the same layout (and ``partial``): ranks that differ, or
   whose adds differ in structure, all raise the same error, naming the leaf.
   ``collector.gather(layout, dst=0)`` returns the result on ``dst`` only;
