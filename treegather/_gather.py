@@ -28,9 +28,10 @@ from ._errors import (
     check_dim,
     safe_repr,
 )
-from ._layout import Plan, resolve
+from ._layout import Plan, display_path, resolve
 from ._mismatch import ROOT, diagnose, structure_error
-from ._tree import flatten, is_leaf
+from ._rules import Cat, CatItems, Pad
+from ._tree import batch_nodes, flatten, is_batched, is_leaf, rebuild
 
 __all__ = ["gather", "gather_call", "gather_reference", "gather_from", "combine", "ROOT"]
 
@@ -246,4 +247,64 @@ def combine(
         if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
             raise
         raise err from exc
+    if is_batched(plan.up_spec):  # nodes whose metadata holds a batch size: the rows joined
+        return rebuild(plan.up_spec, results, joined_sizes(outputs, columns, plan, dim), ROOT)
     return plan.up_spec.unflatten(results)
+
+
+def joined_sizes(
+    outputs: list[Any], columns: list[tuple[Any, ...]], plan: Plan, dim: int
+) -> dict[int, tuple[int, ...]]:
+    """The batch size of every batch node of ``plan.up_spec`` in the gathered tree.
+
+    Along the dims its leaves are concatenated along (``cat``, ``pad``; a per-sample list under
+    ``cat_items()``: dim 0), the replicas' rows added up; a node without tensor leaves follows
+    ``dim``; its other dims must agree between the replicas (a :class:`ShapeMismatchError`
+    naming its path). A node whose tensors are combined otherwise keeps replica 0's batch size.
+    """
+    found = batch_nodes(plan.up_spec)
+    per_replica = [_sizes_by_path(out) for out in outputs]
+    out: dict[int, tuple[int, ...]] = {}
+    for i, bn in enumerate(found):
+        start, stop = bn.node.start, bn.node.stop
+        dims: set[int] = set()
+        tensors = False
+        for pos in range(start, stop):
+            col = columns[pos]
+            first = col[0]
+            if isinstance(first, Tensor):
+                tensors = True
+            group = plan.groups[pos]
+            rule = group[2] if group is not None else plan.rules[pos]
+            if isinstance(rule, CatItems):
+                dims.add(0)
+            elif isinstance(first, Tensor) and first.dim() > 0:
+                if rule is None:
+                    dims.add(dim % first.dim())
+                elif isinstance(rule, (Cat, Pad)):
+                    dims.add(rule.dim % first.dim())
+        size0 = bn.meta.size
+        if not dims and not tensors:
+            dims = {dim if dim >= 0 else dim + len(size0)}
+        held = {d for d in dims if 0 <= d < len(size0)}
+        if not held:
+            continue
+        sizes = [found_r.get(bn.node.raw, size0) for found_r in per_replica]
+        other = [j for j in range(len(size0)) if j not in held]
+        if any(len(s) != len(size0) or any(s[j] != size0[j] for j in other) for s in sizes):
+            shown = "; ".join(f"replica {r}: {list(s)}" for r, s in enumerate(sizes[:4]))
+            raise ShapeMismatchError(
+                f"{display_path(bn.node, ROOT)}: the replicas' {bn.meta.rule.cls.__qualname__} "
+                f"batch sizes differ in dims the gather does not join ({shown})\n"
+                f"Hint: only the dims its leaves are concatenated along ({sorted(held)}) may differ"
+            )
+        out[i] = tuple(
+            sum(s[j] for s in sizes) if j in held else size0[j] for j in range(len(size0))
+        )
+    return out
+
+
+def _sizes_by_path(tree: Any) -> dict[tuple[Any, ...], tuple[int, ...]]:
+    """Every batch node's batch size in ``tree``, by its raw path."""
+    _, spec = flatten(tree, ROOT)
+    return {bn.node.raw: bn.meta.size for bn in batch_nodes(spec)} if is_batched(spec) else {}

@@ -19,7 +19,16 @@ from ._errors import EXPLAIN_POINTER, BatchSizeError, LeafTypeError, bullet_list
 from ._layout import Plan, display_path, resolve
 from ._rules import Cut, Problem, default_cut
 from ._shards import Shards, balanced
-from ._tree import INPUT_AND_KWARGS, describe, flatten, move_tree
+from ._tree import (
+    INPUT_AND_KWARGS,
+    BatchNode,
+    batch_nodes,
+    describe,
+    flatten,
+    is_batched,
+    move_tree,
+    rebuild,
+)
 
 __all__ = [
     "Shards",
@@ -188,10 +197,17 @@ def place(
     """
     up = leaves if plan.up_spec is plan.spec else plan.up_spec.flatten_up_to(inputs)
     cuts = _validate(up, plan, dim, root, devs)
-    sizes = _shard_sizes(cuts, len(devs))
+    follow = None
+    if is_batched(plan.up_spec):  # nodes whose metadata holds a batch size
+        follow = following(up, cuts, plan, dim, root)
+    sizes = _shard_sizes(cuts, len(devs), None if follow is None else follow.rows)
     k = len(devs) if sizes is None else len(sizes)
     columns = _cut(up, cuts, sizes, k)
-    return Shards(_on_devices(columns, cuts, plan, devs[:k]), sizes, devs[:k])
+    shard_sizes = None
+    if follow is not None and sizes is not None and follow.dims:
+        shard_sizes = follow.shards(sizes)
+    trees = _on_devices(columns, cuts, plan, devs[:k], shard_sizes, root)
+    return Shards(trees, sizes, devs[:k])
 
 
 class _Cuts(NamedTuple):
@@ -289,11 +305,13 @@ def classify(pos: int, x: Any, plan: Plan, dim: int, meta_ok: bool) -> Cut | Pro
     return rule.shard(x, dim)  # type: ignore[attr-defined]
 
 
-def _shard_sizes(cuts: _Cuts, k: int) -> tuple[int, ...] | None:
-    """Rows per shard (``None`` when nothing is split); never an empty shard but for n = 0."""
-    if not cuts.lengths:
+def _shard_sizes(cuts: _Cuts, k: int, claimed: int | None = None) -> tuple[int, ...] | None:
+    """Rows per shard (``None`` when nothing is split); never an empty shard but for n = 0.
+    ``claimed``: the rows of batch nodes without split leaves, when no leaf is split."""
+    if not cuts.lengths and claimed is None:
         return None
-    n = next(iter(cuts.lengths))
+    n = next(iter(cuts.lengths)) if cuts.lengths else claimed
+    assert n is not None
     if cuts.explicit:
         sizes = next(iter(cuts.explicit))
         if sum(sizes) != n or len(sizes) > k:
@@ -328,9 +346,15 @@ def _cut(up: list[Any], cuts: _Cuts, sizes: tuple[int, ...] | None, k: int) -> l
 
 
 def _on_devices(
-    columns: list[Any], cuts: _Cuts, plan: Plan, used: tuple[torch.device, ...]
+    columns: list[Any],
+    cuts: _Cuts,
+    plan: Plan,
+    used: tuple[torch.device, ...],
+    shard_sizes: list[dict[int, tuple[int, ...]]] | None = None,
+    root: str | None = "inputs",
 ) -> list[Any]:
-    """Pass 3: each device's values moved where needed, rebuilt into its tree."""
+    """Pass 3: each device's values moved where needed, rebuilt into its tree (its batch
+    nodes with ``shard_sizes[r]``)."""
     k = len(used)
     per_replica = list(zip(*columns)) if columns else [()] * k
     src = {v.device for v in (c[0] for c in columns) if isinstance(v, Tensor)}
@@ -347,5 +371,91 @@ def _on_devices(
         if item_tensors:
             for pos in cuts.items:
                 leaves_r[pos] = move_tree(leaves_r[pos], dev)
-        trees.append(plan.up_spec.unflatten(leaves_r))
+        if shard_sizes is None:
+            trees.append(plan.up_spec.unflatten(leaves_r))
+        else:
+            trees.append(rebuild(plan.up_spec, leaves_r, shard_sizes[r], root))
     return trees
+
+
+class Following(NamedTuple):
+    """The batch nodes whose batch size follows the rows of a scatter."""
+
+    nodes: tuple[BatchNode, ...]
+    dims: dict[int, tuple[int, ...]]
+    """Node index -> the dims of its batch size that hold the batch's rows."""
+    rows: int | None
+    """The rows the batch nodes without split leaves claim, when no leaf is split."""
+
+    def shards(self, sizes: tuple[int, ...]) -> list[dict[int, tuple[int, ...]]]:
+        """Per shard, the batch size of every following node: its rows along those dims."""
+        out: list[dict[int, tuple[int, ...]]] = []
+        for rows in sizes:
+            per: dict[int, tuple[int, ...]] = {}
+            for i, dims in self.dims.items():
+                size = list(self.nodes[i].meta.size)
+                for d in dims:
+                    size[d] = rows
+                per[i] = tuple(size)
+            out.append(per)
+        return out
+
+
+def following(
+    up: list[Any], cuts: _Cuts, plan: Plan, dim: int, root: str | None
+) -> Following:
+    """Which dims of each batch node's batch size follow the rows, checked against the batch.
+
+    A node follows along the dims its leaves are split along (a per-sample list: dim 0); a node
+    with no tensor leaf (none at all, or strings) along ``dim``, when the batch is split; a
+    node whose tensors are all sent whole keeps its batch size. A node that holds another number
+    of rows than the batch along such a dim is a :class:`BatchSizeError` naming its path.
+    """
+    found = batch_nodes(plan.up_spec)
+    split_dims: dict[int, int] = {}
+    for pos, d in cuts.splits:
+        split_dims[pos] = d % up[pos].dim()
+    for pos in cuts.items:
+        split_dims[pos] = 0
+    n = next(iter(cuts.lengths)) if len(cuts.lengths) == 1 else None
+    dims: dict[int, tuple[int, ...]] = {}
+    claims: list[tuple[BatchNode, int, int]] = []  # (node, dim, rows) of nodes without splits
+    problems: list[str] = []
+    for i, bn in enumerate(found):
+        size = bn.meta.size
+        start, stop = bn.node.start, bn.node.stop
+        mine = {split_dims[p] for p in range(start, stop) if p in split_dims}
+        alone = not mine and not any(isinstance(up[p], Tensor) for p in range(start, stop))
+        if alone:
+            mine = {dim if dim >= 0 else dim + len(size)}
+        held = tuple(sorted(d for d in mine if 0 <= d < len(size)))
+        if not held:
+            continue
+        dims[i] = held
+        for d in held:
+            if alone:
+                claims.append((bn, d, size[d]))
+            elif n is not None and size[d] != n:
+                problems.append(_claim_text(bn, d, n, root))
+    rows = None
+    if claims:
+        if n is None and not cuts.lengths:
+            rows = claims[0][2]
+        for bn, d, held_rows in claims:
+            batch = n if n is not None else rows
+            if batch is not None and held_rows != batch:
+                problems.append(_claim_text(bn, d, batch, root))
+    if problems:
+        raise BatchSizeError(
+            f"{bullet_list(problems, 'a node holding a batch size must hold the rows it is split with')}\n"
+            f"{EXPLAIN_POINTER}"
+        )
+    return Following(found, dims, rows)
+
+
+def _claim_text(bn: BatchNode, d: int, rows: int, root: str | None) -> str:
+    size = list(bn.meta.size)
+    return (
+        f"{display_path(bn.node, root)}: its {bn.meta.rule.cls.__qualname__} batch size {size} "
+        f"holds {size[d]} row(s) along dim {d}, but the batch has {rows}"
+    )

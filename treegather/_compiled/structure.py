@@ -360,12 +360,17 @@ def _learn(tree: Any, spec: PyTreeSpec, leaves: list[Any], version: int) -> Stru
     """The :class:`Structure` for a spec seen before (the one evicted, when it was); only a
     sighting the first time.
 
+    A structure holding a batch node (:mod:`treegather._tree.batch`) is never learned: its
+    results are rebuilt with each call's batch sizes, which the plain steps work out.
+
     A full bucket takes a structure in only if it was seen again sooner than the bucket's least
     recently used structure was last used (which then makes room): in a rotation through more
     structures than a bucket holds, the bucket keeps the same structures, compiled, and the
     others run as a cold call does (without generating any code), instead of every structure
     being compiled again and evicted before its next use.
     """
+    if _tree.is_batched(spec):  # rebuilt with each call's batch sizes: the plain steps
+        return None
     now = next(_CLOCK)
     try:
         seen = _SIGHTINGS.pop(spec)

@@ -1,12 +1,24 @@
 """The pytree layer: treegather's optree namespace, which classes are nodes, flattening, paths.
 
 :mod:`.registry` (the namespace, registration, the torch-pytree bridge, optional integrations),
+:mod:`.batch` (nodes that carry the batch: metadata that follows the rows, values split by rows),
 :mod:`.ops` (flatten, the plain definition), :mod:`.paths` (every node's path as the user would
 type it) and :mod:`.text` (how messages describe a value).
 """
 
 from __future__ import annotations
 
+from .batch import (
+    BatchNode,
+    BatchRule,
+    Batched,
+    Rows,
+    RowsKind,
+    batch_nodes,
+    is_batched,
+    rebuild,
+    unwrapped,
+)
 from .ops import depth_error, flatten, move_tree
 from .paths import (
     INPUT_AND_KWARGS,
@@ -33,11 +45,17 @@ from .registry import (
 from .text import describe, dtype_text, shape_text
 
 __all__ = [
+    "BatchNode",
+    "BatchRule",
+    "Batched",
     "INPUT_AND_KWARGS",
     "MAPPING_KINDS",
     "NAMESPACE",
     "Node",
     "Opaque",
+    "Rows",
+    "RowsKind",
+    "batch_nodes",
     "child_styles",
     "context_names",
     "depth_error",
@@ -46,15 +64,18 @@ __all__ = [
     "dtype_text",
     "flatten",
     "format_path",
+    "is_batched",
     "is_call_root",
     "is_leaf",
     "leaf_nodes",
     "move_tree",
     "nodes",
+    "rebuild",
     "register_dataclass",
     "register_node",
     "registry_version",
     "shape_text",
     "sync",
+    "unwrapped",
     "watch",
 ]

@@ -19,6 +19,7 @@ import torch
 from optree import PyTreeSpec
 
 from .._errors import TreeDepthError
+from .batch import note, tally
 from .paths import Node, display_path, format_path
 from .registry import NAMESPACE, sync
 
@@ -44,10 +45,13 @@ def flatten(tree: Any, root: str | None = "tree", where: str = "") -> tuple[list
     treegather.TreeDepthError: inputs['self'] is inputs itself: the tree contains itself ...
     """
     sync()
+    counted = tally()
     try:
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     except RecursionError:
         raise depth_error(tree, root, where) from None
+    if tally() != counted:  # it flattened a batch node (treegather._tree.batch)
+        note(spec)
     return leaves, spec
 
 

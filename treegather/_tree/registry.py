@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar, overload
 
@@ -20,6 +21,7 @@ import torch.utils._pytree as _torch_pytree
 
 from .._caches import clear_tree_caches
 from .._errors import ArgumentTypeError, safe_repr
+from .batch import BatchRule, Batched, counted, set_rule, unflattened
 
 __all__ = [
     "context_names",
@@ -62,13 +64,15 @@ def _invalidate() -> None:
 
 
 @overload
-def register_dataclass(cls: type[T], *, static: Iterable[str] = ()) -> type[T]: ...
+def register_dataclass(
+    cls: type[T], *, static: Iterable[str] = (), batch_size: str | None = None
+) -> type[T]: ...
 @overload
 def register_dataclass(
-    cls: None = None, *, static: Iterable[str] = ()
+    cls: None = None, *, static: Iterable[str] = (), batch_size: str | None = None
 ) -> Callable[[type[T]], type[T]]: ...
 def register_dataclass(
-    cls: type[T] | None = None, *, static: Iterable[str] = ()
+    cls: type[T] | None = None, *, static: Iterable[str] = (), batch_size: str | None = None
 ) -> type[T] | Callable[[type[T]], type[T]]:
     """Make a ``@dataclasses.dataclass`` a tree node whose fields are its children.
 
@@ -78,9 +82,15 @@ def register_dataclass(
     also ``OrderedDict`` subclasses (the shape of transformers' ``ModelOutput``) are rebuilt
     through their constructor, so the result equals an object made the normal way.
 
+    A static field that holds the batch size (an int: the rows; or a sequence of ints, the
+    leading dims the tensors share, as TensorDict's ``batch_size``) is named by ``batch_size``:
+    it follows the rows, as for :func:`register_node`'s ``batch_size=`` (each shard holds its
+    own rows, a gather the rows joined).
+
     Args:
         cls: the dataclass; omit it to use ``register_dataclass(static=...)`` as a decorator.
         static: names of fields that are metadata rather than data.
+        batch_size: the static field holding the batch size, if any.
 
     Returns:
         ``cls`` itself (or a decorator returning it).
@@ -97,7 +107,7 @@ def register_dataclass(
     Out(loss=tensor(2.), names=['a', 'b'])
     """
     if cls is None:
-        return functools.partial(register_dataclass, static=static)
+        return functools.partial(register_dataclass, static=static, batch_size=batch_size)
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(
             f"register_dataclass expects a class decorated with @dataclasses.dataclass, got {cls!r}"
@@ -109,6 +119,10 @@ def register_dataclass(
     unknown = static_names - set(names)
     if unknown:
         raise ValueError(f"{cls.__qualname__} has no field(s) {sorted(unknown)} to mark static")
+    if batch_size is not None:
+        if batch_size not in names:
+            raise ValueError(f"{cls.__qualname__} has no field {batch_size!r} for the batch size")
+        static_names.add(batch_size)
     dynamic = tuple(n for n in names if n not in static_names)
     statics = tuple(n for n in names if n in static_names)
     init_names = tuple(f.name for f in fields if f.init)
@@ -125,16 +139,50 @@ def register_dataclass(
             object.__setattr__(obj, n, values[n])
         return obj
 
-    _register(cls, flatten_fn, unflatten_fn)
+    rule = None
+    if batch_size is not None:
+        at = statics.index(batch_size)
+        rule = BatchRule(cls, _field_size(at), _field_resize(at))
+    _register(cls, flatten_fn, unflatten_fn, rule)
     return cls
+
+
+def _field_size(at: int) -> Callable[[tuple[Any, ...]], tuple[int, ...]]:
+    def size(meta: tuple[Any, ...]) -> tuple[int, ...]:
+        value = meta[at]
+        return (value,) if isinstance(value, int) else tuple(value)
+
+    return size
+
+
+def _field_resize(at: int) -> Callable[[tuple[Any, ...], tuple[int, ...]], tuple[Any, ...]]:
+    def resize(meta: tuple[Any, ...], size: tuple[int, ...]) -> tuple[Any, ...]:
+        value = meta[at]
+        new: Any = size[0] if isinstance(value, int) else type(value)(size)
+        return (*meta[:at], new, *meta[at + 1 :])
+
+    return resize
 
 
 def register_node(
     cls: type[T],
     flatten: Callable[[Any], tuple[Sequence[Any], Any] | tuple[Sequence[Any], Any, Sequence[Any]]],
     unflatten: Callable[[Any, Iterable[Any]], Any],
+    *,
+    batch_size: Callable[[Any], Sequence[int]] | None = None,
+    with_batch_size: Callable[[Any, tuple[int, ...]], Any] | None = None,
 ) -> type[T]:
     """Register any container class as a tree node, optree-style.
+
+    A class whose metadata holds a batch size (the leading dims its tensors share with it, as
+    TensorDict's ``batch_size``) says how with ``batch_size`` and ``with_batch_size``; its
+    metadata then follows the rows instead of being compared: :func:`scatter` gives each shard
+    the batch size of its rows (along the dim its leaves are split), :func:`gather` (and
+    :func:`treegather.distributed.all_gather`, a ``Collector``) the rows joined (summed along
+    the dim its leaves are concatenated; its other dims must agree), and replicas must agree on
+    the rest of the metadata. Nothing is guessed from the leaves' shapes. A node without
+    leaves of its own (only strings, say) follows the batch it is in; a node claiming another
+    number of rows than the batch is a :class:`~treegather.BatchSizeError` naming its path.
 
     Args:
         cls: the class.
@@ -142,6 +190,10 @@ def register_node(
             hashable metadata that replicas must agree on, ``names`` label the children in paths
             and in :func:`by_path` patterns (default: their indices).
         unflatten: ``(aux, children) -> obj``.
+        batch_size: ``aux -> batch size`` (a sequence of ints), for a class whose metadata
+            holds one.
+        with_batch_size: ``(aux, batch size) -> aux`` with that batch size, the rest unchanged
+            (it must return equal metadata for equal arguments).
 
     Returns:
         ``cls``.
@@ -154,6 +206,21 @@ def register_node(
     >>> shards = tg.scatter(Pair(torch.arange(4), torch.zeros(4)), ["cpu", "cpu"])
     >>> shards[1].a
     tensor([2, 3])
+
+    A batch that knows its size (a string beside it, so the size is not a leaf's shape):
+
+    >>> class Batch:
+    ...     def __init__(self, x, tag, n): self.x, self.tag, self.n = x, tag, n
+    >>> _ = tg.register_node(Batch, lambda b: ((b.x,), (b.tag, b.n), ("x",)),
+    ...                      lambda aux, ch: Batch(ch[0], *aux),
+    ...                      batch_size=lambda aux: (aux[1],),
+    ...                      with_batch_size=lambda aux, size: (aux[0], size[0]))
+    >>> shards = tg.scatter(Batch(torch.zeros(5, 5), "train", 5), ["cpu", "cpu"])
+    >>> [s.n for s in shards], [s.x.shape for s in shards]
+    ([3, 2], [torch.Size([3, 5]), torch.Size([2, 5])])
+    >>> out = tg.gather(list(shards), "cpu")
+    >>> out.n, out.x.shape, out.tag
+    (5, torch.Size([5, 5]), 'train')
     """
     if not isinstance(cls, type):
         raise ArgumentTypeError(f"register_node: cls must be a class, got {safe_repr(cls)}")
@@ -163,29 +230,67 @@ def register_node(
                 f"register_node({cls.__qualname__}, ...): {name} must be a function, got "
                 f"{safe_repr(fn)}"
             )
-    _register(cls, flatten, unflatten)
+    rule = None
+    if batch_size is not None or with_batch_size is not None:
+        if not (callable(batch_size) and callable(with_batch_size)):
+            raise ArgumentTypeError(
+                f"register_node({cls.__qualname__}, ...): batch_size and with_batch_size go "
+                f"together, each a function; got {safe_repr(batch_size)} and "
+                f"{safe_repr(with_batch_size)}"
+            )
+        rule = BatchRule(cls, batch_size, with_batch_size)
+    _register(cls, flatten, unflatten, rule)
     return cls
 
 
-def _register(cls: type, flatten_fn: Callable[..., Any], unflatten_fn: Callable[..., Any]) -> None:
+def _register(
+    cls: type,
+    flatten_fn: Callable[..., Any],
+    unflatten_fn: Callable[..., Any],
+    rule: BatchRule | None = None,
+) -> None:
     if cls in _BRIDGED:
         optree.unregister_pytree_node(cls, namespace=NAMESPACE)
         _BRIDGED.discard(cls)
         _REGISTERED.discard(cls)
+        set_rule(cls, None)
     if cls in _REGISTERED:
         raise ValueError(f"{cls.__qualname__} is already registered with treegather")
-    optree.register_pytree_node(
-        cls,
-        flatten_fn,
-        unflatten_fn,
-        namespace=NAMESPACE,
-    )
+    if rule is not None:
+        flatten_fn, unflatten_fn = _batched(flatten_fn, unflatten_fn, rule)
+    with warnings.catch_warnings():  # (a namedtuple subclass: registered here on purpose)
+        warnings.simplefilter("ignore", UserWarning)
+        optree.register_pytree_node(
+            cls,
+            flatten_fn,
+            unflatten_fn,
+            namespace=NAMESPACE,
+        )
+    set_rule(cls, rule)
     _REGISTERED.add(cls)
     _invalidate()
 
 
+def _batched(
+    flatten_fn: Callable[..., Any], unflatten_fn: Callable[..., Any], rule: BatchRule
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A batch node's flatten and unflatten: its metadata held as a :class:`Batched`."""
+
+    def flatten(obj: Any) -> Any:
+        out = tuple(flatten_fn(obj))
+        return (out[0], counted(Batched(out[1], rule)), *out[2:])
+
+    def unflatten(meta: Batched, children: Iterable[Any]) -> Any:
+        return unflattened(meta, unflatten_fn, children)
+
+    return flatten, unflatten
+
+
 def register_default(
-    cls: type, flatten_fn: Callable[..., Any], unflatten_fn: Callable[..., Any]
+    cls: type,
+    flatten_fn: Callable[..., Any],
+    unflatten_fn: Callable[..., Any],
+    rule: BatchRule | None = None,
 ) -> bool:
     """Register ``cls`` as treegather's own choice (an integration's: transformers' caches),
     which an explicit :func:`register_node` or :func:`register_dataclass` replaces, as it
@@ -193,7 +298,7 @@ def register_default(
     registered ``cls`` already: theirs wins."""
     if cls in _REGISTERED and cls not in _BRIDGED:
         return False
-    _register(cls, flatten_fn, unflatten_fn)
+    _register(cls, flatten_fn, unflatten_fn, rule)
     _BRIDGED.add(cls)
     return True
 
@@ -203,6 +308,7 @@ def unregister(cls: type) -> None:
     optree.unregister_pytree_node(cls, namespace=NAMESPACE)
     _REGISTERED.discard(cls)
     _BRIDGED.discard(cls)
+    set_rule(cls, None)
     _invalidate()
 
 

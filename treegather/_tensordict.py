@@ -1,0 +1,176 @@
+"""tensordict's classes as batch nodes, registered once tensordict is in use.
+
+Never imported by ``import treegather`` unless tensordict is loaded already: :mod:`treegather._tree`
+calls :func:`_sync` at import and whenever torch's pytree registry has grown (importing
+tensordict, or declaring a ``@tensorclass``, registers classes there).
+
+tensordict registers ``TensorDict``, its subclasses and every ``@tensorclass`` (``NonTensorData``
+and ``MetaData`` included) with torch's pytree, with a context holding the ``batch_size``; its
+unflatten guesses the batch size again from the leaves' shapes when they differ from it (a
+feature dim equal to the rows is taken for a batch dim; a tensorclass with a string field,
+``[]``). Here the same functions are registered with treegather's public batch-node option
+(:func:`treegather.register_node`'s ``batch_size=``), reading and replacing that context's
+``batch_size``: a shard holds its rows, a gather the rows joined, and the names, keys, device
+and non-tensor entries are the metadata replicas agree on.
+
+A ``LazyStackedTensorDict`` stacked along dim 0 holds one tensordict per row: its rows are not
+laid out along its leaves, so it is a :class:`~treegather._tree.Rows` value, split by slicing and
+joined by stacking the rows' tensordicts again; stacked along another dim, it is a node of its
+tensordicts (each a batch node).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as _torch_pytree
+
+from ._tree.batch import BatchRule, Rows, RowsKind, unwrapped
+from ._tree.registry import register_default, watch
+
+__all__ = ["register_tensordicts"]
+
+
+class _Context:
+    """tensordict's pytree context (a dict): compared as tensordict compares it (its
+    ``batch_size`` by its number of dims), hashed by what equal ones share."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Context) and bool(self.value == other.value)
+
+    def __hash__(self) -> int:
+        value = self.value
+        keys = tuple(k if isinstance(k, str) else repr(k) for k in value.get("keys") or ())
+        return hash((value.get("cls"), keys, len(_batch_size(self))))
+
+    def __repr__(self) -> str:
+        value = self.value
+        shown = {k: value.get(k) for k in ("keys", "names", "device", "non_tensor_data")}
+        return f"{getattr(value.get('cls'), '__qualname__', '?')}({shown}, batch_size={list(_batch_size(self))})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Context, (self.value,))
+
+
+def _batch_size(ctx: _Context) -> tuple[int, ...]:
+    found = ctx.value.get("batch_size")
+    held = getattr(found, "batch_size", found)  # (tensordict's _PytreeBatchSize, or a Size)
+    if held is None:
+        raise ValueError("the tensordict's pytree context holds no static batch size")
+    return tuple(held)
+
+
+def _with_batch_size(ctx: _Context, size: tuple[int, ...]) -> _Context:
+    value = dict(ctx.value)
+    found = value["batch_size"]
+    shape = torch.Size(size)
+    value["batch_size"] = shape if isinstance(found, torch.Size) else type(found)(shape)
+    return _Context(value)
+
+
+def _flatten(t_flatten: Any) -> Any:
+    def flatten(td: Any) -> tuple[list[Any], _Context, tuple[Any, ...] | None]:
+        children, context = t_flatten(td)
+        keys = context.get("keys")
+        names = tuple(keys) if keys is not None and len(keys) == len(children) else None
+        return list(children), _Context(context), names
+
+    return flatten
+
+
+def _unflatten(t_unflatten: Any) -> Any:
+    def unflatten(ctx: _Context, children: Iterable[Any]) -> Any:
+        return t_unflatten(list(children), dict(ctx.value))  # (it may write into the context)
+
+    return unflatten
+
+
+# --------------------------------------------------------------- a lazy stack along dim 0
+
+
+def _lazy_kind(cls: type) -> RowsKind:
+    def rows(stack: Any) -> int:
+        return len(stack.tensordicts)
+
+    def split(stack: Any, sizes: Sequence[int]) -> list[Any]:
+        out, start = [], 0
+        for n in sizes:
+            out.append(cls.lazy_stack(list(stack.tensordicts[start : start + n]), 0))
+            start += n
+        return out
+
+    def join(stacks: Sequence[Any]) -> Any:
+        return cls.lazy_stack([td for s in stacks for td in s.tensordicts], 0)
+
+    def to(stack: Any, device: torch.device) -> Any:
+        return stack if stack.device == device else stack.to(device)
+
+    return RowsKind(cls.__qualname__, rows, split, join, to)
+
+
+_ROWS = "rows"  # (the metadata of a lazy stack held as rows)
+
+
+def _lazy_flatten(t_flatten: Any, kind: RowsKind) -> Any:
+    def flatten(stack: Any) -> tuple[list[Any], Any, tuple[Any, ...] | None]:
+        if stack.stack_dim == 0:
+            return [Rows(stack, kind)], _ROWS, ("tensordicts",)
+        children, context = t_flatten(stack)
+        return list(children), _Context(context), None
+
+    return flatten
+
+
+def _lazy_unflatten(t_unflatten: Any) -> Any:
+    def unflatten(meta: Any, children: Iterable[Any]) -> Any:
+        if meta == _ROWS:
+            (child,) = children
+            return unwrapped(child)
+        return t_unflatten(list(children), dict(meta.value))
+
+    return unflatten
+
+
+# ------------------------------------------------------------------------- registration
+
+_done: set[type] = set()
+
+
+def register_tensordicts(pytree: Any) -> None:
+    """Register every class tensordict's module ``pytree`` (``tensordict._pytree``) registered
+    with torch's pytree and treegather does not know yet (the user's own registration wins)."""
+    td_flatten = getattr(pytree, "_tensordict_flatten", None)
+    lazy_flatten = getattr(pytree, "_lazy_tensordict_flatten", None)
+    for cls, node in list(_torch_pytree.SUPPORTED_NODES.items()):
+        if cls in _done or not isinstance(cls, type):
+            continue
+        if node.flatten_fn is td_flatten and td_flatten is not None:
+            rule = BatchRule(cls, _batch_size, _with_batch_size)
+            register_default(cls, _flatten(td_flatten), _unflatten(node.unflatten_fn), rule)
+        elif node.flatten_fn is lazy_flatten and lazy_flatten is not None:
+            kind = _lazy_kind(cls)
+            flatten = _lazy_flatten(lazy_flatten, kind)
+            register_default(cls, flatten, _lazy_unflatten(node.unflatten_fn))
+        else:
+            continue
+        _done.add(cls)
+
+
+def _sync() -> None:
+    """Register tensordict's classes once ``tensordict._pytree`` is loaded: at import, and
+    whenever torch's pytree registry has grown (a new ``@tensorclass``), so there is no cost on
+    the hot path, and ``import treegather`` never imports tensordict."""
+    module = sys.modules.get("tensordict._pytree")
+    if module is not None:
+        register_tensordicts(module)
+
+
+watch(_sync)

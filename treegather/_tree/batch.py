@@ -1,0 +1,366 @@
+"""Nodes that carry the batch: metadata that follows the rows, and values laid out by rows their own way.
+
+Two kinds of registered node depend on the batch beyond their leaves:
+
+- A **batch node** holds a batch size in its metadata (TensorDict's ``batch_size``, a
+  ``@tensorclass``, a user's dataclass with a ``batch_size`` field): registered with
+  ``batch_size=`` (:func:`treegather.register_node`, :func:`treegather.register_dataclass`), its
+  metadata travels as a :class:`Batched`, compared without the sizes (replicas with other row
+  counts have one structure) and rebuilt by :func:`rebuild` with the sizes of this shard (scatter),
+  of the joined rows (gather, the distributed gathers, a Collector), never guessed from leaves.
+- A value whose leaves are not laid out by rows (a ``PackedSequence``: its rows interleave,
+  time-major) is held whole, as a :class:`Rows` leaf with the functions that split it by rows
+  and join it (unpack, join, pack again); the default scatter and gather rules call them.
+
+Finding the batch nodes of a structure walks it; :func:`is_batched` tells in constant time
+whether a structure that :func:`treegather._tree.flatten` made has any (a thread's flatten
+counts the batch nodes it flattened), so that trees without them never pay for the walk.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from optree import PyTreeKind, PyTreeSpec
+
+from .._errors import ShapeMismatchError, safe_repr
+from .paths import Node, display_path, nodes
+
+__all__ = [
+    "BatchNode",
+    "BatchRule",
+    "Batched",
+    "NodeRebuildError",
+    "Rows",
+    "RowsKind",
+    "batch_nodes",
+    "counted",
+    "is_batched",
+    "note",
+    "rebuild",
+    "resized",
+    "tally",
+]
+
+Size = tuple[int, ...]
+
+
+class BatchRule(NamedTuple):
+    """How a registered class's metadata holds its batch size."""
+
+    cls: type
+    size: Callable[[Any], Sequence[int]]
+    """``metadata -> batch size`` (the leading dims its leaves share with it)."""
+    resize: Callable[[Any, Size], Any]
+    """``(metadata, batch size) -> metadata`` with that batch size, the rest as it was."""
+
+
+_RULES: dict[type, BatchRule] = {}  # (registry.py keeps it in step with optree's registry)
+
+
+def rule_of(cls: type) -> BatchRule | None:
+    return _RULES.get(cls)
+
+
+def set_rule(cls: type, rule: BatchRule | None) -> None:
+    if rule is None:
+        _RULES.pop(cls, None)
+    else:
+        _RULES[cls] = rule
+
+
+class Batched:
+    """A batch node's metadata as optree holds it: the class's own metadata and its batch size.
+
+    Two compare equal when their metadata does with the batch size set to zeros of the same
+    length: replicas (shards, ranks) whose rows differ have one structure, and everything else
+    in the metadata must still agree. Pickled by its class (registered on the receiving side).
+    """
+
+    __slots__ = ("_key", "_size", "aux", "rule")
+    _shareable_fields = False
+
+    def __init__(self, aux: Any, rule: BatchRule) -> None:
+        self.aux = aux
+        self.rule = rule
+        self._size: Size | None = None
+        self._key: Any = _UNSET
+
+    @property
+    def size(self) -> Size:
+        """The batch size this metadata holds (ints)."""
+        if self._size is None:
+            self._size = tuple(map(operator.index, self.rule.size(self.aux)))
+        return self._size
+
+    def key(self) -> Any:
+        """The metadata without its sizes (zeros of the same length)."""
+        if self._key is _UNSET:
+            self._key = self.rule.resize(self.aux, (0,) * len(self.size))
+        return self._key
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Batched:
+            return NotImplemented
+        return other.rule.cls is self.rule.cls and bool(other.key() == self.key())
+
+    def __hash__(self) -> int:
+        return hash((self.rule.cls, self.key()))
+
+    def __repr__(self) -> str:
+        return safe_repr(self.aux)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restored, (self.rule.cls, self.aux))
+
+    def _typed_fields(self) -> tuple[Any, ...]:
+        """For :func:`treegather._caches.typed_key` (what the wire plan fingerprints): without
+        the sizes."""
+        return (self.rule.cls, self.key())
+
+
+_UNSET: Any = object()
+
+
+def _restored(cls: type, aux: Any) -> Batched:
+    """A :class:`Batched` unpickled (another rank's): the class's rule, registered here."""
+    rule = _RULES.get(cls)
+    if rule is None:
+        raise TypeError(f"{cls.__qualname__} is not registered with a batch_size here")
+    _count()
+    return Batched(aux, rule)
+
+
+# --------------------------------------------------------------------- which specs have them
+
+_TALLY = threading.local()
+
+
+def _count() -> None:
+    _TALLY.n = getattr(_TALLY, "n", 0) + 1
+
+
+def counted(meta: Batched) -> Batched:
+    """``meta``, counted for this thread's :func:`tally` (every batch node's flatten)."""
+    _count()
+    return meta
+
+
+def tally() -> int:
+    """How many batch nodes this thread has flattened (or unpickled) so far."""
+    return getattr(_TALLY, "n", 0)
+
+
+# Specs known to hold batch nodes, by identity (not a cache: a fact about a live object, gone
+# with it), with their batch nodes once walked.
+_BATCHED: dict[int, tuple[weakref.ref[PyTreeSpec], tuple[BatchNode, ...] | None]] = {}
+_LOCK = threading.Lock()
+
+
+def note(spec: PyTreeSpec) -> None:
+    """Record that ``spec`` holds batch nodes (its flatten counted some)."""
+    key = id(spec)
+
+    def forget(_: Any, key: int = key) -> None:
+        with _LOCK:
+            entry = _BATCHED.get(key)
+            if entry is not None and entry[0]() is None:
+                del _BATCHED[key]
+
+    with _LOCK:
+        _BATCHED[key] = (weakref.ref(spec, forget), None)
+
+
+def is_batched(spec: PyTreeSpec) -> bool:
+    """Whether ``spec`` (made by :func:`treegather._tree.flatten`) holds a batch node. Constant
+    time; a spec made otherwise (unpickled, built by optree) says ``False`` unless noted."""
+    entry = _BATCHED.get(id(spec))
+    return entry is not None and entry[0]() is spec
+
+
+class BatchNode(NamedTuple):
+    """One batch node of a structure: where it is, and its metadata."""
+
+    node: Node
+    meta: Batched
+
+
+def batch_nodes(spec: PyTreeSpec) -> tuple[BatchNode, ...]:
+    """Every batch node of ``spec`` in pre-order (a walk, kept for a noted spec).
+
+    >>> import optree
+    >>> batch_nodes(optree.tree_structure({"a": [1]}))
+    ()
+    """
+    entry = _BATCHED.get(id(spec))
+    if entry is not None and entry[0]() is spec and entry[1] is not None:
+        return entry[1]
+    found: list[BatchNode] = []
+    if _RULES:
+        for nd in nodes(spec):
+            sub = nd.spec
+            if sub.kind != PyTreeKind.CUSTOM or sub.type not in _RULES:
+                continue
+            data: list[Any] = []
+            sub.one_level().walk(
+                range(sub.num_children), lambda t, d, c: data.append(d), None
+            )
+            meta = data[-1] if data else None
+            if type(meta) is Batched:
+                found.append(BatchNode(nd, meta))
+    result = tuple(found)
+    if entry is not None and entry[0]() is spec:
+        with _LOCK:
+            _BATCHED[id(spec)] = (entry[0], result)
+    return result
+
+
+# ----------------------------------------------------------------------------- rebuilding
+
+_OVERRIDES = threading.local()
+
+
+def unflattened(meta: Batched, unflatten: Callable[[Any, Any], Any], children: Any) -> Any:
+    """A batch node rebuilt by its class's ``unflatten``: with the metadata :func:`rebuild`
+    gives it, else its own; within :func:`rebuild`, a failure is a :class:`NodeRebuildError`."""
+    table = getattr(_OVERRIDES, "table", None)
+    if table is None:
+        return unflatten(meta.aux, children)
+    aux = table.get(id(meta), meta.aux)
+    try:
+        return unflatten(aux, children)
+    except Exception as exc:
+        raise NodeRebuildError(meta, exc) from exc
+
+
+class NodeRebuildError(Exception):
+    """A batch node's class refused to rebuild with the metadata :func:`rebuild` gave it."""
+
+    def __init__(self, meta: Batched, exc: BaseException) -> None:
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.meta = meta
+        self.exc = exc
+
+
+def resized(meta: Batched, size: Size) -> Any:
+    """``meta``'s metadata with ``size`` as its batch size (the class's own function)."""
+    return meta.rule.resize(meta.aux, tuple(size))
+
+
+def rebuild(
+    spec: PyTreeSpec,
+    leaves: Sequence[Any],
+    sizes: dict[int, Size],
+    root: str | None = "tree",
+    found: Sequence[BatchNode] | None = None,
+) -> Any:
+    """``spec.unflatten(leaves)``, the batch node ``i`` of ``spec`` (``found``, else
+    :func:`batch_nodes`) rebuilt with batch size ``sizes[i]`` (the others with their own).
+
+    A batch node whose class refuses (its unflatten, or its ``with_batch_size``, raises) is a
+    :class:`~treegather.ShapeMismatchError` naming the node's path (from ``root``).
+    """
+    if found is None:
+        found = batch_nodes(spec)
+    if not found:
+        return spec.unflatten(leaves)
+    table: dict[int, Any] = {}
+    for i, size in sizes.items():
+        bn = found[i]
+        if tuple(size) == bn.meta.size:
+            continue
+        try:
+            table[id(bn.meta)] = resized(bn.meta, size)
+        except Exception as exc:
+            raise _refused(bn, size, exc, root) from None
+    before = getattr(_OVERRIDES, "table", None)
+    _OVERRIDES.table = table
+    try:
+        return spec.unflatten(leaves)
+    except NodeRebuildError as exc:
+        for i, bn in enumerate(found):
+            if bn.meta is exc.meta:
+                raise _refused(bn, sizes.get(i, bn.meta.size), exc.exc, root) from None
+        raise
+    finally:
+        _OVERRIDES.table = before
+
+
+def _refused(bn: BatchNode, size: Size, exc: BaseException, root: str | None) -> Exception:
+    name = bn.meta.rule.cls.__qualname__
+    return ShapeMismatchError(
+        f"{display_path(bn.node, root)}: the {name} cannot be rebuilt with batch size "
+        f"{list(size)} around its combined leaves ({type(exc).__name__}: {exc})\n"
+        f"Hint: a batch node's leaves must keep its batch dims; combine them with cat() along "
+        f"a batch dim (the default), or take the node whole (first(), as_list())"
+    )
+
+
+# ------------------------------------------------------------------ values laid out by rows
+
+
+class RowsKind(NamedTuple):
+    """How a :class:`Rows` value is split by rows and joined (for one class of value)."""
+
+    name: str
+    """What the value is, for messages (``"PackedSequence"``)."""
+    rows: Callable[[Any], int]
+    """``value -> rows``."""
+    split: Callable[[Any, Sequence[int]], list[Any]]
+    """``(value, sizes) -> one value per shard`` of those rows, in order."""
+    join: Callable[[Sequence[Any]], Any]
+    """``values -> one value`` of every value's rows, in order."""
+    to: Callable[[Any, torch.device], Any]
+    """``(value, device) -> value`` on ``device``."""
+
+
+class Rows:
+    """A value a registered node holds whole because its rows are not laid out along a dim of
+    its leaves (a ``PackedSequence``), with the functions that split it by rows and join it.
+
+    :func:`treegather.scatter` splits it with the batch (its rows count in the batch size), and
+    :func:`treegather.gather` joins the replicas' values by default; the node's unflatten takes
+    the value back out (a list of them under ``as_list()``).
+    """
+
+    __slots__ = ("kind", "value")
+
+    def __init__(self, value: Any, kind: RowsKind) -> None:
+        self.value = value
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"<{self.kind.name} of {self.kind.rows(self.value)} rows>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Rows, (self.value, self.kind))
+
+    @property
+    def rows(self) -> int:
+        return self.kind.rows(self.value)
+
+    def split(self, sizes: Sequence[int]) -> list[Rows]:
+        return [Rows(v, self.kind) for v in self.kind.split(self.value, sizes)]
+
+    def to(self, device: torch.device) -> Rows:
+        return Rows(self.kind.to(self.value, device), self.kind)
+
+    @staticmethod
+    def join(values: Sequence[Rows], device: torch.device) -> Rows:
+        """Every replica's rows, in order, on ``device``."""
+        kind = values[0].kind
+        return Rows(kind.to(kind.join([v.value for v in values]), device), kind)
+
+
+def unwrapped(child: Any) -> Any:
+    """A :class:`Rows` child back as its value; a list of them (``as_list()``) as a list."""
+    if isinstance(child, Rows):
+        return child.value
+    if isinstance(child, list):
+        return [unwrapped(c) for c in child]
+    return child
