@@ -16,7 +16,8 @@ import torch
 
 from ._errors import TreegatherError
 from ._layout import Plan, display_path
-from ._rules import LEAF_AS_LIST, ROOT, Combining, GatherRule
+from ._tree import Rows
+from ._rules import JOIN_ROWS, LEAF_AS_LIST, ROOT, Combining, GatherRule
 from ._rules.leafwise import cat_values, one_dtype
 
 __all__ = ["Inputs", "combine_default", "combine_planned", "needs_move"]
@@ -56,7 +57,7 @@ def combine_default(
         return [
             cat_values(col, target, True, dim)
             if isinstance(col[0], Tensor)
-            else LEAF_AS_LIST.combine(col, _NO_CONTEXT)
+            else _other(col, target)
             for col in columns
         ]
     cat = torch.cat
@@ -71,7 +72,7 @@ def combine_default(
             if isinstance(col[0], Tensor):  # 0-dim values, or replicas on several devices
                 append(cat_values(col, target, False, dim))
             else:
-                append(LEAF_AS_LIST.combine(col, _NO_CONTEXT))
+                append(_other(col, target))
             continue
         one_dtype(col)  # torch.cat promoted mixed dtypes: refuse them
         if (not r.is_cpu) if cpu else (r.get_device() != index):
@@ -81,6 +82,14 @@ def combine_default(
 
 
 _NO_CONTEXT = Combining(torch.device("cpu"), False, None, 0)  # (as_list needs none)
+
+
+def _other(col: tuple[Any, ...], target: torch.device) -> Any:
+    """The default rule of a leaf that is not a tensor: its rows joined for a value laid out by
+    rows (a ``PackedSequence``), else ``as_list()``."""
+    if isinstance(col[0], Rows):
+        return JOIN_ROWS.combine(col, _NO_CONTEXT._replace(target=target))
+    return LEAF_AS_LIST.combine(col, _NO_CONTEXT)
 
 
 def combine_planned(

@@ -22,6 +22,7 @@ from ._shards import Shards, balanced
 from ._tree import (
     INPUT_AND_KWARGS,
     BatchNode,
+    Rows,
     batch_nodes,
     describe,
     flatten,
@@ -338,6 +339,9 @@ def _cut(up: list[Any], cuts: _Cuts, sizes: tuple[int, ...] | None, k: int) -> l
             offsets.append(offsets[-1] + s)
         for pos in cuts.items:
             seq = up[pos]
+            if type(seq) is Rows:  # (laid out by rows its own way: its own split)
+                columns[pos] = tuple(seq.split(sizes or ()))
+                continue
             columns[pos] = tuple(seq[offsets[r] : offsets[r + 1]] for r in range(k))
     for pos, col in enumerate(columns):
         if col is None:
@@ -358,7 +362,9 @@ def _on_devices(
     k = len(used)
     per_replica = list(zip(*columns)) if columns else [()] * k
     src = {v.device for v in (c[0] for c in columns) if isinstance(v, Tensor)}
-    item_tensors = any(isinstance(v, Tensor) for pos in cuts.items for c in columns[pos] for v in c)
+    rows = [pos for pos in cuts.items if type(columns[pos][0]) is Rows]
+    items = [pos for pos in cuts.items if type(columns[pos][0]) is not Rows]
+    item_tensors = any(isinstance(v, Tensor) for pos in items for c in columns[pos] for v in c)
     trees = []
     for r, dev in enumerate(used):
         leaves_r: list[Any] = list(per_replica[r])
@@ -369,8 +375,10 @@ def _on_devices(
                 for v in leaves_r
             ]
         if item_tensors:
-            for pos in cuts.items:
+            for pos in items:
                 leaves_r[pos] = move_tree(leaves_r[pos], dev)
+        for pos in rows:
+            leaves_r[pos] = leaves_r[pos].to(dev)
         if shard_sizes is None:
             trees.append(plan.up_spec.unflatten(leaves_r))
         else:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as _torch_pytree
 
-from ._tree.batch import BatchRule, Rows, RowsKind, unwrapped
+from ._tree.batch import BatchRule, Rows, RowsKind, rows_kind, unwrapped
 from ._tree.registry import register_default, watch
 
 __all__ = ["register_tensordicts"]
@@ -113,7 +113,7 @@ def _lazy_kind(cls: type) -> RowsKind:
     def to(stack: Any, device: torch.device) -> Any:
         return stack if stack.device == device else stack.to(device)
 
-    return RowsKind(cls.__qualname__, rows, split, join, to)
+    return rows_kind(RowsKind(cls.__qualname__, rows, split, join, to))
 
 
 _ROWS = "rows"  # (the metadata of a lazy stack held as rows)

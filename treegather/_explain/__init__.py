@@ -19,9 +19,9 @@ from .._devices import DeviceLike, as_devices
 from .._errors import BatchSizeError, LayoutError, LeafTypeError, safe_repr
 from .._layout import EXPLAIN_POINTER, Plan, RuleSource, display_path
 from .._layout import resolve_sources as _resolve_sources
-from .._rules import Cut, GatherRule, Problem, ScatterRule, Split, default_rule
+from .._rules import SPLIT_ROWS, Cut, GatherRule, Problem, ScatterRule, Split, default_rule
 from .._scatter import _shard_sizes, _validate, call_tree, survey
-from .._tree import flatten
+from .._tree import Rows, flatten
 from .table import ExplainedLeaf, Explanation
 from .text import _strip, _value_text, _why
 
@@ -179,7 +179,10 @@ def _explain_scatter(
         shown = rule.describe() if rule is not None else _default_name(x, dim)
         per_device: tuple[str, ...] | None = None
         if isinstance(cut, Cut) and cut.kind in ("split", "items"):
-            shows = rule if rule is not None else Split(cut.dim)
+            if rule is not None:
+                shows: Any = rule
+            else:
+                shows = SPLIT_ROWS if isinstance(x, Rows) else Split(cut.dim)
             result, per_device = cast(ScatterRule, shows).explain(x, cut, sizes)
         elif problems[pos] is not None:
             result = "fails (see problems)"
@@ -202,6 +205,8 @@ def _explain_scatter(
 
 
 def _default_name(x: Any, dim: int) -> str:
+    if isinstance(x, Rows):
+        return SPLIT_ROWS.describe()
     if isinstance(x, Tensor) and x.dim() > 0:
         return "split()" if dim == 0 else f"split(dim={dim})"
     return "broadcast()"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._tree import Rows
 from .base import (
     HINTS,
     Combining,
@@ -28,8 +29,18 @@ from .base import (
 )
 from .leafwise import Cat, LeafRule, Pad, Padded, Stack, cat, fill_fits, pad, stack
 from .reductions import Mean, Sum, mean, sum
-from .scatter import Broadcast, Split, SplitItems, broadcast, default_cut, split, split_items
+from .scatter import (
+    SPLIT_ROWS,
+    Broadcast,
+    Split,
+    SplitItems,
+    broadcast,
+    default_cut,
+    split,
+    split_items,
+)
 from .whole import (
+    JOIN_ROWS,
     LEAF_AS_LIST,
     ROOT,
     AsList,
@@ -44,7 +55,9 @@ from .whole import (
 
 __all__ = [
     "HINTS",
+    "JOIN_ROWS",
     "LEAF_AS_LIST",
+    "SPLIT_ROWS",
     "ROOT",
     "AsList",
     "Broadcast",
@@ -91,7 +104,10 @@ __all__ = [
 
 def default_rule(value: object, dim: int) -> tuple[GatherRule, str]:
     """The gather rule a leaf gets when the layout names none, and how messages name it:
-    tensors are concatenated along the call's ``dim``, anything else is listed."""
+    tensors are concatenated along the call's ``dim``, a value laid out by rows its own way (a
+    ``PackedSequence``) joined by its rows, anything else is listed."""
     if isinstance(value, torch.Tensor):
         return Cat(dim), f"cat(dim={dim})"
+    if isinstance(value, Rows):
+        return JOIN_ROWS, JOIN_ROWS.describe()
     return LEAF_AS_LIST, "as_list()"

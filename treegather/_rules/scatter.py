@@ -17,10 +17,19 @@ from typing import Any
 
 import torch
 
-from .._tree import Opaque, describe, shape_text
+from .._tree import Opaque, Rows, describe, shape_text
 from .base import WHOLE, Cut, Problem, ScatterRule, constructor
 
-__all__ = ["Broadcast", "Split", "SplitItems", "broadcast", "default_cut", "split", "split_items"]
+__all__ = [
+    "SPLIT_ROWS",
+    "Broadcast",
+    "Split",
+    "SplitItems",
+    "broadcast",
+    "default_cut",
+    "split",
+    "split_items",
+]
 
 Tensor = torch.Tensor
 
@@ -107,6 +116,28 @@ class SplitItems(ScatterRule, name="split_items"):
         return result, None if sizes is None else tuple(f"{s} item(s)" for s in sizes)
 
 
+class _SplitRows(ScatterRule):
+    """The default rule of a :class:`~treegather._tree.Rows` value (a ``PackedSequence``):
+    split by rows with its own function, like the batch."""
+
+    def describe(self) -> str:
+        return "split by rows"
+
+    def shard(self, x: Any, dim: int) -> Cut | Problem:
+        if not isinstance(x, Rows):
+            return Problem(f"{self.describe()} needs a value laid out by rows, got {describe(x)}")
+        return Cut("items", rows=x.rows)
+
+    def explain(
+        self, x: Any, cut: Cut, sizes: Sequence[int] | None
+    ) -> tuple[str, tuple[str, ...] | None]:
+        result = f"{x.kind.name} of {x.rows} rows, cut like the batch"
+        return result, None if sizes is None else tuple(f"{s} row(s)" for s in sizes)
+
+
+SPLIT_ROWS = _SplitRows()
+
+
 def default_cut(x: Any, dim: int) -> Cut | Problem:
     """The default rule of a leaf: a tensor with dims is split along ``dim``, anything else is
     broadcast, except what would silently send the batch whole to every device.
@@ -115,13 +146,16 @@ def default_cut(x: Any, dim: int) -> Cut | Problem:
     tensors (``collections.UserDict`` -- the shape of transformers' ``BatchEncoding`` --, a
     tuple subclass) are refused; numpy arrays of >= 1 dim are ``"array"`` cuts, refused next to
     split data; so is an :class:`~treegather._tree.Opaque` value (a registered node that cannot
-    be split, such as a transformers ``StaticCache``), with its reason. Strings, numbers and
-    containers of plain values are broadcast.
+    be split, such as a transformers ``StaticCache``), with its reason. A
+    :class:`~treegather._tree.Rows` value (a ``PackedSequence``) is split by rows, like the
+    batch. Strings, numbers and containers of plain values are broadcast.
     """
     if isinstance(x, Tensor):
         return WHOLE if x.dim() == 0 else _split_cut(x, dim)
     if isinstance(x, Opaque):  # a registered node that cannot be split: it says why
         return Problem(x.reason, True)
+    if isinstance(x, Rows):  # a value laid out by rows its own way (a PackedSequence)
+        return SPLIT_ROWS.shard(x, dim)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return Problem(
             f"{type(x).__qualname__} is a dataclass treegather does not know, so it would be "

@@ -44,6 +44,7 @@ __all__ = [
     "note",
     "rebuild",
     "resized",
+    "rows_kind",
     "tally",
 ]
 
@@ -319,6 +320,23 @@ class RowsKind(NamedTuple):
     """``(value, device) -> value`` on ``device``."""
 
 
+_KINDS: dict[str, RowsKind] = {}
+
+
+def rows_kind(kind: RowsKind) -> RowsKind:
+    """Register ``kind`` by its name (a :class:`Rows` value pickles as its value and that name,
+    so that another process finds the functions it registered itself); returns it."""
+    known = _KINDS.get(kind.name)
+    if known is not None:
+        return known
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def _rows_of(value: Any, name: str) -> Rows:
+    return Rows(value, _KINDS[name])
+
+
 class Rows:
     """A value a registered node holds whole because its rows are not laid out along a dim of
     its leaves (a ``PackedSequence``), with the functions that split it by rows and join it.
@@ -338,7 +356,7 @@ class Rows:
         return f"<{self.kind.name} of {self.kind.rows(self.value)} rows>"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Rows, (self.value, self.kind))
+        return (_rows_of, (self.value, self.kind.name))
 
     @property
     def rows(self) -> int:
