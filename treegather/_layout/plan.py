@@ -17,7 +17,7 @@ from optree import PyTreeSpec
 
 from .._caches import typed_key
 from .._rules import Rule
-from .._tree import NAMESPACE, Node, display_path, leaf_nodes, nodes
+from .._tree import Node, display_path, flatten, leaf_nodes, nodes
 from .by_path import ByPath, RuleSource, assign_by_path, path_text
 from .prefix import assign_prefix
 
@@ -236,7 +236,7 @@ def _with_groups(
             children = [values[(*nd.raw, e)] for e in nd.spec.entries()]
             values[nd.raw] = nd.spec.one_level().unflatten(children)
     skeleton = values[()]
-    up_leaves, up_spec = optree.tree_flatten(skeleton, namespace=NAMESPACE)
+    up_leaves, up_spec = flatten(skeleton)  # (noted when it holds a batch node)
     rules: list[Rule | None] = []
     groups: list[tuple[int, Node, Rule] | None] = []
     positions: list[Node] = []

@@ -38,6 +38,7 @@ __all__ = [
     "NodeRebuildError",
     "Rows",
     "RowsKind",
+    "along_rows",
     "batch_nodes",
     "counted",
     "is_batched",
@@ -290,6 +291,25 @@ def rebuild(
         raise
     finally:
         _OVERRIDES.table = before
+
+
+def along_rows(
+    found: Sequence[BatchNode], rows: int, joined: Sequence[bool]
+) -> dict[int, Size]:
+    """The batch sizes of the nodes ``found`` (by index) when their rows are joined along dim 0
+    into ``rows`` rows: a node with a position joined along the rows (``joined[pos]``), or
+    with no position at all, holds ``rows`` at dim 0; the others keep their own.
+
+    >>> along_rows((), 8, [True])
+    {}
+    """
+    out: dict[int, Size] = {}
+    for i, bn in enumerate(found):
+        size = bn.meta.size
+        start, stop = bn.node.start, bn.node.stop
+        if size and (start == stop or any(joined[start:stop])):
+            out[i] = (rows, *size[1:])
+    return out
 
 
 def _refused(bn: BatchNode, size: Size, exc: BaseException, root: str | None) -> Exception:

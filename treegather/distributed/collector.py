@@ -23,7 +23,7 @@ from .._devices import DeviceLike, as_device
 from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import AsList
-from .._tree import display_path
+from .._tree import along_rows, batch_nodes, display_path, rebuild
 from . import errors, protocol
 from .layout import layout_text
 from .loaders import OBSERVE, Observation, dataset_key, index_tensor, observe, pure_sampler, read
@@ -439,10 +439,15 @@ class Collector:
             for _, p in present
         ]
         plain = [all(isinstance(p.values[j], Texts) for _, p in present) for j in range(len(kinds))]
+        found = batch_nodes(up)  # (nodes holding a batch size: rebuilt with the rows they hold)
+        joined = [k != PER_ADD for k in kinds]
 
         def reference() -> list[Any]:  # the definition: gather over the ranks
             cross = up.unflatten([CROSS[k](r) for k, r in zip(kinds, rules)])
-            trees = [up.unflatten(v) for v in per_rank]
+            trees = [
+                rebuild(up, v, along_rows(found, int(p.rows.sum()), joined), ROOT, found)
+                for v, (_, p) in zip(per_rank, present)
+            ]
             names = [r for r, _ in present]
             got = up.flatten_up_to(gather_noted(trees, device, cross, None, "rank {r}", names))
             return [v if k == PER_ADD else [v] for k, v in zip(kinds, got)]  # (as parts)
@@ -467,7 +472,7 @@ class Collector:
                         text = where + text[len(ROOT) :] if text.startswith(ROOT) else text
                         raise type(exc)(text) from None
         self.indices = order.kept
-        return up.unflatten(out)
+        return rebuild(up, out, along_rows(found, order.kept.numel(), joined), ROOT, found)
 
 
 def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[Any]], Any]) -> Any:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from .. import _layout
+from .. import _layout, _tree
 from .._caches import LRU
 from .._compiled import structure as _structure
 from .._rules import Cat
@@ -215,7 +215,9 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) ->
 
     ``None`` (this rank sends a zero digest, and every rank takes the full exchange) for bad
     ``sizes``, sparse/quantized/meta/nested tensors, unpicklable leaves or node metadata, or a
-    layout that does not resolve: the full exchange reports those. Tensors on several devices
+    layout that does not resolve: the full exchange reports those; also for a tree holding a
+    batch node or a value laid out by rows (:mod:`treegather._tree.batch`): each rank's batch
+    sizes travel in its header, and such a value is joined by its own rule. Tensors on several devices
     or of other layouts past the first are found by :func:`checked` or by packing.
 
     A tree of tensors only, like the last call with its structure, is compared by element
@@ -229,6 +231,8 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) ->
     sizes_given = sizes is not None
     try:
         leaves, structure, spec = _structure.recognise(tree, "outputs")
+        if structure is None and _tree.is_batched(spec):
+            return None  # (each rank's batch sizes travel in the full exchange's header)
         text = layout_text(layout, dim, sync)[0]
         grads = wire.grad_positions(leaves) if sync else None
         key = None if structure is None else (structure, text, sizes_given, grads)
@@ -240,6 +244,8 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) ->
             first = leaves[0] if leaves else None
         else:
             shapes, dtypes, objects = _signature(leaves)
+            if objects and any(type(x) is _tree.Rows for x in leaves):
+                return None  # (joined by its own rule: not in the vectorised unpack)
             seen = _seen(key, last, spec, dtypes, shapes, text, layout, dim, sizes_given, grads)
             if objects:
                 first = next((leaves[i] for i, d in enumerate(dtypes) if d is not None), None)

@@ -22,7 +22,7 @@ from .._compiled.structure import recognise
 from .._errors import BatchSizeError, LayoutError, LeafTypeError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import Cat, CatItems, Combining, Pad, Rule, fill_fits
-from .._tree import describe, display_path, format_path
+from .._tree import Rows, describe, display_path, format_path
 from .wire import tensor_bytes, unsendable
 
 __all__ = [
@@ -183,6 +183,14 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
                     gather([tree], value.device, layout)
             kinds.append(PER_ADD)
     _lists_need_a_rule(plan, kinds, values)
+    for p, (rule, value) in enumerate(zip(rules_of(plan), values)):
+        if rule is None and isinstance(value, Rows):  # (its rows cannot be put in order here)
+            raise LayoutError(
+                f"{display_path(plan.node_of(p), ROOT)}: a {value.kind.name} holds its rows its "
+                "own way, which the Collector cannot put in dataset order\nHint: add its "
+                "sequences (torch.nn.utils.rnn.unpack_sequence) under cat_items(), or keep each "
+                "add's whole with as_list()"
+            )
     return plan, kinds, spec
 
 

@@ -52,14 +52,16 @@ class Packed(NamedTuple):
 def structure_fingerprint(spec: PyTreeSpec) -> str:
     """A digest of ``spec``: equal on two ranks iff their structures are equal.
 
-    Type-aware (``True``, ``1`` and ``1.0`` as keys or node metadata differ), blind to dict
-    insertion order (as ``PyTreeSpec`` equality is: the leaves travel in sorted key order), and
+    Type-aware (``True``, ``1`` and ``1.0`` as keys or node metadata differ), blind to batch
+    nodes' batch sizes (each rank's travels in its header), blind to dict insertion order (as ``PyTreeSpec`` equality is: the leaves travel in sorted key order), and
     computed without formatting anything: one C walk over the nodes, then their pickled types and
     metadata. Not cached (about a tenth of a millisecond for a thousand leaves).
     """
     nodes: list[Any] = []
 
     def node(kind: Any, data: Any, children: Any) -> None:
+        if type(data) is _tree.Batched:  # (a batch size may differ between ranks)
+            data = ("batched", data.key())
         nodes.append((kind, data, len(children)))
 
     spec.walk(range(spec.num_leaves), node, lambda _: nodes.append(0))
@@ -223,6 +225,9 @@ def _encode(
             "convert them first (e.g. .to_dense() or .dequantize())",
         )
         return Packed(spec, error_header(LeafTypeError, message))
+    batch = None
+    if _tree.is_batched(up_spec):  # each batch node's size: this rank's tree is rebuilt with it
+        batch = [bn.meta.size for bn in _tree.batch_nodes(up_spec)]
     fingerprint = structure_fingerprint(up_spec)
     if groups:
         fingerprint += ":" + ",".join(map(str, groups))
@@ -242,6 +247,7 @@ def _encode(
         "sizes": sizes,
         "spec": spec if with_spec else None,
         "order": order_bytes,
+        "batch": batch,
     }
     try:
         header = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
@@ -408,10 +414,22 @@ def agreed_up_spec(headers: Sequence[dict[str, Any]], local: Packed) -> PyTreeSp
 
 
 def rank_tree(up_spec: PyTreeSpec, header: dict[str, Any], leaves: list[Any]) -> Any:
-    """One rank's tree from its leaves: the shared up-structure, the rank's own whole nodes."""
+    """One rank's tree from its leaves: the shared up-structure (with the rank's own batch
+    sizes), the rank's own whole nodes."""
     groups = header["groups"]
+    batch = header.get("batch")
+    if batch:
+        sizes = dict(enumerate(batch))
+        if groups:
+            leaves = up_leaves(up_spec, groups, leaves)
+        return _tree.rebuild(up_spec, leaves, sizes, ROOT)
     if not groups:
         return up_spec.unflatten(leaves)
+    return up_spec.unflatten(up_leaves(up_spec, groups, leaves))
+
+
+def up_leaves(up_spec: PyTreeSpec, groups: dict[int, PyTreeSpec], leaves: list[Any]) -> list[Any]:
+    """A rank's leaves of the up-structure: its own whole nodes rebuilt from their leaves."""
     up: list[Any] = []
     k = 0
     for pos in range(up_spec.num_leaves):
@@ -422,4 +440,4 @@ def rank_tree(up_spec: PyTreeSpec, header: dict[str, Any], leaves: list[Any]) ->
         else:
             up.append(sub.unflatten(leaves[k : k + sub.num_leaves]))
             k += sub.num_leaves
-    return up_spec.unflatten(up)
+    return up
