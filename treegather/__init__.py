@@ -13,9 +13,11 @@ stack, mean, sum, pad, as_list, first, cat_items or any callable on the way out.
 
 from __future__ import annotations
 
-from . import _packed  # noqa: F401  (PackedSequence: split and joined by rows)
-from . import _tensordict  # noqa: F401  (registers tensordict's classes once it is in use)
-from . import _transformers  # noqa: F401  (registers transformers' caches once it is in use)
+from . import (
+    _packed,  # noqa: F401  (PackedSequence: split and joined by rows)
+    _tensordict,  # noqa: F401  (registers tensordict's classes once it is in use)
+    _transformers,  # noqa: F401  (registers transformers' caches once it is in use)
+)
 from ._caches import clear_caches
 from ._errors import (
     ArgumentTypeError,

@@ -16,9 +16,9 @@ import torch
 
 from ._errors import TreegatherError
 from ._layout import Plan, display_path
-from ._tree import Rows
 from ._rules import JOIN_ROWS, LEAF_AS_LIST, ROOT, Combining, GatherRule
 from ._rules.leafwise import cat_values, one_dtype
+from ._tree import Rows
 
 __all__ = ["Inputs", "combine_default", "combine_planned", "needs_move"]
 

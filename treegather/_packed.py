@@ -12,6 +12,7 @@ original was, and the joined sequences still are). A user's own registration of 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ def _rows(packed: PackedSequence) -> int:
 
 def _packed(sequences: list[torch.Tensor], sorted_before: bool) -> PackedSequence:
     lengths = [len(s) for s in sequences]
-    ordered = sorted_before and all(a >= b for a, b in zip(lengths, lengths[1:]))
+    ordered = sorted_before and all(a >= b for a, b in itertools.pairwise(lengths))
     return pack_sequence(sequences, enforce_sorted=ordered)
 
 
@@ -52,7 +53,7 @@ def _join(values: Sequence[PackedSequence]) -> PackedSequence:
 
 
 def _to(packed: PackedSequence, device: torch.device) -> PackedSequence:
-    return packed if packed.data.device == device else packed.to(device)
+    return packed if packed.data.device == device else packed.to(device)  # type: ignore[arg-type]
 
 
 PACKED = rows_kind(RowsKind("PackedSequence", _rows, _split, _join, _to))

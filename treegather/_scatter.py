@@ -409,9 +409,7 @@ class Following(NamedTuple):
         return out
 
 
-def following(
-    up: list[Any], cuts: _Cuts, plan: Plan, dim: int, root: str | None
-) -> Following:
+def following(up: list[Any], cuts: _Cuts, plan: Plan, dim: int, root: str | None) -> Following:
     """Which dims of each batch node's batch size follow the rows, checked against the batch.
 
     A node follows along the dims its leaves are split along (a per-sample list: dim 0); a node

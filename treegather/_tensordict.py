@@ -96,7 +96,7 @@ def _unflatten(t_unflatten: Any) -> Any:
 # --------------------------------------------------------------- a lazy stack along dim 0
 
 
-def _lazy_kind(cls: type) -> RowsKind:
+def _lazy_kind(cls: Any) -> RowsKind:
     def rows(stack: Any) -> int:
         return len(stack.tensordicts)
 

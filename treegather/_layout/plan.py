@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import optree
 from optree import PyTreeSpec
 
 from .._caches import typed_key

@@ -9,9 +9,9 @@ type it) and :mod:`.text` (how messages describe a value).
 from __future__ import annotations
 
 from .batch import (
+    Batched,
     BatchNode,
     BatchRule,
-    Batched,
     Rows,
     RowsKind,
     along_rows,

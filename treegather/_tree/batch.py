@@ -208,11 +208,7 @@ def batch_nodes(spec: PyTreeSpec) -> tuple[BatchNode, ...]:
             sub = nd.spec
             if sub.kind != PyTreeKind.CUSTOM or sub.type not in _RULES:
                 continue
-            data: list[Any] = []
-            sub.one_level().walk(
-                range(sub.num_children), lambda t, d, c: data.append(d), None
-            )
-            meta = data[-1] if data else None
+            meta = _node_data(sub)
             if type(meta) is Batched:
                 found.append(BatchNode(nd, meta))
     result = tuple(found)
@@ -220,6 +216,14 @@ def batch_nodes(spec: PyTreeSpec) -> tuple[BatchNode, ...]:
         with _LOCK:
             _BATCHED[id(spec)] = (entry[0], result)
     return result
+
+
+def _node_data(spec: PyTreeSpec) -> Any:
+    """The metadata of ``spec``'s root node (its flatten's ``aux``)."""
+    data: list[Any] = []
+    level: Any = spec.one_level()
+    level.walk(range(spec.num_children), lambda t, d, c: data.append(d), None)
+    return data[-1] if data else None
 
 
 # ----------------------------------------------------------------------------- rebuilding
@@ -293,9 +297,7 @@ def rebuild(
         _OVERRIDES.table = before
 
 
-def along_rows(
-    found: Sequence[BatchNode], rows: int, joined: Sequence[bool]
-) -> dict[int, Size]:
+def along_rows(found: Sequence[BatchNode], rows: int, joined: Sequence[bool]) -> dict[int, Size]:
     """The batch sizes of the nodes ``found`` (by index) when their rows are joined along dim 0
     into ``rows`` rows: a node with a position joined along the rows (``joined[pos]``), or
     with no position at all, holds ``rows`` at dim 0; the others keep their own.

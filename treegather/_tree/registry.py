@@ -21,7 +21,7 @@ import torch.utils._pytree as _torch_pytree
 
 from .._caches import clear_tree_caches
 from .._errors import ArgumentTypeError, safe_repr
-from .batch import BatchRule, Batched, counted, set_rule, unflattened
+from .batch import Batched, BatchRule, counted, set_rule, unflattened
 
 __all__ = [
     "context_names",
