@@ -13,6 +13,9 @@ feature dim equal to the rows is taken for a batch dim; a tensorclass with a str
 ``batch_size``: a shard holds its rows, a gather the rows joined, and the names, keys, device
 and non-tensor entries are the metadata replicas agree on.
 
+A ``_SubTensorDict`` (a view) comes back as a view of a new ``TensorDict`` and tensordict's
+``LinkedList`` as a ``LinkedList``, not as the base class tensordict's own functions give.
+
 A ``LazyStackedTensorDict`` stacked along dim 0 holds one tensordict per row: its rows are not
 laid out along its leaves, so it is a :class:`~treegather._tree.Rows` value, split by slicing and
 joined by stacking the rows' tensordicts again; stacked along another dim, it is a node of its
@@ -86,9 +89,31 @@ def _flatten(t_flatten: Any) -> Any:
     return flatten
 
 
-def _unflatten(t_unflatten: Any) -> Any:
+def _unflatten(t_unflatten: Any, cls: type) -> Any:
+    view = getattr(cls, "__name__", "") == "_SubTensorDict"
+
     def unflatten(ctx: _Context, children: Iterable[Any]) -> Any:
-        return t_unflatten(list(children), dict(ctx.value))  # (it may write into the context)
+        values = list(children)
+        out = t_unflatten(values, dict(ctx.value))  # (it may write into the context)
+        if view and type(out) is not cls and all(map(_data, values)):
+            out = out._get_sub_tensordict(slice(None))  # (tensordict rebuilds a TensorDict)
+        return out
+
+    return unflatten
+
+
+def _data(value: Any) -> bool:
+    """A tensor or a tensordict (a tree's value, not a template's placeholder)."""
+    return isinstance(value, torch.Tensor) or hasattr(value, "batch_size")
+
+
+def _list_flatten(values: list[Any]) -> tuple[list[Any], None]:
+    return list(values), None
+
+
+def _list_unflatten(cls: type) -> Any:
+    def unflatten(_: None, children: Iterable[Any]) -> Any:
+        return cls(list(children))  # (torch's list functions, which tensordict registers, give a list)
 
     return unflatten
 
@@ -154,7 +179,9 @@ def register_tensordicts(pytree: Any) -> None:
             continue
         if node.flatten_fn is td_flatten and td_flatten is not None:
             rule = BatchRule(cls, _batch_size, _with_batch_size)
-            register_default(cls, _flatten(td_flatten), _unflatten(node.unflatten_fn), rule)
+            register_default(cls, _flatten(td_flatten), _unflatten(node.unflatten_fn, cls), rule)
+        elif cls is _linked_list():
+            register_default(cls, _list_flatten, _list_unflatten(cls))
         elif node.flatten_fn is lazy_flatten and lazy_flatten is not None:
             kind = _lazy_kind(cls)
             flatten = _lazy_flatten(lazy_flatten, kind)
@@ -162,6 +189,11 @@ def register_tensordicts(pytree: Any) -> None:
         else:
             continue
         _done.add(cls)
+
+
+def _linked_list() -> Any:
+    """tensordict's ``LinkedList`` (its ``names``), a list that comes back a ``LinkedList``."""
+    return getattr(sys.modules.get("tensordict.utils"), "LinkedList", None)
 
 
 def _sync() -> None:

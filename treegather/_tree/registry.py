@@ -425,6 +425,11 @@ def watch(fn: Callable[[], None]) -> None:
     fn()
 
 
+# torch's own classes that are containers of the user's values, bridged like any other (fx's
+# immutable list and dict: a graph's arguments). torch's return types are optree structseqs.
+_TORCH_CONTAINERS = frozenset(["torch.fx.immutable_collections"])
+
+
 def _sync_torch_registry() -> None:
     """Bridge classes registered with torch's pytree since the last call (cheap when none are)."""
     global _torch_synced
@@ -436,8 +441,9 @@ def _sync_torch_registry() -> None:
     for cls, node_def in list(supported.items()):
         if not isinstance(cls, type) or cls in _REGISTERED:
             continue
-        if (getattr(cls, "__module__", "") or "").startswith("torch"):
-            continue  # torch's own (torch.Size, return types, fx): leaves, as users expect
+        module = getattr(cls, "__module__", "") or ""
+        if module.startswith("torch") and module not in _TORCH_CONTAINERS:
+            continue  # torch's own values (torch.Size, op schemas): leaves, as users expect
         if (
             cls in (tuple, list, dict)
             or optree.is_namedtuple_class(cls)

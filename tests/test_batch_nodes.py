@@ -1,0 +1,482 @@
+"""Containers that carry the batch, enumerated: every node type torch's pytree registry holds at
+test time, tensordict's classes and torch's structseqs, as outputs and as inputs, on 2 and 3
+devices (fast paths and the definition), through ``tgd.all_gather`` and the ``Collector`` (one
+process, and spawned groups of 2 and 3 ranks). Each case equals one device (the container
+built from the whole batch, or from each shard's rows) or is refused with a typed error naming
+the path. A class in the registry that no case covers fails :func:`test_every_registered_node_type_is_covered`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import optree
+import pytest
+import spawned_groups
+import tensordict
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as torch_pytree
+from spawned_groups import WORLD_SIZES
+from tensordict import LazyStackedTensorDict, TensorDict, tensorclass
+from tensordict.tensorclass import MetaData, NonTensorData, NonTensorDataBase, TensorAttrs
+from tensordict.utils import LinkedList
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.nn.utils.rnn import PackedSequence, pack_sequence
+
+import treegather as tg
+import treegather.distributed as tgd
+from treegather._caches import reference_only
+from treegather._compiled import COMPILE_AFTER
+from treegather._shards import balanced
+
+Tensor = torch.Tensor
+N, F = 10, 5  # rows, features: on 2 devices replica 0 holds 5 rows, F of them
+
+
+def batch(n: int = N) -> Tensor:
+    return torch.arange(n * F, dtype=torch.float32).reshape(n, F)
+
+
+# ------------------------------------------------------------------------------- the cases
+
+
+class Case(NamedTuple):
+    name: str
+    make: Callable[[Tensor], Any]
+    """The container of a batch's rows ``x`` (rows, F)."""
+
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+@tensorclass
+class Tagged:
+    """A user's tensorclass with a string field (its batch size was [] after a gather)."""
+
+    x: Tensor
+    tag: str
+
+
+@tg.register_dataclass(static=["tag"], batch_size="rows")
+@dataclasses.dataclass
+class Counted:
+    """A user's class with a batch-sized field (and a string beside it)."""
+
+    x: Tensor
+    tag: str
+    rows: int
+
+
+def _td(x: Tensor) -> TensorDict:
+    # feature dims equal to replica 0's rows (5 of 10 on 2 devices, 4 on 3), and to the batch
+    td = TensorDict(
+        {"a": x, "b": torch.cat([x, x], 1), "c": x[:, :4]},
+        batch_size=[len(x)],
+        names=["batch"],
+    )
+    td.set_non_tensor("tag", "train")
+    return td
+
+
+def _sequences(x: Tensor) -> list[Tensor]:
+    # row i: a sequence of 1 + i % 3 steps of its features
+    return [x[i : i + 1].expand(1 + int(x[i, 0]) // F % 3, F) for i in range(len(x))]
+
+
+def _lazy(x: Tensor, dim: int) -> LazyStackedTensorDict:
+    if dim == 0:
+        return LazyStackedTensorDict.lazy_stack([TensorDict({"a": r}, []) for r in x], 0)
+    parts = [TensorDict({"a": x}, [len(x)]), TensorDict({"a": x * 2}, [len(x)])]
+    return LazyStackedTensorDict.lazy_stack(parts, 1)
+
+
+def _tensorclass_case(cls: type) -> Case | None:
+    """A tensorclass not named below (a user's): its tensor fields hold the rows, its string
+    fields a word."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        hint = str(field.type)
+        if "Tensor" in hint:
+            values[field.name] = None
+        elif "str" in hint:
+            values[field.name] = "word"
+        else:
+            return None
+    tensors = [k for k, v in values.items() if v is None]
+
+    def make(x: Tensor) -> Any:
+        return cls(**{**values, **dict.fromkeys(tensors, x)}, batch_size=[len(x)])
+
+    return Case(cls.__qualname__, make)
+
+
+KNOWN: dict[Any, Callable[[Tensor], Any]] = {
+    tuple: lambda x: (x, x[:, 0]),
+    list: lambda x: [x, x[:, :2]],
+    dict: lambda x: {"a": x, "n": x.sum(1)},
+    collections.namedtuple: lambda x: Pair(x, x * 2),
+    collections.OrderedDict: lambda x: collections.OrderedDict(b=x, a=x * 2),
+    collections.defaultdict: lambda x: collections.defaultdict(list, {"a": x}),
+    collections.deque: lambda x: collections.deque([x, x * 3]),
+    immutable_list: lambda x: immutable_list([x, x * 2]),
+    immutable_dict: lambda x: immutable_dict({"a": x}),
+    TensorDict: _td,
+    tensordict._td._SubTensorDict: lambda x: _td(x)._get_sub_tensordict(slice(None)),
+    LazyStackedTensorDict: lambda x: _lazy(x, 0),
+    NonTensorData: lambda x: {"x": x, "tag": NonTensorData("t", batch_size=[len(x)])},
+    NonTensorDataBase: lambda x: {"x": x, "tag": NonTensorDataBase("t", batch_size=[len(x)])},
+    MetaData: lambda x: {"x": x, "meta": MetaData({"lr": 0.1}, batch_size=[len(x)])},
+    TensorAttrs: lambda x: {"x": x, "at": TensorAttrs("cpu", torch.float32, batch_size=[len(x)])},
+    LinkedList: lambda x: LinkedList([x, x * 2]),
+    Tagged: lambda x: Tagged(x=x, tag="word", batch_size=[len(x)]),
+}
+# Cases of classes that are not (or not only) in torch's registry.
+EXTRA: dict[str, Callable[[Tensor], Any]] = {
+    "LazyStackedTensorDict(stack_dim=1)": lambda x: _lazy(x, 1),
+    "PackedSequence": lambda x: pack_sequence(_sequences(x), enforce_sorted=False),
+    "PackedSequence(sorted)": lambda x: {"p": pack_sequence(x.unsqueeze(1).unbind(0)), "x": x},
+    "Counted (register_dataclass batch_size=)": lambda x: Counted(x, "w", len(x)),
+    "Counted, no tensor": lambda x: {"x": x, "c": Counted(None, "w", len(x))},  # type: ignore[arg-type]
+    "TensorDict(batch_size=[])": lambda x: TensorDict({"x": x}, []),
+    "TensorDict(nested)": lambda x: TensorDict({"in": _td(x), "y": x}, [len(x)]),
+}
+# torch's own classes registered as nodes that hold no user data: leaves for treegather.
+VALUES = {
+    ("torch", "Size"): "a shape (a value)",
+    ("torch._higher_order_ops.auto_functionalize", "SchemaHolder"): "an operator schema",
+    ("torch._higher_order_ops.flat_apply", "_ConstantFunction"): "a constant function (fx)",
+    ("torch.distributed.tensor._op_schema", "TupleStrategy"): "a sharding strategy (DTensor)",
+}
+NOT_RUN = {
+    tensordict.persistent.PersistentTensorDict: "an HDF5 file (h5py is not installed): "
+    "registered with TensorDict's batch-node functions",
+}
+
+
+def classify() -> tuple[list[Case], dict[type, str], list[str]]:
+    """The cases of every node type torch's registry holds now (and the extra ones), the value
+    classes (leaves), and the names of the classes no case covers."""
+    cases: list[Case] = []
+    values: dict[type, str] = {}
+    uncovered: list[str] = []
+    for cls in list(torch_pytree.SUPPORTED_NODES):
+        module = getattr(cls, "__module__", "")
+        name = f"{module}.{getattr(cls, '__qualname__', cls)}"
+        if cls in KNOWN:
+            cases.append(Case(name, KNOWN[cls]))
+        elif isinstance(cls, type) and optree.is_structseq_class(cls):
+            n = cls.n_fields  # type: ignore[attr-defined]
+            cases.append(Case(name, lambda x, c=cls, n=n: c(tuple(x + i for i in range(n)))))
+        elif (module, getattr(cls, "__qualname__", "")) in VALUES:
+            values[cls] = VALUES[module, cls.__qualname__]
+        elif cls in NOT_RUN:
+            values[cls] = NOT_RUN[cls]
+        elif isinstance(cls, type) and tensordict.is_tensorclass(cls):
+            case = _tensorclass_case(cls)
+            if case is None:
+                uncovered.append(name)
+            else:
+                cases.append(case)
+        elif _model_output(cls):
+            first = dataclasses.fields(cls)[0].name
+            cases.append(Case(name, lambda x, c=cls, f=first: c(**{f: x})))
+        elif module.startswith(("test_", "tests.")) or module in {"conftest", "__main__"}:
+            values[cls] = "defined by another test module (tested there)"
+        else:
+            uncovered.append(name)
+    cases.extend(Case(name, make) for name, make in EXTRA.items())
+    return cases, values, uncovered
+
+
+def _model_output(cls: Any) -> bool:
+    module = sys.modules.get("transformers.utils")
+    output = getattr(module, "ModelOutput", None)
+    return isinstance(cls, type) and output is not None and issubclass(cls, output)
+
+
+# ------------------------------------------------------------------------- what "equal" is
+
+
+def same(a: Any, b: Any, at: str = "") -> str | None:
+    """Where ``a`` and ``b`` differ (values, types, batch sizes, names), or ``None``."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        ok = (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+        return None if ok else f"{at}: {a!r} != {b!r}"
+    if not _same_type(a, b):
+        return f"{at}: {type(a).__qualname__} != {type(b).__qualname__}"
+    if isinstance(a, LazyStackedTensorDict):
+        if a.stack_dim != b.stack_dim or len(a.tensordicts) != len(b.tensordicts):
+            return f"{at}: stacks differ"
+        return _first(same(x, y, f"{at}[{i}]") for i, (x, y) in enumerate(zip(a.tensordicts, b.tensordicts)))
+    if tensordict.is_tensor_collection(a):
+        if a.batch_size != b.batch_size:
+            return f"{at}: batch_size {list(a.batch_size)} != {list(b.batch_size)}"
+        if _names(a) != _names(b):
+            return f"{at}: names {_names(a)} != {_names(b)}"
+        if isinstance(a, NonTensorDataBase):
+            return None if a.data == b.data else f"{at}: data {a.data!r} != {b.data!r}"
+        if sorted(a.keys()) != sorted(b.keys()):
+            return f"{at}: keys {sorted(a.keys())} != {sorted(b.keys())}"
+        if tensordict.is_tensorclass(a):
+            for field in dataclasses.fields(a):
+                found = same(getattr(a, field.name), getattr(b, field.name), f"{at}.{field.name}")
+                if found:
+                    return found
+            return None
+        return _first(same(a._get_str(k, None), b._get_str(k, None), f"{at}[{k!r}]") for k in a.keys())
+    if isinstance(a, dict):
+        if list(a) != list(b) or getattr(a, "default_factory", None) != getattr(b, "default_factory", None):
+            return f"{at}: keys {list(a)} != {list(b)}"
+        return _first(same(a[k], b[k], f"{at}[{k!r}]") for k in a)
+    if isinstance(a, (tuple, list, collections.deque)):
+        if len(a) != len(b):
+            return f"{at}: {len(a)} != {len(b)} items"
+        return _first(same(x, y, f"{at}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
+    if dataclasses.is_dataclass(a):
+        return _first(
+            same(getattr(a, f.name), getattr(b, f.name), f"{at}.{f.name}")
+            for f in dataclasses.fields(a)
+        )
+    return None if a == b else f"{at}: {a!r} != {b!r}"
+
+
+def _same_type(a: Any, b: Any) -> bool:
+    return type(a) is type(b)
+
+
+def _names(td: Any) -> Any:
+    try:
+        return td.names
+    except Exception:
+        return None
+
+
+def _first(found: Iterator[str | None] | Any) -> str | None:
+    return next((f for f in found if f), None)
+
+
+class Outcome(NamedTuple):
+    kind: str  # "equal", "refused" (a typed error naming the path) or "wrong"
+    detail: str
+
+
+def outcome(expected: Any, run: Callable[[], Any], root: str) -> Outcome:
+    try:
+        got = run()
+    except tg.TreegatherError as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        return Outcome("refused" if root in str(exc) else "wrong", text)
+    except Exception as exc:  # untyped: a failure of the matrix
+        return Outcome("wrong", f"untyped {type(exc).__name__}: {exc}")
+    found = same(got, expected, root)
+    return Outcome("wrong", found) if found else Outcome("equal", "")
+
+
+def as_output(case: Case, k: int) -> Outcome:
+    """The container of each shard's rows, gathered, against the whole batch's."""
+    x = batch()
+    shards = tg.scatter(x, ["cpu"] * k)
+    return outcome(case.make(x), lambda: tg.gather([case.make(s) for s in shards], "cpu"), "outputs")
+
+
+def as_input(case: Case, k: int) -> Outcome:
+    """The whole batch's container, scattered, against each shard's rows' container."""
+    x = batch()
+    parts = [case.make(s) for s in tg.scatter(x, ["cpu"] * k)]
+    return outcome(parts, lambda: list(tg.scatter(case.make(x), ["cpu"] * k)), "inputs")
+
+
+def both_ways(check: Callable[[Case, int], Outcome], case: Case, k: int) -> Outcome:
+    """The outcome with the fast paths (cold, then compiled) and under the definition; they must
+    be one outcome."""
+    with reference_only():
+        plain = check(case, k)
+    for _ in range(COMPILE_AFTER + 1):
+        fast = check(case, k)
+        if fast != plain:
+            return Outcome("wrong", f"fast path {fast} != definition {plain}")
+    return plain
+
+
+# ---------------------------------------------------------------------------------- tests
+
+CASES, VALUE_CLASSES, UNCOVERED = classify()
+COUNTS: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+
+def test_every_registered_node_type_is_covered() -> None:
+    cases, values, uncovered = classify()  # (the registry as it is now, late in a session)
+    assert not uncovered, f"node types no case covers: {uncovered}"
+    names = {c.name for c in cases}
+    assert {"builtins.dict", "tensordict._td.TensorDict", "torch.return_types.max"} <= names
+    assert len([n for n in names if n.startswith("torch.return_types.")]) >= 60
+
+
+def test_value_classes_are_leaves() -> None:
+    tg._tree.sync()  # (what a first scatter or gather does)
+    for cls in VALUE_CLASSES:
+        registered = optree.register_pytree_node.get(cls, namespace=tg.NAMESPACE)
+        if cls in NOT_RUN:
+            assert registered is not None and tg._tree.batch.rule_of(cls) is not None, cls
+        elif "test module" not in VALUE_CLASSES[cls]:
+            assert registered is None, cls
+    assert tg.scatter({"x": batch(), "s": torch.Size([F])}, ["cpu"] * 2)[1]["s"] == torch.Size([F])
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_containers_equal_one_device(k: int) -> None:
+    wrong = []
+    for case in CASES:
+        for way, check in (("output", as_output), ("input", as_input)):
+            found = both_ways(check, case, k)
+            COUNTS[f"{way} on {k} devices"][found.kind] += 1
+            if found.kind != "equal":
+                COUNTS["refusals"][f"{way} {case.name}: {found.detail.splitlines()[0]}"] += 1
+            if found.kind == "wrong":
+                wrong.append(f"{case.name} as {way} on {k} devices: {found.detail}")
+    assert not wrong, "\n".join(wrong)
+
+
+def _collected(case: Case, rank: int, world: int) -> Any:
+    """A Collector over this rank's rows (every ``world``-th, in batches of 2, in another
+    order), exchanged: every sample once, in dataset order."""
+    x = batch()
+    mine = torch.arange(rank, N, world).flip(0)
+    col = tgd.Collector()
+    for chunk in mine.split(2):
+        col.add(case.make(x[chunk]), indices=chunk)
+    return col.all_gather()
+
+
+def _gathered(case: Case, rank: int, world: int) -> Any:
+    """``tgd.all_gather`` of this rank's rows (balanced, uneven) in one container."""
+    sizes = balanced(N, world)
+    start = sum(sizes[:rank])
+    return tgd.all_gather(case.make(batch()[start : start + sizes[rank]]))
+
+
+def distributed(rank: int, world: int) -> dict[str, tuple[str, str]]:
+    """Every case's outcome through ``tgd.all_gather`` and the Collector (both ways)."""
+    cases = classify()[0]
+    out: dict[str, tuple[str, str]] = {}
+    for case in cases:
+        expected = case.make(batch())
+        for way, run in (("all_gather", _gathered), ("Collector", _collected)):
+            for mode in ("fast", "reference"):
+                with reference_only() if mode == "reference" else contextlib.nullcontext():
+                    found = outcome(expected, lambda r=run: r(case, rank, world), "outputs")
+                out[f"{way} {mode} {case.name}"] = (found.kind, found.detail)
+    return out
+
+
+spawned_groups.register("batch_nodes", budget_s=60)(distributed)
+
+
+def test_through_all_gather_and_collector_one_rank(world_of_one: None) -> None:
+    _check_distributed({0: distributed(0, 1)}, "one rank")
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
+    world = request.param
+    return world, [res["batch_nodes"] for res in spawned_groups.results(world, tmp_path_factory)]
+
+
+@pytest.mark.distributed
+def test_through_all_gather_and_collector_on_ranks(ranks: Any) -> None:
+    world, results = ranks
+    _check_distributed(dict(enumerate(results)), f"{world} ranks")
+
+
+def _check_distributed(results: dict[int, dict[str, tuple[str, str]]], where: str) -> None:
+    wrong = []
+    for rank, found in results.items():
+        assert found, f"rank {rank} ran no case"
+        for name, (kind, detail) in found.items():
+            if rank == 0:
+                COUNTS[f"{name.split()[0]} on {where}"][kind] += 1
+                if kind != "equal":
+                    COUNTS["refusals"][f"{name.split()[0]} {' '.join(name.split()[2:])}: {detail.splitlines()[0]}"] += 1
+            if kind == "wrong":
+                wrong.append(f"rank {rank}, {name}: {detail}")
+    assert not wrong, "\n".join(wrong[:20])
+
+
+# ----------------------------------------------------------------- the symptoms, by name
+
+
+def test_tensordict_output_keeps_its_batch_size() -> None:
+    x = batch()
+    shards = tg.scatter(x, ["cpu"] * 2)
+    out = tg.gather([TensorDict({"x": s}, [len(s)], names=["batch"]) for s in shards], "cpu")
+    assert out.batch_size == torch.Size([N]) and out.names == ["batch"]
+
+
+def test_tensordict_input_shards_hold_their_rows() -> None:
+    td = TensorDict({"x": torch.zeros(N, N)}, [N])
+    td.set_non_tensor("s", "hello")
+    shards = tg.scatter(td, ["cpu"] * 2)
+    assert [s.batch_size for s in shards] == [torch.Size([5])] * 2
+    assert [s["s"] for s in shards] == ["hello"] * 2
+
+
+def test_a_batch_size_that_is_not_the_batch_is_refused() -> None:
+    with pytest.raises(tg.BatchSizeError, match=r"inputs\['c'\]: its Counted batch size \[9\]"):
+        tg.scatter({"c": Counted(batch(), "w", 9)}, ["cpu"] * 2)
+
+
+def test_replicas_whose_other_batch_dims_differ_are_refused() -> None:
+    outs = [TensorDict({}, [2, 3]), TensorDict({}, [2, 4])]  # (no leaf to be concatenated)
+    with pytest.raises(tg.ShapeMismatchError, match=r"outputs: the replicas' TensorDict batch sizes"):
+        tg.gather(outs, "cpu")
+
+
+def test_replicas_with_other_strings_are_refused() -> None:
+    outs = [{"x": torch.zeros(2), "t": NonTensorData(s, batch_size=[2])} for s in "ab"]
+    with pytest.raises(tg.StructureMismatchError, match=r"outputs\['t'\]"):
+        tg.gather(outs, "cpu")
+
+
+def test_packed_sequence_comes_back_as_one_device_packs_it() -> None:
+    x = batch()
+    one = pack_sequence(_sequences(x), enforce_sorted=False)
+    out = tg.gather([pack_sequence(_sequences(s), enforce_sorted=False) for s in x.split(5)], "cpu")
+    assert isinstance(out, PackedSequence)
+    assert torch.equal(out.batch_sizes, one.batch_sizes) and torch.equal(out.data, one.data)
+
+
+def test_collector_refuses_a_packed_sequence_naming_it() -> None:
+    col = tgd.Collector()
+    col.add({"p": pack_sequence([torch.ones(2), torch.ones(1)]), "x": torch.zeros(2)}, indices=[0, 1])
+    with pytest.raises(tg.LayoutError, match=r"outputs\['p'\]\.rows: a PackedSequence"):
+        col.all_gather()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The counts of the cases this module ran, shown at its end (``-rA`` or ``-v``: in the
+    terminal)."""
+    yield
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or not COUNTS:
+        return
+    reporter.write_line("")
+    for key in sorted(COUNTS):
+        if key != "refusals":
+            reporter.write_line(f"batch nodes, {key}: {dict(COUNTS[key])}")
+    for reason, n in sorted(COUNTS["refusals"].items()):
+        reporter.write_line(f"  refused x{n}: {reason}")
