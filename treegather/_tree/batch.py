@@ -168,11 +168,11 @@ def note(spec: PyTreeSpec) -> None:
     """Record that ``spec`` holds batch nodes (its flatten counted some)."""
     key = id(spec)
 
-    def forget(_: Any, key: int = key) -> None:
-        with _LOCK:
-            entry = _BATCHED.get(key)
+    def forget(_: Any, key: int = key, table: dict[int, Any] = _BATCHED, lock: Any = _LOCK) -> None:
+        with lock:  # (the table and lock bound here: at exit the module's globals may be gone)
+            entry = table.get(key)
             if entry is not None and entry[0]() is None:
-                del _BATCHED[key]
+                del table[key]
 
     with _LOCK:
         _BATCHED[key] = (weakref.ref(spec, forget), None)
