@@ -105,6 +105,18 @@ def register_dataclass(
     ...                 tg.by_path({"loss": "mean", "names": tg.cat_items()}))
     >>> out
     Out(loss=tensor(2.), names=['a', 'b'])
+
+    A batch that holds its size (each shard holds its own rows, the gather all of them):
+
+    >>> @tg.register_dataclass(static=["split"], batch_size="rows")
+    ... @dataclasses.dataclass
+    ... class Batch:
+    ...     x: torch.Tensor
+    ...     split: str
+    ...     rows: int
+    >>> shards = tg.scatter(Batch(torch.zeros(5, 2), "val", 5), ["cpu", "cpu"])
+    >>> [s.rows for s in shards], tg.gather(list(shards), "cpu").rows
+    ([3, 2], 5)
     """
     if cls is None:
         return functools.partial(register_dataclass, static=static, batch_size=batch_size)
