@@ -430,7 +430,10 @@ def ranks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[int, list[dict[str, Any]]]:
     world = request.param
-    return world, [res["batch_nodes"] for res in spawned_groups.results(world, tmp_path_factory)]
+    found = spawned_groups.results(world, tmp_path_factory)
+    seconds = max(res.get("seconds", {}).get("batch_nodes", 0.0) for res in found)
+    COUNTS[f"seconds of the check on {world} ranks"][f"{seconds:.1f}"] += 1
+    return world, [res["batch_nodes"] for res in found]
 
 
 @pytest.mark.distributed

@@ -132,6 +132,11 @@ _UNSET: Any = object()
 def _restored(cls: type, aux: Any) -> Batched:
     """A :class:`Batched` unpickled (another rank's): the class's rule, registered here."""
     rule = _RULES.get(cls)
+    if rule is None:  # (an integration's class, registered once the registry is read)
+        from .registry import sync
+
+        sync()
+        rule = _RULES.get(cls)
     if rule is None:
         raise TypeError(f"{cls.__qualname__} is not registered with a batch_size here")
     _count()
