@@ -113,7 +113,8 @@ def _list_flatten(values: list[Any]) -> tuple[list[Any], None]:
 
 def _list_unflatten(cls: type) -> Any:
     def unflatten(_: None, children: Iterable[Any]) -> Any:
-        return cls(list(children))  # (torch's list functions, which tensordict registers, give a list)
+        # (torch's list functions, which tensordict registers it with, give a plain list)
+        return cls(list(children))
 
     return unflatten
 

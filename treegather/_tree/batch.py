@@ -46,7 +46,11 @@ __all__ = [
     "rebuild",
     "resized",
     "rows_kind",
+    "rule_of",
+    "set_rule",
     "tally",
+    "unflattened",
+    "unwrapped",
 ]
 
 Size = tuple[int, ...]
@@ -66,10 +70,12 @@ _RULES: dict[type, BatchRule] = {}  # (registry.py keeps it in step with optree'
 
 
 def rule_of(cls: type) -> BatchRule | None:
+    """How ``cls``'s metadata holds its batch size, if it does."""
     return _RULES.get(cls)
 
 
 def set_rule(cls: type, rule: BatchRule | None) -> None:
+    """Record (``None``: forget) ``cls``'s rule, as it is registered with optree."""
     if rule is None:
         _RULES.pop(cls, None)
     else:
