@@ -548,12 +548,7 @@ def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, 
     parts: list[Tensor] = []
     taken = 0
     for a, (n, add) in enumerate(zip(rows, adds)):
-        given = None if add.indices is None else index_tensor(add.indices, f"add #{a}: indices=")
-        if given is not None and given.numel() != n:
-            raise BatchSizeError(
-                f"add #{a}: indices= has {given.numel()} index(es) for {n} row(s) of "
-                "per-sample outputs"
-            )
+        given = _given(a, n, add)
         if order is None:
             if given is None:
                 raise BatchSizeError(
@@ -610,12 +605,7 @@ def _loop_indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Ten
     start = cursor = 0  # where the adds after the loop that count start, and go on
     bounds: set[int] = set()  # where batches end
     for a, (n, add) in enumerate(zip(rows, adds)):
-        given = None if add.indices is None else index_tensor(add.indices, f"add #{a}: indices=")
-        if given is not None and given.numel() != n:
-            raise BatchSizeError(
-                f"add #{a}: indices= has {given.numel()} index(es) for {n} row(s) of "
-                "per-sample outputs"
-            )
+        given = _given(a, n, add)
         if add.yielded < 0:  # (made after the loop ended)
             if named is None:
                 named, start, bounds = given is not None, ends[last + 1], set(ends)
@@ -715,6 +705,18 @@ _YIELDED = operator.attrgetter("yielded")
 
 _KIND = operator.attrgetter("dtype", "device", "ndim")
 _INT64 = (torch.int64, torch.device("cpu"), 1)
+
+
+def _given(a: int, n: int, add: _Add) -> Tensor | None:
+    """Add ``#a``'s own ``indices=``, as a tensor, one for each of its ``n`` rows (or None)."""
+    if add.indices is None:
+        return None
+    given = index_tensor(add.indices, f"add #{a}: indices=")
+    if given.numel() != n:
+        raise BatchSizeError(
+            f"add #{a}: indices= has {given.numel()} index(es) for {n} row(s) of per-sample outputs"
+        )
+    return given
 
 
 def _complete(taken: int, source: _Rows, partial: bool) -> None:
