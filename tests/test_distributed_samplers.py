@@ -6,9 +6,11 @@ anything is drawn. Lightning's own wrappers, under a real Trainer: tests/test_fr
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
@@ -256,3 +258,49 @@ def test_a_list_of_loaders_is_refused_naming_the_one_to_give() -> None:
     loaders = [DataLoader(Samples()), DataLoader(Samples())]  # (trainer.val_dataloaders: several)
     with pytest.raises(tg.ArgumentTypeError, match=r"val_dataloaders\[dataloader_idx\]"):
         tgd.Collector(loaders)
+
+
+class GlobalShuffle(Appending):
+    """Holds a known order and shuffles it with a global generator (torch's, Python's or
+    NumPy's): a new order each read, which one read may give as the order it holds."""
+
+    def __init__(self, sampler: Any, draw: str) -> None:
+        super().__init__(sampler)
+        self.draw = draw
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(self.sampler)
+        if self.draw == "torch":
+            return iter([order[j] for j in torch.randperm(len(order))])
+        if self.draw == "python":
+            random.shuffle(order)
+            return iter(order)
+        return iter([order[j] for j in np.random.permutation(len(order))])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RandomSampler(range(2)),
+        lambda: GlobalShuffle(SequentialSampler(range(2)), "torch"),
+        lambda: GlobalShuffle(SequentialSampler(range(2)), "python"),
+        lambda: BatchSampler(GlobalShuffle(SequentialSampler(range(2)), "numpy"), 1, False),
+    ],
+    ids=["random_sampler_over_range", "torch", "python", "numpy_batches"],
+)
+def test_a_wrapper_drawing_from_a_global_generator_is_refused_whatever_it_draws(
+    make: Any,
+) -> None:
+    # one read of a shuffle of 2 gives the order it holds half the time: over 8 seeds, that
+    # read would have taken it for a pass-through (and the loop's order for that order)
+    for seed in range(8):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+        with pytest.raises(tg.ArgumentTypeError, match="not known to give the same order"):
+            tgd.Collector(DataLoader(Samples(), batch_size=1, sampler=make()))
+        # the generators are as they were: refusing drew nothing from the user's streams
+        assert torch.equal(torch.get_rng_state(), states[0])
+        assert random.getstate() == states[1]
+        assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states[2]))

@@ -17,11 +17,17 @@ not by its name (a framework's private class may change):
 
 Every read is of copies (:func:`reader`): a wrapper's records, a live iterator and whatever a
 read writes (a list the wrapper's dataset keeps) stay as they were in the loader's objects.
+A copy whose read draws from torch's, Python's or NumPy's global random generator is not known
+(one draw may give the order it holds by chance: a shuffle of 2 samples, half the time); those
+generators are put back as they were.
 """
 
 from __future__ import annotations
 
 import copy
+import pickle
+import random
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -82,6 +88,36 @@ def _items(items: Iterable[Any]) -> list[Any]:
     return [x.tolist() if isinstance(x, Tensor) else x for x in items]
 
 
+def _drawn(copied: Any) -> list[Any] | None:
+    """What ``copied`` hands out (:func:`_items`), or ``None`` when reading it drew from torch's,
+    Python's or NumPy's global random generator (an order drawn anew each read, however alike
+    this one is); each generator is put back as it was, drawn or not."""
+    before = _global_states()
+    try:
+        items = _items(copied)
+    finally:
+        after = _global_states()
+        _restore(before)
+    return items if _same(before, after) else None
+
+
+def _global_states() -> tuple[Any, Any, Any]:
+    numpy = sys.modules.get("numpy")  # (a wrapper drawing from NumPy imported it)
+    return torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state()
+
+
+def _same(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> bool:
+    return torch.equal(a[0], b[0]) and a[1] == b[1] and pickle.dumps(a[2]) == pickle.dumps(b[2])
+
+
+def _restore(states: tuple[Any, Any, Any]) -> None:
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    numpy = sys.modules.get("numpy")
+    if states[2] is not None and numpy is not None:
+        numpy.random.set_state(states[2])
+
+
 def reader(sampler: Any) -> Any:
     """Something to read ``sampler``'s order from now (itself, or copies of what it holds),
     reading which writes on nothing the loader holds; ``None`` when that order is not known to
@@ -109,7 +145,9 @@ def _pass_through(wrapper: Any) -> Any:
     readers = {k: reader(v) for k, v in held.items()}
     if any(r is None for r in readers.values()):
         return None  # (it may read a sampler that draws a new order)
-    handed = _items(_copied(wrapper, readers))
+    handed = _drawn(_copied(wrapper, readers))
+    if handed is None:
+        return None
     return next((r for r in readers.values() if _items(r) == handed), None)
 
 
@@ -126,7 +164,7 @@ def _redistributing(sampler: DistributedSampler[Any]) -> Any:
     copied = _copied(sampler, {"dataset": _copied(dataset, {name: inner})})
     items = _items(inner)
     positions = list(base.__iter__(copied))  # type: ignore[attr-defined]
-    if _items(copied) != [items[i] for i in positions]:
+    if _drawn(copied) != [items[i] for i in positions]:
         return None
     return copied
 
