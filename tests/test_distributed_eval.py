@@ -427,8 +427,10 @@ def test_batches_added_after_the_loop_take_the_loop_s_rows() -> None:
         (torch.tensor([1.5, 2.0]), "got torch.float32"),
         ([3, -1], "got -1"),
         (["a", "b"], "must be dataset indices"),
+        ([2**64, 1], "must be dataset indices.*Overflow"),
+        (torch.tensor([1, 2], dtype=torch.int32, device="meta"), "readable on the CPU: meta"),
     ],
-    ids=["bool_mask", "float_list", "float_tensor", "negative", "strings"],
+    ids=["bool_mask", "float_list", "float_tensor", "negative", "strings", "past_int64", "meta"],
 )
 def test_indices_must_be_dataset_indices(bad: Any, fragment: str) -> None:
     col = tgd.Collector()

@@ -264,7 +264,8 @@ def index_tensor(given: Any, what: str = "indices=") -> Tensor:
         if isinstance(given, (list, tuple)) and given and isinstance(given[0], (list, tuple)):
             given = [i for batch in given for i in batch]  # a batch sampler's batches
         if type(given) is list and set(map(type, given)) == {int}:  # (a C pass: 10x as_tensor)
-            given = torch.frombuffer(array("q", given), dtype=torch.int64)
+            with contextlib.suppress(OverflowError):  # (past int64: as_tensor says so below)
+                given = torch.frombuffer(array("q", given), dtype=torch.int64)
     if not isinstance(given, Tensor):
         try:
             given = torch.as_tensor(given) if len(given) else torch.zeros(0, dtype=torch.int64)
@@ -277,7 +278,12 @@ def index_tensor(given: Any, what: str = "indices=") -> Tensor:
         raise ArgumentTypeError(
             f"{what} must be dataset indices (non-negative integers), got {given.dtype}{mask}"
         )
-    flat = given.detach().reshape(-1).to("cpu", torch.int64)
+    try:
+        flat = given.detach().reshape(-1).to("cpu", torch.int64)
+    except (NotImplementedError, RuntimeError) as exc:  # (a meta tensor holds no indices)
+        raise ArgumentTypeError(
+            f"{what} must be dataset indices, readable on the CPU: {given.device} tensor: {exc}"
+        ) from None
     if flat.numel() and int(flat.min()) < 0:
         raise ArgumentTypeError(
             f"{what} must be dataset indices (non-negative integers), got {int(flat.min())}"
