@@ -388,6 +388,21 @@ def test_a_loop_that_stops_early_is_an_error_unless_partial() -> None:
         col.all_gather()
 
 
+def test_a_loop_that_never_asks_for_the_end_says_so() -> None:
+    # zip() with a shorter iterable first (a step count) stops before the loader ends: the
+    # loop received every batch len(loader) counts, but the loader never said it had ended
+    loader = DataLoader(_dataset(), batch_size=3)
+    col = tgd.Collector()
+    for _, (ids, x) in zip(range(len(loader)), col.observe(loader)):
+        col.add({"ids": ids, "x": x})
+    with pytest.raises(tg.BatchSizeError, match=r"4 of its loader's 4 batch.*zip\(\)"):
+        col.all_gather()
+    col = tgd.Collector()
+    for (ids, x), _ in zip(col.observe(loader), range(len(loader))):  # (observed first: ends)
+        col.add({"ids": ids, "x": x})
+    assert col.all_gather()["ids"].tolist() == col.indices.tolist() == list(range(N))
+
+
 def test_a_batch_added_twice_or_too_early_is_an_error() -> None:
     loader = DataLoader(_dataset(), batch_size=4)
     col = tgd.Collector()

@@ -727,7 +727,14 @@ def _complete(taken: int, source: _Rows, partial: bool) -> None:
     if seen is not None and not seen.finished:
         of = f" of its loader's {seen.length}" if seen.length is not None else ""
         got = f"added {taken} of their {order.numel()} row(s)"
-        raise _Short(f"its loop stopped early (yielded {seen.yielded}{of} batch(es), {got})")
+        why = (
+            "; it received as many batches as len(loader) but never asked for the next, which "
+            "ends the loader (zip() with a shorter iterable, islice(): iterate the observed "
+            "loader first in zip(), or to its end)"
+            if seen.yielded == seen.length
+            else ""
+        )
+        raise _Short(f"its loop stopped early (yielded {seen.yielded}{of} batch(es), {got}){why}")
     if taken != order.numel():
         how = "its loader yielded" if seen is not None else "its sampler holds"
         why = "" if seen is not None else " (a loader's drop_last? Collector(loader) knows it)"
