@@ -136,6 +136,20 @@ class OwnShuffle(Appending):
         return iter([order[j] for j in torch.randperm(len(order), generator=self.generator)])
 
 
+class EveryOther(BatchSampler):
+    """A BatchSampler subclass holding a batch sampler, not a sampler (accelerate's
+    ``BatchSamplerShard``): hands out every other batch of it."""
+
+    def __init__(self, batch_sampler: BatchSampler) -> None:  # (no super().__init__: no .sampler)
+        self.batch_sampler = batch_sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(list(self.batch_sampler)[::2])
+
+    def __len__(self) -> int:
+        return (len(self.batch_sampler) + 1) // 2
+
+
 class Skipping(DistributedSampler[int]):
     """A DistributedSampler subclass that skips its first sample: not its base's order."""
 
@@ -223,6 +237,10 @@ def _appending(sampler: Any) -> list[Appending]:
             lambda g: Skipping(Samples(), num_replicas=2, rank=0),
             "BatchSampler over a Skipping of this",
         ),
+        (
+            lambda g: EveryOther(BatchSampler(SequentialSampler(Samples()), 3, False)),
+            "EveryOther over a BatchSampler over a SequentialSampler",
+        ),
     ],
     ids=[
         "recording_random",
@@ -231,6 +249,7 @@ def _appending(sampler: Any) -> list[Appending]:
         "redistributing_backwards",
         "own_generator",
         "skipping",
+        "batch_sampler_subclass_without_sampler",
     ],
 )
 def test_a_wrapper_not_known_to_repeat_its_order_is_refused(make: Any, named: str) -> None:
@@ -238,7 +257,7 @@ def test_a_wrapper_not_known_to_repeat_its_order_is_refused(make: Any, named: st
     sampler = make(g)
     loader = (
         DataLoader(Samples(), batch_sampler=sampler)
-        if isinstance(sampler, Recording)
+        if isinstance(sampler, (Recording, BatchSampler))
         else DataLoader(Samples(), batch_size=4, sampler=sampler)
     )
     state, rng = g.get_state(), torch.get_rng_state()
@@ -304,3 +323,12 @@ def test_a_wrapper_drawing_from_a_global_generator_is_refused_whatever_it_draws(
         assert torch.equal(torch.get_rng_state(), states[0])
         assert random.getstate() == states[1]
         assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states[2]))
+
+
+def test_accelerate_s_batch_sampler_shard_is_refused_naming_what_it_holds() -> None:
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    inner = BatchSampler(SequentialSampler(Samples()), 3, False)
+    shard = data_loader.BatchSamplerShard(inner, num_processes=2, process_index=1)
+    with pytest.raises(tg.ArgumentTypeError, match="not known to give the same order") as info:
+        tgd.Collector(DataLoader(Samples(), batch_sampler=shard))
+    assert "BatchSamplerShard over a BatchSampler over a SequentialSampler" in str(info.value)

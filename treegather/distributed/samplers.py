@@ -183,10 +183,12 @@ def chain(sampler: Any) -> str:
 
 def _wrapped(sampler: Any) -> Any:
     """What ``sampler`` wraps, where it is one of the wrappers above (else ``None``)."""
-    if isinstance(sampler, BatchSampler):
-        return sampler.sampler
     if type(sampler) in _INDICES or _own_order(type(sampler)):
         return None
-    held = _held(sampler.dataset if isinstance(sampler, DistributedSampler) else sampler) or {}
+    state = getattr(sampler, "__dict__", None) or {}
+    if isinstance(sampler, BatchSampler) and "sampler" in state:  # (a subclass may hold none)
+        return state["sampler"]
+    dataset = state.get("dataset") if isinstance(sampler, DistributedSampler) else None
+    held = _held(sampler if dataset is None else dataset) or {}
     inner = {id(getattr(v, "sampler", None)) for v in held.values()}
     return next((v for v in held.values() if id(v) not in inner), None)
