@@ -481,6 +481,24 @@ def test_a_batch_size_that_is_not_the_batch_is_refused() -> None:
         tg.scatter({"c": Counted(batch(), "w", 9)}, ["cpu"] * 2)
 
 
+def test_a_numpy_integer_batch_size_follows_the_rows() -> None:
+    np = pytest.importorskip("numpy")
+    x = batch(7)
+    shards = tg.scatter(Counted(x, "w", np.int64(7)), ["cpu"] * 3)
+    assert [(type(s.rows), s.rows) for s in shards] == [(np.int64, 3), (np.int64, 2), (np.int64, 2)]
+    out = tg.gather(list(shards), "cpu")
+    assert type(out.rows) is np.int64 and out.rows == 7 and torch.equal(out.x, x)
+
+
+@pytest.mark.parametrize("rows", [None, 7.0, True, torch.tensor(7), "7", [7.0]], ids=repr)
+def test_a_batch_size_that_is_no_int_is_refused_naming_the_path(rows: Any) -> None:
+    # (a raw TypeError from wherever the size was first read: 'NoneType' object is not iterable)
+    with pytest.raises(tg.ArgumentTypeError, match=r"inputs\['c'\]: the Counted's batch size"):
+        tg.scatter({"c": Counted(batch(), "w", rows)}, ["cpu"] * 2)
+    with pytest.raises(tg.ArgumentTypeError, match=r"outputs\['c'\]: the Counted's batch"):
+        tg.gather([{"c": Counted(batch(), "w", rows)}] * 2, "cpu")
+
+
 def test_replicas_whose_other_batch_dims_differ_are_refused() -> None:
     outs = [TensorDict({}, [2, 3]), TensorDict({}, [2, 4])]  # (no leaf to be concatenated)
     with pytest.raises(

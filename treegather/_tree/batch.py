@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeKind, PyTreeSpec
 
-from .._errors import ShapeMismatchError, safe_repr
+from .._errors import ArgumentTypeError, ShapeMismatchError, bullet_list, safe_repr
 from .paths import Node, display_path, nodes
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "RowsKind",
     "along_rows",
     "batch_nodes",
+    "check_sizes",
     "counted",
     "is_batched",
     "note",
@@ -227,6 +228,32 @@ def batch_nodes(spec: PyTreeSpec) -> tuple[BatchNode, ...]:
         with _LOCK:
             _BATCHED[id(spec)] = (entry[0], result)
     return result
+
+
+def check_sizes(spec: PyTreeSpec, root: str | None = "tree", where: str = "") -> None:
+    """Read the batch size of every batch node of ``spec``, as flattening a tree does once.
+
+    A batch size that cannot be read (the class's ``batch_size`` function raises, or gives other
+    than ints: a field holding ``None``, a float, a tensor) is an
+    :class:`~treegather.ArgumentTypeError` naming the node's path (from ``root``; ``where``
+    starts the message), chained from the first failure, instead of the bare error of whichever
+    step first asked for it.
+    """
+    problems: list[str] = []
+    first: BaseException | None = None
+    for bn in batch_nodes(spec):
+        try:
+            bn.meta.size  # noqa: B018 (read and kept: every later step takes it from here)
+        except Exception as exc:
+            first = first or exc
+            name = bn.meta.rule.cls.__qualname__
+            problems.append(
+                f"{display_path(bn.node, root)}: the {name}'s batch size cannot be read from its "
+                f"metadata {safe_repr(bn.meta.aux)} ({type(exc).__name__}: {exc})"
+            )
+    if problems:
+        hint = "a batch size is an int (the rows) or a sequence of ints (its leading dims)"
+        raise ArgumentTypeError(where + bullet_list(problems, hint)) from first
 
 
 def _node_data(spec: PyTreeSpec) -> Any:

@@ -19,7 +19,7 @@ import torch
 from optree import PyTreeSpec
 
 from .._errors import TreeDepthError
-from .batch import note, tally
+from .batch import check_sizes, note, tally
 from .paths import Node, display_path, format_path
 from .registry import NAMESPACE, sync
 
@@ -52,6 +52,7 @@ def flatten(tree: Any, root: str | None = "tree", where: str = "") -> tuple[list
         raise depth_error(tree, root, where) from None
     if tally() != counted:  # it flattened a batch node (treegather._tree.batch)
         note(spec)
+        check_sizes(spec, root, where)
     return leaves, spec
 
 

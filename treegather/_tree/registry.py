@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar, overload
 
 import optree
+import torch
 import torch.utils._pytree as _torch_pytree
 
 from .._caches import clear_tree_caches
@@ -82,10 +84,12 @@ def register_dataclass(
     also ``OrderedDict`` subclasses (the shape of transformers' ``ModelOutput``) are rebuilt
     through their constructor, so the result equals an object made the normal way.
 
-    A static field that holds the batch size (an int: the rows; or a sequence of ints, the
-    leading dims the tensors share, as TensorDict's ``batch_size``) is named by ``batch_size``:
-    it follows the rows, as for :func:`register_node`'s ``batch_size=`` (each shard holds its
-    own rows, a gather the rows joined).
+    A static field that holds the batch size (an int: the rows, a numpy integer kept as its
+    type; or a sequence of ints, the leading dims the tensors share, as TensorDict's
+    ``batch_size``) is named by ``batch_size``: it follows the rows, as for
+    :func:`register_node`'s ``batch_size=`` (each shard holds its own rows, a gather the rows
+    joined). A field holding anything else (``None``, a float, a bool, a tensor) is an
+    :class:`~treegather.ArgumentTypeError` naming the node's path when the tree is flattened.
 
     Args:
         cls: the dataclass; omit it to use ``register_dataclass(static=...)`` as a decorator.
@@ -154,23 +158,32 @@ def register_dataclass(
     rule = None
     if batch_size is not None:
         at = statics.index(batch_size)
-        rule = BatchRule(cls, _field_size(at), _field_resize(at))
+        rule = BatchRule(cls, _field_size(at, batch_size), _field_resize(at))
     _register(cls, flatten_fn, unflatten_fn, rule)
     return cls
 
 
-def _field_size(at: int) -> Callable[[tuple[Any, ...]], tuple[int, ...]]:
+def _field_size(at: int, name: str) -> Callable[[tuple[Any, ...]], tuple[int, ...]]:
     def size(meta: tuple[Any, ...]) -> tuple[int, ...]:
         value = meta[at]
-        return (value,) if isinstance(value, int) else tuple(value)
+        if _is_count(value):
+            return (value,)
+        if isinstance(value, (str, bytes, bool, torch.Tensor)) or not isinstance(value, Iterable):
+            raise TypeError(f"{name}={safe_repr(value)} is neither an int nor a sequence of ints")
+        return tuple(value)
 
     return size
+
+
+def _is_count(value: Any) -> bool:
+    """An integer that is not a bool (an int, a numpy integer): the rows, a batch size of one dim."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _field_resize(at: int) -> Callable[[tuple[Any, ...], tuple[int, ...]], tuple[Any, ...]]:
     def resize(meta: tuple[Any, ...], size: tuple[int, ...]) -> tuple[Any, ...]:
         value = meta[at]
-        new: Any = size[0] if isinstance(value, int) else type(value)(size)
+        new: Any = type(value)(size[0]) if _is_count(value) else type(value)(size)
         return (*meta[:at], new, *meta[at + 1 :])
 
     return resize
