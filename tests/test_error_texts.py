@@ -294,9 +294,17 @@ class WithField:
     a: int = 0
 
 
+@tg.register_dataclass(batch_size="rows")
+@dataclasses.dataclass
+class Sized:
+    x: torch.Tensor
+    rows: Any
+
+
 _cases(
     "register",
     {
+        "batch_size_field": lambda: tg.scatter({"s": Sized(torch.ones(4), None)}, CPU2),
         "dataclass": lambda: tg.register_dataclass(NotADataclass),
         "static_field": lambda: tg.register_dataclass(WithField, static=["nope"]),  # type: ignore[call-arg]
         "node": lambda: tg.register_node(int, None, None),  # type: ignore[arg-type]
