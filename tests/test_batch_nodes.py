@@ -499,6 +499,29 @@ def test_a_batch_size_that_is_no_int_is_refused_naming_the_path(rows: Any) -> No
         tg.gather([{"c": Counted(batch(), "w", rows)}] * 2, "cpu")
 
 
+@pytest.mark.parametrize("d", [0, 1, -1])
+def test_stacked_tensordicts_hold_the_stacked_batch_size(d: int) -> None:
+    # as torch.stack(tds, d) (stack(1) came back [2] around leaves [2, 3, 4]); stack(-1) stacks
+    # each leaf along its last dim, past the batch dims: the batch size is kept
+    outs = [TensorDict({"x": torch.randn(2, 4), "n": TensorDict({}, [2])}, [2]) for _ in range(3)]
+    x = torch.stack([o["x"] for o in outs], d)
+    size = torch.stack(outs, d).batch_size if d >= 0 else torch.Size([2])
+    for fast in (True, False):
+        with contextlib.nullcontext() if fast else reference_only():
+            got = tg.gather(outs, "cpu", tg.stack(d))
+        assert got.batch_size == size and got["n"].batch_size == size
+        assert torch.equal(got["x"], x)
+    scalars = [TensorDict({"loss": torch.tensor(float(i))}, []) for i in range(3)]
+    assert tg.gather(scalars, "cpu", tg.stack()).batch_size == torch.Size([3])
+
+
+def test_a_tensordict_whose_leaves_cannot_hold_its_rows_is_refused() -> None:
+    # x taken whole inside a TensorDict split by rows: tensordict guessed batch size [] instead
+    td = TensorDict({"x": torch.randn(7, 4), "n": TensorDict({"y": torch.randn(7, 2)}, [7])}, [7])
+    with pytest.raises(tg.ShapeMismatchError, match=r"inputs: the TensorDict cannot be rebuilt"):
+        tg.scatter(td, ["cpu"] * 3, tg.by_path({"x": tg.broadcast()}))
+
+
 def test_replicas_whose_other_batch_dims_differ_are_refused() -> None:
     outs = [TensorDict({}, [2, 3]), TensorDict({}, [2, 4])]  # (no leaf to be concatenated)
     with pytest.raises(

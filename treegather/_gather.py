@@ -30,7 +30,7 @@ from ._errors import (
 )
 from ._layout import Plan, display_path, resolve
 from ._mismatch import ROOT, diagnose, structure_error
-from ._rules import Cat, CatItems, Pad
+from ._rules import Cat, CatItems, Pad, Stack
 from ._tree import batch_nodes, flatten, is_batched, is_leaf, rebuild
 
 __all__ = ["gather", "gather_call", "gather_reference", "gather_from", "combine", "ROOT"]
@@ -260,15 +260,21 @@ def joined_sizes(
     Along the dims its leaves are concatenated along (``cat``, ``pad``; a per-sample list under
     ``cat_items()``: dim 0), the replicas' rows added up; a node without tensor leaves follows
     ``dim``; its other dims must agree between the replicas (a :class:`ShapeMismatchError`
-    naming its path). A node whose tensors are combined otherwise keeps replica 0's batch size.
+    naming its path). A node whose tensors are all stacked along one new dim within its batch
+    dims (``stack(d)``) holds the number of replicas there, as ``torch.stack`` of tensordicts
+    gives. A node whose tensors are combined otherwise keeps replica 0's batch size. A node
+    without tensors inside another batch node does as that node did.
     """
     found = batch_nodes(plan.up_spec)
     per_replica = [_sizes_by_path(out) for out in outputs]
     out: dict[int, tuple[int, ...]] = {}
+    # node -> the dim its tensors were stacked along, or -1: joined; absent: its size kept
+    outcome: dict[int, int] = {}
     for i, bn in enumerate(found):
         start, stop = bn.node.start, bn.node.stop
         dims: set[int] = set()
-        tensors = False
+        stacked: set[int] = set()  # the new dims of tensors under stack()
+        tensors = unstacked = False
         for pos in range(start, stop):
             col = columns[pos]
             first = col[0]
@@ -276,6 +282,10 @@ def joined_sizes(
                 tensors = True
             group = plan.groups[pos]
             rule = group[2] if group is not None else plan.rules[pos]
+            if isinstance(rule, Stack) and isinstance(first, Tensor):
+                stacked.add(rule.dim % (first.dim() + 1))
+            elif isinstance(first, Tensor):
+                unstacked = True
             if isinstance(rule, CatItems):
                 dims.add(0)
             elif isinstance(first, Tensor) and first.dim() > 0:
@@ -284,12 +294,28 @@ def joined_sizes(
                 elif isinstance(rule, (Cat, Pad)):
                     dims.add(rule.dim % first.dim())
         size0 = bn.meta.size
-        if not dims and not tensors:
+        sizes = [found_r.get(bn.node.raw, size0) for found_r in per_replica]
+        if not tensors:  # (a node without tensors follows the node it is in, if any)
+            raw = bn.node.raw
+            outer = [j for j in range(i) if raw[: len(found[j].node.raw)] == found[j].node.raw]
+            if outer:
+                how = outcome.get(outer[-1])
+                if how is None:  # (its batch size kept)
+                    continue
+                if how >= 0:
+                    stacked, unstacked = {how}, False
+        if not dims and not tensors and not stacked:
             dims = {dim if dim >= 0 else dim + len(size0)}
         held = {d for d in dims if 0 <= d < len(size0)}
         if not held:
+            # every tensor stacked along one new dim within the batch dims (torch.stack of
+            # tensordicts): the replicas' count inserted there, where their batch sizes agree
+            if len(stacked) == 1 and not unstacked and all(s == size0 for s in sizes):
+                (d,) = stacked
+                if d <= len(size0):
+                    out[i] = (*size0[:d], len(outputs), *size0[d:])
+                    outcome[i] = d
             continue
-        sizes = [found_r.get(bn.node.raw, size0) for found_r in per_replica]
         other = [j for j in range(len(size0)) if j not in held]
         if any(len(s) != len(size0) or any(s[j] != size0[j] for j in other) for s in sizes):
             shown = "; ".join(f"replica {r}: {list(s)}" for r, s in enumerate(sizes[:4]))
@@ -301,6 +327,7 @@ def joined_sizes(
         out[i] = tuple(
             sum(s[j] for s in sizes) if j in held else size0[j] for j in range(len(size0))
         )
+        outcome[i] = -1
     return out
 
 

@@ -11,7 +11,9 @@ feature dim equal to the rows is taken for a batch dim; a tensorclass with a str
 ``[]``). Here the same functions are registered with treegather's public batch-node option
 (:func:`treegather.register_node`'s ``batch_size=``), reading and replacing that context's
 ``batch_size``: a shard holds its rows, a gather the rows joined, and the names, keys, device
-and non-tensor entries are the metadata replicas agree on.
+and non-tensor entries are the metadata replicas agree on. Where tensordict would guess another
+batch size than the one given (a leaf taken whole in a tensordict split by rows), the rebuild
+is refused, naming the path, instead.
 
 A ``_SubTensorDict`` (a view) comes back as a view of a new ``TensorDict`` and tensordict's
 ``LinkedList`` as a ``LinkedList``, not as the base class tensordict's own functions give.
@@ -95,7 +97,15 @@ def _unflatten(t_unflatten: Any, cls: type) -> Any:
     def unflatten(ctx: _Context, children: Iterable[Any]) -> Any:
         values = list(children)
         out = t_unflatten(values, dict(ctx.value))  # (it may write into the context)
-        if view and type(out) is not cls and all(map(_data, values)):
+        if not all(map(_data, values)):  # (a template's placeholders)
+            return out
+        wanted = torch.Size(_batch_size(ctx))
+        if out.batch_size != wanted:  # tensordict guessed another from the leaves' shapes
+            raise ValueError(
+                f"its leaves do not all start with the batch size {list(wanted)} "
+                f"(tensordict would make it {list(out.batch_size)})"
+            )
+        if view and type(out) is not cls:
             out = out._get_sub_tensordict(slice(None))  # (tensordict rebuilds a TensorDict)
         return out
 

@@ -356,9 +356,10 @@ def _refused(bn: BatchNode, size: Size, exc: BaseException, root: str | None) ->
     name = bn.meta.rule.cls.__qualname__
     return ShapeMismatchError(
         f"{display_path(bn.node, root)}: the {name} cannot be rebuilt with batch size "
-        f"{list(size)} around its combined leaves ({type(exc).__name__}: {exc})\n"
-        f"Hint: a batch node's leaves must keep its batch dims; combine them with cat() along "
-        f"a batch dim (the default), or take the node whole (first(), as_list())"
+        f"{list(size)} around its leaves ({type(exc).__name__}: {exc})\n"
+        f"Hint: a batch node's leaves must keep its batch dims; split them, or combine them "
+        f"with cat(), along a batch dim (the default), or take the node whole (broadcast() in "
+        f"a scatter; first(), as_list() in a gather)"
     )
 
 
