@@ -515,6 +515,15 @@ def test_stacked_tensordicts_hold_the_stacked_batch_size(d: int) -> None:
     assert tg.gather(scalars, "cpu", tg.stack()).batch_size == torch.Size([3])
 
 
+def test_stacked_tensordicts_with_names_are_refused_naming_the_path() -> None:
+    # (they came back with batch size [3, 2] and names ['b']: one name for two dims)
+    outs = [{"td": TensorDict({"x": torch.randn(2, 4)}, [2], names=["b"])} for _ in range(3)]
+    with pytest.raises(tg.ShapeMismatchError, match=r"outputs\['td'\]: .* its names \['b'\]"):
+        tg.gather(outs, "cpu", tg.stack())
+    got = tg.gather([{"td": o["td"].rename(None)} for o in outs], "cpu", tg.stack())
+    assert got["td"].batch_size == torch.Size([3, 2])
+
+
 def test_a_tensordict_whose_leaves_cannot_hold_its_rows_is_refused() -> None:
     # x taken whole inside a TensorDict split by rows: tensordict guessed batch size [] instead
     td = TensorDict({"x": torch.randn(7, 4), "n": TensorDict({"y": torch.randn(7, 2)}, [7])}, [7])

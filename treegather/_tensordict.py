@@ -75,6 +75,12 @@ def _batch_size(ctx: _Context) -> tuple[int, ...]:
 
 def _with_batch_size(ctx: _Context, size: tuple[int, ...]) -> _Context:
     value = dict(ctx.value)
+    names = value.get("names")
+    if names is not None and len(names) != len(size):  # (where a new dim goes is not known)
+        raise ValueError(
+            f"its names {list(names)} name {len(names)} batch dim(s), not {len(size)}; gather "
+            f"it with as_list(), or without names (td.rename(None))"
+        )
     found = value["batch_size"]
     shape = torch.Size(size)
     value["batch_size"] = shape if isinstance(found, torch.Size) else type(found)(shape)
