@@ -51,6 +51,7 @@ __all__ = [
     "set_rule",
     "tally",
     "unflattened",
+    "unreadable",
     "unwrapped",
 ]
 
@@ -160,9 +161,20 @@ def _count() -> None:
 
 
 def counted(meta: Batched) -> Batched:
-    """``meta``, counted for this thread's :func:`tally` (every batch node's flatten)."""
+    """``meta``, counted for this thread's :func:`tally` (every batch node's flatten), its batch
+    size read (one that cannot be is counted for :func:`unreadable`)."""
     _count()
+    try:
+        meta.size  # noqa: B018 (read once here, kept for every later step)
+    except Exception:
+        _TALLY.bad = getattr(_TALLY, "bad", 0) + 1
     return meta
+
+
+def unreadable() -> int:
+    """How many batch sizes this thread's flattens could not read so far (:func:`check_sizes`
+    says where)."""
+    return getattr(_TALLY, "bad", 0)
 
 
 def tally() -> int:
@@ -243,7 +255,7 @@ def check_sizes(spec: PyTreeSpec, root: str | None = "tree", where: str = "") ->
     first: BaseException | None = None
     for bn in batch_nodes(spec):
         try:
-            bn.meta.size  # noqa: B018 (read and kept: every later step takes it from here)
+            bn.meta.size  # noqa: B018
         except Exception as exc:
             first = first or exc
             name = bn.meta.rule.cls.__qualname__

@@ -19,7 +19,7 @@ import torch
 from optree import PyTreeSpec
 
 from .._errors import TreeDepthError
-from .batch import check_sizes, note, tally
+from .batch import check_sizes, note, tally, unreadable
 from .paths import Node, display_path, format_path
 from .registry import NAMESPACE, sync
 
@@ -45,14 +45,15 @@ def flatten(tree: Any, root: str | None = "tree", where: str = "") -> tuple[list
     treegather.TreeDepthError: inputs['self'] is inputs itself: the tree contains itself ...
     """
     sync()
-    counted = tally()
+    counted, bad = tally(), unreadable()
     try:
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     except RecursionError:
         raise depth_error(tree, root, where) from None
     if tally() != counted:  # it flattened a batch node (treegather._tree.batch)
         note(spec)
-        check_sizes(spec, root, where)
+        if unreadable() != bad:  # a batch size that cannot be read: where
+            check_sizes(spec, root, where)
     return leaves, spec
 
 
