@@ -24,10 +24,11 @@ from .._errors import BatchSizeError, StateError, StructureMismatchError, Treega
 from .._layout import Plan, resolve
 from .._rules import AsList
 from .._tree import along_rows, batch_nodes, display_path, rebuild
-from . import errors, protocol
+from . import calls, errors
+from .describe import format_problems
+from .exchange import COLLECT
 from .layout import layout_text
 from .loaders import OBSERVE, Observation, dataset_key, index_tensor, observe, pure_sampler, read
-from .preamble import COLLECT
 from .samples import (
     CROSS,
     ITEMS,
@@ -47,7 +48,6 @@ from .samples import (
     sendable,
     travelling,
 )
-from .wire import format_problems
 
 __all__ = ["Collector"]
 
@@ -483,8 +483,8 @@ def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[An
             raise ValueError(f"Collector.gather(dst={dst}): without a process group dst is 0")
         return finish([local])
     if dst is None:
-        return finish(protocol.all_gather(local, AsList(), group, 0, None, False, COLLECT))
-    return protocol.gather(local, dst, AsList(), group, 0, None, finish, COLLECT)
+        return finish(calls.all_gather(local, AsList(), group, 0, None, False, COLLECT))
+    return calls.gather(local, dst, AsList(), group, 0, None, finish, COLLECT)
 
 
 def _initialized() -> bool:

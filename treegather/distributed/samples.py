@@ -23,7 +23,8 @@ from .._errors import BatchSizeError, LayoutError, LeafTypeError, TreegatherErro
 from .._layout import Plan, resolve
 from .._rules import Cat, CatItems, Combining, Pad, Rule, fill_fits
 from .._tree import Rows, describe, display_path, format_path
-from .wire import tensor_bytes, unsendable
+from .describe import unsendable
+from .exchange import tensor_bytes
 
 __all__ = [
     "CROSS",

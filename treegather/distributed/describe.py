@@ -1,0 +1,769 @@
+"""Stage 1 of a :mod:`treegather.distributed` call: what this rank sends, described and checked.
+
+A rank's tree becomes a :class:`Local`: its leaves, the :class:`Plan` of how they travel, and
+the plan's *header*. The payload of every call, whichever way it travels::
+
+    [status, rows of each tensor leaf of >= 1 dim, sizes | one region per (dtype, trailing
+     shape): its leaves' bytes, written by one torch.cat | the other leaves, pickled]
+
+A plan is a function of the structure, each leaf's dtype and trailing shape (every dim but the
+first), the layout and ``dim``, whether ``sizes`` was passed and which leaves require grad
+(``sync_grads``); it is kept per such key, with its *digest* (two int64 that the ranks compare
+in the call's first collective) and its *header* (the pickled description another rank reads
+the payload with, and checks the trees with, sent only when the digests differ). A tree the
+plans cannot keep (batch nodes, values laid out by rows, unpicklable structure) gets a plan of
+its own with the digest ``(0, 0)``: its header always travels. So does every tree under
+:func:`treegather._caches.reference_only`: the header path is the definition.
+
+A repeated call finds its plan without reading every shape: a tree of tensors whose leaves have
+the dtypes and element counts of the last call with its structure, and whose regions' first
+leaves have that call's exact shapes, takes that call's plan; packing each region with one
+``torch.cat`` then proves every other leaf's shape (``cat`` refuses other trailing dims, and
+equal counts then mean equal rows). So a payload that will travel in the first collective is
+packed here, and a larger one has its shapes read here: what leaves this module is checked.
+
+Problems found here (a sparse tensor, an unpicklable leaf, a bad ``sizes``) become an *error
+header* instead of an exception, so that every rank learns of them in the exchange and raises
+the same error, instead of the others waiting in a collective. Nothing here formats user data.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import hashlib
+import math
+import operator
+import pickle
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from optree import PyTreeSpec
+
+from .. import _layout, _tree
+from .._caches import FAST_PATHS, LRU
+from .._compiled import structure as _structure
+from .._errors import BatchSizeError, LeafTypeError, TreegatherError, safe_repr
+from .._rules import Cat
+from .layout import layout_text
+
+__all__ = [
+    "DTYPES",
+    "Local",
+    "Plan",
+    "ROOT",
+    "Region",
+    "describe",
+    "fingerprint",
+    "format_problems",
+    "leaf_paths",
+    "padded",
+    "plan_from_header",
+    "unsendable",
+    "write",
+]
+
+ALIGN = 16  # every region starts 16-byte aligned, so any dtype can be viewed in place
+INT64 = 8
+ROOT = "outputs"  # how error messages name the tree (as treegather.gather does)
+MAX_LISTED = 10  # problems listed in one message before "... and N more"
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+_NAMES = {d: name for name, d in DTYPES.items()}
+# dtypes torch.cat writes into a view of the send buffer on every device; the others travel as
+# their bytes, each leaf viewed as uint8 (their shapes are then read, not proved by packing).
+PACKABLE = frozenset(
+    {
+        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
+        *(torch.complex128, torch.complex64, torch.bool, torch.uint8),
+        *(torch.int64, torch.int32, torch.int16, torch.int8),
+    }
+)
+Tensor = torch.Tensor
+_MISSING: Any = object()
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
+_FAILED = 1  # the status of a payload that could not be packed
+_QUANTIZED = frozenset(d for name, d in DTYPES.items() if name.startswith("q"))
+# Plans by (pickled structure, dtypes, dims, trailing shapes, layout key, sizes given, grads,
+# whether the header carries the structure for rank 0's key order).
+_PLANS: LRU[Any, Plan | None] = LRU("distributed.wire_plans", maxsize=64)
+# The call seen last per (structure, layout key, sizes given, grads, order).
+_LAST: LRU[Any, _Seen] = LRU("distributed.wire_plans_last", maxsize=64)
+
+
+def padded(n: int) -> int:
+    """``n`` rounded up to the 16-byte alignment of every region."""
+    return -(-n // ALIGN) * ALIGN
+
+
+# ------------------------------------------------------------------------------- the plan
+
+
+class Region(NamedTuple):
+    dtype: torch.dtype
+    trailing: tuple[int, ...] | None  # None: 0-dim leaves (one element each)
+    positions: tuple[int, ...]  # leaf indices, in leaf order
+    rows: slice  # this region's entries in the rows vector (0-dim: empty)
+    row_bytes: int  # bytes per row (0-dim: per leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one structure's payload is laid out; immutable, shared by calls with the same key."""
+
+    digest: tuple[int, int]  # (0, 0): never shared, the header always travels
+    regions: tuple[Region, ...]
+    objects: tuple[int, ...]  # positions of the non-tensor leaves
+    row_positions: tuple[int, ...]  # the leaves whose first dim the rows vector holds
+    sizes_given: bool
+    vectorised: bool = False  # default rules only: every result region in one cat
+    grads: tuple[int, ...] | None = None  # sync_grads: the leaves that require grad
+    header: bytes = b""  # the pickled description (:func:`_header`)
+    spec: PyTreeSpec | None = None
+    head_ints: int = dataclasses.field(init=False)
+    head_bytes: int = dataclasses.field(init=False)
+    # Leaf i is entry order[i] of the regions' leaves in region order, then the objects; None
+    # when that is leaf order already.
+    order: tuple[int, ...] | None = dataclasses.field(init=False)
+    firsts: tuple[int, ...] = dataclasses.field(init=False)  # each region's first leaf
+    packable: bool = dataclasses.field(init=False)  # every region written by torch.cat
+
+    def __post_init__(self) -> None:
+        head_ints = 1 + len(self.row_positions) + self.sizes_given
+        object.__setattr__(self, "head_ints", head_ints)
+        object.__setattr__(self, "head_bytes", padded(INT64 * head_ints))
+        placed = [pos for region in self.regions for pos in region.positions]
+        placed += self.objects
+        order = [0] * len(placed)
+        for k, pos in enumerate(placed):
+            order[pos] = k
+        object.__setattr__(self, "order", None if placed == sorted(placed) else tuple(order))
+        object.__setattr__(self, "firsts", tuple(r.positions[0] for r in self.regions))
+        object.__setattr__(self, "packable", all(r.dtype in PACKABLE for r in self.regions))
+
+    def nbytes(self, rows: Sequence[int]) -> int:
+        """The payload's bytes before its objects, for these rows: the head and every region."""
+        total = self.head_bytes
+        for region in self.regions:
+            n = sum(rows[region.rows]) if region.trailing is not None else len(region.positions)
+            total += padded(n * region.row_bytes)
+        return total
+
+
+class Local(NamedTuple):
+    """This rank's call, ready to send: a plan and the values it lays out, or an error header."""
+
+    plan: Plan | None  # None: ``header`` is an error header, and no payload travels
+    header: bytes
+    leaves: Sequence[Any] = ()
+    rows: Sequence[int] = ()
+    sizes: int | None = None
+    blob: bytes = b""  # the pickled non-tensor leaves (empty when there are none)
+    nbytes: int = 0  # of the payload
+    devices: frozenset[torch.device] = frozenset()  # of the tensor leaves
+    # This call's own structure, which results are rebuilt with (``plan.spec`` may be an earlier
+    # call's, whose static fields and dict keys a result must not share).
+    spec: PyTreeSpec | None = None
+    # The first collective's buffer with the payload packed after ``room`` bytes, when it fits
+    # the capacity given to :func:`describe` (``None``: it does not, or no plan).
+    inline: Tensor | None = None
+
+    @property
+    def digest(self) -> tuple[int, int]:
+        return (0, 0) if self.plan is None else self.plan.digest
+
+
+def error_header(cls: type[Exception], message: str) -> bytes:
+    """What a rank sends instead of its tree when it found a problem of its own."""
+    return pickle.dumps({"error": (cls.__name__, message)}, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _failed(cls: type[Exception], message: str) -> Local:
+    return Local(None, error_header(cls, message))
+
+
+def describe(
+    tree: Any,
+    layout: Any,
+    dim: int,
+    sizes: Any,
+    sync: bool = False,
+    *,
+    room: int = 0,
+    capacity: int = 0,
+    avoid: str | None = None,
+    order: bool = False,
+    with_spec: bool = False,
+) -> Local:
+    """This rank's call as a :class:`Local`; never raises (a problem becomes an error header).
+
+    A payload of at most ``capacity`` bytes is packed into the first collective's buffer
+    (``room + capacity`` bytes, the payload after ``room``); a larger one is checked (every
+    leaf's shape, layout and device read) for :func:`write` to pack once the ranks agreed; so
+    is one whose tensors are all on a device of the type ``avoid`` names (an accelerator whose
+    own backend carries the bytes, which the first collective does not use).
+    ``order`` (rank 0): the header carries the structure, so that every rank rebuilds the
+    trees with rank 0's dict key order. ``with_spec`` (``broadcast``'s sender): the header
+    carries the whole structure and each leaf's device type. ``sync`` (``sync_grads``): which
+    leaves require grad is part of the plan.
+    """
+    if sizes is not None and (isinstance(sizes, bool) or not isinstance(sizes, int) or sizes < 0):
+        message = f"sizes must be this rank's non-negative int (e.g. its batch size), got {safe_repr(sizes)}"
+        return _failed(BatchSizeError, message)
+    try:
+        kept = (
+            _kept(tree, layout, dim, sizes, sync, order)
+            if FAST_PATHS.on and not with_spec
+            else None
+        )
+        if avoid is not None and kept is not None and _all_on(kept[0].devices, avoid):
+            capacity = 0
+        local = None if kept is None else _ready(kept[0], kept[1], room, capacity)
+        if local is None:  # (no plan kept, or packing refuted what it assumed: read it all)
+            local = _described(tree, layout, dim, sizes, sync, order, with_spec)
+            if local.plan is not None:
+                if local.plan.digest == (0, 0) or (avoid and _all_on(local.devices, avoid)):
+                    capacity = 0  # (its header travels, and its payload with it)
+                local = _ready(local, None, room, capacity, read=True) or _failed(
+                    LeafTypeError, "this rank's tensors could not be packed"
+                )
+        return local
+    except TreegatherError as exc:  # (a tree that contains itself): the same error everywhere
+        return _failed(type(exc), str(exc))
+    except Exception as exc:  # a node's flatten function failed, say: still tell the others
+        message = f"could not prepare this rank's tree: {type(exc).__name__}: {exc}"
+        return _failed(TreegatherError, message)
+
+
+def _all_on(devices: frozenset[torch.device], kind: str) -> bool:
+    return bool(devices) and all(d.type == kind for d in devices)
+
+
+def _ready(
+    local: Local, assumed: _Seen | None, room: int, capacity: int, read: bool = False
+) -> Local | None:
+    """``local`` packed into the first collective's buffer when it fits ``capacity``, else
+    checked for :func:`write` (unless every leaf was ``read``); ``None`` when packing or the
+    check refutes what it assumed (a shape, one layout, one device)."""
+    if local.nbytes <= capacity:
+        home = next(iter(local.devices)) if len(local.devices) == 1 else torch.device("cpu")
+        buf = torch.empty(room + capacity, dtype=torch.uint8, device=home)
+        if not write(local, buf[room:]):
+            if assumed is not None:  # for good: shapes that alternate with the same counts
+                assumed.refuted = True
+            return None
+        return local._replace(inline=buf)
+    if read:
+        return local
+    assert local.plan is not None
+    objects = frozenset(local.plan.objects)
+    tensors = [x for i, x in enumerate(local.leaves) if i not in objects]
+    devices = frozenset(map(_DEVICE, tensors))
+    if len(devices) > 1 or list(map(_LAYOUT, tensors)).count(torch.strided) != len(tensors):
+        return None
+    if assumed is not None and list(map(Tensor.size, local.leaves)) != assumed.shapes:
+        assumed.refuted = True
+        return None
+    return local._replace(devices=devices)
+
+
+def _kept(
+    tree: Any, layout: Any, dim: int, sizes: int | None, sync: bool, order: bool
+) -> tuple[Local, _Seen | None] | None:
+    """The call through the plan kept for its key, and the last call whose shapes it assumes
+    (``None``: it read them), or ``None``: no plan can be kept for it (:func:`_described`)."""
+    leaves, structure, spec = _structure.recognise(tree, ROOT)
+    if structure is None and _tree.is_batched(spec):
+        return None  # (each rank's batch sizes travel in its header)
+    text = layout_text(layout, dim, sync)[0]
+    grads = grad_positions(leaves) if sync else None
+    key = None if structure is None else (structure, text, sizes is not None, grads, order)
+    last = None if key is None else _LAST.get(key)
+    assumed = None
+    if last is not None and not sync and _same_counts(last, leaves):
+        seen: _Seen | None = last
+        assumed = last
+        first = leaves[0] if leaves else None
+    else:
+        shapes, dtypes = _signature(leaves)
+        if any(type(x) is _tree.Rows for x in leaves):
+            return None  # (joined by its own rule, and its rows are not a leaf's)
+        seen = _seen(
+            key, last, tree, spec, dtypes, shapes, layout, dim, sizes is not None, grads, order
+        )
+        first = next((leaves[i] for i, d in enumerate(dtypes) if d is not None), None)
+    if seen is None or seen.plan is None:
+        return None
+    if first is not None and (first.layout != torch.strided or first.device.type == "meta"):
+        return None
+    blob = b""
+    if seen.plan.objects:
+        try:
+            blob = pickle.dumps([leaves[i] for i in seen.plan.objects], pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return None
+    devices = frozenset() if first is None else frozenset((first.device,))
+    nbytes = seen.tensor_bytes + len(blob)
+    local = Local(
+        seen.plan, seen.plan.header, leaves, seen.rows, sizes, blob, nbytes, devices, spec
+    )
+    return local, None if len(leaves) < 2 else assumed
+
+
+def _described(
+    tree: Any,
+    layout: Any,
+    dim: int,
+    sizes: int | None,
+    sync: bool,
+    order: bool,
+    with_spec: bool,
+) -> Local:
+    """The call described from scratch: every leaf read and checked, a plan made for it alone
+    (its digest ``(0, 0)``: its header travels)."""
+    leaves, spec = _tree.flatten(tree, ROOT)
+    bad = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and unsendable(x)]
+    if bad:
+        paths = leaf_paths(spec)
+        problems = [
+            f"{paths[i]}: {_tree.describe(leaves[i])}, layout {leaves[i].layout}" for i in bad
+        ]
+        return _failed(
+            LeafTypeError,
+            format_problems(
+                "cannot send sparse, quantized, nested or meta tensors",
+                problems,
+                "convert them first (e.g. .to_dense() or .dequantize())",
+            ),
+        )
+    shapes, dtypes = _signature(leaves)
+    objects = [x for x in leaves if not isinstance(x, Tensor)]
+    try:
+        blob = pickle.dumps(objects, pickle.HIGHEST_PROTOCOL) if objects else b""
+    except Exception as exc:
+        return _failed(LeafTypeError, _unpicklable(spec, leaves, exc))
+    grads = grad_positions(leaves) if sync else None
+    extra: dict[str, Any] = {}
+    if with_spec:
+        extra = {
+            "spec": spec,
+            "devices": [x.device.type if isinstance(x, Tensor) else None for x in leaves],
+        }
+    try:
+        plan = _build(
+            tree, spec, dtypes, shapes, layout, dim, sizes is not None, grads, order, extra
+        )
+    except TreegatherError as exc:  # the layout does not fit the tree
+        return _failed(type(exc), str(exc))
+    except Exception as exc:  # unpicklable node metadata in the header
+        return _failed(LeafTypeError, _unpicklable(spec, leaves, exc))
+    rows = [shapes[i][0] for i in plan.row_positions]
+    devices = frozenset(x.device for x in leaves if isinstance(x, Tensor))
+    nbytes = plan.nbytes(rows) + len(blob)
+    return Local(plan, plan.header, leaves, rows, sizes, blob, nbytes, devices, spec)
+
+
+class _Seen:
+    """The last call with one key: what a repeated call compares itself to."""
+
+    __slots__ = (
+        "dtypes",
+        "numels",
+        "plan",
+        "refuted",
+        "rows",
+        "shapes",
+        "spec_bytes",
+        "tensor_bytes",
+    )
+
+    def __init__(
+        self,
+        spec_bytes: bytes,
+        dtypes: list[Any],
+        shapes: list[Any],
+        plan: Plan | None,
+        rows: list[int],
+    ) -> None:
+        self.spec_bytes = spec_bytes
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.plan = plan
+        self.rows = rows
+        self.tensor_bytes = 0 if plan is None else plan.nbytes(rows)
+        # Each leaf's element count, worked out the first time a call is compared by counts;
+        # () when a count is zero (``cat`` skips a 1-D empty tensor instead of checking it).
+        self.numels: list[int] | tuple[()] | None = None
+        # Packing refuted a call that assumed these shapes: this key's calls read their shapes.
+        self.refuted = False
+
+
+def _same_counts(last: _Seen, leaves: list[Any]) -> bool:
+    """Whether ``leaves`` (tensors only) can take ``last``'s plan by element counts and dtypes:
+    each region's first leaf has ``last``'s exact shape (read first: where the rows change with
+    the batch, this fails before anything per leaf is read), no count is zero."""
+    plan = last.plan
+    if plan is None or plan.objects or not plan.packable or last.refuted or last.numels == ():
+        return False
+    shapes = last.shapes
+    try:
+        for i in plan.firsts:
+            if leaves[i].size() != shapes[i]:
+                return False
+        numels = last.numels
+        if numels is None:
+            counts = list(map(torch.Size.numel, shapes))
+            numels = last.numels = () if 0 in counts else counts
+        if not numels:
+            return False
+        counts = list(map(Tensor.numel, leaves))  # a TypeError for a leaf that is no tensor
+        return counts == numels and list(map(_DTYPE, leaves)) == last.dtypes
+    except Exception:  # not a tensor, a nested tensor, ...: the shapes will tell
+        return False
+
+
+def _seen(
+    key: Any,
+    last: _Seen | None,
+    tree: Any,
+    spec: PyTreeSpec,
+    dtypes: list[Any],
+    shapes: list[Any],
+    layout: Any,
+    dim: Any,
+    sizes_given: bool,
+    grads: tuple[int, ...] | None,
+    order: bool,
+) -> _Seen | None:
+    """The plan for this call, from ``last`` (the last call with its ``key``) when it can be."""
+    if last is not None and last.shapes == shapes and last.dtypes == dtypes:
+        return last
+    if not _QUANTIZED.isdisjoint(dtypes):  # (the plain path names them)
+        return None
+    try:
+        spec_bytes = last.spec_bytes if last is not None else _pickled(spec)
+    except Exception:
+        return None
+    text = layout_text(layout, dim, grads is not None)[0]
+    ndims = tuple(-1 if s is None else len(s) for s in shapes)
+    trailing = tuple(None if s is None else tuple(s[1:]) for s in shapes)
+    plan_key = (spec_bytes, tuple(dtypes), ndims, trailing, text, sizes_given, grads, order)
+    plan = _PLANS.get(plan_key, _MISSING)
+    if plan is _MISSING:
+        try:
+            plan = _build(
+                tree, spec, dtypes, shapes, layout, dim, sizes_given, grads, order, None, spec_bytes
+            )
+        except Exception:  # (the plain path names the problem)
+            plan = None
+        _PLANS.put(plan_key, plan)
+    rows = [] if plan is None else [shapes[i][0] for i in plan.row_positions]
+    found = _Seen(spec_bytes, dtypes, shapes, plan, rows)
+    found.refuted = last is not None and last.refuted
+    if key is not None:
+        _LAST.put(key, found)
+    return found
+
+
+def _pickled(spec: PyTreeSpec) -> bytes:
+    return pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _signature(leaves: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Each leaf's shape and dtype (``None`` for non-tensors)."""
+    if list(map(type, leaves)).count(Tensor) == len(leaves):
+        return list(map(Tensor.size, leaves)), list(map(_DTYPE, leaves))
+    shapes = [x.size() if isinstance(x, Tensor) else None for x in leaves]
+    return shapes, [x.dtype if isinstance(x, Tensor) else None for x in leaves]
+
+
+def _layout_of(
+    dtypes: Sequence[torch.dtype | None], trailing: Sequence[tuple[int, ...] | None]
+) -> tuple[tuple[Region, ...], tuple[int, ...], tuple[int, ...]]:
+    """The regions (widest elements first, which keeps each region's start aligned), the
+    leaves whose rows the head holds, and the non-tensor leaves."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (d, t) in enumerate(zip(dtypes, trailing)):
+        if d is not None:
+            groups.setdefault((d.itemsize, str(d), t is None, t), []).append(i)
+    regions: list[Region] = []
+    row_positions: list[int] = []
+    for k in sorted(groups, key=lambda k: (-k[0], k[1], k[2], k[3] or ())):
+        positions = groups[k]
+        dtype, trail = dtypes[positions[0]], trailing[positions[0]]
+        assert dtype is not None
+        start = len(row_positions)
+        if trail is not None:
+            row_positions.extend(positions)
+        row_bytes = dtype.itemsize * (math.prod(trail) if trail is not None else 1)
+        rows = slice(start, len(row_positions))
+        regions.append(Region(dtype, trail, tuple(positions), rows, row_bytes))
+    objects = tuple(i for i, d in enumerate(dtypes) if d is None)
+    return tuple(regions), tuple(row_positions), objects
+
+
+def _build(
+    tree: Any,
+    spec: PyTreeSpec,
+    dtypes: Sequence[torch.dtype | None],
+    shapes: Sequence[Any],
+    layout: Any,
+    dim: Any,
+    sizes_given: bool,
+    grads: tuple[int, ...] | None,
+    order: bool,
+    extra: dict[str, Any] | None,
+    spec_bytes: bytes | None = None,
+) -> Plan:
+    """The plan for these dtypes and shapes, whatever their rows, with its header: to keep, with
+    a digest the ranks compare (``spec_bytes`` given), or for one call (digest ``(0, 0)``)."""
+    trailing = [None if s is None or len(s) == 0 else tuple(s[1:]) for s in shapes]
+    regions, row_positions, objects = _layout_of(dtypes, trailing)
+    resolved = _layout.resolve(spec, layout, "gather", dim, ROOT)
+    up_spec, groups = resolved.up_spec, None
+    if up_spec is not spec:
+        # Nodes taken whole may differ between ranks (per-sample lists of uneven length): their
+        # structures travel in the header, and only the rest must match.
+        subtrees = up_spec.flatten_up_to(tree)
+        groups = {
+            pos: _tree.flatten(subtrees[pos])[1]
+            for pos, group in enumerate(resolved.groups)
+            if group is not None
+        }
+    vectorised = (
+        spec_bytes is not None
+        and not grads
+        and up_spec is spec
+        and all(
+            _default_cat(rule, dtypes[i], trailing[i], dim) for i, rule in enumerate(resolved.rules)
+        )
+    )
+    key, shown = layout_text(layout, dim, grads is not None)
+    content = {
+        "fingerprint": fingerprint(up_spec) + (f":{','.join(map(str, groups))}" if groups else ""),
+        "layout": (key, shown),
+        "meta": [None if d is None else (_NAMES[d], t) for d, t in zip(dtypes, trailing)],
+        "sizes_given": sizes_given,
+        "grads": grads,
+        "groups": groups,
+        "batch": [bn.meta.size for bn in _tree.batch_nodes(up_spec)]
+        if _tree.is_batched(up_spec)
+        else None,
+        "order": _or_none(_pickled, up_spec) if order else None,
+        **(extra or {}),
+    }
+    header = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
+    digest = (0, 0)
+    if spec_bytes is not None:
+        h = hashlib.blake2b(spec_bytes, digest_size=16)
+        h.update(repr([(str(d), t) for d, t in zip(dtypes, trailing)]).encode())
+        h.update(f"{key};sizes={sizes_given};{grads!r}".encode())
+        raw = h.digest()
+        # Two signed int64 for the first collective; (0, 0) is reserved for "no plan".
+        digest = (
+            int.from_bytes(raw[:8], "little", signed=True) or 1,
+            int.from_bytes(raw[8:], "little", signed=True),
+        )
+    return Plan(
+        digest, regions, objects, row_positions, sizes_given, vectorised, grads, header, spec
+    )
+
+
+def _or_none(fn: Any, value: Any) -> Any:
+    try:
+        return fn(value)
+    except Exception:  # unpicklable node metadata: each rank keeps its own key order
+        return None
+
+
+def _default_cat(rule: Any, dtype: Any, trailing: Any, dim: Any) -> bool:
+    """Whether a leaf combines as the default rule does: ``cat`` at dim 0, ``as_list``."""
+    if dtype is None:
+        return rule is None
+    if rule is None:
+        return type(dim) is int and dim == 0
+    return type(rule) is Cat and type(rule.dim) is int and rule.dim == 0 and trailing is not None
+
+
+def plan_from_header(header: dict[str, Any]) -> Plan:
+    """The plan another rank laid its payload out with, from its header."""
+    meta = header["meta"]
+    dtypes = [None if m is None else DTYPES[m[0]] for m in meta]
+    trailing = [None if m is None else m[1] for m in meta]
+    regions, row_positions, objects = _layout_of(dtypes, trailing)
+    return Plan((0, 0), regions, objects, row_positions, header["sizes_given"])
+
+
+def grad_positions(leaves: Sequence[Any]) -> tuple[int, ...]:
+    """The positions of the tensor leaves that require grad (what ``sync_grads`` connects)."""
+    if not torch.is_grad_enabled():
+        return ()
+    return tuple(i for i, x in enumerate(leaves) if isinstance(x, Tensor) and x.requires_grad)
+
+
+def unsendable(t: Tensor) -> bool:
+    """Sparse, quantized, nested and meta tensors: no collective sends their bytes."""
+    return t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta
+
+
+# -------------------------------------------------------------------------------- packing
+
+
+def write(local: Local, out: Tensor, prefix: Sequence[int] = ()) -> bool:
+    """Write ``prefix`` (int64 values, such as a collective's row) and this rank's payload into
+    ``out`` (uint8, 1-D, at least ``8 * len(prefix) + local.nbytes`` long); padding is zeroed.
+
+    Each region is one ``torch.cat`` straight into ``out`` (which should live on the tensors'
+    device; otherwise they are packed where they live and moved in one copy). Should packing
+    fail (a tensor on another device, a sparse one, a shape other than assumed), ``out`` holds
+    a failure status, which every rank reads, and the result is ``False``.
+    """
+    assert local.plan is not None
+    home = next(iter(local.devices)) if len(local.devices) == 1 else out.device
+    try:
+        if home == out.device:
+            _write(local, out, prefix)
+        else:
+            staged = torch.empty(out.numel(), dtype=torch.uint8, device=home)
+            _write(local, staged, prefix)
+            out.copy_(staged)
+    except Exception:
+        out.zero_()
+        status = torch.tensor([*prefix, _FAILED], dtype=torch.int64)
+        out[: INT64 * len(status)].view(torch.int64).copy_(status)
+        return False
+    return True
+
+
+def _write(local: Local, out: Tensor, prefix: Sequence[int]) -> None:
+    plan = local.plan
+    assert plan is not None
+    head = [*prefix, 0, *local.rows]
+    if plan.sizes_given:
+        head.append(local.sizes if local.sizes is not None else 0)
+    out[: INT64 * len(head)].view(torch.int64).copy_(
+        torch.frombuffer(array.array("q", head), dtype=torch.int64)
+    )
+    offset = INT64 * len(prefix) + plan.head_bytes
+    _zero(out, INT64 * len(head), offset)
+    with torch.no_grad():  # (cat with out= refuses tensors that require grad)
+        for region in plan.regions:
+            offset = _region(local, region, out, offset)
+    if local.blob:
+        out[offset : offset + len(local.blob)].copy_(
+            torch.frombuffer(bytearray(local.blob), dtype=torch.uint8)
+        )
+    _zero(out, INT64 * len(prefix) + local.nbytes, out.numel())
+
+
+def _region(local: Local, region: Region, out: Tensor, offset: int) -> int:
+    """Write one region from ``offset``; return where the next one starts."""
+    leaves = local.leaves
+    parts: list[Tensor] = (
+        leaves
+        if len(region.positions) == len(leaves) and type(leaves) is list
+        else [leaves[i] for i in region.positions]
+    )
+    if region.trailing is None:
+        nbytes = len(parts) * region.row_bytes
+    else:
+        count = sum(local.rows[region.rows])
+        nbytes = count * region.row_bytes
+    target = out[offset : offset + nbytes]
+    if len(local.devices) > 1:  # (a tree spread over devices: packed where the bytes go)
+        parts = [p.to(out.device) for p in parts]
+    if region.dtype not in PACKABLE:  # (as bytes: conjugate and negative bits resolved)
+        flat = [p.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8) for p in parts]
+        torch.cat(flat, out=target)
+    elif region.trailing is None:
+        torch.stack(parts, out=target.view(region.dtype))
+    else:
+        torch.cat(parts, out=target.view(region.dtype).view(count, *region.trailing))
+    _zero(out, offset + nbytes, offset + padded(nbytes))
+    return offset + padded(nbytes)
+
+
+def _zero(out: Tensor, start: int, stop: int) -> None:
+    if stop > start:
+        out[start:stop].zero_()
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def fingerprint(spec: PyTreeSpec) -> str:
+    """A digest of ``spec``: equal on two ranks iff their structures are equal.
+
+    Type-aware (``True``, ``1`` and ``1.0`` as keys or node metadata differ), blind to batch
+    nodes' batch sizes (each rank's travels in its header) and to dict insertion order (as
+    ``PyTreeSpec`` equality is), computed without formatting anything.
+    """
+    nodes: list[Any] = []
+
+    def node(kind: Any, data: Any, children: Any) -> None:
+        if type(data) is _tree.Batched:  # (a batch size may differ between ranks)
+            data = ("batched", data.key())
+        nodes.append((kind, data, len(children)))
+
+    spec.walk(range(spec.num_leaves), node, lambda _: nodes.append(0))
+    try:
+        data = pickle.dumps(nodes, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # a local class or unpicklable metadata: name them instead
+        data = pickle.dumps(
+            [
+                n
+                if n == 0
+                else (
+                    _qualname(n[0]),
+                    _or_none(pickle.dumps, n[1]) or f"<{_qualname(type(n[1]))}>",
+                    n[2],
+                )
+                for n in nodes
+            ],
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _qualname(kind: Any) -> str:
+    return f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', '?')}"
+
+
+def leaf_paths(spec: PyTreeSpec) -> list[str]:
+    return [_tree.format_path(ROOT, n.path) for n in _tree.nodes(spec) if n.spec.is_leaf()]
+
+
+def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
+    problems = []
+    for path, leaf in zip(leaf_paths(spec), leaves):
+        if isinstance(leaf, Tensor):
+            continue
+        try:
+            pickle.dumps(leaf, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as leaf_exc:
+            problems.append(
+                f"{path}: {_tree.describe(leaf)} ({type(leaf_exc).__name__}: {leaf_exc})"
+            )
+    if not problems:
+        problems.append(f"the tree's structure ({type(exc).__name__}: {exc})")
+    return format_problems(
+        "non-tensor leaves must be picklable to travel between ranks",
+        problems,
+        "turn them into tensors, strings or numbers, or leave them out of the tree",
+    )
+
+
+def format_problems(title: str, problems: list[str], hint: str) -> str:
+    shown = problems[:MAX_LISTED]
+    if len(problems) > MAX_LISTED:
+        shown.append(f"... and {len(problems) - MAX_LISTED} more")
+    return f"{title}:\n" + "\n".join(f"  - {p}" for p in shown) + f"\nHint: {hint}"
+
+
+def plan_count() -> int:
+    """How many plans are kept (for tests)."""
+    return len(_PLANS)
