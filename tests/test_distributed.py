@@ -1545,11 +1545,13 @@ def test_distributed_runs_without_numpy() -> None:
 
 
 def test_no_garbage_collection_runs_inside_a_call(world_of_one: None) -> None:
-    """Issue 46: a call on a large tree sets off at most one collection of Python's garbage
-    collector (the one it makes once it is on again, as the call returns), where a 20,000-leaf
-    all_gather set off about 160, each walking everything the process holds (100,000 leaves
-    cost twice as much per leaf with them); the collector is as it was before the call."""
+    """Issue 46: a call on a large tree sets off no collection of Python's garbage collector
+    until it is done (the one the collector makes when it is on again, as the call returns),
+    where a 20,000-leaf all_gather set off about 250, each walking everything the process
+    holds (100,000 leaves cost twice as much per leaf with them); the collector is as it was
+    before the call."""
     import gc
+    import traceback
 
     import treegather.distributed as tgd
 
@@ -1559,19 +1561,19 @@ def test_no_garbage_collection_runs_inside_a_call(world_of_one: None) -> None:
 
     def count(phase: str, info: dict[str, int]) -> None:
         if phase == "start" and inside[0]:
-            runs.append(info["generation"])
+            caller = traceback.extract_stack()[-2]  # (the collector, on again, as the call ends)
+            if not (caller.name == "__exit__" and caller.filename.endswith("contextlib.py")):
+                runs.append(info["generation"])
 
     gc.callbacks.append(count)
     try:
         for call in (tgd.all_gather, lambda t: tgd.gather(t, 0), lambda t: tgd.broadcast(t, 0)):
             for _ in range(2):
-                gc.collect()
                 inside[0] = True
                 out = call(tree)
                 inside[0] = False
-                assert len(out) == len(tree) and len(runs) <= 1, runs
-                runs.clear()
-        assert gc.isenabled()
+                assert len(out) == len(tree)
+        assert runs == [] and gc.isenabled(), runs
         gc.disable()  # (off before the call: off after it)
         tgd.all_gather(tree)
         assert not gc.isenabled()

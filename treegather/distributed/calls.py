@@ -59,21 +59,35 @@ def all_gather(
     sizes: int | None,
     sync_grads: bool,
     call: int = ALL_GATHER,
+    *,
+    handed: bool = False,
 ) -> Any:
     """:func:`treegather.distributed.all_gather`; ``call``: what the rows say it is (how errors
-    name it: a Collector's exchange is one)."""
+    name it: a Collector's exchange is one). ``handed``: ``tree`` is a list holding the tree,
+    handed over, which the call empties, so that the tree's memory goes once it was sent (a
+    Collector's payload)."""
     with collections_paused():
-        return _all_gather(tree, layout, group, dim, sizes, sync_grads, call)
+        return _all_gather(tree, layout, group, dim, sizes, sync_grads, call, handed)
 
 
 def _all_gather(
-    tree: Any, layout: Any, group: Any, dim: int, sizes: int | None, sync_grads: bool, call: int
+    tree: Any,
+    layout: Any,
+    group: Any,
+    dim: int,
+    sizes: int | None,
+    sync_grads: bool,
+    call: int,
+    handed: bool,
 ) -> Any:
     g = process_group(group)
     dim, problem = _checked_dim(dim)  # a bad dim travels in the first exchange: every rank raises
     sync = bool(sync_grads)
-    local = _described(g, tree, layout, dim, sizes, sync)
+    local = _described(g, tree.pop() if handed else tree, layout, dim, sizes, sync)
+    del tree
     arrived = exchange.all_gather(g, call, local, problem)
+    if not sync and call != ALL_GATHER:  # (nothing reads the leaves now: their memory can go)
+        local = local._replace(leaves=())
     try:
         placed = place(
             g.ranks, arrived, local, target(local.devices, arrived.buf.device), layout, dim
@@ -92,11 +106,14 @@ def gather(
     sizes: int | None,
     finish: Callable[[Any], Any] | None = None,
     call: int = GATHER,
+    *,
+    handed: bool = False,
 ) -> Any:
     """:func:`treegather.distributed.gather`; ``dst`` applies ``finish`` to the result, within the
-    outcome it sends (an error there raises on every rank); ``call`` as for :func:`all_gather`."""
+    outcome it sends (an error there raises on every rank); ``call`` and ``handed`` as for
+    :func:`all_gather`."""
     with collections_paused():
-        return _gather(tree, dst, layout, group, dim, sizes, finish, call)
+        return _gather(tree, dst, layout, group, dim, sizes, finish, call, handed)
 
 
 def _gather(
@@ -108,6 +125,7 @@ def _gather(
     sizes: int | None,
     finish: Callable[[Any], Any] | None,
     call: int,
+    handed: bool,
 ) -> Any:
     g = process_group(group)
     # A dst that names no rank (or a bad dim) travels in the first exchange: every rank raises.
@@ -115,8 +133,10 @@ def _gather(
     if bad_root is None:
         dst = g.ranks[root]
     dim, bad_dim = _checked_dim(dim)
-    local = _described(g, tree, layout, dim, sizes, False)
+    local = _described(g, tree.pop() if handed else tree, layout, dim, sizes, False)
+    del tree
     arrived = exchange.gather(g, call, root, dst, local, _either(bad_root, bad_dim))
+    local = local._replace(leaves=())  # (nothing reads the leaves now: their memory can go)
 
     def result() -> Any:
         assert arrived is not None
