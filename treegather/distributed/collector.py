@@ -328,8 +328,10 @@ class Collector:
             except TreegatherError as exc:
                 raise type(exc)(f"{name}: {exc}") from exc.__cause__
 
+        handed = [(Opaque(call), local)]  # (handed over: sent, then let go of)
+        del local
         try:
-            return _exchange((Opaque(call), local), dst, self._group, finish)
+            return _exchange(handed, dst, self._group, finish)
         except TreegatherError as exc:
             if unexpected is not None and exc.__cause__ is None:
                 raise exc from unexpected  # this rank's own error, as it was raised
@@ -400,7 +402,12 @@ class Collector:
             found = (up, spec0, pickle.dumps((up, key[2], spec0), pickle.HIGHEST_PROTOCOL))
             _SHAPES.put(key, found)
         shape = found[2]
-        plans[shape] = (plan, kinds, combined)
+        # (this rank's strings as it had them, not decoded again; no tensor kept past the call)
+        plans[shape] = (
+            plan,
+            kinds,
+            [v if type(w) is Texts else None for v, w in zip(combined, wrapped)],
+        )
         return Payload(idx, torch.tensor(rows), wrapped, shape)
 
     def _target(self, values: list[list[Any]] | None = None) -> torch.device:
@@ -475,16 +482,21 @@ class Collector:
         return rebuild(up, out, along_rows(found, order.kept.numel(), joined), ROOT, found)
 
 
-def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[Any]], Any]) -> Any:
-    """One exchange of every rank's payload; ``finish`` makes the result of them (on every rank
-    for an all-gather, on ``dst`` for a gather, where an error it raises reaches every rank)."""
+def _exchange(
+    handed: list[Any], dst: int | None, group: Any, finish: Callable[[list[Any]], Any]
+) -> Any:
+    """One exchange of every rank's payload (``handed`` over in a list: let go of once sent);
+    ``finish`` makes the result of them (on every rank for an all-gather, on ``dst`` for a
+    gather, where an error it raises reaches every rank)."""
     if not _initialized():
         if dst not in (None, 0):
             raise ValueError(f"Collector.gather(dst={dst}): without a process group dst is 0")
-        return finish([local])
-    if dst is None:
-        return finish(calls.all_gather(local, AsList(), group, 0, None, False, COLLECT))
-    return calls.gather(local, dst, AsList(), group, 0, None, finish, COLLECT)
+        return finish([handed.pop()])
+    with calls.collections_paused():
+        if dst is None:
+            found = calls.all_gather(handed, AsList(), group, 0, None, False, COLLECT, handed=True)
+            return finish(found)
+        return calls.gather(handed, dst, AsList(), group, 0, None, finish, COLLECT, handed=True)
 
 
 def _initialized() -> bool:

@@ -74,6 +74,23 @@ def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, group=group)
 
 
+IN_PLACE_MIN = 4 << 20  # bytes per rank from which payloads on the CPU are broadcast in place
+
+
+def _in_place(g: Group, out: torch.Tensor, stride: int) -> None:
+    """Every rank's ``stride`` bytes, written at its place in ``out``, on every rank.
+
+    One all-gather, but for payloads of ``IN_PLACE_MIN`` bytes or more on the CPU: gloo's
+    all-gather receives into a temporary of the whole output and copies it over, which doubles
+    the call's memory at its peak; each rank's bytes are broadcast from it, in place, instead.
+    """
+    if out.device.type != "cpu" or stride < IN_PLACE_MIN:
+        _all_gather_into(out, out[g.rank * stride : (g.rank + 1) * stride], g.handle)
+        return
+    for r, src in enumerate(g.ranks):
+        dist.broadcast(out[r * stride : (r + 1) * stride], src=src, group=g.handle)
+
+
 class Arrived(NamedTuple):
     """What the collectives brought: every rank's row, and its payload in ``buf`` (on ``dst``
     only, for ``gather``), with the headers when they travelled (the ranks' plans differ)."""
@@ -146,15 +163,13 @@ def all_gather(g: Group, call: int, local: Local, problem: Problem | None = None
         stride = padded(max(r[NBYTES] for r in rows))
         assert local.plan is not None
         out = receive_buffer(g, stride * len(rows), device, keep=local.plan.vectorised)
-        mine = out[g.rank * stride : (g.rank + 1) * stride]
-        write(local, mine)  # (in place: this rank's slot of the output is its input)
-        _all_gather_into(out, mine, g.handle)
+        write(local, out[g.rank * stride : (g.rank + 1) * stride])  # (its place in the output)
+        _in_place(g, out, stride)
         return Arrived(rows, out, [r * stride for r in range(len(rows))], None)
     stride = max(padded(r[HEADER]) + padded(r[NBYTES]) for r in rows)
     out = torch.empty(stride * len(rows), dtype=torch.uint8, device=device)
-    mine = out[g.rank * stride : (g.rank + 1) * stride]
-    _with_header(local, mine)
-    _all_gather_into(out, mine, g.handle)
+    _with_header(local, out[g.rank * stride : (g.rank + 1) * stride])
+    _in_place(g, out, stride)
     return _with_headers(rows, out, stride)
 
 
