@@ -1198,18 +1198,18 @@ def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:
     branch that packs where the tensors live, moves the whole payload in one copy and moves the
     received bytes to the target in one copy per rank runs here; on a GPU it is the same code.
     """
-    from treegather.distributed import describe, exchange, place
+    from treegather.distributed import describe, exchange, payload, place
 
     tree = {"x": torch.arange(12.0).view(6, 2), "n": torch.tensor(3), "s": "a", "b": [True]}
     for _ in range(3):  # (a plan is kept)
         local = describe.describe(tree, None, 0, None)
     assert local.plan is not None and local.plan.vectorised
-    stride = describe.padded(local.nbytes)
+    stride = payload.padded(local.nbytes)
     direct = torch.empty(stride, dtype=torch.uint8)
-    assert describe.write(local, direct)
+    assert payload.write(local, direct)
     elsewhere = local._replace(devices=frozenset({torch.device("cpu", 0)}))
     staged = torch.empty(stride, dtype=torch.uint8)
-    assert describe.write(elsewhere, staged)
+    assert payload.write(elsewhere, staged)
     assert torch.equal(direct, staged)
     arrived = exchange.Arrived([[0] * 4 + [local.nbytes] + [0] * 5], staged, [0], None)
     placed = place.place([0], arrived, local, torch.device("cpu", 0), None, 0)

@@ -21,11 +21,12 @@ from typing import Any, NoReturn
 from .._errors import ArgumentTypeError, check_dim
 from . import exchange
 from .combine import combine
-from .describe import Local, describe
+from .describe import describe
 from .errors import StructuresDiffer, node_rows, raise_structure_mismatch
 from .exchange import ALL_GATHER, GATHER, ROW_BYTES
 from .group import Group, Problem, root_rank, target
 from .group import group as process_group
+from .payload import Local
 from .place import place, sent
 
 __all__ = ["all_gather", "broadcast", "collections_paused", "gather"]

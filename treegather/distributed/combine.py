@@ -16,9 +16,9 @@ from .._errors import TreegatherError
 from .._gather import gather as _gather_local
 from .._rules import AsList
 from . import grads
-from .describe import Local
 from .errors import rank_note
 from .group import Group
+from .payload import Local
 from .place import _NONE, Placed, trees
 
 __all__ = ["combine", "rules"]

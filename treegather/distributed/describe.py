@@ -29,14 +29,11 @@ the same error, instead of the others waiting in a collective. Nothing here form
 
 from __future__ import annotations
 
-import array
-import dataclasses
 import hashlib
-import math
 import operator
 import pickle
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from optree import PyTreeSpec
@@ -47,46 +44,27 @@ from .._compiled import structure as _structure
 from .._errors import BatchSizeError, LeafTypeError, TreegatherError, safe_repr
 from .._rules import Cat
 from .layout import layout_text
+from .payload import DTYPES, Local, Plan, layout_of, write
 
 __all__ = [
-    "DTYPES",
-    "Local",
-    "Plan",
     "ROOT",
-    "Region",
     "describe",
+    "error_header",
     "fingerprint",
     "format_problems",
+    "grad_positions",
     "leaf_paths",
-    "padded",
-    "plan_from_header",
     "unsendable",
-    "write",
 ]
 
-ALIGN = 16  # every region starts 16-byte aligned, so any dtype can be viewed in place
-INT64 = 8
 ROOT = "outputs"  # how error messages name the tree (as treegather.gather does)
 MAX_LISTED = 10  # problems listed in one message before "... and N more"
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
 _NAMES = {d: name for name, d in DTYPES.items()}
-# dtypes torch.cat writes into a view of the send buffer on every device; the others travel as
-# their bytes, each leaf viewed as uint8 (their shapes are then read, not proved by packing).
-PACKABLE = frozenset(
-    {
-        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
-        *(torch.complex128, torch.complex64, torch.bool, torch.uint8),
-        *(torch.int64, torch.int32, torch.int16, torch.int8),
-    }
-)
 Tensor = torch.Tensor
 _MISSING: Any = object()
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
-_FAILED = 1  # the status of a payload that could not be packed
 _QUANTIZED = frozenset(d for name, d in DTYPES.items() if name.startswith("q"))
 # Plans by (pickled structure, dtypes, dims, trailing shapes, layout key, sizes given, grads,
 # whether the header carries the structure for rank 0's key order).
@@ -95,86 +73,7 @@ _PLANS: LRU[Any, Plan | None] = LRU("distributed.wire_plans", maxsize=64)
 _LAST: LRU[Any, _Seen] = LRU("distributed.wire_plans_last", maxsize=64)
 
 
-def padded(n: int) -> int:
-    """``n`` rounded up to the 16-byte alignment of every region."""
-    return -(-n // ALIGN) * ALIGN
-
-
 # ------------------------------------------------------------------------------- the plan
-
-
-class Region(NamedTuple):
-    dtype: torch.dtype
-    trailing: tuple[int, ...] | None  # None: 0-dim leaves (one element each)
-    positions: tuple[int, ...]  # leaf indices, in leaf order
-    rows: slice  # this region's entries in the rows vector (0-dim: empty)
-    row_bytes: int  # bytes per row (0-dim: per leaf)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How one structure's payload is laid out; immutable, shared by calls with the same key."""
-
-    digest: tuple[int, int]  # (0, 0): never shared, the header always travels
-    regions: tuple[Region, ...]
-    objects: tuple[int, ...]  # positions of the non-tensor leaves
-    row_positions: tuple[int, ...]  # the leaves whose first dim the rows vector holds
-    sizes_given: bool
-    vectorised: bool = False  # default rules only: every result region in one cat
-    grads: tuple[int, ...] | None = None  # sync_grads: the leaves that require grad
-    header: bytes = b""  # the pickled description (:func:`_header`)
-    spec: PyTreeSpec | None = None
-    head_ints: int = dataclasses.field(init=False)
-    head_bytes: int = dataclasses.field(init=False)
-    # Leaf i is entry order[i] of the regions' leaves in region order, then the objects; None
-    # when that is leaf order already.
-    order: tuple[int, ...] | None = dataclasses.field(init=False)
-    firsts: tuple[int, ...] = dataclasses.field(init=False)  # each region's first leaf
-    packable: bool = dataclasses.field(init=False)  # every region written by torch.cat
-
-    def __post_init__(self) -> None:
-        head_ints = 1 + len(self.row_positions) + self.sizes_given
-        object.__setattr__(self, "head_ints", head_ints)
-        object.__setattr__(self, "head_bytes", padded(INT64 * head_ints))
-        placed = [pos for region in self.regions for pos in region.positions]
-        placed += self.objects
-        order = [0] * len(placed)
-        for k, pos in enumerate(placed):
-            order[pos] = k
-        object.__setattr__(self, "order", None if placed == sorted(placed) else tuple(order))
-        object.__setattr__(self, "firsts", tuple(r.positions[0] for r in self.regions))
-        object.__setattr__(self, "packable", all(r.dtype in PACKABLE for r in self.regions))
-
-    def nbytes(self, rows: Sequence[int]) -> int:
-        """The payload's bytes before its objects, for these rows: the head and every region."""
-        total = self.head_bytes
-        for region in self.regions:
-            n = sum(rows[region.rows]) if region.trailing is not None else len(region.positions)
-            total += padded(n * region.row_bytes)
-        return total
-
-
-class Local(NamedTuple):
-    """This rank's call, ready to send: a plan and the values it lays out, or an error header."""
-
-    plan: Plan | None  # None: ``header`` is an error header, and no payload travels
-    header: bytes
-    leaves: Sequence[Any] = ()
-    rows: Sequence[int] = ()
-    sizes: int | None = None
-    blob: bytes = b""  # the pickled non-tensor leaves (empty when there are none)
-    nbytes: int = 0  # of the payload
-    devices: frozenset[torch.device] = frozenset()  # of the tensor leaves
-    # This call's own structure, which results are rebuilt with (``plan.spec`` may be an earlier
-    # call's, whose static fields and dict keys a result must not share).
-    spec: PyTreeSpec | None = None
-    # The first collective's buffer with the payload packed after ``room`` bytes, when it fits
-    # the capacity given to :func:`describe` (``None``: it does not, or no plan).
-    inline: Tensor | None = None
-
-    @property
-    def digest(self) -> tuple[int, int]:
-        return (0, 0) if self.plan is None else self.plan.digest
 
 
 def error_header(cls: type[Exception], message: str) -> bytes:
@@ -481,31 +380,6 @@ def _signature(leaves: list[Any]) -> tuple[list[Any], list[Any]]:
     return shapes, [x.dtype if isinstance(x, Tensor) else None for x in leaves]
 
 
-def _layout_of(
-    dtypes: Sequence[torch.dtype | None], trailing: Sequence[tuple[int, ...] | None]
-) -> tuple[tuple[Region, ...], tuple[int, ...], tuple[int, ...]]:
-    """The regions (widest elements first, which keeps each region's start aligned), the
-    leaves whose rows the head holds, and the non-tensor leaves."""
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, (d, t) in enumerate(zip(dtypes, trailing)):
-        if d is not None:
-            groups.setdefault((d.itemsize, str(d), t is None, t), []).append(i)
-    regions: list[Region] = []
-    row_positions: list[int] = []
-    for k in sorted(groups, key=lambda k: (-k[0], k[1], k[2], k[3] or ())):
-        positions = groups[k]
-        dtype, trail = dtypes[positions[0]], trailing[positions[0]]
-        assert dtype is not None
-        start = len(row_positions)
-        if trail is not None:
-            row_positions.extend(positions)
-        row_bytes = dtype.itemsize * (math.prod(trail) if trail is not None else 1)
-        rows = slice(start, len(row_positions))
-        regions.append(Region(dtype, trail, tuple(positions), rows, row_bytes))
-    objects = tuple(i for i, d in enumerate(dtypes) if d is None)
-    return tuple(regions), tuple(row_positions), objects
-
-
 def _build(
     tree: Any,
     spec: PyTreeSpec,
@@ -522,7 +396,7 @@ def _build(
     """The plan for these dtypes and shapes, whatever their rows, with its header: to keep, with
     a digest the ranks compare (``spec_bytes`` given), or for one call (digest ``(0, 0)``)."""
     trailing = [None if s is None or len(s) == 0 else tuple(s[1:]) for s in shapes]
-    regions, row_positions, objects = _layout_of(dtypes, trailing)
+    regions, row_positions, objects = layout_of(dtypes, trailing)
     resolved = _layout.resolve(spec, layout, "gather", dim, ROOT)
     up_spec, groups = resolved.up_spec, None
     if up_spec is not spec:
@@ -589,15 +463,6 @@ def _default_cat(rule: Any, dtype: Any, trailing: Any, dim: Any) -> bool:
     return type(rule) is Cat and type(rule.dim) is int and rule.dim == 0 and trailing is not None
 
 
-def plan_from_header(header: dict[str, Any]) -> Plan:
-    """The plan another rank laid its payload out with, from its header."""
-    meta = header["meta"]
-    dtypes = [None if m is None else DTYPES[m[0]] for m in meta]
-    trailing = [None if m is None else m[1] for m in meta]
-    regions, row_positions, objects = _layout_of(dtypes, trailing)
-    return Plan((0, 0), regions, objects, row_positions, header["sizes_given"])
-
-
 def grad_positions(leaves: Sequence[Any]) -> tuple[int, ...]:
     """The positions of the tensor leaves that require grad (what ``sync_grads`` connects)."""
     if not torch.is_grad_enabled():
@@ -611,85 +476,6 @@ def unsendable(t: Tensor) -> bool:
 
 
 # -------------------------------------------------------------------------------- packing
-
-
-def write(local: Local, out: Tensor, prefix: Sequence[int] = ()) -> bool:
-    """Write ``prefix`` (int64 values, such as a collective's row) and this rank's payload into
-    ``out`` (uint8, 1-D, at least ``8 * len(prefix) + local.nbytes`` long); padding is zeroed.
-
-    Each region is one ``torch.cat`` straight into ``out`` (which should live on the tensors'
-    device; otherwise they are packed where they live and moved in one copy). Should packing
-    fail (a tensor on another device, a sparse one, a shape other than assumed), ``out`` holds
-    a failure status, which every rank reads, and the result is ``False``.
-    """
-    assert local.plan is not None
-    home = next(iter(local.devices)) if len(local.devices) == 1 else out.device
-    try:
-        if home == out.device:
-            _write(local, out, prefix)
-        else:
-            staged = torch.empty(out.numel(), dtype=torch.uint8, device=home)
-            _write(local, staged, prefix)
-            out.copy_(staged)
-    except Exception:
-        out.zero_()
-        status = torch.tensor([*prefix, _FAILED], dtype=torch.int64)
-        out[: INT64 * len(status)].view(torch.int64).copy_(status)
-        return False
-    return True
-
-
-def _write(local: Local, out: Tensor, prefix: Sequence[int]) -> None:
-    plan = local.plan
-    assert plan is not None
-    head = [*prefix, 0, *local.rows]
-    if plan.sizes_given:
-        head.append(local.sizes if local.sizes is not None else 0)
-    out[: INT64 * len(head)].view(torch.int64).copy_(
-        torch.frombuffer(array.array("q", head), dtype=torch.int64)
-    )
-    offset = INT64 * len(prefix) + plan.head_bytes
-    _zero(out, INT64 * len(head), offset)
-    with torch.no_grad():  # (cat with out= refuses tensors that require grad)
-        for region in plan.regions:
-            offset = _region(local, region, out, offset)
-    if local.blob:
-        out[offset : offset + len(local.blob)].copy_(
-            torch.frombuffer(bytearray(local.blob), dtype=torch.uint8)
-        )
-    _zero(out, INT64 * len(prefix) + local.nbytes, out.numel())
-
-
-def _region(local: Local, region: Region, out: Tensor, offset: int) -> int:
-    """Write one region from ``offset``; return where the next one starts."""
-    leaves = local.leaves
-    parts: list[Tensor] = (
-        leaves
-        if len(region.positions) == len(leaves) and type(leaves) is list
-        else [leaves[i] for i in region.positions]
-    )
-    if region.trailing is None:
-        nbytes = len(parts) * region.row_bytes
-    else:
-        count = sum(local.rows[region.rows])
-        nbytes = count * region.row_bytes
-    target = out[offset : offset + nbytes]
-    if len(local.devices) > 1:  # (a tree spread over devices: packed where the bytes go)
-        parts = [p.to(out.device) for p in parts]
-    if region.dtype not in PACKABLE:  # (as bytes: conjugate and negative bits resolved)
-        flat = [p.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8) for p in parts]
-        torch.cat(flat, out=target)
-    elif region.trailing is None:
-        torch.stack(parts, out=target.view(region.dtype))
-    else:
-        torch.cat(parts, out=target.view(region.dtype).view(count, *region.trailing))
-    _zero(out, offset + nbytes, offset + padded(nbytes))
-    return offset + padded(nbytes)
-
-
-def _zero(out: Tensor, start: int, stop: int) -> None:
-    if stop > start:
-        out[start:stop].zero_()
 
 
 # --------------------------------------------------------------------------- fingerprints

@@ -21,7 +21,8 @@ from .. import _errors, _tree
 from .._errors import BatchSizeError, LayoutError, StructureMismatchError, TreegatherError
 from .._layout import resolve
 from .._mismatch import diagnose
-from .describe import DTYPES, ROOT, format_problems, leaf_paths
+from .describe import ROOT, format_problems, leaf_paths
+from .payload import DTYPES
 
 __all__ = [
     "ERROR_CLASSES",

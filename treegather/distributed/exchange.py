@@ -36,8 +36,9 @@ import torch.distributed as dist
 
 from .._errors import ArgumentTypeError, StructureMismatchError
 from . import errors
-from .describe import Local, format_problems, padded, write
+from .describe import format_problems
 from .group import Group, Problem, data_device, placement, receive_buffer
+from .payload import Local, padded, write
 
 __all__ = [
     "ALL_GATHER",
