@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-
-import pytest
-
 from treegather.benchmarks import memory
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_measure_in_a_group_of_one(world_of_one: None) -> None:
     result = memory.measure(small=3000, large=300, leaves=[50, 200])
     assert result["world"] == 1
     assert [p["name"] for p in result["peaks"]] == ["small", "large"]
     for p in result["peaks"]:
         assert p["samples"] in (3000, 300) and p["result_mib"] > 0
-        assert p["peak_x_result"] > 0 and p["floor_x_result"] > 1
+        # (what a call holds at least: its own rows and the result)
+        assert p["floor_x_result"] > 1 and p["peak_x_floor"] >= 0.99
     assert [r["leaves"] for r in result["per_leaf"]] == [50, 200]
     assert all(r["collector on"] > 0 and r["collector off"] > 0 for r in result["per_leaf"])
     table = memory.format_table([result])

@@ -2,19 +2,17 @@
 
 Run ``python -m treegather.benchmarks.memory`` (options: ``--world 1 2``, ``--small 1000000``,
 ``--large 10000``, ``--leaves 1000 10000 100000``, ``--json PATH``). It spawns ``world`` gloo
-ranks on localhost, as :mod:`treegather.benchmarks.distributed` does, with
-``MALLOC_MMAP_THRESHOLD_=4096`` in their environment, so that memory freed by a tensor goes
-back to the system at once and the resident memory follows what is held (glibc otherwise
-keeps freed blocks of a few dozen KiB for later, and the figures would tell its heap, not the
-call). It measures:
+ranks on localhost, as :mod:`treegather.benchmarks.distributed` does. It measures:
 
 - **an evaluation's peak**: each rank adds its share of a dataset (``small``: 10 float32 and
   an int64 label per sample, in batches of 1,000; ``large``: 4,096 float32 per sample, in
   batches of 100; each add with its ``indices=``), lets go of its own references, then calls
-  ``Collector.all_gather()``; the peak of its resident memory during the call, above what it
-  held before the adds were made, against the result's bytes and against the floor (its own
-  rows, as added, and the result: what an exchange holds at least when the result is made
-  while its own rows are still held). The slowest rank's figures.
+  ``Collector.all_gather()``: the peak of the tensor bytes held during the call (counted from
+  ``torch.profiler``'s allocation events, so that memory the allocator keeps for later does not
+  count), against the result's bytes (the outputs and ``Collector.indices``, the dataset
+  indices of their rows) and against the floor (its own rows, as added, indices
+  included, and the result: what a call holds at least when the result is made while its own
+  rows are still held). The rank with the largest peak.
 - **per leaf**: ``all_gather`` of a dict of 1,000 to 100,000 small tensors (2 x 3 float32),
   in µs per leaf, with Python's garbage collector as it is and switched off around the call
   (the call pauses it itself; before it did, 100,000 leaves cost 2.5x as much with it on).
@@ -28,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -46,60 +43,52 @@ __all__ = ["WORKLOADS", "format_table", "main", "measure", "run"]
 WORKLOADS = {"small": (10, 1000, True), "large": (4096, 100, False)}
 
 
-def _status(key: str) -> int | None:
-    """A ``VmRSS``/``VmHWM`` line of ``/proc/self/status``, in bytes (``None`` off Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _peak_row(name: str, samples: int) -> dict[str, Any]:
-    """One evaluation of ``samples`` samples: this rank's adds, then the exchange's peak."""
+    """One evaluation of ``samples`` samples: this rank's adds, then the exchange's peak of
+    live tensor bytes (``torch.profiler``'s allocation events: what is held, whatever the
+    allocator keeps for later)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
     import treegather.distributed as tgd
 
     width, per_add, label = WORKLOADS[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.arange(rank, samples, world)  # (DistributedSampler's order, no padding)
-    gc.collect()
-    base = _status("VmRSS")
-    col = tgd.Collector()
-    for at in range(0, mine.numel(), per_add):
-        index = mine[at : at + per_add].clone()
-        outputs = {"logits": torch.randn(index.numel(), width)}
-        if label:
-            outputs["labels"] = index.clone()
-        col.add(outputs, indices=index)
-    del outputs, index
-    gc.collect()
-    held = _status("VmRSS")
-    dist.barrier()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # (the high-water mark starts again from here)
-    except OSError:
-        return {"name": name, "samples": samples, "world": world, "peak_x_result": None}
-    out = col.all_gather()
-    peak = _status("VmHWM")
-    result = sum(t.numel() * t.element_size() for t in out.values())
-    assert base is not None and held is not None and peak is not None
-    own = held - base
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        col = tgd.Collector()
+        for at in range(0, mine.numel(), per_add):
+            index = mine[at : at + per_add].clone()
+            outputs = {"logits": torch.randn(index.numel(), width)}
+            if label:
+                outputs["labels"] = index.clone()
+            col.add(outputs, indices=index)
+        del outputs, index
+        dist.barrier()
+        with record_function("exchange"):
+            out = col.all_gather()
+    events = list(prof.profiler.kineto_results.events())
+    start = next(e.start_ns() for e in events if e.name() == "exchange")
+    live, own, peak = 0, 0, 0
+    for at, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        if at < start:
+            own = live = live + nbytes
+        else:
+            live += nbytes
+            peak = max(peak, live)
+    held = [*out.values(), col.indices]  # (the dataset indices of the rows, in order, too)
+    result = sum(t.numel() * t.element_size() for t in held)
     row = {
         "name": name,
         "samples": samples,
         "world": world,
         "own_mib": own / 2**20,
         "result_mib": result / 2**20,
-        "peak_mib": (peak - base) / 2**20,
-        "peak_x_result": (peak - base) / result,
+        "peak_mib": peak / 2**20,
+        "peak_x_result": peak / result,
         "floor_x_result": (own + result) / result,
-        "peak_x_floor": (peak - base) / (own + result),
+        "peak_x_floor": peak / (own + result),
     }
-    del out, col
+    del out, col, prof
     return _slowest(row, "peak_x_result")
 
 
@@ -171,8 +160,8 @@ def run(
     leaves: Sequence[int] = (1000, 10_000, 100_000),
     timeout_s: float = 900.0,
 ) -> dict[str, Any]:
-    """Spawn ``world`` gloo ranks and measure: the peaks on ranks that return freed memory to
-    the system at once, the per-leaf costs on ranks as they come.
+    """Spawn ``world`` gloo ranks and measure (the peaks and the per-leaf costs on ranks of
+    their own).
 
     Returns:
         ``world``, ``peaks`` (per workload: ``own_mib``, ``result_mib``, ``peak_mib`` and the
@@ -180,15 +169,7 @@ def run(
         largest peak) and ``per_leaf`` (per size: µs per leaf with the collector on and off,
         the slowest rank's).
     """
-    before = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "4096"  # (read by each spawned rank at its start)
-    try:
-        peaks = spawn(_worker, world, (small, large, []), timeout_s)["peaks"]
-    finally:
-        if before is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = before
+    peaks = spawn(_worker, world, (small, large, []), timeout_s)["peaks"] if small or large else []
     per_leaf = spawn(_worker, world, (0, 0, list(leaves)), timeout_s)["per_leaf"] if leaves else []
     return {"world": world, "peaks": peaks, "per_leaf": per_leaf}
 
@@ -217,9 +198,6 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     ]
     for r in results:
         for p in r["peaks"]:
-            if p["peak_x_result"] is None:
-                lines.append(f"| {p['name']} ({r['world']}) | n/a (no /proc) | | | | | |")
-                continue
             lines.append(
                 f"| {p['name']}: {p['samples']} samples ({r['world']}) | {p['own_mib']:.0f} MiB "
                 f"| {p['result_mib']:.0f} MiB | {p['peak_mib']:.0f} MiB "
