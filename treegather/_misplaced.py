@@ -146,54 +146,62 @@ def _defaults(plan: Plan) -> list[int] | None:
 
 
 def _suspects(
-    columns: list[tuple[Any, ...]], positions: list[int] | None, s0: int, dim: int
+    columns: list[tuple[Any, ...]], positions: list[int] | None, s: int, dim: int
 ) -> list[int]:
-    """The positions whose replica-0 value does not hold ``s0`` rows along ``dim`` (a cheap
-    necessary condition of :func:`rows_dims`: one C call per leaf for tensors)."""
+    """The positions whose replica-0 value does not hold ``s`` rows along ``dim`` (a necessary
+    condition of :func:`rows_dims`, found cheaply: one C call per leaf for tensors, a 0-dim one
+    giving 0)."""
     cols = columns if positions is None else [columns[p] for p in positions]
     try:
         if dim == 0:
-            sizes = list(map(_TENSOR_LEN, map(_FIRST, cols)))
+            found = list(map(_TENSOR_LEN, map(_FIRST, cols)))
         else:
-            sizes = [c[0].shape[dim] for c in cols]
+            found = [c[0].shape[dim] for c in cols]
     except (TypeError, RuntimeError, AttributeError, IndexError):  # not all tensors of dims
-        sizes = [_size(c[0], dim, s0) for c in cols]
-    if sizes.count(s0) == len(sizes):
+        found = [_size(c[0], dim, s) for c in cols]
+    if found.count(s) == len(found):
         return []
     at = range(len(cols)) if positions is None else positions
-    return [p for p, n in zip(at, sizes, strict=True) if n != s0]
+    return [p for p, n in zip(at, found, strict=True) if n != s]
 
 
-def _size(v: Any, dim: int, s0: int) -> Any:
-    """``v``'s size along ``dim``, or ``s0`` (never a suspect) where it has none to read."""
+def _size(v: Any, dim: int, s: int) -> Any:
+    """``v``'s size along ``dim``, or ``s`` (never a suspect) where it has none to read."""
     if not isinstance(v, Tensor):
-        return s0
+        return s
     try:
         return v.shape[dim]
     except (IndexError, RuntimeError):
         return None  # (a 0-dim or nested tensor: rows_dims decides, cheaply)
 
 
+_NOTHING: tuple[list[Any], list[Node]] = ([], [])
+
+
 def refused(
     plan: Plan, columns: list[tuple[Any, ...]], sizes: tuple[int, ...], dim: int
 ) -> tuple[list[tuple[int, tuple[int, ...]]], list[Node]]:
     """What :func:`check` refuses: the tensor positions with the dims their rows are along, and
-    the per-sample list nodes. Before combining, shards of even sizes (:func:`even_rows`) are
-    checked (one read per leaf, and the lists of the plan); after a failure, any sizes."""
+    the per-sample list nodes. Under shards of even sizes (:func:`even_rows`: checked before
+    combining) it costs one size read per leaf and a look at the plan's lists when nothing is
+    refused; after a failure, any sizes are checked."""
     if not worth(sizes):
-        return [], []
-    positions = _defaults(plan)
+        return _NOTHING
+    positions = None if plan.default_only else _defaults(plan)
     s = even_rows(sizes)
     if s:
         suspects = _suspects(columns, positions, s, dim)
+        lists = plan.lists()
+        if not suspects and (not lists or all(n != s for _, _, n in lists)):
+            return _NOTHING
     else:
         suspects = list(range(len(columns))) if positions is None else positions
     tensors = [(p, found) for p in suspects if (found := rows_dims(columns[p], sizes, dim))]
-    lists = sample_lists(plan, columns, sizes, dim) if s else []
-    if lists:
-        inside = [(nd.start, nd.stop) for nd in lists]
+    samples = sample_lists(plan, columns, sizes, dim) if s else []
+    if samples:
+        inside = [(nd.start, nd.stop) for nd in samples]
         tensors = [t for t in tensors if not any(a <= t[0] < b for a, b in inside)]
-    return tensors, lists
+    return tensors, samples
 
 
 def sample_lists(
