@@ -36,7 +36,8 @@ Tensor = torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class Split(ScatterRule, name="split"):
-    """Split a tensor along ``dim`` (``torch.tensor_split`` order, or explicit ``sizes``)."""
+    """Split a tensor along ``dim`` (``torch.tensor_split`` order, or explicit ``sizes``); a
+    value laid out by rows, under dim 0: by its rows, as its default rule does."""
 
     dim: int = 0
     sizes: tuple[int, ...] | None = None
@@ -46,6 +47,14 @@ class Split(ScatterRule, name="split"):
         return cls(dim)
 
     def shard(self, x: Any, dim: int) -> Cut | Problem:
+        if isinstance(x, Rows):  # (a PackedSequence: by its rows, as the default splits it)
+            if self.dim != 0:
+                return Problem(
+                    f"{self.describe()} splits a {x.kind.name} only by its rows, along dim 0: "
+                    "write split() (or no rule)",
+                    True,
+                )
+            return Cut("items", rows=x.rows, sizes=self.sizes)
         if not isinstance(x, Tensor):
             hint = (
                 " (use split_items() on a list of per-sample items)"
@@ -58,6 +67,8 @@ class Split(ScatterRule, name="split"):
     def explain(
         self, x: Any, cut: Cut, sizes: Sequence[int] | None
     ) -> tuple[str, tuple[str, ...] | None]:
+        if isinstance(x, Rows):
+            return SPLIT_ROWS.explain(x, cut, sizes)
         result = f"split along dim {cut.dim}: {x.shape[cut.dim]} rows"
         if sizes is None:
             return result, None
@@ -199,7 +210,11 @@ def split(dim: int = 0, sizes: Sequence[int] | None = None) -> Split:
     each shard; every split leaf must agree on the batch size. ``sizes`` names the shards: it
     must add up to the batch size and may name fewer shards than there are devices (then only
     the first ``len(sizes)`` devices get one, as with a batch smaller than the device count);
-    more shards than devices is an error.
+    more shards than devices is an error. A value laid out by rows its own way (a
+    ``PackedSequence``, a ``LazyStackedTensorDict`` stacked along dim 0) is split by its rows
+    under ``split()`` (dim 0, with or without ``sizes``), as the default splits it: ``split()``
+    in a prefix layout says "by rows" for every leaf below it; another dim is refused naming
+    the value's kind.
 
     >>> import torch, treegather as tg
     >>> [s.shape[1] for s in tg.scatter(torch.zeros(2, 5), ["cpu"] * 2, tg.split(1, sizes=[4, 1]))]

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from .._errors import BatchSizeError, LeafTypeError, ShapeMismatchError, safe_repr
-from .._tree import Rows, describe, display_path, flatten, format_path, move_tree, nodes
+from .._tree import describe, display_path, flatten, format_path, move_tree, nodes
 from .base import Combining, GatherRule, Problem, constructor, custom_rule
-from .leafwise import META
+from .leafwise import JOIN_ROWS, META
 
 __all__ = [
     "JOIN_ROWS",
@@ -87,38 +87,6 @@ class _LeafAsList(AsList):
 
 
 LEAF_AS_LIST = _LeafAsList()
-
-
-class _JoinRows(GatherRule):
-    """The default rule of a :class:`~treegather._tree.Rows` value (a ``PackedSequence``): every
-    replica's rows, in order, joined by its own function (unpacked, joined, packed again)."""
-
-    def describe(self) -> str:
-        return "rows joined"
-
-    def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
-        if self.problem(col, ctx) is not None:
-            raise TypeError("values that are not of one kind laid out by rows")
-        return Rows.join(col, ctx.target)
-
-    def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
-        first = col[0]
-        for r, v in enumerate(col):
-            if not isinstance(v, Rows) or not isinstance(first, Rows) or v.kind != first.kind:
-                name = first.kind.name if isinstance(first, Rows) else "value laid out by rows"
-                return Problem(
-                    f"{shown or self.describe()}: replica {r} holds {describe(v)} where replica 0 "
-                    f"holds a {name}",
-                    True,
-                )
-        return None
-
-    def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
-        name = x.kind.name if isinstance(x, Rows) else "value"
-        return f"one {name} of every replica's rows, in order", None
-
-
-JOIN_ROWS = _JoinRows()
 
 
 @dataclasses.dataclass(frozen=True)

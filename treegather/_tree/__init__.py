@@ -43,7 +43,7 @@ from .registry import (
     sync,
     watch,
 )
-from .text import describe, dtype_text, shape_text
+from .text import describe, dtype_text, shape_text, type_name
 
 __all__ = [
     "BatchNode",
@@ -77,6 +77,7 @@ __all__ = [
     "register_node",
     "registry_version",
     "shape_text",
+    "type_name",
     "sync",
     "unwrapped",
     "watch",

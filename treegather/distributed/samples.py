@@ -184,7 +184,8 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
             kinds.append(PER_ADD)
     _lists_need_a_rule(plan, kinds, values)
     for p, (rule, value) in enumerate(zip(rules_of(plan), values)):
-        if rule is None and isinstance(value, Rows):  # (its rows cannot be put in order here)
+        by_rows = rule is None or (isinstance(rule, Cat) and rule.dim == 0)  # (cat(): by rows)
+        if by_rows and isinstance(value, Rows):  # (its rows cannot be put in order here)
             raise LayoutError(
                 f"{display_path(plan.node_of(p), ROOT)}: a {value.kind.name} holds its rows its "
                 "own way, which the Collector cannot put in dataset order\nHint: add its "
