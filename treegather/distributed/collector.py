@@ -111,7 +111,8 @@ class Collector:
     ``Collector(sampler)`` (or ``Collector(loader)``) with a plain loop, or a loop a framework
     runs (Lightning: ``Collector(trainer.val_dataloaders)``), reads the sampler again at the
     first add, which only ``SequentialSampler``, ``DistributedSampler``, a ``BatchSampler``
-    over those and wrappers that hand one of them on (Lightning's) allow; ``add(outputs,
+    over those, wrappers that hand one of them on (Lightning's) and accelerate's
+    ``BatchSamplerShard`` over those (the Hugging Face Trainer's) allow; ``add(outputs,
     indices=...)`` names the rows itself. Every rank's loader must index the same dataset (its
     class, length and a ``Subset``'s indices are compared). A sample seen twice (a
     ``DistributedSampler``'s padding) is kept once, the first rank's, in dataset index order

@@ -248,7 +248,8 @@ def pure_sampler(source: Any) -> Any:
         "read again (random samplers draw a new one, accelerate's advance their epoch), so the "
         f"Collector will not read it a second time: {OBSERVE}. Collector(sampler) reads "
         "SequentialSampler, DistributedSampler, Lightning's samplers over those, a BatchSampler "
-        "over those, or a wrapper that hands one of them on"
+        "over those, accelerate's BatchSamplerShard over one, or a wrapper that hands one of "
+        "them on"
     )
 
 
