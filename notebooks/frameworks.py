@@ -30,9 +30,10 @@ rank each sample once, in dataset order, without owning the loop:
   ``evaluation_loop``, adds each step's logits and labels in ``prediction_step``, exchanges once
   after the loop and runs ``compute_metrics`` on the result: every sample once, in dataset
   order, on every rank, whatever the dataset's size. Compute per-sample values there (the loss
-  as the mean over samples, not batches): the metrics are one process's. A loader that drops
-  samples (``TrainingArguments(dataloader_drop_last=True)``) has not seen the dataset: the
-  exchange is an error on every rank, saying how many samples it drops and where.
+  as the mean over samples, not batches): the metrics are one process's. A ``loss`` it returns
+  stands for the Trainer's ``eval_loss``, a mean of batch losses. A loader that drops samples
+  (``TrainingArguments(dataloader_drop_last=True)``) has not seen the dataset: the exchange is
+  an error on every rank, saying how many samples it drops and where.
 
 Rank 0 checks every result against one process.
 """
@@ -348,12 +349,13 @@ class CollectingTrainer(Trainer):
         finally:
             self.compute_metrics = compute_metrics
         result = self.collector.all_gather()  # every sample once, in dataset order
-        predictions, labels = result["logits"].numpy(), result["labels"].numpy()
+        predictions = result["logits"].numpy()
+        labels = None if result["labels"] is None else result["labels"].numpy()  # (predict)
         metrics = dict(output.metrics)  # (the Trainer's own: its loss, its timings)
-        if compute_metrics is not None:
+        if compute_metrics is not None and labels is not None:
             found = compute_metrics(EvalPrediction(predictions=predictions, label_ids=labels))
             metrics.update({f"{metric_key_prefix}_{k}": v for k, v in found.items()})
-        return EvalLoopOutput(predictions, labels, metrics, num_samples=len(labels))
+        return EvalLoopOutput(predictions, labels, metrics, num_samples=len(predictions))
 
     def prediction_step(
         self,
