@@ -3,9 +3,10 @@
 (``mean`` and ``sum`` are in :mod:`.reductions`.) On an inner node each applies to every leaf
 below it. Each class combines one leaf's
 per-replica values (:meth:`combine`: plain errors for bad data), says what is wrong with them
-(:meth:`problem`: the checks every such rule makes -- meta tensors, unregistered dataclasses,
-values that are no tensors, mixed dtypes -- then the rule's own, on the shapes) and what they
-become (:meth:`becomes`).
+(:meth:`problem`: the checks every such rule makes -- tensors without data, unregistered
+dataclasses, values that are no tensors, mixed dtypes, kinds of tensor torch cannot combine
+that way (:mod:`.kinds`) -- then the rule's own, on the shapes) and what they become
+(:meth:`becomes`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import torch
 
 from .._errors import safe_repr
 from .._tree import describe, dtype_text, shape_text
+from . import kinds
 from .base import Combining, GatherRule, Problem, by_replica, constructor, is_number
 
 __all__ = [
-    "META",
     "Cat",
     "LeafRule",
     "Pad",
@@ -40,7 +41,6 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-META = "a meta tensor holds no data to gather onto {target}"
 
 
 def one_dtype(col: Sequence[Tensor]) -> None:
@@ -66,15 +66,25 @@ class LeafRule(GatherRule):
 
     numbers: ClassVar[bool] = False
     """Python numbers are values too (``mean``, ``sum``)."""
+    verb: ClassVar[str] = "combine"
+    """What the rule does to tensors, as its refusals say it (``"concatenate"``)."""
+    widens: ClassVar[bool] = False
+    """The replicas' shapes may differ in other dims (``pad``): :func:`.kinds.cannot` asks
+    with tensors of two widths."""
+
+    def probe(self) -> LeafRule:
+        """The rule :func:`.kinds.cannot` asks whether a kind of tensor can be combined with:
+        this class with its defaults (what torch can do does not depend on the dim)."""
+        return type(self)()
 
     def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
         """The checks every leaf-wise rule makes, then :meth:`shape_problem`."""
         shown = shown or self.describe()
-        if ctx.target.type != "meta":
-            on_meta = [r for r, v in enumerate(col) if isinstance(v, Tensor) and v.is_meta]
-            if on_meta:
-                replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in on_meta)
-                return Problem(f"{META.format(target=ctx.target)} ({replicas})", True, "meta")
+        empty = [r for r, v in enumerate(col) if isinstance(v, Tensor) and _empty(v, ctx.target)]
+        if empty:
+            text, hint = kinds.no_data_text(col[empty[0]], ctx.target, shown)
+            replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in empty)
+            return Problem(f"{text} ({replicas})", True, hint)
         tensors = [isinstance(v, Tensor) for v in col]
         if not all(tensors):
             found = _unknown_dataclasses(col)
@@ -98,13 +108,30 @@ class LeafRule(GatherRule):
                 + ", ".join(f"replica {i}: {d}" for i, d in enumerate(dtypes)),
                 hint="dtype",
             )
+        first = col[0]
+        problem = self.dtype_problem(first.dtype, shown)
+        if problem is None and not kinds.ordinary(first):  # (a kind torch may not combine)
+            why = kinds.cannot(self, first, ctx)
+            if why:
+                problem = Problem(kinds.refusal(shown, self.verb, first, why), True, "kind")
+        if problem is not None:
+            return problem
         return self.shape_problem([tuple(v.shape) for v in col], dtypes[0], ctx, shown)
+
+    def dtype_problem(self, dtype: torch.dtype, shown: str) -> Problem | None:
+        """What is wrong with tensors of ``dtype`` under this rule, whatever torch can do."""
+        return None
 
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
     ) -> Problem | None:
         """What is wrong with tensors of these shapes (one dtype) under this rule."""
         return None
+
+
+def _empty(t: Tensor, target: torch.device) -> bool:
+    """A tensor without data to gather onto ``target`` (a meta tensor onto another device)."""
+    return kinds.no_data(t) and not (t.is_meta and target.type == "meta")
 
 
 def _numbers_problem(col: Sequence[Any], tensors: list[bool], shown: str) -> Problem | None:
@@ -137,6 +164,7 @@ def _unknown_dataclasses(col: Sequence[Any]) -> str:
 class Cat(LeafRule, name="cat"):
     """Concatenate along ``dim`` (the default for tensors; all 0-dim values: a vector)."""
 
+    verb: ClassVar[str] = "concatenate"
     dim: int = 0
 
     @classmethod
@@ -206,6 +234,7 @@ def cat_values(col: Sequence[Tensor], target: torch.device, moving: bool, dim: i
 class Stack(LeafRule, name="stack"):
     """Stack along a new ``dim``."""
 
+    verb: ClassVar[str] = "stack"
     dim: int = 0
 
     @classmethod
@@ -241,6 +270,8 @@ class Stack(LeafRule, name="stack"):
 class Pad(LeafRule, name="pad"):
     """Pad every other dim to the largest replica, then concatenate along ``dim``."""
 
+    verb: ClassVar[str] = "pad and concatenate"
+    widens: ClassVar[bool] = True
     dim: int = 0
     fill: float = 0
     lengths: bool = False
@@ -279,16 +310,19 @@ class Pad(LeafRule, name="pad"):
         lengths = torch.tensor([list(v.shape) for v in values], dtype=torch.long, device=ctx.target)
         return Padded(data, lengths)
 
+    def dtype_problem(self, dtype: torch.dtype, shown: str) -> Problem | None:
+        if fill_fits(self.fill, dtype):
+            return None
+        return Problem(
+            f"{shown}: fill {safe_repr(self.fill)} cannot be stored in {dtype} as itself (it "
+            "would wrap, be cut or overflow, or padding would look like data); pick a fill "
+            "the dtype holds",
+            True,
+        )
+
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
     ) -> Problem | None:
-        if not fill_fits(self.fill, dtype):
-            return Problem(
-                f"{shown}: fill {safe_repr(self.fill)} cannot be stored in {dtype} as itself (it "
-                "would wrap, be cut or overflow, or padding would look like data); pick a fill "
-                "the dtype holds",
-                True,
-            )
         if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
             text = f"{shown} needs tensors with the same number of dims (>= 1), got {by_replica(shapes)}"
             return Problem(text, hint="shape")
@@ -364,8 +398,11 @@ def fill_fits(fill: Any, dtype: torch.dtype) -> bool:
     if dtype == torch.bool:
         return value in (0, 1)
     try:
+        dtype.is_signed  # noqa: B018  (torch cannot say for a dtype of no plain numbers)
         info = torch.iinfo(dtype)
-    except TypeError:  # a dtype that is neither (quantized, bits): nothing is stored as itself
+    except (TypeError, RuntimeError):
+        # A dtype of no plain numbers: quantized ones (torch.iinfo reads qint8 as int8, but a
+        # stored number stands for another), bits, sub-byte ints: nothing is stored as itself.
         return False
     return bool(info.min <= value <= info.max)
 
@@ -402,8 +439,12 @@ def _float_holds(value: float | int, dtype: torch.dtype) -> bool:
         return True
     if value in (_INF, -_INF):
         return dtype not in _NO_INFINITY
-    info = torch.finfo(dtype)
-    return bool(info.min <= value <= info.max)  # (min: the lowest value, as torch checks)
+    try:
+        info = torch.finfo(dtype)
+        low, high = info.min, info.max  # (min: the lowest value, as torch checks)
+    except (TypeError, RuntimeError):  # (float4_e2m1fn_x2: two packed in a byte, no range)
+        return False
+    return bool(low <= value <= high)
 
 
 _INF = float("inf")
