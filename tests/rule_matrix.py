@@ -75,10 +75,13 @@ class Users(NamedTuple):
 Expect = Exact | Typed | Users
 
 
-def custom(values: tuple[Any, ...], rule: Callable[..., Any] = amax) -> Expect:
-    """What the custom rule itself does with ``values`` (the rule only passes them on)."""
+def custom(
+    values: tuple[Any, ...], device: torch.device | None = None, rule: Callable[..., Any] = amax
+) -> Expect:
+    """What the custom rule itself does with ``values`` (the rule only passes them on), for
+    the target ``device`` (default: the CPU)."""
     try:
-        return Exact(rule(list(values), torch.device("cpu")))
+        return Exact(rule(list(values), device or torch.device("cpu")))
     except Exception as exc:
         return Users(type(exc))
 

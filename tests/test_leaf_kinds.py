@@ -38,10 +38,12 @@ import fractions
 import io
 import numbers
 import re
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import pytest
+import spawned_groups
 import torch
 from rule_matrix import (
     RULES,
@@ -63,7 +65,7 @@ from treegather._caches import reference_only
 
 Tensor = torch.Tensor
 CPU = torch.device("cpu")
-PATH = re.compile(r"(outputs|inputs)\['m'\]\['x'\](\[\d+\])*( \(replica \d+\))?: ")
+PATH = re.compile(r"(outputs|inputs)\['m'\]\['x'\](\[\d+\])*( \((replica \d+|add #\d+)\))?: ")
 """Where a message names the leaf (an item of it, for a rule applied to a list)."""
 WHERE = "outputs['m']['x']"
 QUIET = (  # what torch says while these kinds are made and used (not treegather's)
@@ -73,8 +75,12 @@ QUIET = (  # what torch says while these kinds are made and used (not treegather
     "ignore:The PyTorch API of MaskedTensors is in prototype:UserWarning",
     "ignore:The PyTorch API of nested tensors is in prototype:UserWarning",
     "ignore:Sparse CSR tensor support is in beta state:UserWarning",
+    "ignore:.*is not implemented in __torch_dispatch__ for MaskedTensor:UserWarning",
 )
-pytestmark = [pytest.mark.filterwarnings(w) for w in QUIET]
+pytestmark = [
+    *(pytest.mark.filterwarnings(w) for w in QUIET),
+    pytest.mark.usefixtures("one_thread"),  # (tiny ops: a busy thread pool only waits)
+]
 
 
 @contextlib.contextmanager
@@ -304,30 +310,30 @@ def _tensors(values: tuple[Any, ...], numbers_too: bool = False) -> bool:
     raise Refused(tg.LeafTypeError, needs)
 
 
-def _moved(x: Any) -> Any:
+def _moved(x: Any, target: torch.device = CPU) -> Any:
     """``x`` on the target device, as a rule moves a value (tensors in lists too)."""
     if isinstance(x, list):
-        return [_moved(v) for v in x]
-    return x.to(CPU) if isinstance(x, Tensor) else x
+        return [_moved(v, target) for v in x]
+    return x.to(target) if isinstance(x, Tensor) else x
 
 
-def one_cat(values: tuple[Any, ...], sizes: Any) -> Any:
+def one_cat(values: tuple[Any, ...], sizes: Any, target: torch.device) -> Any:
     _tensors(values)
     if all(v.dim() == 0 for v in values):
-        return torch.stack(values).to(CPU)
-    return torch.cat(values).to(CPU)
+        return torch.stack(values).to(target)
+    return torch.cat(values).to(target)
 
 
-def one_stack(values: tuple[Any, ...], sizes: Any) -> Any:
+def one_stack(values: tuple[Any, ...], sizes: Any, target: torch.device) -> Any:
     _tensors(values)
-    return torch.stack(values).to(CPU)
+    return torch.stack(values).to(target)
 
 
 _ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 _ACCUMULATE[torch.complex32] = torch.complex64
 
 
-def one_mean(values: tuple[Any, ...], sizes: Any) -> Any:
+def one_mean(values: tuple[Any, ...], sizes: Any, target: torch.device) -> Any:
     """The mean as the rule defines it: of numbers, Python's (exact for ``Fraction``,
     ``Decimal`` and ints weighted by ints; else each value times its share); of tensors, in
     the default float dtype for integers, weighted by shares accumulated as ``torch.mean``."""
@@ -342,22 +348,22 @@ def one_mean(values: tuple[Any, ...], sizes: Any) -> Any:
     if not (stacked.is_floating_point() or stacked.is_complex()):
         stacked = stacked.to(torch.get_default_dtype())
     if sizes is None:
-        return stacked.mean(0).to(CPU)
+        return stacked.mean(0).to(target)
     dtype = stacked.dtype
     wide = _ACCUMULATE.get(dtype, dtype)
     total = builtins.sum(sizes)
     shares = torch.tensor([s / total for s in sizes], dtype=wide)
     shares = shares.view(-1, *[1] * (stacked.dim() - 1))
-    return (stacked.to(wide) * shares).sum(0).to(dtype).to(CPU)
+    return (stacked.to(wide) * shares).sum(0).to(dtype).to(target)
 
 
-def one_sum(values: tuple[Any, ...], sizes: Any) -> Any:
+def one_sum(values: tuple[Any, ...], sizes: Any, target: torch.device) -> Any:
     if not _tensors(values, numbers_too=True):
         return builtins.sum(values)
-    return torch.stack(values).sum(0).to(CPU)
+    return torch.stack(values).sum(0).to(target)
 
 
-def one_pad(values: tuple[Any, ...], sizes: Any) -> Any:
+def one_pad(values: tuple[Any, ...], sizes: Any, target: torch.device) -> Any:
     """Every other dim padded with 0 to the largest replica, then ``torch.cat``; 0 must be
     stored in the dtype as itself."""
     _tensors(values)
@@ -377,24 +383,24 @@ def one_pad(values: tuple[Any, ...], sizes: Any) -> Any:
             buf[tuple(slice(0, s) for s in v.shape)] = v
             v = buf
         padded.append(v)
-    return torch.cat(padded).to(CPU)
+    return torch.cat(padded).to(target)
 
 
-def one_as_list(values: tuple[Any, ...], sizes: Any) -> Any:
+def one_as_list(values: tuple[Any, ...], sizes: Any, target: torch.device) -> Any:
     return list(values)
 
 
-def one_first(values: tuple[Any, ...], sizes: Any) -> Any:
+def one_first(values: tuple[Any, ...], sizes: Any, target: torch.device) -> Any:
     if not all(equal(values[0], v, strict=True) for v in values[1:]):
         raise Refused(tg.ShapeMismatchError, "differs from replica 0")
-    return _moved(values[0])
+    return _moved(values[0], target)
 
 
-def one_cat_items(values: tuple[Any, ...], sizes: Any) -> Any:
-    return _moved([x for v in values for x in v])
+def one_cat_items(values: tuple[Any, ...], sizes: Any, target: torch.device) -> Any:
+    return _moved([x for v in values for x in v], target)
 
 
-ONE_DEVICE: dict[str, Callable[[tuple[Any, ...], Any], Any]] = {
+ONE_DEVICE: dict[str, Callable[[tuple[Any, ...], Any, torch.device], Any]] = {
     "cat": one_cat,
     "stack": one_stack,
     "mean": one_mean,
@@ -407,14 +413,17 @@ ONE_DEVICE: dict[str, Callable[[tuple[Any, ...], Any], Any]] = {
 }
 
 
-def expected(rule: str, values: tuple[Any, ...], sizes: Any = None) -> Expect:
-    """What one device gives for these replicas' values under ``rule``: the value, the rule's
-    refusal, or (torch cannot) a typed error naming the rule."""
+def expected(
+    rule: str, values: tuple[Any, ...], sizes: Any = None, target: torch.device = CPU
+) -> Expect:
+    """What one device gives for these replicas' values under ``rule``, gathered onto
+    ``target``: the value, the rule's refusal, or (torch cannot) a typed error naming the
+    rule."""
     if rule == "custom":
-        return custom(values)
+        return custom(values, target)
     try:
         with quiet():
-            return Exact(ONE_DEVICE[rule](values, sizes))
+            return Exact(ONE_DEVICE[rule](values, sizes, target))
     except Refused as refused:
         return Typed(refused.error, refused.text, refused.rule)
     except Exception:  # torch cannot: a typed error, naming the rule
@@ -441,6 +450,14 @@ def travels(x: Any) -> bool:
         return equal(back, x)
     except Exception:
         return False
+
+
+def landing(values: tuple[Any, ...]) -> torch.device:
+    """Where ``treegather.distributed`` puts results: the device of the rank's tensors (when
+    they are on one), else the CPU."""
+    found = [x for v in values for x in (v if isinstance(v, list) else [v])]
+    devices = {x.device for x in found if isinstance(x, Tensor)}
+    return devices.pop() if len(devices) == 1 else CPU
 
 
 def across(expect: Expect, values: tuple[Any, ...]) -> Expect:
@@ -611,3 +628,183 @@ def test_a_kind_is_asked_about_once() -> None:
         with pytest.raises(tg.LeafTypeError, match="sum\\(\\) cannot add float8_e4m3fn"):
             tg.gather(values, "cpu", tg.sum())
     assert len(kinds._CANNOT) == 1
+
+
+@pytest.mark.parametrize("other", ["sparse_coo", "nested strided", "mkldnn"])
+def test_replicas_holding_two_kinds_of_tensor_are_refused_naming_both(other: str) -> None:
+    """torch joins no dense tensor with a sparse, nested or mkldnn one (its raw error came
+    out): a typed error naming the path, the rule and each replica's kind."""
+    with quiet():
+        values = ({"m": {"x": _sparse(0)}}, {"m": {"x": BY_NAME[other].make(1)}})
+    for rule in (tg.cat(), tg.stack(), tg.mean(), tg.sum(), tg.pad()):
+        for n in range(WARM_CALLS):
+            with pytest.raises(tg.LeafTypeError) as info:
+                tg.gather(values, "cpu", rule)
+            text = str(info.value)
+            assert text.startswith(f"{WHERE}: {rule.describe()} needs one kind of tensor"), n
+            assert "replica 0: float32, replica 1: " in text, text
+
+
+# ---------------------------------------------------------------------- across processes
+
+DISTRIBUTED_RULES = list(RULES)  # (mean(weight=...) weighs calls, which processes do not pass)
+
+
+@pytest.mark.parametrize("rule", DISTRIBUTED_RULES)
+def test_each_kind_through_all_gather_is_one_device_or_a_typed_error(
+    world_of_one: None, rule: str
+) -> None:
+    import treegather.distributed as tgd
+
+    problems = []
+    for kind in KINDS:
+        values = replicas(kind, rule, 1)
+        expect = across(expected(rule, values, target=landing(values)), values)
+        tree, layout = {"m": {"x": values[0]}}, {"m": {"x": RULES[rule]}}
+        tg.clear_caches()
+        for n in range(2):  # the header, then the wire plan
+            got = run(lambda: tgd.all_gather(tree, layout)["m"]["x"])  # noqa: B023
+            found = _check(rule, expect, got)
+            if found is not None:
+                problems.append(f"{kind.name}: all_gather call {n} {found}")
+                break
+    assert not problems, "\n".join(problems)
+
+
+def _per_sample(rule: str, values: tuple[Any, ...]) -> bool:
+    """Whether the Collector joins these values by rows (``cat``, ``pad`` of tensors with
+    dims), rather than one value per add."""
+    try:
+        return rule in ("cat", "pad") and all(isinstance(v, Tensor) and v.dim() for v in values)
+    except Exception:  # (a tensor whose dims cannot be read)
+        return False
+
+
+def _detached(x: Any) -> Any:
+    if isinstance(x, list):
+        return [_detached(v) for v in x]
+    uninitialized = isinstance(x, torch.nn.parameter.UninitializedTensorMixin)
+    return x.detach() if isinstance(x, Tensor) and x.requires_grad and not uninitialized else x
+
+
+def collected(rule: str, values: tuple[Any, ...], rows: list[int]) -> Expect:
+    """What the Collector gives for adds of these values (``rows`` each, in dataset order):
+    per-sample values joined by the rule and put in dataset order by torch's
+    ``index_select`` of their rows; others combined by the rule over the adds, weighted by
+    their rows. An add keeps tensors detached (a ``Parameter``: a plain tensor)."""
+    values = tuple(_detached(v) for v in values)
+    expect = expected(rule, values, None if rule in ("cat", "pad") else rows)
+    if isinstance(expect, Exact) and _per_sample(rule, values):
+        try:
+            with quiet():
+                order = torch.arange(builtins.sum(rows))
+                expect = Exact(expect.value.index_select(0, order))
+        except Exception:
+            return Typed(tg.TreegatherError, "")
+    return across(expect, values)
+
+
+def _collect(values: tuple[Any, ...], rows: list[int], layout: Any) -> Any:
+    """A Collector's result for adds of ``values``, ``rows`` each, in dataset order."""
+    import treegather.distributed as tgd
+
+    col = tgd.Collector()
+    start = 0
+    for v, k in zip(values, rows, strict=True):
+        ids = torch.arange(start, start + k)
+        col.add({"m": {"x": v}, "i": ids}, indices=ids)
+        start += k
+    return col.all_gather(layout)["m"]["x"]
+
+
+@pytest.mark.parametrize("rule", DISTRIBUTED_RULES)
+def test_each_kind_through_the_collector_is_one_device_or_a_typed_error(
+    world_of_one: None, rule: str
+) -> None:
+
+    problems = []
+    for kind in KINDS:
+        values = replicas(kind, rule)
+        per_sample = _per_sample(rule, values)
+        rows = [v.size(0) if per_sample else 1 for v in values]
+        expect = collected(rule, values, rows)
+        layout = {"m": {"x": RULES[rule]}, "i": tg.cat()}
+        tg.clear_caches()
+        for n in range(2):  # cold, then a repeated evaluation
+            got = run(lambda: _collect(values, rows, layout))  # noqa: B023
+            found = _check(rule, expect, got)
+            if found is not None:
+                problems.append(f"{kind.name}: Collector call {n} {found}")
+                break
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------ on 2 spawned ranks
+
+# (kind, rule) cells on real ranks: each rank's value is make(rank) (first: make(0)).
+ON_RANKS = [
+    ("Tagged (__torch_function__)", "cat"),
+    ("Tagged (__torch_function__)", "as_list"),
+    ("MaskedTensor", "as_list"),
+    ("(2, 0)", "cat"),
+    ("(2, 0)", "stack"),
+    ("sparse_coo", "cat"),
+    ("qint8", "as_list"),
+    ("float8_e4m3fn", "first"),
+    ("float8_e4m3fn", "mean"),
+    ("Decimal", "mean"),
+    ("nested jagged", "cat"),
+]
+
+
+def on_ranks(rank: int, world: int) -> list[str]:
+    """Every :data:`ON_RANKS` cell through ``all_gather`` (cold, then repeated) on this rank,
+    then a value only one rank cannot send (rank 1's mkldnn tensor): what is wrong."""
+    try:
+        return _on_ranks(rank, world)
+    except Exception:  # (a check that raises would end every later check of the group)
+        return [f"the check itself: {traceback.format_exc()}"]
+
+
+def _on_ranks(rank: int, world: int) -> list[str]:
+    import treegather.distributed as tgd
+
+    problems = []
+    for name, rule in ON_RANKS:
+        kind = BY_NAME[name]
+        values = replicas(kind, rule, world)
+        expect = across(expected(rule, values, target=landing(values)), values)
+        tree, layout = {"m": {"x": values[rank]}}, {"m": {"x": RULES[rule]}}
+        for n in range(3):  # the header, the wire plan (when it has one), again
+            with quiet():
+                got = run(lambda: tgd.all_gather(tree, layout)["m"]["x"])  # noqa: B023
+            found = _check(rule, expect, got)
+            if found is not None:
+                problems.append(f"{name}, {rule}: call {n} {found}")
+                break
+    # One rank's value cannot travel: every rank raises, naming the path and the rank.
+    x = _sparse(rank).to_mkldnn() if rank == 1 else _sparse(rank)
+    got = run(lambda: tgd.all_gather({"m": {"x": x}}))
+    found = problem("", Typed(tg.LeafTypeError, "on rank 1", rule=False), got, PATH, WHERE)
+    if found is not None:
+        problems.append(f"mkldnn on rank 1 only: {found}")
+    return problems
+
+
+spawned_groups.register("leaf_kinds", budget_s=40)(on_ranks)
+
+
+@pytest.fixture(scope="module", params=[2], ids=lambda w: f"world{w}")
+def ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[list[str]]:
+    found = spawned_groups.results(request.param, tmp_path_factory)
+    return [res["leaf_kinds"] for res in found]
+
+
+@pytest.mark.distributed
+def test_cells_on_two_ranks_are_one_device_or_a_typed_error_naming_the_path(
+    ranks: list[list[str]],
+) -> None:
+    wrong = [f"rank {r}: {p}" for r, problems in enumerate(ranks) for p in problems]
+    assert not wrong, "\n".join(wrong)

@@ -108,6 +108,13 @@ class LeafRule(GatherRule):
                 + ", ".join(f"replica {i}: {d}" for i, d in enumerate(dtypes)),
                 hint="dtype",
             )
+        if len({(v.layout, v.is_nested) for v in col}) > 1:  # (torch mixes no kinds)
+            return Problem(
+                f"{shown} needs one kind of tensor in every replica, got "
+                + ", ".join(f"replica {i}: {kinds.kind_text(v)}" for i, v in enumerate(col)),
+                True,
+                "kind",
+            )
         first = col[0]
         problem = self.dtype_problem(first.dtype, shown)
         if problem is None and not kinds.ordinary(first):  # (a kind torch may not combine)
