@@ -607,7 +607,7 @@ def test_the_ordinary_dtypes_are_those_every_leaf_rule_combines() -> None:
     them (as torch's CPU does; the rules ask per device type otherwise)."""
     from treegather._rules import Combining, kinds
 
-    for dtype in kinds._ORDINARY:
+    for dtype in kinds.ORDINARY:
         x = torch.zeros(2, 2, dtype=dtype)
         assert kinds.ordinary(x)
         for rule in (tg.cat(), tg.stack(), tg.mean(), tg.sum(), tg.pad()):

@@ -140,6 +140,10 @@ class Combining(NamedTuple):
     node: Any = None  # the plan node (whole-value rules name it in their errors)
     inputs: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...] | None = None
     """Each replica's call ``(args, kwargs)``, where the gather follows one (``mean(weight=f)``)."""
+    failed: bool = True
+    """:meth:`GatherRule.problem` explains a combine that failed (``False``: it checks the
+    values before they are moved, on every step, and leaves what torch itself refuses, such
+    as a mix of dense and sparse tensors, to that explanation)."""
 
 
 class Problem(NamedTuple):

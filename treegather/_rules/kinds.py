@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .base import Combining, GatherRule
 
 __all__ = [
+    "ORDINARY",
     "cannot",
     "fix",
     "kind_text",
@@ -53,7 +54,7 @@ _COMPARED: LRU[Any, Callable[[Tensor], Tensor]] = LRU(
 
 # Dense dtypes every leaf-wise rule combines on every device (tests/test_leaf_kinds.py asks
 # :func:`cannot` about each): their tensors are never asked about.
-_ORDINARY = frozenset(
+ORDINARY = frozenset(
     {
         torch.float16,
         torch.bfloat16,
@@ -74,7 +75,7 @@ _ORDINARY = frozenset(
 def ordinary(t: Tensor) -> bool:
     """A dense tensor of a dtype torch computes everything in (what :func:`cannot` need not
     be asked about)."""
-    return t.dtype in _ORDINARY and t.layout is torch.strided and not t.is_nested
+    return t.dtype in ORDINARY and t.layout is torch.strided and not t.is_nested
 
 
 def kind_of(t: Tensor) -> Kind:

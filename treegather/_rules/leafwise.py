@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import numbers
+import operator
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -41,6 +42,8 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+_DTYPE, _LAYOUT, _NESTED = map(operator.attrgetter, ("dtype", "layout", "is_nested"))
+_ORDINARY, _STRIDED = kinds.ORDINARY, torch.strided
 
 
 def one_dtype(col: Sequence[Tensor]) -> None:
@@ -78,37 +81,53 @@ class LeafRule(GatherRule):
         return type(self)()
 
     def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
-        """The checks every leaf-wise rule makes, then :meth:`shape_problem`."""
+        """The checks every leaf-wise rule makes, then :meth:`shape_problem`.
+
+        (Also run before tensors are moved between devices, for every leaf of every step: the
+        common case, dense tensors of one usual dtype, costs a read or two per value; what
+        torch refuses itself, a mix of kinds, is named when the combine failed.)"""
         shown = shown or self.describe()
-        empty = [r for r, v in enumerate(col) if isinstance(v, Tensor) and _empty(v, ctx.target)]
+        meta_ok = ctx.target.type == "meta"
+        types = list(map(type, col))
+        if types.count(Tensor) == len(types):  # (plain tensors: no subclass, none uninitialized)
+            empty = [] if meta_ok else [r for r, v in enumerate(col) if v.is_meta]
+        else:  # (meta tensors, unless gathered onto the meta device; uninitialized ones)
+            empty = [
+                r
+                for r, v in enumerate(col)
+                if isinstance(v, Tensor) and ((v.is_meta and not meta_ok) or kinds.no_data(v))
+            ]
+            tensors = [isinstance(v, Tensor) for v in col]
+            if not all(tensors) and not empty:
+                found = _unknown_dataclasses(col)
+                if found:
+                    return Problem(
+                        f"{found} is a dataclass treegather does not know, so {shown} cannot "
+                        "look inside it; register it with treegather.register_dataclass",
+                        True,
+                        "dataclass",
+                    )
+                if self.numbers:
+                    return _numbers_problem(col, tensors, shown)
+                bad = tensors.index(False)
+                return Problem(
+                    f"{shown} needs tensors, replica {bad} holds {describe(col[bad])}",
+                    True,
+                    "shape",
+                )
         if empty:
             text, hint = kinds.no_data_text(col[empty[0]], ctx.target, shown)
             replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in empty)
             return Problem(f"{text} ({replicas})", True, hint)
-        tensors = [isinstance(v, Tensor) for v in col]
-        if not all(tensors):
-            found = _unknown_dataclasses(col)
-            if found:
-                return Problem(
-                    f"{found} is a dataclass treegather does not know, so {shown} cannot look "
-                    "inside it; register it with treegather.register_dataclass",
-                    True,
-                    "dataclass",
-                )
-            if self.numbers:
-                return _numbers_problem(col, tensors, shown)
-            bad = tensors.index(False)
-            return Problem(
-                f"{shown} needs tensors, replica {bad} holds {describe(col[bad])}", True, "shape"
-            )
-        dtypes = [v.dtype for v in col]
+        dtypes = list(map(_DTYPE, col))
         if len(set(dtypes)) > 1:
             return Problem(
                 f"{shown} needs one dtype in every replica, got "
                 + ", ".join(f"replica {i}: {d}" for i, d in enumerate(dtypes)),
                 hint="dtype",
             )
-        if len({(v.layout, v.is_nested) for v in col}) > 1:  # (torch mixes no kinds)
+        mixed = ctx.failed and (len(set(map(_LAYOUT, col))) > 1 or len(set(map(_NESTED, col))) > 1)
+        if mixed:  # (torch mixes no kinds: dense with sparse, nested, ...)
             return Problem(
                 f"{shown} needs one kind of tensor in every replica, got "
                 + ", ".join(f"replica {i}: {kinds.kind_text(v)}" for i, v in enumerate(col)),
@@ -116,13 +135,16 @@ class LeafRule(GatherRule):
                 "kind",
             )
         first = col[0]
-        problem = self.dtype_problem(first.dtype, shown)
-        if problem is None and not kinds.ordinary(first):  # (a kind torch may not combine)
-            why = kinds.cannot(self, first, ctx)
-            if why:
-                problem = Problem(kinds.refusal(shown, self.verb, first, why), True, "kind")
-        if problem is not None:
-            return problem
+        if dtypes[0] not in _ORDINARY or first.layout is not _STRIDED or first.is_nested:
+            # A kind torch may not combine (asked once per kind), after what the rule itself
+            # refuses of the dtype (pad's fill); dense tensors of a usual dtype skip both here.
+            problem = self.dtype_problem(dtypes[0], shown)
+            if problem is None:
+                why = kinds.cannot(self, first, ctx)
+                if why:
+                    problem = Problem(kinds.refusal(shown, self.verb, first, why), True, "kind")
+            if problem is not None:
+                return problem
         return self.shape_problem([tuple(v.shape) for v in col], dtypes[0], ctx, shown)
 
     def dtype_problem(self, dtype: torch.dtype, shown: str) -> Problem | None:
@@ -134,11 +156,6 @@ class LeafRule(GatherRule):
     ) -> Problem | None:
         """What is wrong with tensors of these shapes (one dtype) under this rule."""
         return None
-
-
-def _empty(t: Tensor, target: torch.device) -> bool:
-    """A tensor without data to gather onto ``target`` (a meta tensor onto another device)."""
-    return kinds.no_data(t) and not (t.is_meta and target.type == "meta")
 
 
 def _numbers_problem(col: Sequence[Any], tensors: list[bool], shown: str) -> Problem | None:
@@ -330,6 +347,9 @@ class Pad(LeafRule, name="pad"):
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
     ) -> Problem | None:
+        problem = self.dtype_problem(dtype, shown)
+        if problem is not None:
+            return problem
         if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
             text = f"{shown} needs tensors with the same number of dims (>= 1), got {by_replica(shapes)}"
             return Problem(text, hint="shape")
