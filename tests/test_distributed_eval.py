@@ -1514,9 +1514,13 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]] | None] = {
         ("outputs['b']: a leaf, per sample on rank 0; a leaf, one value per add on rank",),
     ),
     "unpicklable": ("LeafTypeError", ("on rank 1: outputs['meta'] (add #0): function",)),
-    "sparse_leaf": (
+    "sparse_leaf": (  # (it travels: then the rule says torch cannot join the two kinds)
         "LeafTypeError",
-        ("on rank 1: outputs['x']: Tensor(shape=(2, 2)", "layout torch.sparse_coo", ".to_dense()"),
+        (
+            "outputs['x']: cat() needs one kind of tensor in every replica",
+            "replica 1: sparse_coo float32",
+            "replica 1 is rank 1",
+        ),
     ),
     "datasets_differ": (
         "BatchSizeError",

@@ -150,7 +150,9 @@ def diagnose(
     well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged. With
     ``target`` (not the meta device), meta tensors that a rule would move there are problems.
     """
-    ctx = Combining(_NOWHERE if target is None else target, False, sizes, dim)
+    ctx = Combining(
+        _NOWHERE if target is None else target, False, sizes, dim, failed=exc is not None
+    )
     problems: list[str] = []
     hints: dict[str, None] = {}
     type_problem = False

@@ -293,14 +293,23 @@ def _validate(
 
 
 def classify(pos: int, x: Any, plan: Plan, dim: int, meta_ok: bool) -> Cut | Problem:
-    """How position ``pos`` (value ``x``) is cut: its rule's :meth:`shard`, or the default's."""
+    """How position ``pos`` (value ``x``) is cut: its rule's :meth:`shard`, or the default's;
+    a meta tensor that would be placed on a device (unless every device is the meta device)
+    is a problem, naming the rule."""
     group = plan.groups[pos]
-    if group is not None:
-        return group[2].shard(x, dim)  # type: ignore[attr-defined]
-    if isinstance(x, Tensor) and x.is_meta and not meta_ok:
-        text = f"{describe(x)} is a meta tensor: it holds no data to place on a device"
-        return Problem(text, True)
-    rule = plan.rules[pos]
+    rule = group[2] if group is not None else plan.rules[pos]
+    if meta_ok:
+        meta = None
+    elif group is None:
+        meta = x if isinstance(x, Tensor) and x.is_meta else None
+    else:  # (split_items(): its items go to the devices)
+        meta = next((v for v in flatten(x)[0] if isinstance(v, Tensor) and v.is_meta), None)
+    if meta is not None:
+        shown = "the default rule" if rule is None else rule.describe()
+        return Problem(
+            f"{describe(meta)} is a meta tensor: it holds no data to place on a device ({shown})",
+            True,
+        )
     if rule is None:
         return default_cut(x, dim)
     return rule.shard(x, dim)  # type: ignore[attr-defined]

@@ -3,9 +3,10 @@
 (``mean`` and ``sum`` are in :mod:`.reductions`.) On an inner node each applies to every leaf
 below it. Each class combines one leaf's
 per-replica values (:meth:`combine`: plain errors for bad data), says what is wrong with them
-(:meth:`problem`: the checks every such rule makes -- meta tensors, unregistered dataclasses,
-values that are no tensors, mixed dtypes -- then the rule's own, on the shapes) and what they
-become (:meth:`becomes`).
+(:meth:`problem`: the checks every such rule makes -- tensors without data, unregistered
+dataclasses, values that are no tensors, mixed dtypes, kinds of tensor torch cannot combine
+that way (:mod:`.kinds`) -- then the rule's own, on the shapes) and what they become
+(:meth:`becomes`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import numbers
+import operator
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -20,11 +22,11 @@ import torch
 
 from .._errors import safe_repr
 from .._tree import Rows, describe, dtype_text, shape_text, type_name
+from . import kinds
 from .base import Combining, GatherRule, Problem, by_replica, constructor, is_number
 
 __all__ = [
     "JOIN_ROWS",
-    "META",
     "Cat",
     "LeafRule",
     "Pad",
@@ -41,7 +43,8 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-META = "a meta tensor holds no data to gather onto {target}"
+_DTYPE, _LAYOUT, _NESTED = map(operator.attrgetter, ("dtype", "layout", "is_nested"))
+_ORDINARY, _STRIDED = kinds.ORDINARY, torch.strided
 
 
 def one_dtype(col: Sequence[Tensor]) -> None:
@@ -67,41 +70,89 @@ class LeafRule(GatherRule):
 
     numbers: ClassVar[bool] = False
     """Python numbers are values too (``mean``, ``sum``)."""
+    verb: ClassVar[str] = "combine"
+    """What the rule does to tensors, as its refusals say it (``"concatenate"``)."""
+    widens: ClassVar[bool] = False
+    """The replicas' shapes may differ in other dims (``pad``): :func:`.kinds.cannot` asks
+    with tensors of two widths."""
+
+    def probe(self) -> LeafRule:
+        """The rule :func:`.kinds.cannot` asks whether a kind of tensor can be combined with:
+        this class with its defaults (what torch can do does not depend on the dim)."""
+        return type(self)()
 
     def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
-        """The checks every leaf-wise rule makes, then :meth:`shape_problem`."""
+        """The checks every leaf-wise rule makes, then :meth:`shape_problem`.
+
+        (Also run before tensors are moved between devices, for every leaf of every step: the
+        common case, dense tensors of one usual dtype, costs a read or two per value; what
+        torch refuses itself, a mix of kinds, is named when the combine failed.)"""
         shown = shown or self.describe()
         if any(type(v) is Rows for v in col):
             return self.rows_problem(col, ctx, shown)
-        if ctx.target.type != "meta":
-            on_meta = [r for r, v in enumerate(col) if isinstance(v, Tensor) and v.is_meta]
-            if on_meta:
-                replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in on_meta)
-                return Problem(f"{META.format(target=ctx.target)} ({replicas})", True, "meta")
-        tensors = [isinstance(v, Tensor) for v in col]
-        if not all(tensors):
-            found = _unknown_dataclasses(col)
-            if found:
+        meta_ok = ctx.target.type == "meta"
+        types = list(map(type, col))
+        if types.count(Tensor) == len(types):  # (plain tensors: no subclass, none uninitialized)
+            empty = [] if meta_ok else [r for r, v in enumerate(col) if v.is_meta]
+        else:  # (meta tensors, unless gathered onto the meta device; uninitialized ones)
+            empty = [
+                r
+                for r, v in enumerate(col)
+                if isinstance(v, Tensor) and ((v.is_meta and not meta_ok) or kinds.no_data(v))
+            ]
+            tensors = [isinstance(v, Tensor) for v in col]
+            if not all(tensors) and not empty:
+                found = _unknown_dataclasses(col)
+                if found:
+                    return Problem(
+                        f"{found} is a dataclass treegather does not know, so {shown} cannot "
+                        "look inside it; register it with treegather.register_dataclass",
+                        True,
+                        "dataclass",
+                    )
+                if self.numbers:
+                    return _numbers_problem(col, tensors, shown)
+                bad = tensors.index(False)
                 return Problem(
-                    f"{found} is a dataclass treegather does not know, so {shown} cannot look "
-                    "inside it; register it with treegather.register_dataclass",
+                    f"{shown} needs tensors, replica {bad} holds {describe(col[bad])}",
                     True,
-                    "dataclass",
+                    "shape",
                 )
-            if self.numbers:
-                return _numbers_problem(col, tensors, shown)
-            bad = tensors.index(False)
-            return Problem(
-                f"{shown} needs tensors, replica {bad} holds {describe(col[bad])}", True, "shape"
-            )
-        dtypes = [v.dtype for v in col]
+        if empty:
+            text, hint = kinds.no_data_text(col[empty[0]], ctx.target, shown)
+            replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in empty)
+            return Problem(f"{text} ({replicas})", True, hint)
+        dtypes = list(map(_DTYPE, col))
         if len(set(dtypes)) > 1:
             return Problem(
                 f"{shown} needs one dtype in every replica, got "
                 + ", ".join(f"replica {i}: {d}" for i, d in enumerate(dtypes)),
                 hint="dtype",
             )
+        mixed = ctx.failed and (len(set(map(_LAYOUT, col))) > 1 or len(set(map(_NESTED, col))) > 1)
+        if mixed:  # (torch mixes no kinds: dense with sparse, nested, ...)
+            return Problem(
+                f"{shown} needs one kind of tensor in every replica, got "
+                + ", ".join(f"replica {i}: {kinds.kind_text(v)}" for i, v in enumerate(col)),
+                True,
+                "kind",
+            )
+        first = col[0]
+        if dtypes[0] not in _ORDINARY or first.layout is not _STRIDED or first.is_nested:
+            # A kind torch may not combine (asked once per kind), after what the rule itself
+            # refuses of the dtype (pad's fill); dense tensors of a usual dtype skip both here.
+            problem = self.dtype_problem(dtypes[0], shown)
+            if problem is None:
+                why = kinds.cannot(self, first, ctx)
+                if why:
+                    problem = Problem(kinds.refusal(shown, self.verb, first, why), True, "kind")
+            if problem is not None:
+                return problem
         return self.shape_problem([tuple(v.shape) for v in col], dtypes[0], ctx, shown)
+
+    def dtype_problem(self, dtype: torch.dtype, shown: str) -> Problem | None:
+        """What is wrong with tensors of ``dtype`` under this rule, whatever torch can do."""
+        return None
 
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
@@ -204,6 +255,7 @@ class Cat(LeafRule, name="cat"):
     """Concatenate along ``dim`` (the default for tensors; all 0-dim values: a vector; a value
     laid out by rows, under dim 0: its rows joined, as its default rule does)."""
 
+    verb: ClassVar[str] = "concatenate"
     dim: int = 0
 
     @classmethod
@@ -284,6 +336,7 @@ def cat_values(col: Sequence[Tensor], target: torch.device, moving: bool, dim: i
 class Stack(LeafRule, name="stack"):
     """Stack along a new ``dim``."""
 
+    verb: ClassVar[str] = "stack"
     dim: int = 0
 
     @classmethod
@@ -319,6 +372,8 @@ class Stack(LeafRule, name="stack"):
 class Pad(LeafRule, name="pad"):
     """Pad every other dim to the largest replica, then concatenate along ``dim``."""
 
+    verb: ClassVar[str] = "pad and concatenate"
+    widens: ClassVar[bool] = True
     dim: int = 0
     fill: float = 0
     lengths: bool = False
@@ -357,16 +412,22 @@ class Pad(LeafRule, name="pad"):
         lengths = torch.tensor([list(v.shape) for v in values], dtype=torch.long, device=ctx.target)
         return Padded(data, lengths)
 
+    def dtype_problem(self, dtype: torch.dtype, shown: str) -> Problem | None:
+        if fill_fits(self.fill, dtype):
+            return None
+        return Problem(
+            f"{shown}: fill {safe_repr(self.fill)} cannot be stored in {dtype} as itself (it "
+            "would wrap, be cut or overflow, or padding would look like data); pick a fill "
+            "the dtype holds",
+            True,
+        )
+
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
     ) -> Problem | None:
-        if not fill_fits(self.fill, dtype):
-            return Problem(
-                f"{shown}: fill {safe_repr(self.fill)} cannot be stored in {dtype} as itself (it "
-                "would wrap, be cut or overflow, or padding would look like data); pick a fill "
-                "the dtype holds",
-                True,
-            )
+        problem = self.dtype_problem(dtype, shown)
+        if problem is not None:
+            return problem
         if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
             text = f"{shown} needs tensors with the same number of dims (>= 1), got {by_replica(shapes)}"
             return Problem(text, hint="shape")
@@ -442,8 +503,11 @@ def fill_fits(fill: Any, dtype: torch.dtype) -> bool:
     if dtype == torch.bool:
         return value in (0, 1)
     try:
+        dtype.is_signed  # noqa: B018  (torch cannot say for a dtype of no plain numbers)
         info = torch.iinfo(dtype)
-    except TypeError:  # a dtype that is neither (quantized, bits): nothing is stored as itself
+    except (TypeError, RuntimeError):
+        # A dtype of no plain numbers: quantized ones (torch.iinfo reads qint8 as int8, but a
+        # stored number stands for another), bits, sub-byte ints: nothing is stored as itself.
         return False
     return bool(info.min <= value <= info.max)
 
@@ -480,8 +544,12 @@ def _float_holds(value: float | int, dtype: torch.dtype) -> bool:
         return True
     if value in (_INF, -_INF):
         return dtype not in _NO_INFINITY
-    info = torch.finfo(dtype)
-    return bool(info.min <= value <= info.max)  # (min: the lowest value, as torch checks)
+    try:
+        info = torch.finfo(dtype)
+        low, high = info.min, info.max  # (min: the lowest value, as torch checks)
+    except (TypeError, RuntimeError):  # (float4_e2m1fn_x2: two packed in a byte, no range)
+        return False
+    return bool(low <= value <= high)
 
 
 _INF = float("inf")

@@ -14,7 +14,7 @@ import math
 import numbers
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -67,6 +67,7 @@ class Mean(_Reduction, name="mean"):
     """The mean over the replicas, weighted by their rows when the sizes are known, or by the
     weight ``weight`` finds in each replica's inputs."""
 
+    verb: ClassVar[str] = "average"
     weight: Callable[..., Any] | None = None
 
     def describe(self) -> str:
@@ -254,6 +255,8 @@ def _weighted_mean(stacked: Tensor, sizes: Sequence[float]) -> Tensor:
 @dataclasses.dataclass(frozen=True)
 class Sum(_Reduction, name="sum"):
     """The elementwise sum over the replicas."""
+
+    verb: ClassVar[str] = "add"
 
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
         if all(is_number(v) for v in col):

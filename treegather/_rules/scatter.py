@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from .._tree import Opaque, Rows, describe, shape_text
 from .base import WHOLE, Cut, Problem, ScatterRule, constructor
@@ -79,6 +80,12 @@ class Split(ScatterRule, name="split"):
 
 
 def _split_cut(x: Tensor, d: int, sizes: tuple[int, ...] | None = None) -> Cut | Problem:
+    if isinstance(x, UninitializedTensorMixin):  # (no shape to split yet)
+        return Problem(
+            f"split needs a tensor with data, got an {describe(x)}, which a lazy module has not "
+            "initialized yet: run one forward first, or mark it broadcast() in the layout",
+            True,
+        )
     if x.layout != torch.strided or x.is_nested:
         kind = "nested" if x.is_nested else str(x.layout).replace("torch.", "")
         return Problem(
@@ -161,8 +168,10 @@ def default_cut(x: Any, dim: int) -> Cut | Problem:
     :class:`~treegather._tree.Rows` value (a ``PackedSequence``) is split by rows, like the
     batch. Strings, numbers and containers of plain values are broadcast.
     """
-    if isinstance(x, Tensor):
-        return WHOLE if x.dim() == 0 else _split_cut(x, dim)
+    if isinstance(x, Tensor):  # (an uninitialized parameter has no dims yet: split says so)
+        if isinstance(x, UninitializedTensorMixin) or x.dim():
+            return _split_cut(x, dim)
+        return WHOLE
     if isinstance(x, Opaque):  # a registered node that cannot be split: it says why
         return Problem(x.reason, True)
     if isinstance(x, Rows):  # a value laid out by rows its own way (a PackedSequence)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from .._errors import safe_repr
 from .batch import Rows
@@ -51,5 +52,11 @@ def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         if value.is_nested:  # a nested tensor has no single shape
             return f"nested Tensor(dtype={value.dtype}, device={value.device})"
-        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+        if isinstance(value, UninitializedTensorMixin):  # (no shape yet)
+            return f"{type(value).__name__}(dtype={value.dtype}, device={value.device})"
+        layout = "" if value.layout is torch.strided else f", layout={value.layout}"
+        return (
+            f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}{layout}, "
+            f"device={value.device})"
+        )
     return f"{type(value).__qualname__} {safe_repr(value, 60)}"

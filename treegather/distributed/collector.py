@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import pickle
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -20,9 +21,15 @@ import torch.distributed as dist
 
 from .._caches import LRU
 from .._devices import DeviceLike, as_device
-from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
+from .._errors import (
+    BatchSizeError,
+    LeafTypeError,
+    StateError,
+    StructureMismatchError,
+    TreegatherError,
+)
 from .._layout import Plan, resolve
-from .._rules import AsList
+from .._rules import AsList, kinds
 from .._tree import along_rows, batch_nodes, display_path, rebuild
 from . import errors, protocol
 from .drops import Drop, drops
@@ -461,7 +468,10 @@ class Collector:
 
         columns = list(zip(*per_rank))
         values = join(columns, kinds, rules, device, reference, plain=plain, parts=True)
-        out = [v if k == PER_ADD else placed(v, order) for k, v in zip(kinds, values)]
+        out = [
+            v if k == PER_ADD else _placed(v, order, plan, p, rules[p])
+            for p, (k, v) in enumerate(zip(kinds, values))
+        ]
         if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
             rows = torch.cat([p.rows for _, p in present]).tolist()
             many = len(present) > 1
@@ -475,11 +485,43 @@ class Collector:
                     try:
                         out[p] = gather_noted(out[p], device, rule, rows, "{r}", names)
                     except TreegatherError as exc:  # its paths start at the value: say where
-                        text, where = str(exc), display_path(plan.node_of(p), ROOT)
-                        text = where + text[len(ROOT) :] if text.startswith(ROOT) else text
-                        raise type(exc)(text) from None
+                        where = display_path(plan.node_of(p), ROOT)
+                        raise type(exc)(_at(str(exc), where)) from None
+                    except Exception as exc:  # a custom rule's own: its note names the leaf
+                        where = display_path(plan.node_of(p), ROOT)
+                        notes = getattr(exc, "__notes__", None)
+                        if notes:
+                            exc.__notes__ = [_at(n, where) for n in notes]
+                        raise
         self.indices = order.kept
         return rebuild(up, out, along_rows(found, order.kept.numel(), joined), ROOT, found)
+
+
+_ROOT_PATH = re.compile(r"(^|, | at |\n  - )outputs(?=[\[ .:(]|$)")
+
+
+def _at(text: str, where: str) -> str:
+    """A message about one leaf's values, gathered as a tree of their own (whose paths start
+    at ``outputs``), with the paths starting at the leaf's own path ``where``."""
+    return _ROOT_PATH.sub(lambda m: m.group(1) + where, text)
+
+
+def _placed(values: list[Any], order: Any, plan: Plan, p: int, rule: Any) -> Any:
+    """:func:`placed`, or a typed error naming the leaf where torch cannot put its rows in
+    order (``index_select`` of a kind of tensor that has none)."""
+    first = values[0]
+    if not isinstance(first, Tensor) or (type(first) is Tensor and kinds.ordinary(first)):
+        return placed(values, order)
+    try:
+        return placed(values, order)
+    except (RuntimeError, TypeError) as exc:  # (NotImplementedError is a RuntimeError)
+        shown = "cat()" if rule is None else rule.describe()
+        raise LeafTypeError(
+            f"{display_path(plan.node_of(p), ROOT)}: {shown} in a Collector puts the rows in "
+            f"dataset order, which torch cannot do for {kinds.kind_text(first)} "
+            f"{type(first).__name__}s ({type(exc).__name__}: {str(exc).splitlines()[0][:100]}); "
+            f"{kinds.fix(first)}, or keep each add's value with as_list()"
+        ) from None
 
 
 def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[Any]], Any]) -> Any:

@@ -77,6 +77,8 @@ def full(
     per_rank = [
         wire.decode(h, buf[wire.padded(r[HEADER]) :]) for h, buf, r in zip(headers, buffers, rows)
     ]
+    for h, leaves in zip(headers, per_rank):
+        wire.place_held(h, leaves)
     grads = [h.get("grads") or () for h in headers]
     if any(grads):
         leaves = _tree.flatten(tree)[0]

@@ -294,6 +294,13 @@ def _region_results(j: int, region: Region, received: Received) -> Sequence[torc
         # tens of MiB is mapped fresh, and page-faulted, on every call.
         return list(map(torch.cat, zip(*_pieces(j, region, received))))
     rows = [rank_rows[region.rows] for rank_rows in geometry.rows]
+    if not region.row_bytes:  # rows of no bytes (a trailing dim of 0): nothing to reorder
+        return [
+            torch.empty(
+                (sum(leaf), *region.trailing), dtype=region.dtype, device=received.buf.device
+            )
+            for leaf in zip(*rows)
+        ]
     aligned = all(start % region.row_bytes == 0 for start in geometry.starts[j])
     if len(rows) > 1 and (aligned or len(region.positions) >= _INDEXED_MIN):
         return _gather_rows(j, region, received, rows, aligned)

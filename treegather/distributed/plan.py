@@ -29,7 +29,7 @@ from .. import _layout, _tree
 from .._caches import LRU
 from .._compiled import structure as _structure
 from .._rules import Cat
-from . import wire
+from . import pickling, wire
 from .layout import layout_text
 
 __all__ = [
@@ -243,7 +243,10 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) ->
             assumed = last
             first = leaves[0] if leaves else None
         else:
-            shapes, dtypes, objects = _signature(leaves)
+            found = _signature(leaves)
+            if found is None:
+                return None  # (a tensor that travels pickled: a subclass, sparse, ...)
+            shapes, dtypes, objects = found
             if objects and any(type(x) is _tree.Rows for x in leaves):
                 return None  # (joined by its own rule: not in the vectorised unpack)
             seen = _seen(key, last, spec, dtypes, shapes, text, layout, dim, sizes_given, grads)
@@ -261,9 +264,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) ->
     blob = b""
     if seen.plan.objects:
         try:
-            blob = pickle.dumps(
-                [leaves[i] for i in seen.plan.objects], protocol=pickle.HIGHEST_PROTOCOL
-            )
+            blob = pickling.dumps([leaves[i] for i in seen.plan.objects])
         except Exception:
             return None
     nbytes = seen.tensor_bytes + len(blob)
@@ -304,7 +305,9 @@ def _same_counts(last: _Seen, leaves: list[Any]) -> bool:
         if not numels:
             return False
         counts = list(map(Tensor.numel, leaves))  # a TypeError for a leaf that is no tensor
-        return counts == numels and list(map(_DTYPE, leaves)) == last.dtypes
+        if counts != numels or list(map(_DTYPE, leaves)) != last.dtypes:
+            return False
+        return list(map(type, leaves)).count(Tensor) == len(leaves)  # (no subclass: pickled)
     except Exception:  # not a tensor, a nested tensor, ...: the shapes will tell
         return False
 
@@ -372,15 +375,18 @@ def _plan_for(
     return plan
 
 
-def _signature(leaves: list[Any]) -> tuple[list[Any], list[Any], bool]:
-    """Each leaf's shape and dtype (``None`` for non-tensors), and whether there are others."""
+def _signature(leaves: list[Any]) -> tuple[list[Any], list[Any], bool] | None:
+    """Each leaf's shape and dtype (``None`` for non-tensors), and whether there are others;
+    ``None`` for a tree holding a tensor subclass (it travels pickled, as what it is)."""
     types = list(map(type, leaves))
     if types.count(Tensor) == len(types):
         return list(map(Tensor.size, leaves)), list(map(_DTYPE, leaves)), False
     shapes: list[Any] = []
     dtypes: list[Any] = []
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
+    for leaf, kind in zip(leaves, types):
+        if kind is not Tensor and isinstance(leaf, Tensor):
+            return None
+        if kind is Tensor:
             shapes.append(leaf.size())
             dtypes.append(leaf.dtype)
         else:

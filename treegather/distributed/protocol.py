@@ -312,4 +312,5 @@ def broadcast(tree: Any, src: int, group: Any) -> Any:
     for i, m in enumerate(header["meta"]):
         if m is not None:
             leaves[i] = leaves[i].to(receiving_device(m[2]), copy=True)
+    wire.place_held(header, leaves)
     return header["spec"].unflatten(leaves)

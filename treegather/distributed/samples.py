@@ -16,14 +16,17 @@ from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from .._caches import FAST_PATHS
 from .._compiled.structure import recognise
 from .._errors import BatchSizeError, LayoutError, LeafTypeError, TreegatherError
 from .._layout import Plan, resolve
 from .._rules import Cat, CatItems, Combining, Pad, Rule, fill_fits
-from .._tree import Rows, describe, display_path, format_path
-from .wire import tensor_bytes, unsendable
+from .._rules.kinds import ordinary
+from .._tree import Rows, display_path, format_path
+from . import pickling
+from .wire import tensor_bytes
 
 __all__ = [
     "CROSS",
@@ -61,7 +64,7 @@ class Opaque:
         self.blob = blob
 
     def __getstate__(self) -> Any:
-        return self.blob if self.blob is not None else pickle.dumps(self.value, PROTOCOL)
+        return self.blob if self.blob is not None else pickling.dumps(self.value)
 
     def __setstate__(self, blob: bytes) -> None:
         self.value = pickle.loads(blob)
@@ -101,12 +104,12 @@ def travelling(
     if path is None:
         return Opaque(value)
     try:
-        return Opaque(value, pickle.dumps(value, PROTOCOL))
+        return Opaque(value, pickling.dumps(value))
     except Exception as exc:
         found, where = exc, ""
         for a, item in enumerate(value if type(value) is list and per_add else ()):
             try:  # (a value per add: which add's)
-                pickle.dumps(item, PROTOCOL)
+                pickling.dumps(item)
             except Exception as inner:
                 found, where, value = inner, f" (add #{a})", item
                 break
@@ -117,14 +120,13 @@ def travelling(
         ) from None
 
 
-def sendable(t: Tensor, node: Any) -> Tensor:
-    """A per-sample tensor, when a collective can send it; else an error naming its leaf."""
-    if unsendable(t):
-        raise LeafTypeError(
-            f"{display_path(node, ROOT)}: {describe(t)}, layout {t.layout}: no collective sends "
-            "it\nHint: convert it first (e.g. .to_dense() or .dequantize())"
-        )
-    return t
+def sendable(t: Tensor, node: Any) -> Any:
+    """A per-sample tensor as it travels: its bytes (a dense tensor), else pickled now (a
+    sparse, nested or quantized tensor, a subclass), so that one that cannot be is an error
+    naming its leaf."""
+    if pickling.plain(t):
+        return t
+    return travelling(t, None, display_path(node, ROOT))
 
 
 def arrived(value: Any) -> Any:
@@ -164,7 +166,7 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
             kinds.append(ITEMS)
         elif (
             isinstance(value, Tensor)
-            and value.dim() > 0
+            and _dims(value) > 0
             and (rule is None or (isinstance(rule, (Cat, Pad)) and _batch_dim(rule.dim, value)))
         ):
             if isinstance(rule, Pad) and rule.lengths:
@@ -176,7 +178,7 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
                 )
             kinds.append(SAMPLES)  # joined along the batch dim (cat(-2) of a 2-D leaf too)
         else:
-            if isinstance(rule, (Cat, Pad)) and isinstance(value, Tensor) and value.dim():
+            if isinstance(rule, (Cat, Pad)) and isinstance(value, Tensor) and _dims(value):
                 if not -value.dim() <= rule.dim < value.dim():  # gather's error, as it says it
                     from .._gather import gather
 
@@ -193,6 +195,11 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
                 "add's whole with as_list()"
             )
     return plan, kinds, spec
+
+
+def _dims(value: Tensor) -> int:
+    """``value``'s number of dims (0 for an uninitialized parameter, which has none yet)."""
+    return 0 if isinstance(value, UninitializedTensorMixin) else value.dim()
 
 
 def _batch_dim(dim: int, value: Tensor) -> bool:
@@ -234,7 +241,7 @@ def rows_per_add(columns: list[tuple[Any, ...]], plan: Plan, kinds: list[int]) -
     sample = [p for p, k in enumerate(kinds) if k != PER_ADD]
     try:  # every per-sample value's rows, one C pass per position; equal: the rows
         lengths = [
-            [v.shape[0] for v in columns[p]]  # (faster than a methodcaller mapped in C)
+            [v.size(0) for v in columns[p]]  # (a nested tensor has no shape, but a size(0))
             if type(columns[p][0]) is Tensor
             else list(map(len, columns[p]))
             for p in sample
@@ -249,7 +256,7 @@ def rows_per_add(columns: list[tuple[Any, ...]], plan: Plan, kinds: list[int]) -
     problems: list[str] = []
     for a, row in enumerate(zip(*columns)):
         counts = [
-            (v.shape[0] if v.dim() else -1)
+            (v.size(0) if _dims(v) else -1)
             if isinstance(v, Tensor)
             else (len(v) if isinstance(v, (list, tuple)) else -1)
             for v in (row[p] for p in sample)
@@ -382,14 +389,22 @@ def _catted(col: tuple[Any, ...], device: torch.device) -> Tensor | None:
 
 
 def _tensors(col: tuple[Any, ...], device: torch.device) -> bool:
-    """Tensors only, of one dtype, the first of >= 1 dim and on ``device``."""
+    """Tensors only, dense ones of a usual dtype, of one dtype, the first of >= 1 dim and on
+    ``device`` (any other kind: the gather rules, which say what torch cannot do)."""
     first = col[0]
-    if type(first) is not Tensor or first.dim() == 0 or first.device != device:
+    if type(first) is not Tensor or not ordinary(first):
         return False
-    return list(map(type, col)).count(Tensor) == len(col) and len(set(map(DTYPE, col))) == 1
+    if first.dim() == 0 or first.device != device:
+        return False
+    if list(map(type, col)).count(Tensor) != len(col) or len(set(map(DTYPE, col))) != 1:
+        return False
+    return set(map(LAYOUT, col)) == _STRIDED and not any(map(NESTED, col))
 
 
 DTYPE = attrgetter("dtype")
+LAYOUT = attrgetter("layout")
+NESTED = attrgetter("is_nested")
+_STRIDED = {torch.strided}
 NDIM = attrgetter("ndim")
 REQUIRES_GRAD = attrgetter("requires_grad")
 DEVICE = attrgetter("device")
@@ -458,8 +473,14 @@ def _dealt(parts: Sequence[Tensor], n: int) -> tuple[tuple[int, int], ...] | Non
 def placed(values: Sequence[Any], order: Order) -> Any:
     """One position's values of every part (tensors of one dtype and trailing shape, or lists
     of non-tensors), one after the other, in the result's order. Tensors are new ones (never
-    views of a part) and lists new lists."""
+    views of a part) and lists new lists. Tensors of another kind than dense ones of the usual
+    dtypes (sparse, quantized, float8, a subclass) are put in order by ``index_select``
+    (which torch may lack for them: it raises)."""
     first, n = values[0], order.kept.numel()
+    if isinstance(first, Tensor) and (type(first) is not Tensor or not ordinary(first)):
+        rows = torch.cat(list(values)) if len(values) > 1 else first
+        perm = order.positions()
+        return rows.index_select(0, perm) if perm is not None else rows.clone()
     if order.dealt is not None and len(values) == len(order.dealt):  # slices, no index per row
         w = len(values)
         joined: Any = (
@@ -499,7 +520,8 @@ def moved(tree: Any, device: torch.device | None) -> Any:
     at = [i for i, x in enumerate(leaves) if type(x) in tensors]
     for i in at:
         x = leaves[i]
-        x = x.detach() if x.requires_grad else x
+        if x.requires_grad and not isinstance(x, UninitializedTensorMixin):  # (nothing to detach)
+            x = x.detach()
         leaves[i] = x if device is None or x.device == device else x.to(device)
     rebuild = st.rebuild if st is not None and spec is st.spec else spec.unflatten
     return rebuild(leaves)

@@ -2,9 +2,11 @@
 
 A rank's tree becomes a pickled *header* (a structure fingerprint, each leaf's dtype and shape,
 the non-tensor leaves, the structures of the nodes a layout takes whole, ``sizes``) and one
-``uint8`` buffer holding the bytes of every tensor leaf, grouped by dtype, widest first, so that
-every leaf is an aligned zero-copy view of the received bytes. :func:`decode` and
-:func:`rank_tree` turn a received header and buffer back into that rank's tree.
+``uint8`` buffer holding the bytes of every dense tensor leaf, grouped by dtype, widest first,
+so that every leaf is an aligned zero-copy view of the received bytes. A tensor leaf of another
+kind (sparse, nested, quantized, meta, a subclass such as ``Parameter``) travels pickled in the
+header (:mod:`.pickling`), and comes back as what it was. :func:`decode` and :func:`rank_tree`
+turn a received header and buffer back into that rank's tree.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from optree import PyTreeSpec
 
 from .. import _layout, _tree
 from .._errors import BatchSizeError, LeafTypeError, TreegatherError, safe_repr
+from .._rules import kinds
+from . import pickling
+from .group import receiving_device
 from .layout import layout_text
 
 ALIGN = 16  # every region starts 16-byte aligned, so any dtype can be viewed in place
@@ -120,11 +125,6 @@ def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return flat.resolve_conj().resolve_neg().view(torch.uint8)
 
 
-def unsendable(t: torch.Tensor) -> bool:
-    """Sparse, quantized, nested and meta tensors: no collective sends their bytes."""
-    return t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta
-
-
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The bytes of a 1-dim ``uint8`` tensor on any device (without numpy, which torch does not
     require).
@@ -199,32 +199,24 @@ def _encode(
             }
     meta: list[tuple[Any, ...] | None] = []  # (dtype, shape[, device type]) or None per leaf
     objects: list[Any] = []
-    bad: list[int] = []
+    held: dict[int, tuple[str, str]] = {}  # tensors that travel pickled: (dtype, device type)
     devices: set[torch.device] = set()
     names = DTYPE_NAMES
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            if unsendable(leaf):
-                bad.append(i)
+        if type(leaf) is torch.Tensor and pickling.plain(leaf):
             devices.add(leaf.device)
             if with_spec:
                 meta.append((names[leaf.dtype], tuple(leaf.shape), leaf.device.type))
             else:
                 meta.append((names[leaf.dtype], tuple(leaf.shape)))
+        elif isinstance(leaf, torch.Tensor):  # (sparse, nested, quantized, meta, a subclass)
+            devices.add(leaf.device)
+            held[i] = (names[leaf.dtype], leaf.device.type)
+            meta.append(None)
+            objects.append(leaf)
         else:
             meta.append(None)
             objects.append(leaf)
-    if bad:
-        paths = leaf_paths(spec)
-        problems = [
-            f"{paths[i]}: {_tree.describe(leaves[i])}, layout {leaves[i].layout}" for i in bad
-        ]
-        message = format_problems(
-            "cannot send sparse, quantized, nested or meta tensors",
-            problems,
-            "convert them first (e.g. .to_dense() or .dequantize())",
-        )
-        return Packed(spec, error_header(LeafTypeError, message))
     batch = None
     if _tree.is_batched(up_spec):  # each batch node's size: this rank's tree is rebuilt with it
         batch = [bn.meta.size for bn in _tree.batch_nodes(up_spec)]
@@ -248,9 +240,10 @@ def _encode(
         "spec": spec if with_spec else None,
         "order": order_bytes,
         "batch": batch,
+        "held": held,
     }
     try:
-        header = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
+        header = pickling.dumps(content)
     except Exception as exc:
         return Packed(spec, error_header(LeafTypeError, _unpicklable(spec, leaves, exc)))
     with torch.no_grad():
@@ -269,21 +262,30 @@ def grad_positions(leaves: Sequence[Any]) -> tuple[int, ...]:
 def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
     paths = leaf_paths(spec)
     problems = []
+    tensors = False
     for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, torch.Tensor):
-            continue
+        if isinstance(leaf, torch.Tensor) and pickling.plain(leaf):
+            continue  # (its bytes travel)
         try:
-            pickle.dumps(leaf, protocol=pickle.HIGHEST_PROTOCOL)
+            pickling.dumps(leaf)
         except Exception as leaf_exc:
-            problems.append(
-                f"{path}: {_tree.describe(leaf)} ({type(leaf_exc).__name__}: {leaf_exc})"
-            )
+            said = safe_repr(leaf_exc, 100, text=str)
+            problem = f"{path}: {_tree.describe(leaf)} ({type(leaf_exc).__name__}: {said})"
+            if isinstance(leaf, torch.Tensor):
+                tensors = True
+                problem += f": {kinds.kind_text(leaf)} tensors cannot be pickled"
+            problems.append(problem)
     if not problems:
         problems.append(f"the tree's structure ({type(exc).__name__}: {exc})")
+    hint = "turn them into tensors, strings or numbers, or leave them out of the tree"
+    if tensors:
+        hint = (
+            "convert such tensors first (e.g. .to_dense() for an mkldnn or sparse tensor); " + hint
+        )
     return format_problems(
-        "non-tensor leaves must be picklable to travel between ranks",
+        "leaves must be picklable (tensors of most kinds are) to travel between ranks",
         problems,
-        "turn them into tensors, strings or numbers, or leave them out of the tree",
+        hint,
     )
 
 
@@ -322,9 +324,16 @@ def read_headers(
 
 def up_kinds(header: dict[str, Any], n: int) -> list[str | None]:
     """Per leaf of the up-structure: ``"Tensor(dtype)"``, ``"object"``, or None (taken whole)."""
-    meta, groups = header["meta"], header["groups"] or {}
+    meta, groups, held = header["meta"], header["groups"] or {}, header.get("held") or {}
+
+    def kind(k: int) -> str:
+        m = meta[k]
+        if m is not None:
+            return f"Tensor({m[0]})"
+        return f"Tensor({held[k][0]})" if k in held else "object"
+
     if not groups:
-        return ["object" if m is None else f"Tensor({m[0]})" for m in meta]
+        return [kind(k) for k in range(len(meta))]
     out: list[str | None] = []
     k = 0
     for pos in range(n):
@@ -333,8 +342,7 @@ def up_kinds(header: dict[str, Any], n: int) -> list[str | None]:
             out.append(None)
             k += sub.num_leaves
         else:
-            m = meta[k]
-            out.append("object" if m is None else f"Tensor({m[0]})")
+            out.append(kind(k))
             k += 1
     return out
 
@@ -391,6 +399,14 @@ def decode(header: dict[str, Any], data: torch.Tensor, *, tensors: bool = True) 
         for i, part in zip(idx, region.split(numels)):
             leaves[i] = part.view(meta[i][1])
     return leaves
+
+
+def place_held(header: dict[str, Any], leaves: list[Any]) -> None:
+    """The tensors that travelled pickled (rebuilt on the CPU) on this rank's device of the
+    kind the sender's were on (in place); meta tensors stay meta."""
+    for i, (_, kind) in (header.get("held") or {}).items():
+        if kind not in ("cpu", "meta"):
+            leaves[i] = leaves[i].to(receiving_device(kind))
 
 
 def agreed_up_spec(headers: Sequence[dict[str, Any]], local: Packed) -> PyTreeSpec:
