@@ -229,8 +229,9 @@ def test_class_registered_with_torch_pytree_after_import_is_a_node() -> None:
 def test_class_registered_with_optree_directly_after_it_was_a_leaf_is_a_node() -> None:
     """``optree.register_pytree_node(cls, ..., namespace=tg.NAMESPACE)`` is seen as
     :func:`treegather.register_node` is, by structures compiled while the class was a leaf: a
-    shard gets its 4 rows, not all 8; unregistering it makes it a leaf again. Before, the
-    cached structures kept treating it as a leaf."""
+    shard gets its 4 rows (as a leaf holding the batch it is refused, not sent whole);
+    unregistering it makes it a leaf again. Before, the cached structures kept treating it as
+    a leaf."""
     import optree
 
     class Box:
@@ -240,10 +241,13 @@ def test_class_registered_with_optree_directly_after_it_was_a_leaf_is_a_node() -
     def tree() -> Any:
         return {"a": torch.zeros(8), "box": Box(torch.arange(8))}
 
-    for _ in range(5):  # compiled while Box is a leaf: sent whole to each device
-        shards = tg.scatter(tree(), CPU2)
-        assert [len(s["box"].x) for s in shards] == [8, 8]
-        assert type(tg.gather(shards, "cpu")["box"]) is list
+    def refused() -> None:  # a leaf holding the batch: it would be sent whole to each device
+        with pytest.raises(tg.LeafTypeError, match=r"inputs\['box'\]: .*Box is an object"):
+            tg.scatter(tree(), CPU2)
+        assert type(tg.gather([tree(), tree()], "cpu")["box"]) is list
+
+    for _ in range(5):  # compiled while Box is a leaf
+        refused()
     optree.register_pytree_node(
         Box,  # type: ignore[arg-type]
         lambda b: ((b.x,), None),
@@ -258,8 +262,7 @@ def test_class_registered_with_optree_directly_after_it_was_a_leaf_is_a_node() -
             assert type(out["box"]) is Box and out["box"].x.tolist() == list(range(8))
     finally:
         optree.unregister_pytree_node(Box, namespace=tg.NAMESPACE)
-    shards = tg.scatter(tree(), CPU2)
-    assert [len(s["box"].x) for s in shards] == [8, 8]
+    refused()
 
 
 def test_dataclass_registered_with_torch_pytree_is_understood() -> None:

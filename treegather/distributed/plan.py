@@ -244,7 +244,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) ->
             first = leaves[0] if leaves else None
         else:
             shapes, dtypes, objects = _signature(leaves)
-            if objects and any(type(x) is _tree.Rows for x in leaves):
+            if objects and any(_tree.rows_of(x) is not None for x in leaves):
                 return None  # (joined by its own rule: not in the vectorised unpack)
             seen = _seen(key, last, spec, dtypes, shapes, text, layout, dim, sizes_given, grads)
             if objects:
