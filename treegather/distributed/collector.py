@@ -32,6 +32,7 @@ from .samples import (
     CROSS,
     ITEMS,
     PER_ADD,
+    ROWS,
     SAMPLES,
     Opaque,
     Texts,
@@ -454,7 +455,7 @@ class Collector:
 
         columns = list(zip(*per_rank))
         values = join(columns, kinds, rules, device, reference, plain=plain, parts=True)
-        out = [v if k == PER_ADD else placed(v, order) for k, v in zip(kinds, values)]
+        out = [v if k == PER_ADD else placed(v, order, device) for k, v in zip(kinds, values)]
         if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
             rows = torch.cat([p.rows for _, p in present]).tolist()
             many = len(present) > 1
@@ -744,7 +745,12 @@ def _complete(taken: int, source: _Rows, partial: bool) -> None:
 def _raise_differences(present: list[tuple[int, Any]]) -> NoReturn:
     """The ranks' adds differ in structure, or (the same structure) in which leaves are per
     sample: name them."""
-    named = {SAMPLES: "per sample", ITEMS: "a per-sample list", PER_ADD: "one value per add"}
+    named = {
+        SAMPLES: "per sample",
+        ITEMS: "a per-sample list",
+        ROWS: "laid out by rows",
+        PER_ADD: "one value per add",
+    }
     shapes = [pickle.loads(p.shape) for _, p in present]
     same = all(s[0] == shapes[0][0] for s in shapes)
 
