@@ -564,3 +564,48 @@ def test_a_deep_tree_that_does_not_fit_its_prefix_layout_is_a_layout_error() -> 
     with pytest.raises(tg.LayoutError, match="not a prefix") as info:
         tg.scatter(tree, CPU2, _deep(999, {"b": 0}))
     assert "the layout lacks key(s) 'a' and has key(s) 'b' the data does not" in str(info.value)
+
+
+# ------------------------------------------------------- what an unknown value holds
+
+
+def test_held_tensor_reads_state_only_and_stays_within_its_bounds() -> None:
+    from treegather._tree import held_tensor
+    from treegather._tree.held import BUDGET, DEPTH
+
+    class Guarded:
+        """Every way of running code on access raises: the walk must use none of them."""
+
+        __slots__ = ("__dict__", "__ids", "empty")
+
+        def __init__(self) -> None:
+            self.meta = "m"
+            self.__ids = torch.arange(4)
+
+        @property
+        def batch(self) -> Any:
+            raise AssertionError("a property was called")
+
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"__getattr__({name!r}) was called")
+
+    class Box:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+    class Items(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            raise AssertionError("the subclass's __iter__ was called")
+
+    assert held_tensor(Guarded())[0] == "._Guarded__ids"  # type: ignore[index]
+    assert held_tensor(Box(Items([1, torch.zeros(2)])))[0] == ".value[1]"  # type: ignore[index]
+    nested: Any = torch.zeros(2)
+    for _ in range(DEPTH - 1):
+        nested = [nested]
+    assert held_tensor(Box(nested)) is not None  # DEPTH levels down: found
+    assert held_tensor(Box([nested])) is None  # one more: not read
+    assert held_tensor(Box([0] * BUDGET + [torch.zeros(2)])) is None  # past the budget
+    assert held_tensor(Box([0] * (BUDGET - 3) + [torch.zeros(2)])) is not None
+    assert held_tensor(Box(torch.tensor(1.0))) is None  # a 0-dim tensor is no batch
+    assert held_tensor(torch.nn.Linear(2, 2)) is None  # a module's tensors are its state
+    assert held_tensor(Box(torch.nn.Linear(2, 2))) is None  # (and it is not entered)

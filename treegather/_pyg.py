@@ -95,7 +95,8 @@ def _problem(batch: Any) -> str | None:
         return (
             f"a {name} with {', '.join(sorted(extra))} set after batching: it belongs to no "
             "graph, so splitting the batch by graphs would lose it; set it on each graph "
-            "before batching, or pass it beside the batch"
+            "before batching, pass it beside the batch, or mark the batch broadcast() in the "
+            "layout"
         )
     return None
 

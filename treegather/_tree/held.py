@@ -110,6 +110,6 @@ def _attributes(node: Any, budget: int) -> Iterator[tuple[Any, str, Any]]:
             if type(slot) is not types.MemberDescriptorType:
                 continue
             try:
-                yield name, "attr", slot.__get__(node, cls)
+                yield stored, "attr", slot.__get__(node, cls)  # (as the user types it)
             except AttributeError:  # an empty slot
                 continue
