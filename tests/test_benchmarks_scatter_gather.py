@@ -30,7 +30,8 @@ def test_main_writes_one_row_per_op_and_implementation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], cold: bool
 ) -> None:
     out = tmp_path / "rows.json"
-    argv = ["--leaves", "3", "--replicas", "2", "--rounds", "1", "--json", str(out)]
+    argv = ["--leaves", "3", "--replicas", "2", "--rounds", "1", "--big-leaves", "40"]
+    argv += ["--json", str(out)]
     rows = scatter_gather.main(argv + (["--cold-allocator"] if cold else []))
     printed = capsys.readouterr().out
     assert ("cold allocator" in printed) == cold
@@ -63,6 +64,8 @@ def test_main_writes_one_row_per_op_and_implementation(
             ("scatter", "first call"),
             ("gather", "first call"),
             *((op, f"rotating {n}") for op in ("scatter", "gather") for n in (20, 64, 256)),
+            ("scatter", "after a big one"),
+            ("gather", "after a big one"),
         ]
     )
     assert all(r["ratio"] > 0 and r["baseline_us"] > 0 for r in rows if "shape" not in r)

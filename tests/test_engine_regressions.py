@@ -109,7 +109,7 @@ def test_rotating_more_structures_than_the_cache_holds_never_recompiles(
     assert steady(lambda out: tg.gather(out, "cpu"), outs) == {"code": 0, "steps": 0}
     assert steady(lambda tree: tg.scatter(tree, CPU2), trees) == {"code": 0, "steps": 0}
     assert list(tg.gather(outs[3], "cpu")) == list(trees[3])
-    kept = structure._STRUCTURES.get(dict)
+    kept = structure._STRUCTURES.get(structure.bucket_key(trees[0]))
     assert len(kept) == structure._BUCKET
     assert all(st.read is not st._read_checked for st in kept)  # compiled, and found each turn
     hot = _wide("hot", 6)
@@ -117,6 +117,49 @@ def test_rotating_more_structures_than_the_cache_holds_never_recompiles(
         tg.scatter(hot, CPU2)
     found = _compiled.recognise(hot)[1]
     assert found is not None and found.read is not found._read_checked
+
+
+def test_a_structure_costs_the_same_whatever_else_was_seen() -> None:
+    """Issue 46: a warm 10-leaf dict is checked against no other structure's guard once it is
+    found, whatever was seen before: neither a 20,000-leaf dict used more recently (another
+    length: another bucket) nor another 10-leaf dict of the same length (the structure found
+    last goes first). Before, the bucket kept its structures newest first, so the big one's
+    guard ran before the small one's on every call, for good.
+    """
+    from treegather._compiled import structure
+
+    bucket_key = getattr(structure, "bucket_key", type)  # (before: one bucket per root type)
+    tg.clear_caches()
+    small, twin = _wide("k", 10), _wide("twin", 10)
+    big = _wide("k", 20_000)  # (its first keys are the small dict's)
+    outs = list(tg.scatter(small, CPU2))
+    for _ in range(WARM):
+        tg.scatter(small, CPU2), tg.gather(outs, "cpu")
+    for tree in (big, twin):
+        tree_outs = list(tg.scatter(tree, CPU2))
+        for _ in range(WARM):
+            tg.scatter(tree, CPU2), tg.gather(tree_outs, "cpu")
+    calls = collections.Counter[str]()
+    others = [
+        st
+        for tree in (big, twin)
+        for st in structure._STRUCTURES.get(bucket_key(tree))
+        if structure.find(tree) and st is structure.find(tree)[0]  # type: ignore[index]
+    ]
+    assert len(others) == 2 and all(st.read is not st._read_checked for st in others)
+    for st in others:  # every way a lookup reaches another structure, counted
+        for name in ("read", "read_any"):
+            reader = getattr(st, name)
+            setattr(st, name, lambda tree, r=reader, n=name: (calls.update([n]), r(tree))[1])
+        read_columns = st.columns_reader(2)[2]
+        counted = lambda trees, r=read_columns: (calls.update(["columns"]), r(trees))[1]  # noqa: E731
+        st.columns = {2: (counted, False, counted)}
+    tg.scatter(small, CPU2), tg.gather(outs, "cpu")  # (the twin, found last, goes second)
+    calls.clear()
+    for _ in range(10):
+        shards = tg.scatter(small, CPU2)
+        assert tg.gather(outs, "cpu").keys() == small.keys() and len(shards) == 2
+    assert not calls, dict(calls)
 
 
 class ReprRaises:

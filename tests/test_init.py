@@ -104,3 +104,54 @@ def test_dir_lists_the_public_names_only() -> None:
     assert dir(tgd) == sorted(tgd.__all__)
     for module, internal in ((treegather, "_gather"), (tgd, "preamble"), (tgd, "wire")):
         assert internal not in dir(module) and hasattr(module, internal)
+
+
+def _imports(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The package's modules ``module`` (at ``path``) imports, wherever the import statement is
+    (inside functions too: a lazy import still ties the two modules). ``from pkg import name``
+    is an arrow to ``pkg.name`` when that is a module of the package, else to ``pkg``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                found.add(child if child in modules else base)
+    return {m for m in found if m in modules and m != module}
+
+
+def test_the_package_has_no_import_circle() -> None:
+    """Imports run one way, down (ARCHITECTURE.md): no module reaches itself through the modules
+    it imports, a package's ``__init__`` included (it re-exports its modules' names)."""
+    paths = {}
+    for path in (ROOT / "treegather").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        paths[name] = path
+    modules = set(paths)
+    graph = {m: _imports(p, m, modules) for m, p in paths.items()}
+    circles = []
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+
+    def walk(m: str, trail: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                circles.append([*trail[trail.index(n) :], n])
+            elif n not in state:
+                walk(n, [*trail, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    assert graph["treegather._scatter"], "the import graph was not read"
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)

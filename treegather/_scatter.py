@@ -237,12 +237,12 @@ def survey(
             continue
         if cut.kind == "split":
             cuts.splits.append((pos, cut.dim))
-            if cut.sizes is not None:
-                cuts.explicit.setdefault(cut.sizes, []).append(pos)
         elif cut.kind == "items":
             cuts.items.append(pos)
         else:
             continue
+        if cut.sizes is not None:  # (split(sizes=...), of a tensor or of a PackedSequence)
+            cuts.explicit.setdefault(cut.sizes, []).append(pos)
         cuts.lengths.setdefault(cut.rows, []).append(pos)
     return cuts, found
 

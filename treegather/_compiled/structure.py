@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,17 +38,19 @@ from .codegen import (
     structure_steps,
 )
 
-__all__ = ["COMPILE_AFTER", "Structure", "find", "find_columns", "recognise"]
+__all__ = ["COMPILE_AFTER", "Structure", "bucket_key", "find", "find_columns", "recognise"]
 
 Tensor = torch.Tensor
 COMPILE_AFTER = 3  # sightings of a structure before its guard and builders are compiled
-_BUCKET = 16  # structures kept per root type
+_BUCKET = 16  # structures kept per root (its type and, for a builtin container, its length)
 _PLANS_PER_STRUCTURE = 16
 _MAX_COMPILE_AFTER = 3 << 10  # hits an often-evicted structure needs before its code is made
 
-# Root type -> the structures recently seen with that root type, newest first (see _learn for
-# which a full bucket takes in; it evicts its least recently used structure into _SIGHTINGS).
-_STRUCTURES: LRU[type, list[Structure]] = LRU("structures", 64)
+# Root (see bucket_key) -> the structures recently seen with that root, the last found first
+# (see _learn for which a full bucket takes in; it evicts its least recently used structure into
+# _SIGHTINGS). Keyed by the root's length too, so that a structure is never checked against
+# those of other lengths: what a call costs does not depend on what else was seen.
+_STRUCTURES: LRU[Any, list[Structure]] = LRU("structures", 256)
 # By spec equality: when a structure was last seen (a stamp of _CLOCK) while not in a bucket
 # (seen again, it may make a Structure), or a Structure evicted from its bucket, without its
 # generated code (seen again, it serves the call with its plans, or is taken back). Only a
@@ -293,15 +296,39 @@ def _all_batched(leaves: list[Any]) -> bool:
     return all(type(x) is Tensor and x.dim() > 0 for x in leaves)
 
 
+_SIZED = frozenset([dict, OrderedDict, defaultdict, list, tuple, deque])
+
+
+def bucket_key(tree: Any) -> Any:
+    """Which bucket ``tree``'s structure is kept in: its root's type, with its length for a
+    builtin container (a structure of another length can never accept the tree).
+
+    >>> bucket_key({"a": 1, "b": 2}), bucket_key(3)
+    ((<class 'dict'>, 2), <class 'int'>)
+    """
+    kind = type(tree)
+    return (kind, len(tree)) if kind in _SIZED else kind
+
+
+def _found(key: Any, bucket: list[Structure], at: int) -> None:
+    """The structure at ``at`` in ``bucket`` was found: it goes first, so that a structure used
+    again is checked first whatever was seen in between (a new list: readers never see one
+    change)."""
+    if at:
+        _STRUCTURES.put(key, [bucket[at], *bucket[:at], *bucket[at + 1 :]])
+
+
 def find(tree: Any) -> tuple[Structure, list[Any]] | None:
     """The :class:`Structure` that accepts ``tree`` (containers only) and the tree's leaves."""
-    bucket = _STRUCTURES.get(type(tree))
+    key = bucket_key(tree)
+    bucket = _STRUCTURES.get(key)
     if bucket:
         version = _tree.registry_version()
-        for st in bucket:
+        for at, st in enumerate(bucket):
             if st.version == version:
                 leaves = st.read(tree)
                 if leaves is not None:
+                    _found(key, bucket, at)
                     return st, leaves
     return None
 
@@ -311,17 +338,19 @@ def find_columns(outputs: list[Any]) -> tuple[Structure, list[tuple[Any, ...]], 
     containers, dict keys in any order, compared with ==, as the reference compares replicas),
     their columns (leaf i of each replica), and whether each column was found to have one dtype.
     """
-    bucket = _STRUCTURES.get(type(outputs[0]))
+    key = bucket_key(outputs[0])
+    bucket = _STRUCTURES.get(key)
     if bucket:
         version = _tree.registry_version()
         k = len(outputs)
-        for st in bucket:
+        for at, st in enumerate(bucket):
             if st.version == version:
                 read, same_dtypes, plain = st.columns.get(k) or st.columns_reader(k)
                 columns = read(outputs)
                 if columns is None and same_dtypes:  # a dtype differs, or a value has none
                     columns, same_dtypes = plain(outputs), False
                 if columns is not None:
+                    _found(key, bucket, at)
                     if st.hits < st.compile_after:
                         st.seen()
                     else:
@@ -383,7 +412,7 @@ def _learn(tree: Any, spec: PyTreeSpec, leaves: list[Any], version: int) -> Stru
     last: int = seen if retired is None else retired.used
     if retired is not None and not (retired.version == version and retired.guard(tree)):
         retired = None  # (== merged it with another structure, or the registry changed)
-    root = type(tree)
+    root = bucket_key(tree)
     bucket = [s for s in _STRUCTURES.get(root) or () if s.version == version]
     victim = min(bucket, key=_USED) if len(bucket) >= _BUCKET else None
     if victim is not None and last < victim.used:

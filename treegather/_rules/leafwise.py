@@ -19,10 +19,11 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from .._errors import safe_repr
-from .._tree import describe, dtype_text, shape_text
+from .._tree import Rows, describe, dtype_text, rows_of, shape_text, type_name
 from .base import Combining, GatherRule, Problem, by_replica, constructor, is_number
 
 __all__ = [
+    "JOIN_ROWS",
     "META",
     "Cat",
     "LeafRule",
@@ -70,6 +71,8 @@ class LeafRule(GatherRule):
     def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
         """The checks every leaf-wise rule makes, then :meth:`shape_problem`."""
         shown = shown or self.describe()
+        if any(type(v) is not Tensor and rows_of(v) is not None for v in col):
+            return self.rows_problem(col, ctx, shown)
         if ctx.target.type != "meta":
             on_meta = [r for r, v in enumerate(col) if isinstance(v, Tensor) and v.is_meta]
             if on_meta:
@@ -106,6 +109,76 @@ class LeafRule(GatherRule):
         """What is wrong with tensors of these shapes (one dtype) under this rule."""
         return None
 
+    def rows_problem(self, col: tuple[Any, ...], ctx: Combining, shown: str) -> Problem | None:
+        """What is wrong with values of which one at least is laid out by rows (a
+        ``PackedSequence``, a PyG graph batch: :func:`~treegather._tree.rows_of`): this rule
+        does not apply to them (:meth:`Cat` with dim 0 joins them by rows)."""
+        return Problem(_not_by_rows(shown, _rows_name(col)), True)
+
+    def refused(self, x: Any) -> tuple[str, str | None]:
+        """:meth:`becomes` for a value that is not a tensor: what the rule needs instead."""
+        if rows_of(x) is not None:
+            return "-", _not_by_rows(self.describe(), type_name(x))
+        need = "a tensor or a number" if self.numbers else "a tensor"
+        return "-", f"{self.describe()} needs {need}, got {type_name(x)}"
+
+
+def _rows_name(col: Sequence[Any]) -> str:
+    """The kind of the first value laid out by rows in ``col`` (``PackedSequence``)."""
+    return type_name(next(v for v in col if rows_of(v) is not None))
+
+
+def _not_by_rows(shown: str, name: str) -> str:
+    return (
+        f"{shown} does not apply to a {name}: its rows are not laid out along a dim of a tensor; "
+        "cat() (dim 0, as the default does) joins it by its rows, as_list() keeps the "
+        "per-replica values"
+    )
+
+
+def _only_by_rows(shown: str, name: str) -> str:
+    return f"{shown} joins a {name} only by its rows, along dim 0: write cat() (or no rule)"
+
+
+class _JoinRows(GatherRule):
+    """The default rule of a value laid out by rows its own way (a ``PackedSequence``, a PyG
+    graph batch: :func:`~treegather._tree.rows_of`), and what ``cat()`` (dim 0) does to one:
+    every replica's rows, in order, joined by its own function (unpacked, joined, packed
+    again), in the form the tree holds it."""
+
+    def describe(self) -> str:
+        return "rows joined"
+
+    def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
+        if self.problem(col, ctx) is not None:
+            raise TypeError("values that are not of one kind laid out by rows")
+        values = [rows_of(v) for v in col]
+        return Rows.join(values, ctx.target).held  # type: ignore[arg-type]
+
+    def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
+        first = rows_of(col[0])
+        for r, v in enumerate(col):
+            rows = rows_of(v)
+            if rows is None or first is None or rows.kind != first.kind:
+                name = first.kind.name if first is not None else "value laid out by rows"
+                return Problem(
+                    f"{shown or self.describe()}: replica {r} holds {describe(v)} where replica 0 "
+                    f"holds a {name}",
+                    True,
+                )
+            problem = rows.problem()
+            if problem is not None:
+                return Problem(f"{shown or self.describe()}: replica {r} holds {problem}", True)
+        return None
+
+    def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
+        rows = rows_of(x)
+        name = rows.kind.name if rows is not None else "value"
+        return f"one {name} of every replica's rows, in order", None
+
+
+JOIN_ROWS = _JoinRows()
+
 
 def _numbers_problem(col: Sequence[Any], tensors: list[bool], shown: str) -> Problem | None:
     """What is wrong with values that are not all tensors, for a rule that also takes numbers
@@ -135,7 +208,8 @@ def _unknown_dataclasses(col: Sequence[Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Cat(LeafRule, name="cat"):
-    """Concatenate along ``dim`` (the default for tensors; all 0-dim values: a vector)."""
+    """Concatenate along ``dim`` (the default for tensors; all 0-dim values: a vector; a value
+    laid out by rows, under dim 0: its rows joined, as its default rule does)."""
 
     dim: int = 0
 
@@ -144,7 +218,15 @@ class Cat(LeafRule, name="cat"):
         return cls(dim)
 
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
+        first = col[0]
+        if type(first) is not Tensor and self.dim == 0 and rows_of(first) is not None:
+            return JOIN_ROWS.combine(col, ctx)  # (a PackedSequence, a graph batch: by its rows)
         return cat_values(col, ctx.target, ctx.moving, self.dim)
+
+    def rows_problem(self, col: tuple[Any, ...], ctx: Combining, shown: str) -> Problem | None:
+        if self.dim != 0:
+            return Problem(_only_by_rows(shown, _rows_name(col)), True)
+        return JOIN_ROWS.problem(col, ctx, shown)
 
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
@@ -170,8 +252,13 @@ class Cat(LeafRule, name="cat"):
         return None
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
+        by_rows = not isinstance(x, Tensor) and rows_of(x) is not None
+        if by_rows and self.dim == 0:
+            return JOIN_ROWS.becomes(x, k)
+        if by_rows:
+            return "-", _only_by_rows(self.describe(), type_name(x))
         if not isinstance(x, Tensor):
-            return "-", f"{self.describe()} needs a tensor, got {type(x).__qualname__}"
+            return self.refused(x)
         shape: list[Any] = list(x.shape)
         nd = len(shape)
         if nd == 0:
@@ -228,7 +315,7 @@ class Stack(LeafRule, name="stack"):
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
         if not isinstance(x, Tensor):
-            return "-", f"{self.describe()} needs a tensor, got {type(x).__qualname__}"
+            return self.refused(x)
         shape: list[Any] = list(x.shape)
         nd = len(shape)
         if not -(nd + 1) <= self.dim <= nd:
@@ -299,7 +386,7 @@ class Pad(LeafRule, name="pad"):
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
         if not isinstance(x, Tensor):
-            return "-", f"{self.describe()} needs a tensor, got {type(x).__qualname__}"
+            return self.refused(x)
         shape: list[Any] = list(x.shape)
         nd = len(shape)
         if nd == 0 or not -nd <= self.dim < nd:
@@ -428,11 +515,19 @@ _NO_INFINITY = frozenset(
 def cat(dim: int = 0) -> Cat:
     """Gather rule: concatenate along ``dim`` (the default for tensors).
 
-    When every replica holds a 0-dim tensor the result is the vector of them, as in torch.
+    When every replica holds a 0-dim tensor the result is the vector of them, as in torch. A
+    value laid out by rows its own way (a ``PackedSequence``, a ``LazyStackedTensorDict``
+    stacked along dim 0) is joined by its rows under ``cat()`` (dim 0), as the default joins
+    it: ``cat()`` in a prefix layout says "by rows" for every leaf below it; another dim is
+    refused naming the value's kind.
 
     >>> import torch, treegather as tg
     >>> tg.gather([torch.ones(1, 2), torch.zeros(1, 3)], "cpu", tg.cat(1))
     tensor([[1., 1., 0., 0., 0.]])
+    >>> from torch.nn.utils.rnn import pack_sequence
+    >>> packed = [pack_sequence([torch.ones(3), torch.ones(2)]), pack_sequence([torch.ones(1)])]
+    >>> tg.gather(packed, "cpu", tg.cat()).batch_sizes
+    tensor([3, 2, 1])
     """
     return Cat(int(dim))
 

@@ -59,7 +59,7 @@ class _Reduction(LeafRule):
             return f"Tensor{shape_text(list(x.shape))} {dtype_text(dtype)}{weighted}", None
         if is_number(x):
             return result_type_name(x, mean), None
-        return "-", f"{self.describe()} needs a tensor or a number, got {type(x).__qualname__}"
+        return self.refused(x)
 
 
 @dataclasses.dataclass(frozen=True)

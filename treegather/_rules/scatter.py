@@ -36,7 +36,8 @@ Tensor = torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class Split(ScatterRule, name="split"):
-    """Split a tensor along ``dim`` (``torch.tensor_split`` order, or explicit ``sizes``)."""
+    """Split a tensor along ``dim`` (``torch.tensor_split`` order, or explicit ``sizes``); a
+    value laid out by rows, under dim 0: by its rows, as its default rule does."""
 
     dim: int = 0
     sizes: tuple[int, ...] | None = None
@@ -46,18 +47,30 @@ class Split(ScatterRule, name="split"):
         return cls(dim)
 
     def shard(self, x: Any, dim: int) -> Cut | Problem:
-        if not isinstance(x, Tensor):
-            hint = (
-                " (use split_items() on a list of per-sample items)"
-                if isinstance(x, (str, bytes))
-                else ""
-            )
-            return Problem(f"{self.describe()} needs a tensor, got {describe(x)}{hint}", True)
-        return _split_cut(x, self.dim, self.sizes)
+        if isinstance(x, Tensor):
+            return _split_cut(x, self.dim, self.sizes)
+        rows = rows_of(x)
+        if rows is not None:  # (a PackedSequence, a graph batch: by its rows, as the default)
+            if self.dim != 0:
+                return Problem(
+                    f"{self.describe()} splits a {rows.kind.name} only by its rows, along dim "
+                    "0: write split() (or no rule)",
+                    True,
+                )
+            found = SPLIT_ROWS.shard(rows, dim)
+            return found if isinstance(found, Problem) else found._replace(sizes=self.sizes)
+        hint = (
+            " (use split_items() on a list of per-sample items)"
+            if isinstance(x, (str, bytes))
+            else ""
+        )
+        return Problem(f"{self.describe()} needs a tensor, got {describe(x)}{hint}", True)
 
     def explain(
         self, x: Any, cut: Cut, sizes: Sequence[int] | None
     ) -> tuple[str, tuple[str, ...] | None]:
+        if not isinstance(x, Tensor):  # (laid out by rows: shard() took no other)
+            return SPLIT_ROWS.explain(x, cut, sizes)
         result = f"split along dim {cut.dim}: {x.shape[cut.dim]} rows"
         if sizes is None:
             return result, None
@@ -238,7 +251,11 @@ def split(dim: int = 0, sizes: Sequence[int] | None = None) -> Split:
     each shard; every split leaf must agree on the batch size. ``sizes`` names the shards: it
     must add up to the batch size and may name fewer shards than there are devices (then only
     the first ``len(sizes)`` devices get one, as with a batch smaller than the device count);
-    more shards than devices is an error.
+    more shards than devices is an error. A value laid out by rows its own way (a
+    ``PackedSequence``, a ``LazyStackedTensorDict`` stacked along dim 0) is split by its rows
+    under ``split()`` (dim 0, with or without ``sizes``), as the default splits it: ``split()``
+    in a prefix layout says "by rows" for every leaf below it; another dim is refused naming
+    the value's kind.
 
     >>> import torch, treegather as tg
     >>> [s.shape[1] for s in tg.scatter(torch.zeros(2, 5), ["cpu"] * 2, tg.split(1, sizes=[4, 1]))]

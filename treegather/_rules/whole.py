@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from .._errors import BatchSizeError, LeafTypeError, ShapeMismatchError, safe_repr
-from .._tree import Rows, describe, display_path, flatten, format_path, move_tree, nodes, rows_of
+from .._tree import describe, display_path, flatten, format_path, move_tree, nodes
 from .base import Combining, GatherRule, Problem, constructor, custom_rule
-from .leafwise import META
+from .leafwise import JOIN_ROWS, META
 
 __all__ = [
     "JOIN_ROWS",
@@ -87,45 +87,6 @@ class _LeafAsList(AsList):
 
 
 LEAF_AS_LIST = _LeafAsList()
-
-
-class _JoinRows(GatherRule):
-    """The default rule of a value laid out by rows its own way (a ``PackedSequence``, a PyG
-    graph batch: :func:`~treegather._tree.rows_of`): every replica's rows, in order, joined by
-    its own function (unpacked, joined, packed again), in the form the tree holds it."""
-
-    def describe(self) -> str:
-        return "rows joined"
-
-    def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
-        if self.problem(col, ctx) is not None:
-            raise TypeError("values that are not of one kind laid out by rows")
-        values = [rows_of(v) for v in col]
-        return Rows.join(values, ctx.target).held  # type: ignore[arg-type]
-
-    def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
-        first = rows_of(col[0])
-        for r, v in enumerate(col):
-            rows = rows_of(v)
-            if rows is None or first is None or rows.kind != first.kind:
-                name = first.kind.name if first is not None else "value laid out by rows"
-                return Problem(
-                    f"{shown or self.describe()}: replica {r} holds {describe(v)} where replica 0 "
-                    f"holds a {name}",
-                    True,
-                )
-            problem = rows.problem()
-            if problem is not None:
-                return Problem(f"{shown or self.describe()}: replica {r} holds {problem}", True)
-        return None
-
-    def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
-        rows = rows_of(x)
-        name = rows.kind.name if rows is not None else "value"
-        return f"one {name} of every replica's rows, in order", None
-
-
-JOIN_ROWS = _JoinRows()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from .registry import (
     sync,
     watch,
 )
-from .text import describe, dtype_text, shape_text
+from .text import describe, dtype_text, shape_text, type_name
 
 __all__ = [
     "BatchNode",
@@ -86,6 +86,7 @@ __all__ = [
     "rows_class",
     "rows_of",
     "shape_text",
+    "type_name",
     "sync",
     "unwrapped",
     "watch",

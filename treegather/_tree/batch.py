@@ -143,13 +143,20 @@ class Batched:
 _UNSET: Any = object()
 
 
+def _no_catch_up() -> None:
+    """Until :mod:`.registry` installs its own: nothing to catch up with."""
+
+
+catch_up: Callable[[], None] = _no_catch_up
+"""Bring the rules up to date with the classes registered since (set by :mod:`.registry`, which
+imports this module: an integration's class is registered once torch's pytree registry is read)."""
+
+
 def _restored(cls: type, aux: Any) -> Batched:
     """A :class:`Batched` unpickled (another rank's): the class's rule, registered here."""
     rule = _RULES.get(cls)
     if rule is None:  # (an integration's class, registered once the registry is read)
-        from .registry import sync
-
-        sync()
+        catch_up()
         rule = _RULES.get(cls)
     if rule is None:
         raise TypeError(f"{cls.__qualname__} is not registered with a batch_size here")

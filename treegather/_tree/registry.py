@@ -23,6 +23,7 @@ import torch.utils._pytree as _torch_pytree
 
 from .._caches import clear_tree_caches
 from .._errors import ArgumentTypeError, safe_repr
+from . import batch as _batch
 from .batch import Batched, BatchRule, counted, set_rule, unflattened
 
 __all__ = [
@@ -569,3 +570,6 @@ def sync() -> None:
     """Catch up with torch's pytree registry (cheap when it has not grown)."""
     if len(_torch_pytree.SUPPORTED_NODES) != _torch_synced:
         _sync_torch_registry()
+
+
+_batch.catch_up = sync  # (an unpickled batch node of a class bridged since: see batch.py)

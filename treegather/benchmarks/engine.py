@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 import treegather as tg
 
 from .cases import nested_tree
@@ -20,7 +22,11 @@ from .timing import _compare, _time, frozen_heap, prepare_allocator
 
 
 def engine_cases(
-    n_leaves: int, k: int = 4, rounds: int = 15, target_s: float = 0.05
+    n_leaves: int,
+    k: int = 4,
+    rounds: int = 15,
+    target_s: float = 0.05,
+    big_leaves: int = 100_000,
 ) -> list[dict[str, Any]]:
     """The compiled layer's promises, each a ratio measured side by side in one run:
 
@@ -32,13 +38,18 @@ def engine_cases(
       hoisted out of the loop (target <= 1.1x);
     - ``rotating N``: N structures of ``n_leaves`` taken in turn, more than the compiled layer
       keeps per root type (16), against a call on a structure never seen, made in the same
-      state (target <= 1x: a rotation costs at most what a cold call costs).
+      state (target <= 1x: a rotation costs at most what a cold call costs);
+    - ``after a big one``: a structure made before a ``big_leaves``-leaf dict (whose first keys
+      are its own) was used 8 times, against one made after it, per call: a structure's cost
+      must not depend on what else was seen (target <= 1.1x).
     """
     with frozen_heap():  # (the timed calls' collections visit only what they made)
-        return _engine_cases(n_leaves, k, rounds, target_s)
+        return _engine_cases(n_leaves, k, rounds, target_s, big_leaves)
 
 
-def _engine_cases(n_leaves: int, k: int, rounds: int, target_s: float) -> list[dict[str, Any]]:
+def _engine_cases(
+    n_leaves: int, k: int, rounds: int, target_s: float, big_leaves: int
+) -> list[dict[str, Any]]:
     prepare_allocator()
     devices = ["cpu"] * k
     tree_a = nested_tree(n_leaves, (8, 4))
@@ -74,6 +85,27 @@ def _engine_cases(n_leaves: int, k: int, rounds: int, target_s: float) -> list[d
                 outs_a, "cpu", tg.by_path({f"{first_key}.**": "cat"}, default="cat")
             ),
         },
+    }
+    # A structure seen before a big one (tree_a) against one seen after it (tree_c).
+    tree_c = _renamed(tree_a, "c")
+    outs_c = list(tg.scatter(tree_c, devices))
+    for _ in range(6):
+        scatter(tree_a), gather(outs_a)
+    big = dict(tree_a)  # (tree_a's keys first, then big_leaves more tensors)
+    big.update((f"big{i}", torch.zeros(8, 4)) for i in range(big_leaves))
+    outs_big = list(tg.scatter(big, devices))
+    for _ in range(8):
+        scatter(big), gather(outs_big)
+    del big, outs_big
+    for _ in range(6):
+        scatter(tree_c), gather(outs_c)
+    cases[("scatter", "after a big one")] = {
+        "repeated": lambda: scatter(tree_c),
+        "treegather": lambda: scatter(tree_a),
+    }
+    cases[("gather", "after a big one")] = {
+        "repeated": lambda: gather(outs_c),
+        "treegather": lambda: gather(outs_a),
     }
     rows = []
     for (op, what), fns in cases.items():

@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rounds", type=int, help="interleaved rounds per case (default 15)")
     parser.add_argument(
+        "--big-leaves",
+        type=int,
+        default=100_000,
+        help="leaves of the big structure of the 'after a big one' rows (default 100000)",
+    )
+    parser.add_argument(
         "--cold-allocator",
         action="store_true",
         help="skip freeing one large tensor first (page faults may then land on any implementation)",
@@ -122,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         except ValueError:
             parser.error(f"--shapes: {spec!r} is not a shape such as 128x256 or 8Kx4")
     rows = _grid(shapes, leaves, ks, rounds, args.device, not args.cold_allocator)
-    rows += _engine_rows([n for n in leaves if n >= 100] or leaves[-1:], rounds)
+    rows += _engine_rows([n for n in leaves if n >= 100] or leaves[-1:], rounds, args.big_leaves)
     if args.steps:
         from . import steps
 
@@ -190,13 +196,13 @@ def _grid_line(op: str, n: int, shape: Sequence[int], k: int, case: list[dict[st
     )
 
 
-def _engine_rows(leaves: list[int], rounds: int) -> list[dict[str, Any]]:
+def _engine_rows(leaves: list[int], rounds: int, big_leaves: int) -> list[dict[str, Any]]:
     """The compiled layer's rows (:func:`~treegather.benchmarks.engine.engine_cases`), printed."""
     rows: list[dict[str, Any]] = []
     print("\ncompiled layer, K=4 (8x4 tensors):")
     print(f"{'op':8} {'leaves':>6} {'case':>16} | {'baseline us':>11} {'us':>9} {'ratio':>7}")
     for n in leaves:
-        for row in engine_cases(n, rounds=rounds):
+        for row in engine_cases(n, rounds=rounds, big_leaves=big_leaves):
             rows.append(row)
             print(
                 f"{row['op']:8} {n:>6} {row['impl']:>16} | {row['baseline_us']:>11.1f} "

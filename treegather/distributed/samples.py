@@ -166,7 +166,9 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
     for p, (rule, value) in enumerate(zip(rules_of(plan), values)):
         if isinstance(rule, CatItems):
             kinds.append(ITEMS)
-        elif rule is None and rows_of(value) is not None:
+        elif (rule is None or (isinstance(rule, Cat) and rule.dim == 0)) and rows_of(
+            value
+        ) is not None:  # (cat() joins it by rows, as the default does)
             kinds.append(ROWS)  # (split into its rows to be put in order: placed)
         elif (
             isinstance(value, Tensor)
