@@ -29,6 +29,7 @@ example for ``MAIN_EXAMPLES = 520`` examples (1,040 trees, checked by the test i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -849,6 +850,55 @@ def test_meta_leaves_after_real_calls_differential(at: str, dim: int) -> None:
         for name, outs in (("real", real), ("meta", meta)):
             got = run(lambda o=outs: tg.gather(o, "cpu", dim=dim))
             assert_same(got, expected[name], f"{name} call {i + 1}")
+
+
+class _Holder:
+    """An unregistered object holding the batch (a leaf)."""
+
+    def __init__(self, x: Any) -> None:
+        self.meta, self.parts = "m", [x]
+
+
+class _Slotted:
+    __slots__ = ("x",)
+
+    def __init__(self, x: Any) -> None:
+        self.x = x
+
+
+_HELD = {
+    "object": lambda: _Holder(torch.zeros(4, 2)),
+    "slots": lambda: _Slotted(torch.arange(4)),
+    "UserDict": lambda: collections.UserDict(ids=torch.zeros(4)),
+    "object without tensors": lambda: _Holder("no tensor"),
+    "module": lambda: torch.nn.Linear(2, 2),
+}
+
+
+@pytest.mark.parametrize("held", list(_HELD))
+def test_objects_holding_tensors_after_tensors_differential(held: str) -> None:
+    """A structure compiled with tensors only, then the same structure with an unregistered
+    object at one position, alternating: an object holding tensors is refused (it would be
+    sent whole to every device) with the plain path's message, every call; one without tensors,
+    and a module, is sent as it is."""
+    value = _HELD[held]()
+    plain = {"x": torch.zeros(4, 2), "v": torch.ones(4)}
+    mixed = {"x": torch.zeros(4, 2), "v": value}
+    calls = {
+        "plain": lambda: tg.scatter(plain, ["cpu"] * 2),
+        "mixed": lambda: tg.scatter(mixed, ["cpu"] * 2),
+        "mixed kwargs": lambda: tg.scatter_kwargs((mixed,), {"kw": value}, ["cpu"] * 2),
+    }
+    expected = {name: reference(call) for name, call in calls.items()}
+    refused = held in ("object", "slots", "UserDict")
+    assert (expected["mixed"].error is tg.LeafTypeError) is refused
+    if refused:
+        assert expected["mixed"].message.startswith("inputs['v']: ")
+        assert "would be sent whole to every device" in expected["mixed"].message
+    tg.clear_caches()
+    for i in range(WARM_CALLS + 1):
+        for name, call in calls.items():
+            assert_same(run(call), expected[name], f"{held} {name} call {i + 1}")
 
 
 # ----------------------------------------------------------- rows the default would misplace

@@ -1,12 +1,13 @@
-"""Values laid out by rows (a ``PackedSequence``, a dim-0 ``LazyStackedTensorDict``) in layouts
-(issue 47, point 5): ``cat()`` joins and ``split()`` splits them by their rows, as the default
-rules do, so that a prefix layout can say "by rows"; every other rule is refused with a typed
-error naming the path and the value's kind, never treegather's internal ``Rows``.
+"""Values laid out by rows (a ``PackedSequence``, a dim-0 ``LazyStackedTensorDict``, a PyG graph
+batch) in layouts (issue 47, point 5): ``cat()`` joins and ``split()`` splits them by their rows,
+as the default rules do, so that a prefix layout can say "by rows"; every other rule is refused
+with a typed error naming the path and the value's kind, never treegather's internal ``Rows``.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_sequence, unpack_sequence
 import treegather as tg
 import treegather.distributed as tgd
 from treegather._caches import reference_only
-from treegather._tree import Rows, flatten
+from treegather._tree import flatten, rows_of
 
 CPU2 = ["cpu"] * 2
 
@@ -30,7 +31,19 @@ def _lazy(x: torch.Tensor) -> LazyStackedTensorDict:
     return LazyStackedTensorDict.lazy_stack([TensorDict({"a": row}, []) for row in x], 0)
 
 
-KINDS = {"PackedSequence": _packed, "LazyStackedTensorDict": _lazy}
+def _graphs(x: torch.Tensor) -> Any:
+    """A PyG graph batch of one graph per row (``1 + i % 3`` nodes of its features)."""
+    with warnings.catch_warnings():  # (PyG 2.8 scripts helpers at import: torch deprecates it)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pyg = pytest.importorskip("torch_geometric", reason="torch_geometric is not installed")
+    graphs = [
+        pyg.data.Data(x=row.expand(1 + i % 3, -1), edge_index=torch.zeros(2, 0, dtype=torch.long))
+        for i, row in enumerate(x)
+    ]
+    return pyg.data.Batch.from_data_list(graphs)
+
+
+KINDS = {"PackedSequence": _packed, "LazyStackedTensorDict": _lazy, "graph batch": _graphs}
 
 
 def test_the_kinds_are_every_kind_laid_out_by_rows() -> None:
@@ -38,7 +51,7 @@ def test_the_kinds_are_every_kind_laid_out_by_rows() -> None:
     x = torch.randn(6, 4)
     for make in KINDS.values():
         leaves, _ = flatten(make(x))
-        assert any(type(v) is Rows for v in leaves)
+        assert any(rows_of(v) is not None for v in leaves)
     from treegather._tree import batch
 
     assert set(batch._KINDS) <= set(KINDS)
@@ -49,6 +62,8 @@ def _rows(v: Any) -> int:
 
 
 def _same(a: Any, b: Any) -> bool:
+    if hasattr(a, "num_graphs"):  # (a graph batch)
+        return bool(a.num_graphs == b.num_graphs and torch.equal(a.x, b.x))
     if isinstance(a, PackedSequence):
         return all(torch.equal(u, v) for u, v in zip(unpack_sequence(a), unpack_sequence(b)))
     return bool((a == b).all())
@@ -88,7 +103,7 @@ def test_cat_and_split_mean_by_rows(kind: str, ref: bool) -> None:
 def test_other_rules_are_refused_by_the_kinds_name(kind: str, rule: Any, says: str) -> None:
     make = KINDS[kind]
     parts = [{"v": make(s)} for s in torch.randn(5, 4).split(3)]
-    name = "PackedSequence" if kind == "PackedSequence" else "LazyStackedTensorDict"
+    name = kind  # (the kind's name)
     for ref in (False, True):
         with reference_only() if ref else _nothing():
             with pytest.raises(tg.LeafTypeError) as caught:
@@ -113,13 +128,18 @@ def test_split_along_another_dim_is_refused_by_the_kinds_name(kind: str) -> None
     )
 
 
-def test_the_collector_refuses_a_packed_sequence_under_cat() -> None:
-    col = tgd.Collector()
-    col.add(
-        {"p": pack_sequence([torch.ones(2), torch.ones(1)]), "x": torch.zeros(2)}, indices=[0, 1]
-    )
-    with pytest.raises(tg.LayoutError, match=r"outputs\['p'\]\.rows: a PackedSequence"):
-        col.all_gather({"p": tg.cat(), "x": tg.cat()})
+def test_the_collector_puts_a_packed_sequence_in_order_under_cat_as_by_default() -> None:
+    # (it was refused, under cat() as under the default: the Collector now puts its rows in
+    # dataset order, and cat() means "by rows" there too)
+    seqs = [torch.ones(2), torch.ones(1), torch.ones(3)]
+    got = []
+    for layout in ({"p": tg.cat()}, None):
+        col = tgd.Collector()
+        col.add({"p": pack_sequence([seqs[2], seqs[0]], enforce_sorted=False)}, indices=[2, 0])
+        col.add({"p": pack_sequence([seqs[1]])}, indices=[1])
+        got.append(col.all_gather(layout)["p"])
+    want = pack_sequence(seqs, enforce_sorted=False)
+    assert all(_same(g, want) for g in got)
 
 
 class _nothing:

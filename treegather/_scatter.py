@@ -29,6 +29,7 @@ from ._tree import (
     is_batched,
     move_tree,
     rebuild,
+    rows_of,
 )
 
 __all__ = [
@@ -348,8 +349,9 @@ def _cut(up: list[Any], cuts: _Cuts, sizes: tuple[int, ...] | None, k: int) -> l
             offsets.append(offsets[-1] + s)
         for pos in cuts.items:
             seq = up[pos]
-            if type(seq) is Rows:  # (laid out by rows its own way: its own split)
-                columns[pos] = tuple(seq.split(sizes or ()))
+            rows = rows_of(seq)
+            if rows is not None:  # (laid out by rows its own way: its own split)
+                columns[pos] = tuple(rows.split(sizes or ()))
                 continue
             columns[pos] = tuple(seq[offsets[r] : offsets[r + 1]] for r in range(k))
     for pos, col in enumerate(columns):
@@ -386,8 +388,8 @@ def _on_devices(
         if item_tensors:
             for pos in items:
                 leaves_r[pos] = move_tree(leaves_r[pos], dev)
-        for pos in rows:
-            leaves_r[pos] = leaves_r[pos].to(dev)
+        for pos in rows:  # (the form the tree holds: a node's child, or the leaf itself)
+            leaves_r[pos] = leaves_r[pos].to(dev).held
         if shard_sizes is None:
             trees.append(plan.up_spec.unflatten(leaves_r))
         else:

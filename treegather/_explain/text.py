@@ -13,7 +13,7 @@ import torch
 
 from .._errors import safe_repr
 from .._layout import EXPLAIN_POINTER, RuleSource, describe_source
-from .._tree import NAMESPACE, Rows, describe, dtype_text, shape_text, type_name
+from .._tree import NAMESPACE, describe, dtype_text, rows_of, shape_text, type_name
 
 Tensor = torch.Tensor
 
@@ -27,7 +27,7 @@ def _value_text(x: Any, whole: bool) -> str:
     if isinstance(x, Tensor):
         where = "" if x.device.type == "cpu" else f" on {x.device}"
         return f"Tensor{shape_text(list(x.shape))} {dtype_text(x.dtype)}{where}"
-    if isinstance(x, Rows):
+    if rows_of(x) is not None:
         return describe(x)
     if whole and x is not None:
         try:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from .._errors import safe_repr
-from .._tree import Rows, describe, dtype_text, shape_text, type_name
+from .._tree import Rows, describe, dtype_text, rows_of, shape_text, type_name
 from . import kinds
 from .base import Combining, GatherRule, Problem, by_replica, constructor, is_number
 
@@ -88,7 +88,7 @@ class LeafRule(GatherRule):
         common case, dense tensors of one usual dtype, costs a read or two per value; what
         torch refuses itself, a mix of kinds, is named when the combine failed.)"""
         shown = shown or self.describe()
-        if any(type(v) is Rows for v in col):
+        if any(type(v) is not Tensor and rows_of(v) is not None for v in col):
             return self.rows_problem(col, ctx, shown)
         meta_ok = ctx.target.type == "meta"
         types = list(map(type, col))
@@ -162,13 +162,13 @@ class LeafRule(GatherRule):
 
     def rows_problem(self, col: tuple[Any, ...], ctx: Combining, shown: str) -> Problem | None:
         """What is wrong with values of which one at least is laid out by rows (a
-        ``PackedSequence``, held as a :class:`~treegather._tree.Rows`): this rule does not
-        apply to them (:meth:`Cat` with dim 0 joins them by rows)."""
+        ``PackedSequence``, a PyG graph batch: :func:`~treegather._tree.rows_of`): this rule
+        does not apply to them (:meth:`Cat` with dim 0 joins them by rows)."""
         return Problem(_not_by_rows(shown, _rows_name(col)), True)
 
     def refused(self, x: Any) -> tuple[str, str | None]:
         """:meth:`becomes` for a value that is not a tensor: what the rule needs instead."""
-        if isinstance(x, Rows):
+        if rows_of(x) is not None:
             return "-", _not_by_rows(self.describe(), type_name(x))
         need = "a tensor or a number" if self.numbers else "a tensor"
         return "-", f"{self.describe()} needs {need}, got {type_name(x)}"
@@ -176,7 +176,7 @@ class LeafRule(GatherRule):
 
 def _rows_name(col: Sequence[Any]) -> str:
     """The kind of the first value laid out by rows in ``col`` (``PackedSequence``)."""
-    return type_name(next(v for v in col if type(v) is Rows))
+    return type_name(next(v for v in col if rows_of(v) is not None))
 
 
 def _not_by_rows(shown: str, name: str) -> str:
@@ -192,9 +192,10 @@ def _only_by_rows(shown: str, name: str) -> str:
 
 
 class _JoinRows(GatherRule):
-    """The default rule of a :class:`~treegather._tree.Rows` value (a ``PackedSequence``), and
-    what ``cat()`` (dim 0) does to one: every replica's rows, in order, joined by its own
-    function (unpacked, joined, packed again)."""
+    """The default rule of a value laid out by rows its own way (a ``PackedSequence``, a PyG
+    graph batch: :func:`~treegather._tree.rows_of`), and what ``cat()`` (dim 0) does to one:
+    every replica's rows, in order, joined by its own function (unpacked, joined, packed
+    again), in the form the tree holds it."""
 
     def describe(self) -> str:
         return "rows joined"
@@ -202,22 +203,28 @@ class _JoinRows(GatherRule):
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
         if self.problem(col, ctx) is not None:
             raise TypeError("values that are not of one kind laid out by rows")
-        return Rows.join(col, ctx.target)
+        values = [rows_of(v) for v in col]
+        return Rows.join(values, ctx.target).held  # type: ignore[arg-type]
 
     def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
-        first = col[0]
+        first = rows_of(col[0])
         for r, v in enumerate(col):
-            if not isinstance(v, Rows) or not isinstance(first, Rows) or v.kind != first.kind:
-                name = first.kind.name if isinstance(first, Rows) else "value laid out by rows"
+            rows = rows_of(v)
+            if rows is None or first is None or rows.kind != first.kind:
+                name = first.kind.name if first is not None else "value laid out by rows"
                 return Problem(
                     f"{shown or self.describe()}: replica {r} holds {describe(v)} where replica 0 "
                     f"holds a {name}",
                     True,
                 )
+            problem = rows.problem()
+            if problem is not None:
+                return Problem(f"{shown or self.describe()}: replica {r} holds {problem}", True)
         return None
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
-        name = x.kind.name if isinstance(x, Rows) else "value"
+        rows = rows_of(x)
+        name = rows.kind.name if rows is not None else "value"
         return f"one {name} of every replica's rows, in order", None
 
 
@@ -263,8 +270,9 @@ class Cat(LeafRule, name="cat"):
         return cls(dim)
 
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
-        if type(col[0]) is Rows and self.dim == 0:  # (a PackedSequence: by its rows)
-            return JOIN_ROWS.combine(col, ctx)
+        first = col[0]
+        if type(first) is not Tensor and self.dim == 0 and rows_of(first) is not None:
+            return JOIN_ROWS.combine(col, ctx)  # (a PackedSequence, a graph batch: by its rows)
         return cat_values(col, ctx.target, ctx.moving, self.dim)
 
     def rows_problem(self, col: tuple[Any, ...], ctx: Combining, shown: str) -> Problem | None:
@@ -296,9 +304,10 @@ class Cat(LeafRule, name="cat"):
         return None
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
-        if isinstance(x, Rows) and self.dim == 0:
+        by_rows = not isinstance(x, Tensor) and rows_of(x) is not None
+        if by_rows and self.dim == 0:
             return JOIN_ROWS.becomes(x, k)
-        if isinstance(x, Rows):
+        if by_rows:
             return "-", _only_by_rows(self.describe(), type_name(x))
         if not isinstance(x, Tensor):
             return self.refused(x)

@@ -9,7 +9,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from .._errors import safe_repr
-from .batch import Rows
+from .batch import rows_of
 
 __all__ = ["describe", "dtype_text", "shape_text", "type_name"]
 
@@ -30,13 +30,14 @@ def dtype_text(dtype: torch.dtype) -> str:
 
 def type_name(value: Any) -> str:
     """The name messages give a value's type: its class's, or for a value laid out by rows
-    (held as a :class:`~treegather._tree.Rows`) its kind's (``PackedSequence``).
+    (:func:`~treegather._tree.rows_of`) its kind's (``PackedSequence``, ``graph batch``).
 
     >>> type_name(1.0), type_name([])
     ('float', 'list')
     """
-    if isinstance(value, Rows):
-        return value.kind.name
+    rows = rows_of(value)
+    if rows is not None:
+        return rows.kind.name
     return type(value).__qualname__
 
 
@@ -44,11 +45,12 @@ def describe(value: Any) -> str:
     """A short description of a leaf for error messages: shape/dtype/device or type, and a
     ``repr`` cut to 60 characters that never raises (:func:`treegather._errors.safe_repr`); a
     value laid out by rows by its kind and rows (``PackedSequence of 3 rows``)."""
-    if isinstance(value, Rows):
+    rows = None if isinstance(value, torch.Tensor) else rows_of(value)
+    if rows is not None:
         try:
-            return f"{value.kind.name} of {value.rows} rows"
+            return f"{rows.kind.name} of {rows.rows} rows"
         except Exception:  # (a kind whose rows cannot be read from this value)
-            return value.kind.name
+            return rows.kind.name
     if isinstance(value, torch.Tensor):
         if value.is_nested:  # a nested tensor has no single shape
             return f"nested Tensor(dtype={value.dtype}, device={value.device})"

@@ -40,6 +40,7 @@ from .samples import (
     CROSS,
     ITEMS,
     PER_ADD,
+    ROWS,
     SAMPLES,
     Opaque,
     Texts,
@@ -469,7 +470,7 @@ class Collector:
         columns = list(zip(*per_rank))
         values = join(columns, kinds, rules, device, reference, plain=plain, parts=True)
         out = [
-            v if k == PER_ADD else _placed(v, order, plan, p, rules[p])
+            v if k == PER_ADD else _placed(v, order, plan, p, rules[p], device)
             for p, (k, v) in enumerate(zip(kinds, values))
         ]
         if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
@@ -506,14 +507,16 @@ def _at(text: str, where: str) -> str:
     return _ROOT_PATH.sub(lambda m: m.group(1) + where, text)
 
 
-def _placed(values: list[Any], order: Any, plan: Plan, p: int, rule: Any) -> Any:
+def _placed(
+    values: list[Any], order: Any, plan: Plan, p: int, rule: Any, device: torch.device
+) -> Any:
     """:func:`placed`, or a typed error naming the leaf where torch cannot put its rows in
     order (``index_select`` of a kind of tensor that has none)."""
     first = values[0]
     if not isinstance(first, Tensor) or (type(first) is Tensor and kinds.ordinary(first)):
-        return placed(values, order)
+        return placed(values, order, device)
     try:
-        return placed(values, order)
+        return placed(values, order, device)
     except (RuntimeError, TypeError) as exc:  # (NotImplementedError is a RuntimeError)
         shown = "cat()" if rule is None else rule.describe()
         raise LeafTypeError(
@@ -833,7 +836,12 @@ def _complete(taken: int, source: _Rows, partial: bool) -> None:
 def _raise_differences(present: list[tuple[int, Any]]) -> NoReturn:
     """The ranks' adds differ in structure, or (the same structure) in which leaves are per
     sample: name them."""
-    named = {SAMPLES: "per sample", ITEMS: "a per-sample list", PER_ADD: "one value per add"}
+    named = {
+        SAMPLES: "per sample",
+        ITEMS: "a per-sample list",
+        ROWS: "laid out by rows",
+        PER_ADD: "one value per add",
+    }
     shapes = [pickle.loads(p.shape) for _, p in present]
     same = all(s[0] == shapes[0][0] for s in shapes)
 

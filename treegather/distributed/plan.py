@@ -247,7 +247,7 @@ def prepare(tree: Any, layout: Any, dim: Any, sizes: Any, sync: bool = False) ->
             if found is None:
                 return None  # (a tensor that travels pickled: a subclass, sparse, ...)
             shapes, dtypes, objects = found
-            if objects and any(type(x) is _tree.Rows for x in leaves):
+            if objects and any(_tree.rows_of(x) is not None for x in leaves):
                 return None  # (joined by its own rule: not in the vectorised unpack)
             seen = _seen(key, last, spec, dtypes, shapes, text, layout, dim, sizes_given, grads)
             if objects:
