@@ -57,8 +57,10 @@ results against evaluating the whole dataset in one process.
 - **Complete or told.** The exchange checks that every rank added every batch of its epoch: a
   rank that left its loop early (a step limit one rank reaches) is an error on every rank,
   naming the rank and its counts; ``collector.all_gather(partial=True)`` takes what was added,
-  and ``collector.indices`` says which samples the result holds. With ``drop_last``: the samples
-  seen.
+  and ``collector.indices`` says which samples the result holds. A loader that drops samples
+  (``drop_last=True`` on the ``DataLoader``, the ``DistributedSampler`` or a ``BatchSampler``)
+  has not seen the dataset: the same error, saying how many samples it drops and where, unless
+  ``partial=True``.
 - **Per sample by the layout.** Tensors joined along the batch dim (``cat()``, ``cat(-2)`` of a
   2-D leaf, ``pad(0)``) and lists under ``cat_items()`` are put in dataset order; a list of
   strings needs its rule (``cat_items()`` per sample, ``as_list()`` per add). Any other leaf,

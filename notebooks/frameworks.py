@@ -1,6 +1,8 @@
-"""Exact evaluation where a framework runs the loop: Lightning's Trainer, and torchmetrics.
+"""Exact evaluation where a framework runs the loop: Lightning's Trainer, torchmetrics, and the
+Hugging Face Trainer.
 
-Run it on CPU with two processes (gloo), from the repository root:
+Run it on CPU with two processes (gloo), from the repository root (or one part of it:
+``lightning``, ``torchmetrics``, ``transformers`` after the script's name):
 
     torchrun --nproc-per-node 2 notebooks/frameworks.py
 
@@ -21,6 +23,17 @@ rank each sample once, in dataset order, without owning the loop:
   rank already holds every sample, so the metric must not add the other ranks' copies. Any
   metric works (curves, AUROC, retrieval), whatever its states are. A metric updated per batch
   in the loop and synced at ``compute()`` counts the padding duplicate instead.
+- **Hugging Face Trainer.** ``evaluate()`` and ``predict()`` run ``evaluation_loop``, which
+  calls ``prediction_step`` for each batch of the loader accelerate prepared (under torchrun a
+  ``BatchSamplerShard``: each process every other batch, the last round padded with samples
+  from the start). A small subclass makes the Collector from that loader in
+  ``evaluation_loop``, adds each step's logits and labels in ``prediction_step``, exchanges once
+  after the loop and runs ``compute_metrics`` on the result: every sample once, in dataset
+  order, on every rank, whatever the dataset's size. Compute per-sample values there (the loss
+  as the mean over samples, not batches): the metrics are one process's. A ``loss`` it returns
+  stands for the Trainer's ``eval_loss``, a mean of batch losses. A loader that drops samples
+  (``TrainingArguments(dataloader_drop_last=True)``) has not seen the dataset: the exchange is
+  an error on every rank, saying how many samples it drops and where.
 
 Rank 0 checks every result against one process.
 """
@@ -35,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,11 +56,20 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import AUROC, Accuracy, F1Score, MeanSquaredError, Metric
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    EvalPrediction,
+    Trainer,
+    TrainingArguments,
+)
+from transformers.trainer_utils import EvalLoopOutput
 
 try:
-    import treegather as tg  # noqa: F401
+    import treegather  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import treegather as tg
 import treegather.distributed as tgd
 
 N_SAMPLES, N_FEATURES, N_CLASSES, BATCH = 13, 6, 3, 3
@@ -275,17 +298,171 @@ def torchmetrics_guide() -> None:
             )
 
 
-def main() -> None:
+# ------------------------------------------------------------------------ Hugging Face Trainer
+
+
+class Sentences(Dataset[dict[str, torch.Tensor]]):
+    """13 token sequences with a binary label: 13 samples in batches of 4 on 2 processes fill
+    no round of batches, so accelerate pads the last one."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.input_ids = torch.randint(5, 30, (N_SAMPLES, 6), generator=g)
+        self.labels = torch.randint(2, (N_SAMPLES,), generator=g)
+
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[i], "labels": self.labels[i]}
+
+
+def classification_metrics(prediction: EvalPrediction) -> dict[str, float]:
+    """Accuracy and the loss, from per-sample values (the loss: the mean over samples)."""
+    logits = torch.as_tensor(prediction.predictions)
+    labels = torch.as_tensor(prediction.label_ids)
+    return {
+        "accuracy": float((logits.argmax(-1) == labels).float().mean()),
+        "loss": float(F.cross_entropy(logits, labels)),
+    }
+
+
+class CollectingTrainer(Trainer):
+    """``evaluate()`` and ``predict()`` with every sample once, in dataset order: each step's
+    outputs go to a Collector made from the loader the Trainer runs, exchanged once after the
+    loop; ``compute_metrics`` runs on that result, on every rank."""
+
+    def evaluation_loop(
+        self,
+        dataloader: DataLoader[Any],
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        self.collector = tgd.Collector(dataloader, device="cpu")  # the loader this loop runs
+        compute_metrics, self.compute_metrics = self.compute_metrics, None  # (ours, below)
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+        finally:
+            self.compute_metrics = compute_metrics
+        result = self.collector.all_gather()  # every sample once, in dataset order
+        predictions = result["logits"].numpy()
+        labels = None if result["labels"] is None else result["labels"].numpy()  # (predict)
+        metrics = dict(output.metrics)  # (the Trainer's own: its loss, its timings)
+        if compute_metrics is not None and labels is not None:
+            found = compute_metrics(EvalPrediction(predictions=predictions, label_ids=labels))
+            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in found.items()})
+        return EvalLoopOutput(predictions, labels, metrics, num_samples=len(predictions))
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        loss, logits, labels = super().prediction_step(model, inputs, False, ignore_keys)
+        self.collector.add({"logits": logits, "labels": labels})  # no communication
+        return (loss, None, None) if prediction_loss_only else (loss, logits, labels)
+
+
+def hf_model() -> BertForSequenceClassification:
+    """A 2-layer BERT classifier built from a config (the same weights on every rank)."""
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=30,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
+    return BertForSequenceClassification(config)
+
+
+def hf_args(**kw: Any) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=True,
+        per_device_eval_batch_size=4,
+        report_to=[],
+        disable_tqdm=True,
+        **kw,
+    )
+
+
+def transformers_guide() -> None:
+    """``evaluate()`` and ``predict()`` under torchrun: the Collector's result against one
+    process, and against accelerate's own gather (the plain Trainer's ``predict``)."""
+    data, model = Sentences(), hf_model()
+    trainer = CollectingTrainer(
+        model=model, args=hf_args(), eval_dataset=data, compute_metrics=classification_metrics
+    )
+    metrics = trainer.evaluate()
+    predicted = trainer.predict(data)
+    order = trainer.collector.indices.tolist()
+    accelerate_s = Trainer(model=model, args=hf_args()).predict(data).predictions  # (its gather)
+
+    # A loader that drops samples has not seen the dataset: the same error on every rank.
+    dropping = CollectingTrainer(
+        model=model,
+        args=hf_args(dataloader_drop_last=True),
+        eval_dataset=data,
+        compute_metrics=classification_metrics,
+    )
+    try:
+        dropping.evaluate()
+        refused = ""
+    except tg.BatchSizeError as exc:
+        refused = str(exc)
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, refused)
+
+    model.eval()
+    with torch.no_grad():  # one process, every sample
+        full = model(input_ids=data.input_ids).logits
+    one = classification_metrics(EvalPrediction(full.numpy(), data.labels.numpy()))
+    if dist.get_rank() == 0:
+        assert order == list(range(N_SAMPLES)), "each sample once, in dataset order"
+        assert np.allclose(predicted.predictions, full.numpy(), atol=1e-5)
+        assert np.array_equal(predicted.label_ids, data.labels.numpy())
+        for name, value in one.items():
+            assert abs(metrics[f"eval_{name}"] - value) < 1e-6, (name, metrics, one)
+            assert abs(predicted.metrics[f"test_{name}"] - value) < 1e-6, name
+        assert np.allclose(accelerate_s, full.numpy(), atol=1e-5)  # (its count, here: right)
+        assert refused and all(text == refused for text in said), "every rank, the same"
+        world = dist.get_world_size()
+        print(
+            f"trainer evaluate/predict: {N_SAMPLES} samples over {world} ranks in batches of "
+            f"4, each once, in dataset order (accelerate's gather: {len(accelerate_s)} rows)"
+        )
+        print("trainer metrics = one process: " + ", ".join(f"{k}={v:.4f}" for k, v in one.items()))
+        print("dataloader_drop_last=True: " + refused.splitlines()[1].removeprefix("  - "))
+
+
+SECTIONS = {
+    "lightning": lightning_guide,
+    "torchmetrics": torchmetrics_guide,
+    "transformers": transformers_guide,
+}
+
+
+def main(sections: list[str]) -> None:
     dist.init_process_group("gloo")  # torchrun provides RANK, WORLD_SIZE, MASTER_ADDR/PORT
     # Lightning's advice: workers for a toy dataset, sync_dist for values that are the same on
     # every rank, and no DistributedSampler in validate/test (the padding the Collector drops)
     warnings.filterwarnings("ignore", category=PossibleUserWarning)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    lightning_guide()
-    torchmetrics_guide()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    for name in sections or list(SECTIONS):
+        SECTIONS[name]()
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -176,14 +176,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-TORCHRUN_DEADLINE_S = 120.0  # the three scripts below, one launch
+TORCHRUN_DEADLINE_S = 150.0  # the four scripts below, one launch
 
 
 @pytest.fixture(scope="session")
 def torchrun_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The stdout of each script that runs under ``torchrun --nproc-per-node 2`` (the
-    notebooks' scripts, the README's "Across processes" blocks), from one launch (started at
-    collection, in the background, where the session's tests were collected)."""
+    notebooks' scripts, the frameworks guide's Hugging Face Trainer part, the README's "Across
+    processes" blocks), from one launch (started at collection, in the background, where the
+    session's tests were collected)."""
     job = spawned_groups.started(("torchrun",))
     if job is not None:
         return job.result()  # type: ignore[no-any-return]
@@ -197,9 +198,16 @@ def _torchrun(tmp: pathlib.Path) -> dict[str, str]:
     readme = tmp / "readme_across.py"
     readme.write_text(readme_blocks.across_script())
     notebooks = torchrun_scripts.ROOT / "notebooks"
+    trainer = tmp / "frameworks_transformers.py"  # (the guide's Hugging Face part alone)
+    guide = str(notebooks / "frameworks.py")
+    trainer.write_text(
+        f"import runpy, sys\nsys.argv = [{guide!r}, 'transformers']\n"
+        f"runpy.run_path({guide!r}, run_name='__main__')\n"
+    )
     scripts = {
         "ddp_eval": notebooks / "ddp_eval.py",
         "contrastive": notebooks / "contrastive.py",
         "readme": readme,
+        "frameworks_transformers": trainer,
     }
     return torchrun_scripts.launch(scripts, tmp, TORCHRUN_DEADLINE_S, stop=spawned_groups.STOP)

@@ -1,16 +1,19 @@
 """The Collector over the loops people write: each add belongs to the batch the loop is on.
 
-A matrix of index sources (torch's samplers under ``batch_size=``, and batch samplers that
-yield lists, tuples, tensors, numpy arrays, ranges, generators, another iterable, or one list
-refilled in place), collate functions (torch's default, one that drops corrupt samples, one
+A matrix of index sources (torch's samplers under ``batch_size=``, batch samplers that yield
+lists, tuples, tensors, numpy arrays, ranges, generators, another iterable, or one list refilled
+in place, and torch's ``BatchSampler``), each with ``drop_last=True`` wherever it takes one (the
+``DataLoader``, the sampler, the ``BatchSampler``: every combination, read from torch's
+signatures), collate functions (torch's default, one that drops corrupt samples, one
 that sorts the batch by length, each with the rows' ids passed as ``indices=`` or not) and loop
 shapes (every batch added, a batch skipped, batches split into adds, a loop left early, outputs
 added after the loop, one half of a batch lost to a caught error), with ``partial`` both ways,
 in one process (a gloo group of one) and on the shared gloo group of 2 ranks (one check runs
 the whole matrix). Every case is exact (each sample the adds hold once, in dataset order, each
 row its own sample's, ``col.indices`` those samples) or a typed error that says why, on every
-rank; which one is told from what the loop received and added (:func:`expected`), not from the
-Collector. A collate that reorders rows without ids is outside the matrix: nothing in the
+rank; which one is told from what the loop received and added and from what its loader hands
+out with nothing dropped (:func:`expected`), not from the Collector: a loader that drops
+samples has not seen the dataset, and its error says how many and where. A collate that reorders rows without ids is outside the matrix: nothing in the
 outputs tells the Collector, which is why ``observe``'s contract asks for ids then.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +32,7 @@ import spawned_groups
 import torch
 import torch.distributed as dist
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     Dataset,
     DistributedSampler,
@@ -100,20 +105,50 @@ MAKE: dict[str, Callable[[range], Any]] = {
     "deque": collections.deque,
 }
 BATCH_SAMPLERS = [*MAKE, "in-place list"]
-SAMPLERS: dict[str, Callable[[int, int], Any]] = {
-    "SequentialSampler": lambda rank, world: SequentialSampler(Samples()),
-    "RandomSampler": lambda rank, world: RandomSampler(
-        Samples(), generator=torch.Generator().manual_seed(3 + rank)
+SAMPLERS: dict[str, Callable[..., Any]] = {  # (rank, world, **the sampler's drop_last)
+    "SequentialSampler": lambda rank, world, **kw: SequentialSampler(Samples(), **kw),
+    "RandomSampler": lambda rank, world, **kw: RandomSampler(
+        Samples(), generator=torch.Generator().manual_seed(3 + rank), **kw
     ),
-    "DistributedSampler": lambda rank, world: DistributedSampler(
-        Samples(), world, rank, shuffle=True, seed=4
+    "DistributedSampler": lambda rank, world, **kw: DistributedSampler(
+        Samples(), world, rank, shuffle=True, seed=4, **kw
     ),
     # drawn with replacement: samples twice in a batch, samples never
-    "WeightedRandomSampler": lambda rank, world: WeightedRandomSampler(
-        torch.ones(N), N, replacement=True, generator=torch.Generator().manual_seed(5 + rank)
+    "WeightedRandomSampler": lambda rank, world, **kw: WeightedRandomSampler(
+        torch.ones(N), N, replacement=True, generator=torch.Generator().manual_seed(5 + rank), **kw
     ),
 }
-SOURCES = [*SAMPLERS, *(f"batch_sampler={k}" for k in BATCH_SAMPLERS)]
+TORCH_BATCHES = "batch_sampler=BatchSampler(DistributedSampler)"  # torch's, over this rank's part
+BASES = [*SAMPLERS, *(f"batch_sampler={k}" for k in BATCH_SAMPLERS), TORCH_BATCHES]
+
+
+def _takes_drop_last(kind: type) -> bool:
+    return "drop_last" in inspect.signature(kind).parameters
+
+
+def drop_places(base: str) -> list[str]:
+    """Where ``base``'s loader takes ``drop_last`` (torch's signatures say): the ``DataLoader``
+    (under ``batch_size=``), the sampler, torch's ``BatchSampler``."""
+    if base in SAMPLERS:
+        kinds = {"DataLoader": DataLoader, "sampler": type(SAMPLERS[base](0, 1))}
+    elif base == TORCH_BATCHES:
+        kinds = {"BatchSampler": BatchSampler, "sampler": DistributedSampler}
+    else:
+        kinds = {"batch_sampler": Batches}  # (ours: it drops nothing)
+    return [place for place, kind in kinds.items() if _takes_drop_last(kind)]
+
+
+def _variants(base: str) -> list[str]:
+    """``base`` with ``drop_last=True`` at every combination of the places that take it."""
+    places = drop_places(base)
+    return [
+        base + (f" drop_last={'+'.join(on)}" if on else "")
+        for k in range(len(places) + 1)
+        for on in itertools.combinations(places, k)
+    ]
+
+
+SOURCES = [variant for base in BASES for variant in _variants(base)]
 
 
 # ------------------------------------------------------------------------------ collates
@@ -140,12 +175,44 @@ COLLATES = [("default", False), ("default", True), ("drop", False), ("drop", Tru
 SHAPES = ["each", "skip", "split", "stop", "after", "after_all", "half_lost"]
 
 
-def loader(source: str, collate: Collate, rank: int, world: int) -> DataLoader[Any]:
-    if source in SAMPLERS:
-        sampler = SAMPLERS[source](rank, world)
-        return DataLoader(Samples(), batch_size=BATCH, sampler=sampler, collate_fn=collate)
-    kind = source.removeprefix("batch_sampler=")
+def loader(source: str, collate: Any, rank: int, world: int) -> DataLoader[Any]:
+    base, _, on = source.partition(" drop_last=")
+    drops = set(on.split("+")) if on else set()
+    kw = {"drop_last": True} if "sampler" in drops else {}
+    if base in SAMPLERS:
+        sampler = SAMPLERS[base](rank, world, **kw)
+        return DataLoader(
+            Samples(),
+            batch_size=BATCH,
+            sampler=sampler,
+            collate_fn=collate,
+            drop_last="DataLoader" in drops,
+        )
+    if base == TORCH_BATCHES:
+        inner = DistributedSampler(Samples(), world, rank, shuffle=True, seed=6, **kw)
+        batches = BatchSampler(inner, BATCH, drop_last="BatchSampler" in drops)
+        return DataLoader(Samples(), batch_sampler=batches, collate_fn=collate)
+    kind = base.removeprefix("batch_sampler=")
     return DataLoader(Samples(), batch_sampler=Batches(kind, rank, world), collate_fn=collate)
+
+
+def dropped(source: str, rank: int, world: int) -> tuple[int, list[str]]:
+    """How many samples ``source``'s loader drops on this rank: those of the dataset that no
+    rank's sampler gives (its ``drop_last``), and those of this rank's sampler that its batches
+    leave out; and the places whose ``drop_last`` drops some (read from fresh loaders)."""
+
+    def handed(variant: str, r: int = rank) -> list[int]:
+        index_sampler = loader(variant, default_collate, r, world).batch_sampler
+        return [int(i) for batch in index_sampler for i in batch]
+
+    base, _, on = source.partition(" drop_last=")
+    places = on.split("+") if on else []
+    only = f"{base} drop_last=sampler" if "sampler" in places else base
+    every = {i for r in range(world) for i in handed(base, r)}
+    kept = {i for r in range(world) for i in handed(only, r)}
+    lost = {"sampler": len(every - kept), "batches": len(handed(only)) - len(handed(source))}
+    named = [p for p in places if lost["sampler" if p == "sampler" else "batches"]]
+    return sum(lost.values()), named
 
 
 @dataclasses.dataclass
@@ -155,6 +222,7 @@ class Run:
     received: list[list[int]]  # each batch the loop received: its samples, as handed out
     added: list[tuple[list[int], bool, int | None]]  # per add: rows' samples, named, batch #
     outcome: tuple[Any, ...]  # ("ok", result, indices) or ("raised", class name, message)
+    dropped: tuple[int, list[str]] = (0, [])  # what its loader drops, and where (dropped())
 
 
 def _rows(batch: dict[str, Any], part: slice = slice(None)) -> dict[str, Any]:
@@ -203,7 +271,7 @@ def run_case(
         outcome: tuple[Any, ...] = ("ok", col.all_gather(LAYOUT, partial=partial), col.indices)
     except tg.TreegatherError as exc:
         outcome = ("raised", type(exc).__name__, str(exc))
-    return Run(collate.given[:received], added, outcome)
+    return Run(collate.given[:received], added, outcome, dropped(source, rank, world))
 
 
 def _joined(parts: list[Any]) -> Any:
@@ -243,7 +311,7 @@ def verdict(run: Run, shape: str) -> str:
     held = collections.Counter(i for rows, _, _ in run.added for i in rows)
     if shape == "stop" or held != collections.Counter(i for b in run.received for i in b):
         return "short"
-    return "exact"
+    return "short" if run.dropped[0] else "exact"  # (a loader that dropped: not the dataset)
 
 
 def expected(runs: list[Run], shape: str, partial: bool) -> str:
@@ -287,7 +355,37 @@ def check(case: tuple[Any, ...], runs: list[Run]) -> str:
         assert run.outcome[1] == "BatchSizeError", (case, r, run.outcome)
         assert WHY[want] in run.outcome[2], (case, r, want, run.outcome)
         assert run.outcome == first, (case, r)  # the same error on every rank
+    if want == "short":
+        _check_drops(case, runs, first[2])
     return want
+
+
+def _check_drops(case: tuple[Any, ...], runs: list[Run], text: str) -> None:
+    """The incomplete error names, on each rank's line, how many samples its loader drops
+    and each place that drops some, and says to evaluate without drop_last; nothing where
+    none drops."""
+    lines = {}  # rank -> its line
+    for line in text.splitlines():
+        if line.startswith("  - rank"):
+            listed, _, said = line.removeprefix("  - ").partition(": ")
+            for r in listed.split(" ", 1)[1].split(", "):
+                lines[int(r)] = said
+    for r, run in enumerate(runs):
+        count, places = run.dropped
+        said = lines.get(r, "")
+        if not count or verdict(run, case[3]) == "ambiguous":  # (its line: another problem)
+            assert "drops" not in said, (case, r, said)
+            continue
+        assert f"its loader drops {count} sample(s) of the dataset" in said, (case, r, said)
+        for place in places:
+            named = {"sampler": "DistributedSampler(drop_last=True)"}.get(place, place)
+            named = "BatchSampler(drop_last=True)" if place == "BatchSampler" else named
+            named = "DataLoader(drop_last=True)" if place == "DataLoader" else named
+            assert named in said, (case, r, place, said)
+    if any(run.dropped[0] for run in runs):
+        assert "evaluate without drop_last" in text, (case, text)
+    else:
+        assert "drop_last" not in text, (case, text)
 
 
 def _tally(outcomes: list[str]) -> dict[str, int]:

@@ -1275,8 +1275,8 @@ def test_error_texts_survive_a_key_whose_repr_raises(world_of_one: None) -> None
 
     key = _KeyReprRaises()
     shown = f"outputs[<_KeyReprRaises object at {id(key):#x}>]"
-    with pytest.raises(tg.LeafTypeError, match=r"cannot send sparse") as info:
-        tgd.all_gather({key: torch.zeros(2).to_sparse()})
+    with pytest.raises(tg.LeafTypeError, match=r"mkldnn float32 tensors cannot be pickled") as info:
+        tgd.all_gather({key: torch.zeros(2).to_mkldnn()})  # (no kind of tensor torch can pickle)
     assert shown in str(info.value)
     with pytest.raises(tg.BatchSizeError, match=r"got <_KeyReprRaises object at 0x"):
         tgd.all_gather({"a": torch.zeros(2)}, sizes=key)
@@ -1462,10 +1462,8 @@ def test_local_problems_become_shared_errors(world_of_one: None) -> None:
     """Problems found before the exchange travel in the header (the other ranks raise them too)."""
     import treegather.distributed as tgd
 
-    with pytest.raises(
-        tg.LeafTypeError, match=r"(?s)on rank 0: cannot send sparse.*outputs\['s'\]"
-    ):
-        tgd.all_gather({"s": torch.eye(2).to_sparse()})
+    with pytest.raises(tg.LeafTypeError, match=r"(?s)on rank 0: .*outputs\['s'\]: .*mkldnn"):
+        tgd.all_gather({"s": torch.eye(2).to_mkldnn()})  # (a tensor torch cannot pickle)
     with pytest.raises(tg.TreegatherError, match="ValueError: broken flatten"):
         tgd.gather({"b": _Broken()})
     with pytest.raises(tg.BatchSizeError, match="sizes must be"):
@@ -1498,18 +1496,24 @@ def test_a_rule_class_of_your_own_is_a_layout_error(world_of_one: None) -> None:
 
 def test_layouts_past_the_first_leaf_fall_back(world_of_one: None) -> None:
     """The wire plan looks at the first tensor only; packing (inline) or the check before a
-    separate payload finds a sparse leaf after it, and the full exchange reports it."""
+    separate payload finds a sparse leaf after it, and the full exchange carries it (pickled,
+    as torch pickles it: its cat is the sparse tensor one device gives), or reports a leaf
+    that cannot travel (mkldnn)."""
     import treegather.distributed as tgd
     from treegather.distributed import group
 
     tree = {"a": torch.ones(2), "s": torch.eye(2).to_sparse()}
+    unsent = {"a": torch.ones(2), "s": torch.eye(2).to_mkldnn()}
     state = group.group(None).state
     for capacity in (0, 4096):  # a separate payload, then one inline with the row
         state.capacity = capacity
-        with pytest.raises(tg.LeafTypeError, match=r"(?s)cannot send sparse.*outputs\['s'\]"):
-            tgd.all_gather(tree)
-        with pytest.raises(tg.LeafTypeError, match=r"(?s)cannot send sparse.*outputs\['s'\]"):
-            tgd.gather(tree)
+        for out in (tgd.all_gather(tree), tgd.gather(tree)):
+            assert out["s"].layout == torch.sparse_coo
+            assert torch.equal(out["s"].to_dense(), torch.eye(2))
+        with pytest.raises(tg.LeafTypeError, match=r"(?s)outputs\['s'\]: .*mkldnn"):
+            tgd.all_gather(unsent)
+        with pytest.raises(tg.LeafTypeError, match=r"(?s)outputs\['s'\]: .*mkldnn"):
+            tgd.gather(unsent)
         assert state.capacity == capacity  # no plan agreed: the capacity stays
 
 

@@ -79,6 +79,21 @@ def _reference(indices: list[int]) -> dict[str, Any]:
     return {"logits": out["logits"], "ids": out["ids"], "names": out["names"]}
 
 
+def _dropped(world: int, rank: int, shuffle: bool, sampler_drop: bool, loader_drop: bool) -> int:
+    """How many samples the loader of these settings (its DistributedSampler over the dataset,
+    batches of 2) drops on ``rank``: the dataset's samples that no rank's sampler gives, and
+    the indices its sampler gives this rank that its batches leave out."""
+
+    def sampler(r: int, drop: bool) -> DistributedSampler[Any]:
+        return DistributedSampler(_dataset(), world, r, shuffle, 5, drop)
+
+    every = {i for r in range(world) for i in sampler(r, False)}
+    kept = {i for r in range(world) for i in sampler(r, sampler_drop)}
+    mine = sampler(rank, sampler_drop)
+    batches = DataLoader(_dataset(), batch_size=2, sampler=mine, drop_last=loader_drop)
+    return len(every - kept) + len(mine) - sum(map(len, batches.batch_sampler))
+
+
 def _evaluate(loader: Any, col: tgd.Collector) -> tuple[list[int], list[float], list[int]]:
     """Add every batch; return the indices seen, and each batch's loss and rows."""
     net = _net()
@@ -119,7 +134,13 @@ def test_one_process_with_a_sampler_equals_the_reference(
     loader = DataLoader(ds, batch_size=2, sampler=sampler, drop_last=loader_drop_last)
     col = tgd.Collector(loader)  # (its batch sampler: the loader's drop_last applied)
     seen, losses, rows = _evaluate(loader, col)
-    out = col.all_gather(LAYOUT)
+    dropped = _dropped(2, 1, shuffle, sampler_drop_last, loader_drop_last)
+    if dropped:  # a loader that drops samples has not seen the dataset: told, unless partial
+        with pytest.raises(tg.BatchSizeError, match=rf"its loader drops {dropped} sample"):
+            col.all_gather(LAYOUT)
+        col.reset()
+        seen, losses, rows = _evaluate(loader, col)
+    out = col.all_gather(LAYOUT, partial=bool(dropped))
     want = _reference(seen)
     assert out["ids"].tolist() == sorted(set(seen))
     assert col.indices is not None and col.indices.tolist() == sorted(set(seen))
@@ -673,10 +694,19 @@ def _collector_checks(rank: int, world: int) -> dict[str, Any]:
                 col = tgd.Collector(loader)
                 seen, losses, rows = _evaluate(loader, col)
                 key = (shuffle, sampler_drop, loader_drop)
-                out[("all", key)] = (col.all_gather(LAYOUT), col.indices, seen, losses, rows)
+                # a loader that drops samples: an error on every rank, unless partial=True
+                dropped = _dropped(world, rank, shuffle, sampler_drop, loader_drop)
+                told = _capture(lambda c=col: c.all_gather(LAYOUT))
+                out[("told", key)] = (told[:3], dropped)
                 col.reset()
                 _evaluate(loader, col)
-                out[("dst", key)] = col.gather(LAYOUT, dst=world - 1)
+                got = col.all_gather(LAYOUT, partial=sampler_drop or loader_drop)
+                out[("all", key)] = (got, col.indices, seen, losses, rows)
+                col.reset()
+                _evaluate(loader, col)
+                out[("dst", key)] = col.gather(
+                    LAYOUT, dst=world - 1, partial=sampler_drop or loader_drop
+                )
     # Errors where one rank differs: raised on every rank, promptly.
     col = tgd.Collector()
     n = 3 if rank == 1 else 2
@@ -1209,6 +1239,20 @@ def test_every_sample_once_in_dataset_order(ranks: Any) -> None:
         if not key[1] and not key[2]:  # nothing dropped: the whole dataset
             assert sorted(set(seen)) == list(range(N))
             assert len(seen) > N  # DistributedSampler padded (11 samples do not split evenly)
+        # without partial=True: complete, or the same error on every rank, when a loader drops
+        told = [res["collector"][("told", key)] for res in results]
+        drops = [d for _, d in told]
+        if not any(drops):
+            assert all(outcome[0] == "ok" for outcome, _ in told), (key, told)
+            assert sorted(set(seen)) == list(range(N))  # (its drop_last dropped nothing)
+            continue
+        assert sorted(set(seen)) != list(range(N))
+        for outcome, d in told:
+            assert outcome == told[0][0], key  # the same error on every rank
+            assert outcome[1] == "BatchSizeError" and "evaluate without drop_last" in outcome[2]
+            assert f"its loader drops {d} sample(s) of the dataset" in outcome[2], outcome
+            where = "DistributedSampler(drop_last=True)" if key[1] else "DataLoader(drop_last"
+            assert where in outcome[2], outcome
 
 
 def test_a_problem_on_one_rank_raises_on_every_rank(ranks: Any) -> None:
@@ -1470,9 +1514,13 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]] | None] = {
         ("outputs['b']: a leaf, per sample on rank 0; a leaf, one value per add on rank",),
     ),
     "unpicklable": ("LeafTypeError", ("on rank 1: outputs['meta'] (add #0): function",)),
-    "sparse_leaf": (
+    "sparse_leaf": (  # (it travels: then the rule says torch cannot join the two kinds)
         "LeafTypeError",
-        ("on rank 1: outputs['x']: Tensor(shape=(2, 2)", "layout torch.sparse_coo", ".to_dense()"),
+        (
+            "outputs['x']: cat() needs one kind of tensor in every replica",
+            "replica 1: sparse_coo float32",
+            "replica 1 is rank 1",
+        ),
     ),
     "datasets_differ": (
         "BatchSizeError",

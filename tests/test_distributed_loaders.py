@@ -111,6 +111,7 @@ class Built:
     state: Callable[[], Any] = lambda: None  # generators, epoch counters at the end
     plain: bool = False  # Collector(loader) with a plain loop is allowed
     given: bool = False  # batches name their indices (add(indices=...))
+    drops: bool = False  # it drops samples (drop_last): the result takes them with partial=True
 
 
 def _torch_loader(sampler: Any = None, workers: int = 0, **kw: Any) -> DataLoader[Any]:
@@ -136,7 +137,8 @@ def _state(*objs: Any) -> list[Any]:
 
 def _distributed(rank: int, world: int, shuffle: bool, workers: int, drop: bool) -> Built:
     s = DistributedSampler(Samples(), world, rank, shuffle=shuffle, seed=5, drop_last=drop)
-    return Built(_torch_loader(s, workers), s.set_epoch, lambda: _state(s.epoch), plain=True)
+    state = lambda: _state(s.epoch)  # noqa: E731
+    return Built(_torch_loader(s, workers), s.set_epoch, state, plain=True, drops=drop)
 
 
 def _random(rank: int, world: int, shuffle: bool, workers: int) -> Built:
@@ -202,7 +204,7 @@ def _accelerate(even: bool) -> Callable[..., Built]:
             generator = getattr(inner, "generator", None)
             return _state(loader.iteration, getattr(inner, "epoch", None), generator)
 
-        return Built(loader, state=state)
+        return Built(loader, state=state, plain=not shuffle)  # (shuffled: a seeded epoch)
 
     return build
 
@@ -265,7 +267,7 @@ def _epochs(built: Built, spelling: str | None) -> list[Any]:
             if spelling is not None:
                 rows = {"i": batch["i"], "x": batch["x"], "name": batch["name"]}
                 col.add(rows, indices=batch["i"] if built.given else None)
-        result = col.all_gather(LAYOUT) if spelling is not None else None
+        result = col.all_gather(LAYOUT, partial=built.drops) if spelling is not None else None
         out.append((seen, result, col.indices))
     return out
 

@@ -6,6 +6,8 @@ anything is drawn. Lightning's own wrappers, under a real Trainer: tests/test_fr
 
 from __future__ import annotations
 
+import itertools
+import pickle
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -150,6 +152,44 @@ class EveryOther(BatchSampler):
         return (len(self.batch_sampler) + 1) // 2
 
 
+class Sharding(BatchSampler):
+    """A batch sampler sharded over processes (as accelerate's ``BatchSamplerShard``, not
+    named so): batch ``b`` of the one it holds goes to process ``b % num_processes``; with
+    ``drop_last``, only whole rounds (every process as many batches)."""
+
+    def __init__(self, batch_sampler: Any, num_processes: int, process_index: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.num_processes, self.process_index = num_processes, process_index
+        self.drop_last = getattr(batch_sampler, "drop_last", False)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = list(self.batch_sampler)
+        if self.drop_last:
+            batches = batches[: len(batches) - len(batches) % self.num_processes]
+        return iter(batches[self.process_index :: self.num_processes])
+
+    def __len__(self) -> int:
+        n = len(self.batch_sampler)
+        if self.drop_last:
+            return n // self.num_processes
+        return len(range(self.process_index, n, self.num_processes))
+
+
+class Advancing(Sharding):
+    """A sharding batch sampler that advances an epoch of its own at each read (rotates its
+    batches by it): another order each time it is read."""
+
+    def __init__(self, batch_sampler: Any, num_processes: int, process_index: int) -> None:
+        super().__init__(batch_sampler, num_processes, process_index)
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.epoch += 1
+        batches = list(super().__iter__())
+        k = self.epoch % max(1, len(batches))
+        return iter(batches[k:] + batches[:k])
+
+
 class Skipping(DistributedSampler[int]):
     """A DistributedSampler subclass that skips its first sample: not its base's order."""
 
@@ -182,8 +222,17 @@ def _recording(shuffle: bool) -> Recording:
         lambda shuffle: Redistributing(
             Appending(SequentialSampler(Samples())), shuffle=shuffle, num_replicas=3, rank=2
         ),
+        lambda shuffle: Sharding(
+            BatchSampler(DistributedSampler(Samples(), 2, 1, shuffle=shuffle), 2, False), 2, 1
+        ),
     ],
-    ids=["recording_redistributing", "batches_appending", "appending_distributed", "nested"],
+    ids=[
+        "recording_redistributing",
+        "batches_appending",
+        "appending_distributed",
+        "nested",
+        "sharding",
+    ],
 )
 def test_a_wrapper_over_a_known_order_is_read_on_copies(make: Any, shuffle: bool) -> None:
     sampler = make(shuffle)
@@ -241,6 +290,14 @@ def _appending(sampler: Any) -> list[Appending]:
             lambda g: EveryOther(BatchSampler(SequentialSampler(Samples()), 3, False)),
             "EveryOther over a BatchSampler over a SequentialSampler",
         ),
+        (
+            lambda g: Advancing(BatchSampler(SequentialSampler(Samples()), 3, False), 2, 1),
+            "Advancing over a BatchSampler over a SequentialSampler",
+        ),
+        (
+            lambda g: Sharding(BatchSampler(RandomSampler(Samples(), generator=g), 3, False), 2, 0),
+            "Sharding over a BatchSampler over a RandomSampler",
+        ),
     ],
     ids=[
         "recording_random",
@@ -250,6 +307,8 @@ def _appending(sampler: Any) -> list[Appending]:
         "own_generator",
         "skipping",
         "batch_sampler_subclass_without_sampler",
+        "sharding_advancing_its_epoch",
+        "sharding_a_random_order",
     ],
 )
 def test_a_wrapper_not_known_to_repeat_its_order_is_refused(make: Any, named: str) -> None:
@@ -325,10 +384,94 @@ def test_a_wrapper_drawing_from_a_global_generator_is_refused_whatever_it_draws(
         assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states[2]))
 
 
-def test_accelerate_s_batch_sampler_shard_is_refused_naming_what_it_holds() -> None:
+def _shard_settings() -> list[dict[str, Any]]:
+    """Every setting of accelerate's ``BatchSamplerShard``: each boolean its signature takes
+    (``split_batches``, ``even_batches``) both ways, with the batch sampler it holds dropping
+    its last batch or not, on 1 to 3 processes, over datasets smaller and larger than a round
+    of batches."""
+    import inspect
+
     data_loader = pytest.importorskip("accelerate.data_loader")
-    inner = BatchSampler(SequentialSampler(Samples()), 3, False)
-    shard = data_loader.BatchSamplerShard(inner, num_processes=2, process_index=1)
-    with pytest.raises(tg.ArgumentTypeError, match="not known to give the same order") as info:
-        tgd.Collector(DataLoader(Samples(), batch_sampler=shard))
-    assert "BatchSamplerShard over a BatchSampler over a SequentialSampler" in str(info.value)
+    signature = inspect.signature(data_loader.BatchSamplerShard)
+    flags = [name for name, p in signature.parameters.items() if isinstance(p.default, bool)]
+    assert {"split_batches", "even_batches"} <= set(flags), flags
+    out = []
+    for values in itertools.product((False, True), repeat=len(flags) + 1):
+        for n, count in itertools.product((3, 11, 12), (1, 2, 3)):
+            *chosen, drop = values
+            size = 2 * count if chosen[flags.index("split_batches")] else 2
+            out.append(
+                {"n": n, "processes": count, "size": size, "drop": drop, **dict(zip(flags, chosen))}
+            )
+    return out
+
+
+def _shards(setting: dict[str, Any]) -> list[Any]:
+    """One ``BatchSamplerShard`` per process of ``setting``, over one batch sampler each."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    kw = {k: v for k, v in setting.items() if k not in ("n", "processes", "size", "drop")}
+    return [
+        BatchSamplerShard(
+            BatchSampler(SequentialSampler(range(setting["n"])), setting["size"], setting["drop"]),
+            num_processes=setting["processes"],
+            process_index=p,
+            **kw,
+        )
+        for p in range(setting["processes"])
+    ]
+
+
+def test_accelerate_s_batch_sampler_shard_is_read_on_copies() -> None:
+    """``Collector(loader)`` over each process's shard (the Hugging Face Trainer's eval loader
+    under torchrun) takes the order its loop gets, without writing on the loader's objects;
+    the samples no process gets (drop_last) make the exchange an error saying how many."""
+    settings = _shard_settings()
+    for setting in settings:
+        shards = _shards(setting)
+        every = set()
+        for shard in shards:
+            every |= {i for batch in shard for i in batch}
+        lost = setting["n"] - len(every)
+        for shard in shards:
+            state = pickle.dumps({k: v for k, v in vars(shard).items() if k != "batch_sampler"})
+            loader = DataLoader(range(setting["n"]), batch_sampler=shard)
+            col = tgd.Collector(loader)
+            got = []
+            for batch in loader:
+                got += batch.tolist()
+                col.add({"i": batch})
+            assert (
+                pickle.dumps({k: v for k, v in vars(shard).items() if k != "batch_sampler"})
+                == state
+            )
+            if lost:
+                with pytest.raises(tg.BatchSizeError) as info:
+                    col.all_gather()
+                text = str(info.value)
+                assert f"its loader drops {lost} sample(s) of the dataset" in text, (setting, text)
+                assert "evaluate without drop_last" in text
+                col.reset()
+                for batch in loader:
+                    col.add({"i": batch})
+            result = col.all_gather(partial=bool(lost))
+            assert col.indices.tolist() == sorted(set(got)), setting
+            assert result is None if not got else result["i"].tolist() == sorted(set(got))
+    assert any(s["drop"] and s["processes"] > 1 for s in settings)
+
+
+def test_a_sharding_wrapper_s_dropped_batches_are_counted() -> None:
+    """Not accelerate's: a shard of our own, keeping whole rounds (12 samples in batches of 2
+    on 4 processes: the last 2 batches, 4 samples, go to no process)."""
+    for index in range(4):
+        shard = Sharding(BatchSampler(SequentialSampler(range(12)), 2, True), 4, index)
+        loader = DataLoader(range(12), batch_sampler=shard)
+        col = tgd.Collector(loader)
+        for batch in loader:
+            col.add({"i": batch})
+        with pytest.raises(
+            tg.BatchSizeError,
+            match=r"drops 4 sample\(s\) of the dataset: "
+            r"Sharding the last 2 of the 6 batches its BatchSampler gives \(4 samples\)",
+        ):
+            col.all_gather()

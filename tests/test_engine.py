@@ -29,6 +29,7 @@ example for ``MAIN_EXAMPLES = 520`` examples (1,040 trees, checked by the test i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -849,3 +850,144 @@ def test_meta_leaves_after_real_calls_differential(at: str, dim: int) -> None:
         for name, outs in (("real", real), ("meta", meta)):
             got = run(lambda o=outs: tg.gather(o, "cpu", dim=dim))
             assert_same(got, expected[name], f"{name} call {i + 1}")
+
+
+class _Holder:
+    """An unregistered object holding the batch (a leaf)."""
+
+    def __init__(self, x: Any) -> None:
+        self.meta, self.parts = "m", [x]
+
+
+class _Slotted:
+    __slots__ = ("x",)
+
+    def __init__(self, x: Any) -> None:
+        self.x = x
+
+
+_HELD = {
+    "object": lambda: _Holder(torch.zeros(4, 2)),
+    "slots": lambda: _Slotted(torch.arange(4)),
+    "UserDict": lambda: collections.UserDict(ids=torch.zeros(4)),
+    "object without tensors": lambda: _Holder("no tensor"),
+    "module": lambda: torch.nn.Linear(2, 2),
+}
+
+
+@pytest.mark.parametrize("held", list(_HELD))
+def test_objects_holding_tensors_after_tensors_differential(held: str) -> None:
+    """A structure compiled with tensors only, then the same structure with an unregistered
+    object at one position, alternating: an object holding tensors is refused (it would be
+    sent whole to every device) with the plain path's message, every call; one without tensors,
+    and a module, is sent as it is."""
+    value = _HELD[held]()
+    plain = {"x": torch.zeros(4, 2), "v": torch.ones(4)}
+    mixed = {"x": torch.zeros(4, 2), "v": value}
+    calls = {
+        "plain": lambda: tg.scatter(plain, ["cpu"] * 2),
+        "mixed": lambda: tg.scatter(mixed, ["cpu"] * 2),
+        "mixed kwargs": lambda: tg.scatter_kwargs((mixed,), {"kw": value}, ["cpu"] * 2),
+    }
+    expected = {name: reference(call) for name, call in calls.items()}
+    refused = held in ("object", "slots", "UserDict")
+    assert (expected["mixed"].error is tg.LeafTypeError) is refused
+    if refused:
+        assert expected["mixed"].message.startswith("inputs['v']: ")
+        assert "would be sent whole to every device" in expected["mixed"].message
+    tg.clear_caches()
+    for i in range(WARM_CALLS + 1):
+        for name, call in calls.items():
+            assert_same(run(call), expected[name], f"{held} {name} call {i + 1}")
+
+
+# ----------------------------------------------------------- rows the default would misplace
+
+
+def _replicas(*trees: Any) -> list[Any]:
+    return list(trees)
+
+
+def _hidden(rows: tuple[int, ...], at: int) -> list[Any]:
+    """An LSTM's ``(h_n, c_n)`` per replica, each replica's rows along dim ``at``."""
+    return [
+        (
+            torch.full((1, r, 3) if at == 1 else (r, 1, 3), float(i)),
+            torch.ones((1, r, 3) if at == 1 else (r, 1, 3)),
+        )
+        for i, r in enumerate(rows)
+    ]
+
+
+def _dets(rows: tuple[int, ...], boxes: int | None = None) -> list[Any]:
+    """One dict per sample per replica: ``1 + sample % 3`` boxes, or ``boxes`` (``0``: as
+    many as the replica's rows, the shapes of a list of batched tensors)."""
+    return [
+        {
+            "dets": [
+                {"boxes": torch.zeros(1 + j % 3 if boxes is None else boxes or r, 4)}
+                for j in range(r)
+            ],
+            "x": torch.zeros(r, 2),
+        }
+        for r in rows
+    ]
+
+
+# (name, outputs, sizes, layout, dim) pairs: a case refused because of where its rows are, and
+# one of the same structure that is not (or the same data under a layout that says where).
+MISPLACED = {
+    "lstm even": (_hidden((4, 4), 1), (4, 4), None, 0),
+    "lstm uneven": (_hidden((4, 3), 1), (4, 3), None, 0),
+    "lstm, rows first": (_hidden((4, 4), 0), (4, 4), None, 0),
+    "lstm under cat(1)": (_hidden((4, 4), 1), (4, 4), tg.by_path({"*": tg.cat(1)}), 0),
+    "lstm under cat(0)": (_hidden((4, 4), 1), (4, 4), (tg.cat(0), tg.cat(0)), 0),
+    "lstm, no sizes": (_hidden((4, 4), 1), None, None, 0),
+    "lstm, dim 1": (_hidden((4, 4), 0), (4, 4), None, 1),
+    "lstm and a loss": (
+        [{"h": h, "loss": torch.tensor(float(i))} for i, (h, _) in enumerate(_hidden((4, 4), 1))],
+        (4, 4),
+        None,
+        0,
+    ),
+    "detections even": (_dets((2, 2)), (2, 2), None, 0),
+    "detections uneven": (_dets((3, 2)), (3, 2), None, 0),
+    "detections under cat_items": (
+        _dets((2, 2)),
+        (2, 2),
+        {"dets": tg.cat_items(), "x": None},
+        0,
+    ),
+    "boxes of the shard's rows": (_dets((2, 2), 0), (2, 2), None, 0),
+}
+PAIRS_OF_ROWS = [
+    ("lstm even", "lstm, rows first"),
+    ("lstm even", "lstm under cat(1)"),
+    ("lstm uneven", "lstm even"),
+    ("lstm even", "lstm under cat(0)"),
+    ("lstm even", "lstm, no sizes"),
+    ("lstm, dim 1", "lstm even"),
+    ("lstm and a loss", "lstm, rows first"),
+    ("detections even", "boxes of the shard's rows"),
+    ("detections even", "detections under cat_items"),
+    ("detections uneven", "detections even"),
+]
+
+
+def _rows_case(name: str) -> Case:
+    outputs, sizes, layout, dim = MISPLACED[name]
+    return Case(name, outputs[0], ["cpu"] * len(outputs), None, outputs, layout, dim, sizes)
+
+
+@pytest.mark.parametrize("pair", PAIRS_OF_ROWS, ids=[f"{a} | {b}" for a, b in PAIRS_OF_ROWS])
+def test_rows_elsewhere_differential(pair: tuple[str, str]) -> None:
+    """A leaf whose rows are in another dim, a list of per-sample items (issue 47): refused by
+    the compiled layer exactly as by the plain path, cold, warm and alternating with a tree of
+    the same structure that is gathered (the per-step path compiled on it must not let the
+    other through)."""
+    a, b = (_rows_case(name) for name in pair)
+    refused, gathered = expected_of(a)["gather"], expected_of(b)["gather"]
+    assert refused.error in (tg.ShapeMismatchError, tg.StructureMismatchError), refused
+    assert "its rows are along" in refused.message or "one item per sample" in refused.message
+    assert gathered.error is None or b.name in ("lstm even", "detections even"), gathered
+    differential(a, b)

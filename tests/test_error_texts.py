@@ -12,6 +12,7 @@ use values with no spaces or brackets of their own.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from collections.abc import Callable
@@ -101,6 +102,13 @@ def _self_containing() -> Any:
     return tree
 
 
+class _Holder:
+    """An unregistered class holding the batch."""
+
+    def __init__(self) -> None:
+        self.parts = {"x": torch.ones(2)}
+
+
 def _raises(values: list[Any], device: torch.device) -> Any:
     raise ValueError("no")
 
@@ -130,6 +138,10 @@ _cases(
         "self_containing": lambda: tg.scatter(_self_containing(), CPU2),
         "unregistered_dataclass": lambda: tg.scatter(
             {"u": Unregistered(torch.ones(2)), "x": torch.ones(2)}, CPU2
+        ),
+        "object_holding_tensors": lambda: tg.scatter({"o": _Holder(), "x": torch.ones(2)}, CPU2),
+        "container_holding_tensors": lambda: tg.scatter(
+            {"c": collections.UserDict(ids=torch.ones(2)), "x": torch.ones(2)}, CPU2
         ),
         "meta": lambda: tg.scatter({"x": torch.ones(2, device="meta")}, ["cpu", "cpu"]),
         "kwargs_not_a_dict": lambda: tg.scatter_kwargs((), [1], CPU2),  # type: ignore[arg-type]
@@ -347,7 +359,7 @@ def _distributed() -> dict[str, Call]:
         return collector.all_gather()
 
     return {
-        "sparse": lambda: tgd().all_gather({"s": torch.eye(2).to_sparse()}),
+        "unpicklable_tensor": lambda: tgd().all_gather({"s": torch.eye(2).to_mkldnn()}),
         "dst": lambda: tgd().gather({"x": T3}, dst=5),
         "dst_type": lambda: tgd().gather({"x": T3}, dst="0"),
         "src": lambda: tgd().broadcast({"x": T3}, src=-1),

@@ -8,6 +8,8 @@ samples, which Lightning's ``DistributedSampler`` pads to 14. A shuffled predict
 by ``Collector(loader)`` never (refused) and by the guide's prediction writer. The guide's own
 runs go in the same group. torchmetrics: Accuracy, F1Score, AUROC and MeanSquaredError from the
 Collector's result against one process and against the metric updated per batch under DDP.
+The Hugging Face Trainer: the guide's ``CollectingTrainer`` under ``torchrun`` (conftest's
+launch), against one process and accelerate's own gather.
 """
 
 from __future__ import annotations
@@ -319,3 +321,22 @@ def test_torchmetrics_from_the_collector_equal_one_process(ranks: Any) -> None:
             assert got["exact"] == one, (r, batch, got["exact"], one)
             assert got["naive"] != one, (r, batch)  # (the case: padding counted)
     assert "collected" in results[0]["frameworks.torchmetrics"]["guide"]
+
+
+def test_hugging_face_trainer_guide_runs_under_torchrun(torchrun_outputs: dict[str, str]) -> None:
+    """notebooks/frameworks.py's Hugging Face part under ``torchrun --nproc-per-node 2``: the
+    Trainer's ``evaluate()`` and ``predict()`` (accelerate's BatchSamplerShard, the last round
+    padded) give every sample once, in dataset order, with one process's metrics; with
+    ``dataloader_drop_last=True`` every rank raises the same error, naming what is dropped."""
+    out = torchrun_outputs["frameworks_transformers"]
+    assert (
+        "trainer evaluate/predict: 13 samples over 2 ranks in batches of 4, each once, in "
+        "dataset order (accelerate's gather: 13 rows)"
+    ) in out, out
+    assert "trainer metrics = one process: accuracy=" in out, out
+    dropped = out[out.index("dataloader_drop_last=True: ") :]
+    assert dropped.startswith(
+        "dataloader_drop_last=True: ranks 0, 1: its loader drops 5 sample(s) of the dataset: "
+        "a BatchSampler(drop_last=True) the last 1 of the 13 indices"
+    ), dropped
+    assert "BatchSamplerShard the last 1 of the 3 batches its BatchSampler gives (4 samples)" in out

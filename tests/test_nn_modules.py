@@ -940,3 +940,31 @@ def test_a_lazy_module_is_refused_until_its_first_forward(name: str) -> None:
     assert not isinstance(model, nn.modules.lazy.LazyModuleMixin)
     with torch.no_grad():
         torch.testing.assert_close(tg.data_parallel(model, batch, ["cpu"] * 2), model(*batch))
+
+
+# --------------------------------------------------------------------------- even shards
+
+# Rows per device count whose shards are even (4 + 4, 2 + 2 + 2): the gather then checks,
+# before combining, that no output has its rows in another dim than dim 0 (issue 47).
+EVEN_ROWS = {2: 8, 3: 6}
+
+
+@pytest.mark.parametrize("k", sorted(EVEN_ROWS))
+@pytest.mark.parametrize("name", sorted(ALL_CASES))
+def test_outputs_on_even_shards_are_gathered_as_torch_gathers_them(
+    name: str, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every module's output, gathered with even shard sizes (under which a leaf whose rows
+    are visibly in another dim is refused): none is, and each is what torch's DataParallel
+    gathers (eval, one forward without grad)."""
+    monkeypatch.setitem(globals(), "B", EVEN_ROWS[k])  # (the input makers read B when called)
+    case = ALL_CASES[name]
+    with warnings.catch_warnings():
+        if case.deprecated:
+            warnings.filterwarnings("ignore", case.deprecated, FutureWarning)
+        model = _model(case).eval()
+        inputs = case.inputs(torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ours = tg.data_parallel(model, inputs, ["cpu"] * k, backend="serial")
+            theirs = torch_data_parallel(model, inputs, k)
+    assert_same(ours, theirs, f"{name} on {k} devices", **CLOSE)

@@ -25,63 +25,29 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
+from rule_matrix import (
+    RULES,
+    SHOWN,
+    WARM_CALLS,
+    Exact,
+    Expect,
+    Outcome,
+    Typed,
+    Users,
+    equal,
+    run,
+    same,
+)
+from rule_matrix import custom as _custom
+from rule_matrix import problem as _matrix_problem
 
 import treegather as tg
-from treegather import _caches, _compiled
+from treegather import _caches
 
 T = torch.tensor
 NAN, INF = math.nan, math.inf
 PATH = re.compile(r"(^|\n  - )outputs\['m'\]\['x'\](\[\d+\])*: ")
 """Where a message names the leaf (a leaf below it, for a rule applied to a list)."""
-WARM_CALLS = _compiled.COMPILE_AFTER + 2
-
-
-def amax(values: list[Any], device: torch.device) -> Any:
-    """The custom rule: the elementwise maximum over the replicas (tensors only)."""
-    return torch.stack(values).amax(0).to(device)
-
-
-RULES: dict[str, Any] = {
-    "cat": tg.cat(),
-    "stack": tg.stack(),
-    "mean": tg.mean(),
-    "sum": tg.sum(),
-    "pad": tg.pad(),
-    "as_list": tg.as_list(),
-    "first": tg.first(check=True),
-    "cat_items": tg.cat_items(),
-    "custom": amax,
-}
-SHOWN = {  # how the messages name each rule
-    "cat": "cat()",
-    "stack": "stack()",
-    "mean": "mean()",
-    "sum": "sum()",
-    "pad": "pad()",
-    "first": "first(check=True)",
-    "cat_items": "cat_items()",
-    "custom": "custom rule 'amax'",
-}
-
-
-class Exact(NamedTuple):
-    value: Any
-
-
-class Typed(NamedTuple):
-    error: type[tg.TreegatherError]
-    text: str
-    """What the message says, besides the path (and the rule's name, where ``rule``)."""
-    rule: bool = True
-
-
-class Users(NamedTuple):
-    """A custom rule's own exception (kept, with a note naming the path and the rule)."""
-
-    error: type[BaseException]
-
-
-Expect = Exact | Typed | Users
 
 
 class Edge(NamedTuple):
@@ -97,20 +63,12 @@ DIFFERS = Typed(tg.ShapeMismatchError, "replica 1 differs from replica 0")
 STRUCTURE = Typed(tg.StructureMismatchError, "replica 0 has a list of 1 item(s)", rule=False)
 
 
-def _custom(values: tuple[Any, ...]) -> Expect:
-    """What the custom rule itself does with ``values`` (the rule only passes them on)."""
-    try:
-        return Exact(amax(list(values), torch.device("cpu")))
-    except Exception as exc:
-        return Users(type(exc))
-
-
 def tensors(
     name: str, values: tuple[Any, ...], sizes: tuple[int, ...] | None, **rules: Expect
 ) -> Edge:
     """An edge of tensors: ``as_list`` keeps them, ``first`` checks them, ``cat_items``
     refuses them, the custom rule does what it does; the other rules as given."""
-    same = all(_equal(v, values[0]) for v in values)
+    same = all(equal(v, values[0]) for v in values)
     expect: dict[str, Expect] = {
         "as_list": Exact(list(values)),
         "first": Exact(values[0]) if same else DIFFERS,
@@ -128,7 +86,7 @@ def numbers(
     sizes: tuple[int, ...] | None = None,
 ) -> Edge:
     """An edge of numbers (Python's, numpy's; bools, strings): only mean and sum take them."""
-    same = all(_equal(v, values[0]) for v in values)
+    same = all(equal(v, values[0]) for v in values)
     return Edge(
         name,
         values,
@@ -392,41 +350,6 @@ def _edges() -> list[Edge]:
 # ---------------------------------------------------------------------------------- checks
 
 
-def _equal(a: Any, b: Any) -> bool:
-    """Equal in type, dtype, shape and value, NaN equal to NaN (recursing into containers)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        try:
-            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-        except AssertionError:
-            return False
-        return True
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=True))
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (complex, np.complexfloating)):
-        return _equal(a.real, b.real) and _equal(a.imag, b.imag)
-    if a is None:
-        return True
-    return bool(a == b) or bool(a != a and b != b)  # (NaN: equal to NaN)
-
-
-class Outcome(NamedTuple):
-    value: Any
-    error: BaseException | None
-
-
-def _run(call: Callable[[], Any]) -> Outcome:
-    try:
-        return Outcome(call(), None)
-    except Exception as exc:
-        return Outcome(None, exc)
-
-
 def _gather(rule: str, values: tuple[Any, ...], sizes: tuple[int, ...]) -> Callable[[], Any]:
     outputs = [{"m": {"x": v}} for v in values]
     return lambda: tg.gather(outputs, "cpu", {"m": {"x": RULES[rule]}}, sizes=sizes)["m"]["x"]
@@ -434,29 +357,7 @@ def _gather(rule: str, values: tuple[Any, ...], sizes: tuple[int, ...]) -> Calla
 
 def _problem(rule: str, expect: Expect, got: Outcome) -> str | None:
     """What is wrong with ``got`` for a case that should give ``expect`` (``None``: nothing)."""
-    if isinstance(expect, Exact):
-        if got.error is not None:
-            return f"raised {type(got.error).__name__}: {got.error}"
-        return None if _equal(got.value, expect.value) else f"gave {got.value!r}"
-    if got.error is None:
-        return f"gave {got.value!r}, expected {expect.error.__name__}"
-    message, notes = str(got.error), "\n".join(getattr(got.error, "__notes__", ()))
-    if isinstance(expect, Users):
-        wanted = f"raised by the gather rule {SHOWN[rule]} at outputs['m']['x']"
-        if type(got.error) is not expect.error or wanted not in notes:
-            return f"raised {type(got.error).__name__}: {message} (notes: {notes!r})"
-        return None
-    named = not expect.rule or SHOWN[rule] in message
-    if type(got.error) is not expect.error or not PATH.search(message) or not named:
-        return f"raised {type(got.error).__name__}: {message!r}, expected {expect}"
-    return None if expect.text in message else f"says {message!r}, expected {expect}"
-
-
-def _same(a: Outcome, b: Outcome) -> bool:
-    """The same result, or the same error type and message."""
-    if a.error is not None or b.error is not None:
-        return type(a.error) is type(b.error) and str(a.error) == str(b.error)
-    return _equal(a.value, b.value)
+    return _matrix_problem(SHOWN[rule], expect, got, PATH, "outputs['m']['x']")
 
 
 EDGES = _edges()
@@ -491,15 +392,15 @@ def test_each_edge_is_exact_or_a_typed_error_in_the_plain_and_the_compiled_path(
         for edge in EDGES:
             call = _gather(rule, edge.values, edge.sizes)
             with _caches.reference_only():
-                plain = _run(call)
+                plain = run(call)
             found = _problem(rule, edge.expect[rule], plain)
             if found is not None:
                 problems.append(f"{edge.name}: plain path {found}")
                 continue
             tg.clear_caches()
             for n in range(WARM_CALLS):  # cold, seen, compiled
-                fast = _run(call)
-                if not _same(fast, plain):
+                fast = run(call)
+                if not same(fast, plain):
                     problems.append(f"{edge.name}: call {n} of the compiled path differs: {fast}")
                     break
     assert not problems, "\n".join(problems)
@@ -520,7 +421,7 @@ def test_each_edge_through_all_gather_is_the_plain_gather_of_its_one_rank(
             layout = {"m": {"x": RULES[rule]}}
             with _caches.reference_only():
                 one = None if size is None else [size]
-                plain = _run(lambda: tg.gather([tree], "cpu", layout, sizes=one)["m"]["x"])  # noqa: B023
+                plain = run(lambda: tg.gather([tree], "cpu", layout, sizes=one)["m"]["x"])  # noqa: B023
             if plain.error is None:
                 expected: Expect = Exact(plain.value)
             elif isinstance(plain.error, tg.TreegatherError):
@@ -529,7 +430,7 @@ def test_each_edge_through_all_gather_is_the_plain_gather_of_its_one_rank(
                 expected = Users(type(plain.error))
             tg.clear_caches()
             for n in range(2):  # the header, then the wire plan
-                got = _run(lambda: tgd.all_gather(tree, layout, sizes=size)["m"]["x"])  # noqa: B023
+                got = run(lambda: tgd.all_gather(tree, layout, sizes=size)["m"]["x"])  # noqa: B023
                 found = _problem(rule, expected, got)
                 if found is None and isinstance(plain.error, tg.TreegatherError):
                     if str(got.error) != f"{plain.error}\n{rank_note([0])}":

@@ -229,8 +229,9 @@ def test_class_registered_with_torch_pytree_after_import_is_a_node() -> None:
 def test_class_registered_with_optree_directly_after_it_was_a_leaf_is_a_node() -> None:
     """``optree.register_pytree_node(cls, ..., namespace=tg.NAMESPACE)`` is seen as
     :func:`treegather.register_node` is, by structures compiled while the class was a leaf: a
-    shard gets its 4 rows, not all 8; unregistering it makes it a leaf again. Before, the
-    cached structures kept treating it as a leaf."""
+    shard gets its 4 rows (as a leaf holding the batch it is refused, not sent whole);
+    unregistering it makes it a leaf again. Before, the cached structures kept treating it as
+    a leaf."""
     import optree
 
     class Box:
@@ -240,10 +241,13 @@ def test_class_registered_with_optree_directly_after_it_was_a_leaf_is_a_node() -
     def tree() -> Any:
         return {"a": torch.zeros(8), "box": Box(torch.arange(8))}
 
-    for _ in range(5):  # compiled while Box is a leaf: sent whole to each device
-        shards = tg.scatter(tree(), CPU2)
-        assert [len(s["box"].x) for s in shards] == [8, 8]
-        assert type(tg.gather(shards, "cpu")["box"]) is list
+    def refused() -> None:  # a leaf holding the batch: it would be sent whole to each device
+        with pytest.raises(tg.LeafTypeError, match=r"inputs\['box'\]: .*Box is an object"):
+            tg.scatter(tree(), CPU2)
+        assert type(tg.gather([tree(), tree()], "cpu")["box"]) is list
+
+    for _ in range(5):  # compiled while Box is a leaf
+        refused()
     optree.register_pytree_node(
         Box,  # type: ignore[arg-type]
         lambda b: ((b.x,), None),
@@ -258,8 +262,7 @@ def test_class_registered_with_optree_directly_after_it_was_a_leaf_is_a_node() -
             assert type(out["box"]) is Box and out["box"].x.tolist() == list(range(8))
     finally:
         optree.unregister_pytree_node(Box, namespace=tg.NAMESPACE)
-    shards = tg.scatter(tree(), CPU2)
-    assert [len(s["box"].x) for s in shards] == [8, 8]
+    refused()
 
 
 def test_dataclass_registered_with_torch_pytree_is_understood() -> None:
@@ -561,3 +564,48 @@ def test_a_deep_tree_that_does_not_fit_its_prefix_layout_is_a_layout_error() -> 
     with pytest.raises(tg.LayoutError, match="not a prefix") as info:
         tg.scatter(tree, CPU2, _deep(999, {"b": 0}))
     assert "the layout lacks key(s) 'a' and has key(s) 'b' the data does not" in str(info.value)
+
+
+# ------------------------------------------------------- what an unknown value holds
+
+
+def test_held_tensor_reads_state_only_and_stays_within_its_bounds() -> None:
+    from treegather._tree import held_tensor
+    from treegather._tree.held import BUDGET, DEPTH
+
+    class Guarded:
+        """Every way of running code on access raises: the walk must use none of them."""
+
+        __slots__ = ("__dict__", "__ids", "empty")
+
+        def __init__(self) -> None:
+            self.meta = "m"
+            self.__ids = torch.arange(4)
+
+        @property
+        def batch(self) -> Any:
+            raise AssertionError("a property was called")
+
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"__getattr__({name!r}) was called")
+
+    class Box:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+    class Items(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            raise AssertionError("the subclass's __iter__ was called")
+
+    assert held_tensor(Guarded())[0] == "._Guarded__ids"  # type: ignore[index]
+    assert held_tensor(Box(Items([1, torch.zeros(2)])))[0] == ".value[1]"  # type: ignore[index]
+    nested: Any = torch.zeros(2)
+    for _ in range(DEPTH - 1):
+        nested = [nested]
+    assert held_tensor(Box(nested)) is not None  # DEPTH levels down: found
+    assert held_tensor(Box([nested])) is None  # one more: not read
+    assert held_tensor(Box([0] * BUDGET + [torch.zeros(2)])) is None  # past the budget
+    assert held_tensor(Box([0] * (BUDGET - 3) + [torch.zeros(2)])) is not None
+    assert held_tensor(Box(torch.tensor(1.0))) is None  # a 0-dim tensor is no batch
+    assert held_tensor(torch.nn.Linear(2, 2)) is None  # a module's tensors are its state
+    assert held_tensor(Box(torch.nn.Linear(2, 2))) is None  # (and it is not entered)

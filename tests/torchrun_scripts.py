@@ -46,7 +46,14 @@ def launch(
     or is stopped at ``deadline_s`` (or once ``stop`` is set: the session ended)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     args = [f"{name}={path}" for name, path in scripts.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHRUN_SCRIPTS_OUT": str(out_dir)}
+    # (this checkout's treegather first: an installed one elsewhere would stand in for it)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCHRUN_SCRIPTS_OUT": str(out_dir),
+        "PYTHONPATH": path,
+    }
     with (out_dir / "launch.out").open("wb") as out, (out_dir / "launch.err").open("wb") as err:
         proc = subprocess.Popen(
             [*cmd, "--nproc-per-node", str(nproc), __file__, *args],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from . import (
     _packed,  # noqa: F401  (PackedSequence: split and joined by rows)
+    _pyg,  # noqa: F401  (PyG's graph batches: split and joined by graphs, once PyG is in use)
     _tensordict,  # noqa: F401  (registers tensordict's classes once it is in use)
     _transformers,  # noqa: F401  (registers transformers' caches once it is in use)
 )

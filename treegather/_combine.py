@@ -18,7 +18,7 @@ from ._errors import TreegatherError
 from ._layout import Plan, display_path
 from ._rules import JOIN_ROWS, LEAF_AS_LIST, ROOT, Combining, GatherRule
 from ._rules.leafwise import cat_values, one_dtype
-from ._tree import Rows
+from ._tree import rows_of
 
 __all__ = ["Inputs", "combine_default", "combine_planned", "needs_move"]
 
@@ -86,8 +86,8 @@ _NO_CONTEXT = Combining(torch.device("cpu"), False, None, 0)  # (as_list needs n
 
 def _other(col: tuple[Any, ...], target: torch.device) -> Any:
     """The default rule of a leaf that is not a tensor: its rows joined for a value laid out by
-    rows (a ``PackedSequence``), else ``as_list()``."""
-    if isinstance(col[0], Rows):
+    rows (a ``PackedSequence``, a PyG graph batch), else ``as_list()``."""
+    if rows_of(col[0]) is not None:
         return JOIN_ROWS.combine(col, _NO_CONTEXT._replace(target=target))
     return LEAF_AS_LIST.combine(col, _NO_CONTEXT)
 

@@ -40,7 +40,11 @@ class LayoutError(TreegatherError, ValueError):
 
 
 class StructureMismatchError(TreegatherError, ValueError):
-    """Per-replica (or per-rank) trees differ in structure: a key, a length, ``None`` vs a value."""
+    """Per-replica (or per-rank) trees differ in structure: a key, a length, ``None`` vs a value.
+
+    Also a list that holds one item per sample of each replica's shard, gathered by the default
+    rules with the shard sizes known (its replicas' lengths differ as soon as the shards do;
+    ``cat_items()`` gathers it)."""
 
 
 class BatchSizeError(TreegatherError, ValueError):
@@ -59,7 +63,9 @@ class LeafTypeError(TreegatherError, TypeError):
 
 
 class ShapeMismatchError(TreegatherError, ValueError):
-    """Per-replica tensors cannot be combined: other dims, dtypes or devices disagree."""
+    """Per-replica tensors cannot be combined: other dims, dtypes or devices disagree, or (with
+    the shard sizes known) the default rule would join a tensor along a dim other than the one
+    its rows are along."""
 
 
 class DeviceError(TreegatherError, ValueError):

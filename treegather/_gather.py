@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _compiled
+from . import _compiled, _misplaced
 from ._caches import FAST_PATHS
 from ._combine import Inputs, combine_default, combine_planned, needs_move
 from ._devices import DeviceLike, as_device
@@ -185,19 +185,29 @@ def gather_from(
     inputs: Inputs | None = None,
 ) -> Any:
     """Every replica's leaves for ``plan`` (replica 0's are ``leaves0``), then :func:`combine`."""
-    columns = list(zip(*replica_leaves(outputs, leaves0, plan)))
+    columns = list(zip(*replica_leaves(outputs, leaves0, plan, sizes, dim)))
     return combine(outputs, columns, plan, target, dim, sizes, inputs)
 
 
-def replica_leaves(outputs: list[Any], leaves0: list[Any], plan: Plan) -> list[list[Any]]:
+def replica_leaves(
+    outputs: list[Any],
+    leaves0: list[Any],
+    plan: Plan,
+    sizes: tuple[int, ...] | None = None,
+    dim: int = 0,
+) -> list[list[Any]]:
     """Each replica flattened to the plan's positions; a :class:`StructureMismatchError` when
-    any replica's structure differs from replica 0's (dict keys may come in another order)."""
+    any replica's structure differs from replica 0's (dict keys may come in another order),
+    which says to gather a list with ``cat_items()`` where every replica's holds one item per
+    sample of its shard (``sizes``: the rows of each)."""
     if plan.up_spec is plan.spec:
         per_replica = [leaves0]
         for r, out in enumerate(outputs[1:], start=1):
             leaves, spec = flatten(out, ROOT, f"replica {r}: ")
             if spec != plan.spec:
-                raise structure_error(outputs, plan)
+                raise structure_error(
+                    outputs, plan, _misplaced.list_hint(outputs, plan, sizes, dim)
+                )
             per_replica.append(leaves)
         return per_replica
     # Whole-value groups may differ inside (per-sample lists): flatten down to the groups only.
@@ -228,12 +238,18 @@ def combine(
 
     Before moving tensors to another device every position is checked (copies are costly);
     on one device the combine itself finds problems, which are then explained, every problem
-    listed, with nothing returned and no custom rule run.
+    listed, with nothing returned and no custom rule run. With the shard ``sizes`` known, a
+    position the default rules combine whose rows are elsewhere (:mod:`treegather._misplaced`)
+    is refused first: with shards of even sizes before anything is combined, with uneven ones
+    (where such a leaf cannot be concatenated) when the combine fails.
     """
+    if sizes is not None and _misplaced.even_rows(sizes):
+        _misplaced.check(plan, columns, sizes, dim)
     moving = needs_move(columns, target)
     if moving:
         problem = diagnose(plan, columns, dim, None, sizes, target)
         if problem is not None:
+            _misplaced.check(plan, columns, sizes, dim)
             raise problem
     try:
         if plan.default_only:
@@ -243,6 +259,7 @@ def combine(
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
         if isinstance(exc, _RAISED):
             raise
+        _misplaced.check(plan, columns, sizes, dim)
         err = diagnose(plan, columns, dim, exc, sizes, target)
         if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
             raise

@@ -107,8 +107,11 @@ def _styles_for(x: Any, entries: Sequence[Any]) -> list[tuple[Any, str]]:
     ]
 
 
-def structure_error(outputs: Sequence[Any], plan: Plan) -> StructureMismatchError:
-    """The differences between replica 0's tree and the others', as one error."""
+def structure_error(
+    outputs: Sequence[Any], plan: Plan, lists: tuple[list[str], str] | None = None
+) -> StructureMismatchError:
+    """The differences between replica 0's tree and the others', as one error; ``lists``: the
+    lines and hint for lists of per-sample items (:func:`treegather._misplaced.list_hint`)."""
     problems: list[str] = []
     groups = [g for g in plan.groups if g is not None]
     grouped = {g[1].raw for g in groups}
@@ -122,13 +125,14 @@ def structure_error(outputs: Sequence[Any], plan: Plan) -> StructureMismatchErro
         problems = [p for p in problems if not any(p.startswith(o) for o in ok_prefixes)]
     if not problems:
         problems = ["the replicas' trees do not have the same structure"]
-    return StructureMismatchError(
-        bullet_list(
-            problems,
-            "every replica must return the same structure; for a node whose length varies by "
-            "replica (per-sample lists) use cat_items() or as_list() in the layout",
-        )
+    hint = (
+        "every replica must return the same structure; for a node whose length varies by "
+        "replica (per-sample lists) use cat_items() or as_list() in the layout"
     )
+    if lists is not None:
+        problems += lists[0]
+        hint = lists[1]
+    return StructureMismatchError(bullet_list(problems, hint))
 
 
 def diagnose(
@@ -146,7 +150,9 @@ def diagnose(
     well; after a failure (``exc`` given) the caller re-raises ``exc`` unchanged. With
     ``target`` (not the meta device), meta tensors that a rule would move there are problems.
     """
-    ctx = Combining(_NOWHERE if target is None else target, False, sizes, dim)
+    ctx = Combining(
+        _NOWHERE if target is None else target, False, sizes, dim, failed=exc is not None
+    )
     problems: list[str] = []
     hints: dict[str, None] = {}
     type_problem = False

@@ -29,6 +29,7 @@ from ._tree import (
     is_batched,
     move_tree,
     rebuild,
+    rows_of,
 )
 
 __all__ = [
@@ -236,12 +237,12 @@ def survey(
             continue
         if cut.kind == "split":
             cuts.splits.append((pos, cut.dim))
-            if cut.sizes is not None:
-                cuts.explicit.setdefault(cut.sizes, []).append(pos)
         elif cut.kind == "items":
             cuts.items.append(pos)
         else:
             continue
+        if cut.sizes is not None:  # (split(sizes=...), of a tensor or of a PackedSequence)
+            cuts.explicit.setdefault(cut.sizes, []).append(pos)
         cuts.lengths.setdefault(cut.rows, []).append(pos)
     return cuts, found
 
@@ -293,14 +294,23 @@ def _validate(
 
 
 def classify(pos: int, x: Any, plan: Plan, dim: int, meta_ok: bool) -> Cut | Problem:
-    """How position ``pos`` (value ``x``) is cut: its rule's :meth:`shard`, or the default's."""
+    """How position ``pos`` (value ``x``) is cut: its rule's :meth:`shard`, or the default's;
+    a meta tensor that would be placed on a device (unless every device is the meta device)
+    is a problem, naming the rule."""
     group = plan.groups[pos]
-    if group is not None:
-        return group[2].shard(x, dim)  # type: ignore[attr-defined]
-    if isinstance(x, Tensor) and x.is_meta and not meta_ok:
-        text = f"{describe(x)} is a meta tensor: it holds no data to place on a device"
-        return Problem(text, True)
-    rule = plan.rules[pos]
+    rule = group[2] if group is not None else plan.rules[pos]
+    if meta_ok:
+        meta = None
+    elif group is None:
+        meta = x if isinstance(x, Tensor) and x.is_meta else None
+    else:  # (split_items(): its items go to the devices)
+        meta = next((v for v in flatten(x)[0] if isinstance(v, Tensor) and v.is_meta), None)
+    if meta is not None:
+        shown = "the default rule" if rule is None else rule.describe()
+        return Problem(
+            f"{describe(meta)} is a meta tensor: it holds no data to place on a device ({shown})",
+            True,
+        )
     if rule is None:
         return default_cut(x, dim)
     return rule.shard(x, dim)  # type: ignore[attr-defined]
@@ -339,8 +349,9 @@ def _cut(up: list[Any], cuts: _Cuts, sizes: tuple[int, ...] | None, k: int) -> l
             offsets.append(offsets[-1] + s)
         for pos in cuts.items:
             seq = up[pos]
-            if type(seq) is Rows:  # (laid out by rows its own way: its own split)
-                columns[pos] = tuple(seq.split(sizes or ()))
+            rows = rows_of(seq)
+            if rows is not None:  # (laid out by rows its own way: its own split)
+                columns[pos] = tuple(rows.split(sizes or ()))
                 continue
             columns[pos] = tuple(seq[offsets[r] : offsets[r + 1]] for r in range(k))
     for pos, col in enumerate(columns):
@@ -377,8 +388,8 @@ def _on_devices(
         if item_tensors:
             for pos in items:
                 leaves_r[pos] = move_tree(leaves_r[pos], dev)
-        for pos in rows:
-            leaves_r[pos] = leaves_r[pos].to(dev)
+        for pos in rows:  # (the form the tree holds: a node's child, or the leaf itself)
+            leaves_r[pos] = leaves_r[pos].to(dev).held
         if shard_sizes is None:
             trees.append(plan.up_spec.unflatten(leaves_r))
         else:

@@ -32,6 +32,7 @@ import torch
 
 from .._devices import accelerator_tensors_possible, kind
 from .._layout import Plan, resolve
+from .._misplaced import even_rows, refused
 from .._rules import ROOT
 from .._shards import Shards, balanced
 from .._tree import flatten as _flatten
@@ -226,7 +227,7 @@ def gather(
     finish with, or :data:`DECLINED`."""
     found = find_columns(outputs)
     if found is not None:
-        return _gather_seen(found[0], outputs, found[1], found[2], target, layout, dim)
+        return _gather_seen(found[0], outputs, found[1], found[2], target, layout, dim, sizes)
     # Replicas whose structure is not replica 0's exactly (keys in another order, or a real
     # mismatch), or a structure not seen before: replica 0's leaves and the plan.
     leaves0, seen, spec0 = recognise(outputs[0], ROOT)
@@ -243,12 +244,15 @@ def _gather_seen(
     target: torch.device,
     layout: Any,
     dim: int,
+    sizes: tuple[int, ...] | None = None,
 ) -> Any:
     """Every replica has ``st``'s structure; ``columns[i]`` holds leaf i of each replica, and
     ``same_dtypes`` says each column was found to have one dtype.
 
     The result is rebuilt with ``st.spec``'s containers when ``st`` is exact, else with replica
-    0's own structure (its dict keys and static fields), as the reference does."""
+    0's own structure (its dict keys and static fields), as the reference does. Shard ``sizes``
+    under which a leaf's rows are elsewhere (:mod:`treegather._misplaced`) leave the call to the
+    reference steps, which refuse it."""
     spec0 = st.spec if st.exact else _flatten(outputs[0], ROOT)[1]
     found = st.cached_plan(layout, _GATHER, dim, ROOT, spec0)
     if found is None:
@@ -259,6 +263,13 @@ def _gather_seen(
     if plan.up_spec is not spec0:  # whole-value groups: the reference steps take them
         row0 = list(map(_FIRST, columns))
         return Known(row0, plan) if st.leaves_ok(row0) else DECLINED
+    if (
+        sizes is not None
+        and per_step
+        and even_rows(sizes)
+        and _rows_elsewhere(plan, columns, sizes, dim)
+    ):
+        per_step = False  # (the reference steps refuse it, once the leaves are checked below)
     if per_step and target.type == "cpu":
         # The per-step case: default rules, all tensors (replica 0's, when the plan was made).
         # torch.cat refuses anything but tensors and mismatched shapes; then the reference
@@ -285,6 +296,24 @@ def _gather_seen(
     if not st.leaves_ok(list(chain.from_iterable(columns))):  # a subtree where a leaf is
         return DECLINED
     return Known(None, plan, columns)
+
+
+def _rows_elsewhere(
+    plan: Plan, columns: list[tuple[Any, ...]], sizes: tuple[int, ...], dim: int
+) -> bool:
+    """Whether a leaf's rows are elsewhere under these even shard ``sizes``
+    (:func:`treegather._misplaced.refused`), after the cheap test it starts with, inline: replica
+    0's tensors all hold a shard's rows along dim 0 (one C call per leaf), and the plan has no
+    list that may hold one item per sample."""
+    if dim == 0 and _TENSOR_LEN is not None and not plan.lists():
+        try:
+            lens = list(map(_TENSOR_LEN, map(_FIRST, columns)))
+        except (TypeError, RuntimeError):  # (a subtree where a leaf is: checked after this)
+            lens = []
+        if lens and lens.count(sizes[0]) == len(lens):
+            return False
+    tensors, lists = refused(plan, columns, sizes, dim)
+    return bool(tensors or lists)
 
 
 def _one_dtype_per_leaf(columns: list[tuple[Any, ...]], k: int) -> bool:

@@ -21,7 +21,7 @@ from .._layout import EXPLAIN_POINTER, Plan, RuleSource, display_path
 from .._layout import resolve_sources as _resolve_sources
 from .._rules import SPLIT_ROWS, Cut, GatherRule, Problem, ScatterRule, Split, default_rule
 from .._scatter import _shard_sizes, _validate, call_tree, survey
-from .._tree import Rows, flatten
+from .._tree import flatten, rows_of
 from .table import ExplainedLeaf, Explanation
 from .text import _strip, _value_text, _why
 
@@ -182,7 +182,7 @@ def _explain_scatter(
             if rule is not None:
                 shows: Any = rule
             else:
-                shows = SPLIT_ROWS if isinstance(x, Rows) else Split(cut.dim)
+                shows = SPLIT_ROWS if rows_of(x) is not None else Split(cut.dim)
             result, per_device = cast(ScatterRule, shows).explain(x, cut, sizes)
         elif problems[pos] is not None:
             result = "fails (see problems)"
@@ -205,7 +205,7 @@ def _explain_scatter(
 
 
 def _default_name(x: Any, dim: int) -> str:
-    if isinstance(x, Rows):
+    if rows_of(x) is not None:
         return SPLIT_ROWS.describe()
     if isinstance(x, Tensor) and x.dim() > 0:
         return "split()" if dim == 0 else f"split(dim={dim})"

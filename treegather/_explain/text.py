@@ -13,7 +13,7 @@ import torch
 
 from .._errors import safe_repr
 from .._layout import EXPLAIN_POINTER, RuleSource, describe_source
-from .._tree import NAMESPACE, dtype_text, shape_text
+from .._tree import NAMESPACE, describe, dtype_text, rows_of, shape_text, type_name
 
 Tensor = torch.Tensor
 
@@ -27,6 +27,8 @@ def _value_text(x: Any, whole: bool) -> str:
     if isinstance(x, Tensor):
         where = "" if x.device.type == "cpu" else f" on {x.device}"
         return f"Tensor{shape_text(list(x.shape))} {dtype_text(x.dtype)}{where}"
+    if rows_of(x) is not None:
+        return describe(x)
     if whole and x is not None:
         try:
             children = optree.tree_flatten_one_level(x, namespace=NAMESPACE)[0]
@@ -42,7 +44,7 @@ def _why(source: RuleSource, x: Any, root: str | None) -> str:
         return describe_source(source, root)
     if isinstance(x, Tensor):
         return "default for a 0-dim Tensor" if x.dim() == 0 else "default for a Tensor with dims"
-    return f"default for {type(x).__qualname__}"
+    return f"default for {type_name(x)}"
 
 
 def _devices_text(devs: tuple[torch.device, ...]) -> str:

@@ -29,7 +29,7 @@ _AUTO: Any = object()
 class Plan:
     """What to do with each leaf of one structure under one layout."""
 
-    __slots__ = ("default_only", "groups", "node_of", "rules", "spec", "up_spec")
+    __slots__ = ("_lists", "default_only", "groups", "node_of", "rules", "spec", "up_spec")
 
     def __init__(
         self,
@@ -47,6 +47,61 @@ class Plan:
         self.groups = groups
         self.node_of = node_of
         self.default_only = up_spec is spec and all(r is None for r in rules)
+        self._lists: tuple[tuple[int, int, int], ...] | None = None
+
+    def lists(self) -> tuple[tuple[int, int, int], ...]:
+        """``(start, stop, length)`` of every ``list`` node of :attr:`up_spec` (not a tuple, nor
+        a list subclass) of two or more items that share one structure and hold a leaf, every
+        position of which takes the default rule: the lists that may hold one item per sample
+        (:mod:`treegather._misplaced`). Found once per plan, by one walk of the structure.
+
+        >>> import optree
+        >>> spec = optree.tree_structure({"a": [1, 2], "b": (3, 4), "c": [5, [6]]})
+        >>> resolve(spec, None, "gather", 0, "outputs").lists()
+        ((0, 2, 2),)
+        >>> resolve(spec, {"a": "sum", "b": None, "c": None}, "gather", 0, "outputs").lists()
+        ()
+        """
+        if self._lists is None:
+            self._lists = _default_lists(self)
+        return self._lists
+
+
+def _default_lists(plan: Plan) -> tuple[tuple[int, int, int], ...]:
+    """:meth:`Plan.lists`, by one :meth:`~optree.PyTreeSpec.walk` (each node's value: its
+    structure, compared between a list's items, and its first and last leaf)."""
+    spec = plan.up_spec
+    found: list[tuple[int, int, int]] = []
+
+    def node(kind: type, data: Any, children: Any) -> tuple[Any, int, int]:
+        kids = [(None, c, c + 1) if type(c) is int else c for c in children]
+        starts = [c[1] for c in kids if c[1] >= 0]
+        start = starts[0] if starts else -1
+        stop = max((c[2] for c in kids if c[1] >= 0), default=-1)
+        if kind is list and len(kids) > 1 and start >= 0 and _alike([c[0] for c in kids]):
+            found.append((start, stop, len(kids)))
+        return (kind, data, tuple(c[0] for c in kids)), start, stop
+
+    spec.walk(range(spec.num_leaves), node, None)
+    if not found:
+        return ()
+    rules, groups = plan.rules, plan.groups
+    return tuple(
+        sorted(
+            (a, b, n)
+            for a, b, n in found
+            if all(rules[p] is None and groups[p] is None for p in range(a, b))
+        )
+    )
+
+
+def _alike(structures: list[Any]) -> bool:
+    """Whether the items' structures are equal (metadata that cannot say so: not alike)."""
+    first = structures[0]
+    try:
+        return all(bool(other == first) for other in structures[1:])
+    except Exception:  # (node metadata whose == is not one bool, such as an array)
+        return False
 
 
 # ------------------------------------------------------------------------------ resolution

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._tree import Rows
+from .._tree import rows_of
 from .base import (
     HINTS,
     Combining,
@@ -105,9 +105,9 @@ __all__ = [
 def default_rule(value: object, dim: int) -> tuple[GatherRule, str]:
     """The gather rule a leaf gets when the layout names none, and how messages name it:
     tensors are concatenated along the call's ``dim``, a value laid out by rows its own way (a
-    ``PackedSequence``) joined by its rows, anything else is listed."""
+    ``PackedSequence``, a PyG graph batch) joined by its rows, anything else is listed."""
     if isinstance(value, torch.Tensor):
         return Cat(dim), f"cat(dim={dim})"
-    if isinstance(value, Rows):
+    if rows_of(value) is not None:
         return JOIN_ROWS, JOIN_ROWS.describe()
     return LEAF_AS_LIST, "as_list()"

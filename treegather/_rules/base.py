@@ -140,6 +140,10 @@ class Combining(NamedTuple):
     node: Any = None  # the plan node (whole-value rules name it in their errors)
     inputs: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...] | None = None
     """Each replica's call ``(args, kwargs)``, where the gather follows one (``mean(weight=f)``)."""
+    failed: bool = True
+    """:meth:`GatherRule.problem` explains a combine that failed (``False``: it checks the
+    values before they are moved, on every step, and leaves what torch itself refuses, such
+    as a mix of dense and sparse tensors, to that explanation)."""
 
 
 class Problem(NamedTuple):
@@ -166,6 +170,11 @@ HINTS = {
     "meta": "a meta tensor has a shape and a dtype but no values (a model built or left on the "
     "meta device): materialise it first (e.g. module.to_empty(device=...) and load the "
     "weights), or keep it out of the outputs (as_list() leaves values untouched)",
+    "uninitialized": "an uninitialized parameter or buffer belongs to a lazy module "
+    "(torch.nn.LazyLinear, ...) that has not run yet: run one forward first, or keep it out of "
+    "the outputs (as_list() leaves values untouched)",
+    "kind": "torch combines dense tensors of the usual dtypes; as_list() keeps tensors of any "
+    "other kind as they are, and a custom rule f(values, device) combines them your way",
 }
 
 

@@ -3,9 +3,10 @@
 (``mean`` and ``sum`` are in :mod:`.reductions`.) On an inner node each applies to every leaf
 below it. Each class combines one leaf's
 per-replica values (:meth:`combine`: plain errors for bad data), says what is wrong with them
-(:meth:`problem`: the checks every such rule makes -- meta tensors, unregistered dataclasses,
-values that are no tensors, mixed dtypes -- then the rule's own, on the shapes) and what they
-become (:meth:`becomes`).
+(:meth:`problem`: the checks every such rule makes -- tensors without data, unregistered
+dataclasses, values that are no tensors, mixed dtypes, kinds of tensor torch cannot combine
+that way (:mod:`.kinds`) -- then the rule's own, on the shapes) and what they become
+(:meth:`becomes`).
 """
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import numbers
+import operator
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from .._errors import safe_repr
-from .._tree import describe, dtype_text, shape_text
+from .._tree import Rows, describe, dtype_text, rows_of, shape_text, type_name
+from . import kinds
 from .base import Combining, GatherRule, Problem, by_replica, constructor, is_number
 
 __all__ = [
-    "META",
+    "JOIN_ROWS",
     "Cat",
     "LeafRule",
     "Pad",
@@ -40,7 +43,8 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-META = "a meta tensor holds no data to gather onto {target}"
+_DTYPE, _LAYOUT, _NESTED = map(operator.attrgetter, ("dtype", "layout", "is_nested"))
+_ORDINARY, _STRIDED = kinds.ORDINARY, torch.strided
 
 
 def one_dtype(col: Sequence[Tensor]) -> None:
@@ -66,45 +70,165 @@ class LeafRule(GatherRule):
 
     numbers: ClassVar[bool] = False
     """Python numbers are values too (``mean``, ``sum``)."""
+    verb: ClassVar[str] = "combine"
+    """What the rule does to tensors, as its refusals say it (``"concatenate"``)."""
+    widens: ClassVar[bool] = False
+    """The replicas' shapes may differ in other dims (``pad``): :func:`.kinds.cannot` asks
+    with tensors of two widths."""
+
+    def probe(self) -> LeafRule:
+        """The rule :func:`.kinds.cannot` asks whether a kind of tensor can be combined with:
+        this class with its defaults (what torch can do does not depend on the dim)."""
+        return type(self)()
 
     def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
-        """The checks every leaf-wise rule makes, then :meth:`shape_problem`."""
+        """The checks every leaf-wise rule makes, then :meth:`shape_problem`.
+
+        (Also run before tensors are moved between devices, for every leaf of every step: the
+        common case, dense tensors of one usual dtype, costs a read or two per value; what
+        torch refuses itself, a mix of kinds, is named when the combine failed.)"""
         shown = shown or self.describe()
-        if ctx.target.type != "meta":
-            on_meta = [r for r, v in enumerate(col) if isinstance(v, Tensor) and v.is_meta]
-            if on_meta:
-                replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in on_meta)
-                return Problem(f"{META.format(target=ctx.target)} ({replicas})", True, "meta")
-        tensors = [isinstance(v, Tensor) for v in col]
-        if not all(tensors):
-            found = _unknown_dataclasses(col)
-            if found:
+        if any(type(v) is not Tensor and rows_of(v) is not None for v in col):
+            return self.rows_problem(col, ctx, shown)
+        meta_ok = ctx.target.type == "meta"
+        types = list(map(type, col))
+        if types.count(Tensor) == len(types):  # (plain tensors: no subclass, none uninitialized)
+            empty = [] if meta_ok else [r for r, v in enumerate(col) if v.is_meta]
+        else:  # (meta tensors, unless gathered onto the meta device; uninitialized ones)
+            empty = [
+                r
+                for r, v in enumerate(col)
+                if isinstance(v, Tensor) and ((v.is_meta and not meta_ok) or kinds.no_data(v))
+            ]
+            tensors = [isinstance(v, Tensor) for v in col]
+            if not all(tensors) and not empty:
+                found = _unknown_dataclasses(col)
+                if found:
+                    return Problem(
+                        f"{found} is a dataclass treegather does not know, so {shown} cannot "
+                        "look inside it; register it with treegather.register_dataclass",
+                        True,
+                        "dataclass",
+                    )
+                if self.numbers:
+                    return _numbers_problem(col, tensors, shown)
+                bad = tensors.index(False)
                 return Problem(
-                    f"{found} is a dataclass treegather does not know, so {shown} cannot look "
-                    "inside it; register it with treegather.register_dataclass",
+                    f"{shown} needs tensors, replica {bad} holds {describe(col[bad])}",
                     True,
-                    "dataclass",
+                    "shape",
                 )
-            if self.numbers:
-                return _numbers_problem(col, tensors, shown)
-            bad = tensors.index(False)
-            return Problem(
-                f"{shown} needs tensors, replica {bad} holds {describe(col[bad])}", True, "shape"
-            )
-        dtypes = [v.dtype for v in col]
+        if empty:
+            text, hint = kinds.no_data_text(col[empty[0]], ctx.target, shown)
+            replicas = ", ".join(f"replica {r}: {describe(col[r])}" for r in empty)
+            return Problem(f"{text} ({replicas})", True, hint)
+        dtypes = list(map(_DTYPE, col))
         if len(set(dtypes)) > 1:
             return Problem(
                 f"{shown} needs one dtype in every replica, got "
                 + ", ".join(f"replica {i}: {d}" for i, d in enumerate(dtypes)),
                 hint="dtype",
             )
+        mixed = ctx.failed and (len(set(map(_LAYOUT, col))) > 1 or len(set(map(_NESTED, col))) > 1)
+        if mixed:  # (torch mixes no kinds: dense with sparse, nested, ...)
+            return Problem(
+                f"{shown} needs one kind of tensor in every replica, got "
+                + ", ".join(f"replica {i}: {kinds.kind_text(v)}" for i, v in enumerate(col)),
+                True,
+                "kind",
+            )
+        first = col[0]
+        if dtypes[0] not in _ORDINARY or first.layout is not _STRIDED or first.is_nested:
+            # A kind torch may not combine (asked once per kind), after what the rule itself
+            # refuses of the dtype (pad's fill); dense tensors of a usual dtype skip both here.
+            problem = self.dtype_problem(dtypes[0], shown)
+            if problem is None:
+                why = kinds.cannot(self, first, ctx)
+                if why:
+                    problem = Problem(kinds.refusal(shown, self.verb, first, why), True, "kind")
+            if problem is not None:
+                return problem
         return self.shape_problem([tuple(v.shape) for v in col], dtypes[0], ctx, shown)
+
+    def dtype_problem(self, dtype: torch.dtype, shown: str) -> Problem | None:
+        """What is wrong with tensors of ``dtype`` under this rule, whatever torch can do."""
+        return None
 
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
     ) -> Problem | None:
         """What is wrong with tensors of these shapes (one dtype) under this rule."""
         return None
+
+    def rows_problem(self, col: tuple[Any, ...], ctx: Combining, shown: str) -> Problem | None:
+        """What is wrong with values of which one at least is laid out by rows (a
+        ``PackedSequence``, a PyG graph batch: :func:`~treegather._tree.rows_of`): this rule
+        does not apply to them (:meth:`Cat` with dim 0 joins them by rows)."""
+        return Problem(_not_by_rows(shown, _rows_name(col)), True)
+
+    def refused(self, x: Any) -> tuple[str, str | None]:
+        """:meth:`becomes` for a value that is not a tensor: what the rule needs instead."""
+        if rows_of(x) is not None:
+            return "-", _not_by_rows(self.describe(), type_name(x))
+        need = "a tensor or a number" if self.numbers else "a tensor"
+        return "-", f"{self.describe()} needs {need}, got {type_name(x)}"
+
+
+def _rows_name(col: Sequence[Any]) -> str:
+    """The kind of the first value laid out by rows in ``col`` (``PackedSequence``)."""
+    return type_name(next(v for v in col if rows_of(v) is not None))
+
+
+def _not_by_rows(shown: str, name: str) -> str:
+    return (
+        f"{shown} does not apply to a {name}: its rows are not laid out along a dim of a tensor; "
+        "cat() (dim 0, as the default does) joins it by its rows, as_list() keeps the "
+        "per-replica values"
+    )
+
+
+def _only_by_rows(shown: str, name: str) -> str:
+    return f"{shown} joins a {name} only by its rows, along dim 0: write cat() (or no rule)"
+
+
+class _JoinRows(GatherRule):
+    """The default rule of a value laid out by rows its own way (a ``PackedSequence``, a PyG
+    graph batch: :func:`~treegather._tree.rows_of`), and what ``cat()`` (dim 0) does to one:
+    every replica's rows, in order, joined by its own function (unpacked, joined, packed
+    again), in the form the tree holds it."""
+
+    def describe(self) -> str:
+        return "rows joined"
+
+    def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
+        if self.problem(col, ctx) is not None:
+            raise TypeError("values that are not of one kind laid out by rows")
+        values = [rows_of(v) for v in col]
+        return Rows.join(values, ctx.target).held  # type: ignore[arg-type]
+
+    def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
+        first = rows_of(col[0])
+        for r, v in enumerate(col):
+            rows = rows_of(v)
+            if rows is None or first is None or rows.kind != first.kind:
+                name = first.kind.name if first is not None else "value laid out by rows"
+                return Problem(
+                    f"{shown or self.describe()}: replica {r} holds {describe(v)} where replica 0 "
+                    f"holds a {name}",
+                    True,
+                )
+            problem = rows.problem()
+            if problem is not None:
+                return Problem(f"{shown or self.describe()}: replica {r} holds {problem}", True)
+        return None
+
+    def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
+        rows = rows_of(x)
+        name = rows.kind.name if rows is not None else "value"
+        return f"one {name} of every replica's rows, in order", None
+
+
+JOIN_ROWS = _JoinRows()
 
 
 def _numbers_problem(col: Sequence[Any], tensors: list[bool], shown: str) -> Problem | None:
@@ -135,8 +259,10 @@ def _unknown_dataclasses(col: Sequence[Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Cat(LeafRule, name="cat"):
-    """Concatenate along ``dim`` (the default for tensors; all 0-dim values: a vector)."""
+    """Concatenate along ``dim`` (the default for tensors; all 0-dim values: a vector; a value
+    laid out by rows, under dim 0: its rows joined, as its default rule does)."""
 
+    verb: ClassVar[str] = "concatenate"
     dim: int = 0
 
     @classmethod
@@ -144,7 +270,15 @@ class Cat(LeafRule, name="cat"):
         return cls(dim)
 
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
+        first = col[0]
+        if type(first) is not Tensor and self.dim == 0 and rows_of(first) is not None:
+            return JOIN_ROWS.combine(col, ctx)  # (a PackedSequence, a graph batch: by its rows)
         return cat_values(col, ctx.target, ctx.moving, self.dim)
+
+    def rows_problem(self, col: tuple[Any, ...], ctx: Combining, shown: str) -> Problem | None:
+        if self.dim != 0:
+            return Problem(_only_by_rows(shown, _rows_name(col)), True)
+        return JOIN_ROWS.problem(col, ctx, shown)
 
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
@@ -170,8 +304,13 @@ class Cat(LeafRule, name="cat"):
         return None
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
+        by_rows = not isinstance(x, Tensor) and rows_of(x) is not None
+        if by_rows and self.dim == 0:
+            return JOIN_ROWS.becomes(x, k)
+        if by_rows:
+            return "-", _only_by_rows(self.describe(), type_name(x))
         if not isinstance(x, Tensor):
-            return "-", f"{self.describe()} needs a tensor, got {type(x).__qualname__}"
+            return self.refused(x)
         shape: list[Any] = list(x.shape)
         nd = len(shape)
         if nd == 0:
@@ -206,6 +345,7 @@ def cat_values(col: Sequence[Tensor], target: torch.device, moving: bool, dim: i
 class Stack(LeafRule, name="stack"):
     """Stack along a new ``dim``."""
 
+    verb: ClassVar[str] = "stack"
     dim: int = 0
 
     @classmethod
@@ -228,7 +368,7 @@ class Stack(LeafRule, name="stack"):
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
         if not isinstance(x, Tensor):
-            return "-", f"{self.describe()} needs a tensor, got {type(x).__qualname__}"
+            return self.refused(x)
         shape: list[Any] = list(x.shape)
         nd = len(shape)
         if not -(nd + 1) <= self.dim <= nd:
@@ -241,6 +381,8 @@ class Stack(LeafRule, name="stack"):
 class Pad(LeafRule, name="pad"):
     """Pad every other dim to the largest replica, then concatenate along ``dim``."""
 
+    verb: ClassVar[str] = "pad and concatenate"
+    widens: ClassVar[bool] = True
     dim: int = 0
     fill: float = 0
     lengths: bool = False
@@ -279,16 +421,22 @@ class Pad(LeafRule, name="pad"):
         lengths = torch.tensor([list(v.shape) for v in values], dtype=torch.long, device=ctx.target)
         return Padded(data, lengths)
 
+    def dtype_problem(self, dtype: torch.dtype, shown: str) -> Problem | None:
+        if fill_fits(self.fill, dtype):
+            return None
+        return Problem(
+            f"{shown}: fill {safe_repr(self.fill)} cannot be stored in {dtype} as itself (it "
+            "would wrap, be cut or overflow, or padding would look like data); pick a fill "
+            "the dtype holds",
+            True,
+        )
+
     def shape_problem(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, ctx: Combining, shown: str
     ) -> Problem | None:
-        if not fill_fits(self.fill, dtype):
-            return Problem(
-                f"{shown}: fill {safe_repr(self.fill)} cannot be stored in {dtype} as itself (it "
-                "would wrap, be cut or overflow, or padding would look like data); pick a fill "
-                "the dtype holds",
-                True,
-            )
+        problem = self.dtype_problem(dtype, shown)
+        if problem is not None:
+            return problem
         if len({len(s) for s in shapes}) > 1 or len(shapes[0]) == 0:
             text = f"{shown} needs tensors with the same number of dims (>= 1), got {by_replica(shapes)}"
             return Problem(text, hint="shape")
@@ -299,7 +447,7 @@ class Pad(LeafRule, name="pad"):
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
         if not isinstance(x, Tensor):
-            return "-", f"{self.describe()} needs a tensor, got {type(x).__qualname__}"
+            return self.refused(x)
         shape: list[Any] = list(x.shape)
         nd = len(shape)
         if nd == 0 or not -nd <= self.dim < nd:
@@ -364,8 +512,11 @@ def fill_fits(fill: Any, dtype: torch.dtype) -> bool:
     if dtype == torch.bool:
         return value in (0, 1)
     try:
+        dtype.is_signed  # noqa: B018  (torch cannot say for a dtype of no plain numbers)
         info = torch.iinfo(dtype)
-    except TypeError:  # a dtype that is neither (quantized, bits): nothing is stored as itself
+    except (TypeError, RuntimeError):
+        # A dtype of no plain numbers: quantized ones (torch.iinfo reads qint8 as int8, but a
+        # stored number stands for another), bits, sub-byte ints: nothing is stored as itself.
         return False
     return bool(info.min <= value <= info.max)
 
@@ -402,8 +553,12 @@ def _float_holds(value: float | int, dtype: torch.dtype) -> bool:
         return True
     if value in (_INF, -_INF):
         return dtype not in _NO_INFINITY
-    info = torch.finfo(dtype)
-    return bool(info.min <= value <= info.max)  # (min: the lowest value, as torch checks)
+    try:
+        info = torch.finfo(dtype)
+        low, high = info.min, info.max  # (min: the lowest value, as torch checks)
+    except (TypeError, RuntimeError):  # (float4_e2m1fn_x2: two packed in a byte, no range)
+        return False
+    return bool(low <= value <= high)
 
 
 _INF = float("inf")
@@ -428,11 +583,19 @@ _NO_INFINITY = frozenset(
 def cat(dim: int = 0) -> Cat:
     """Gather rule: concatenate along ``dim`` (the default for tensors).
 
-    When every replica holds a 0-dim tensor the result is the vector of them, as in torch.
+    When every replica holds a 0-dim tensor the result is the vector of them, as in torch. A
+    value laid out by rows its own way (a ``PackedSequence``, a ``LazyStackedTensorDict``
+    stacked along dim 0) is joined by its rows under ``cat()`` (dim 0), as the default joins
+    it: ``cat()`` in a prefix layout says "by rows" for every leaf below it; another dim is
+    refused naming the value's kind.
 
     >>> import torch, treegather as tg
     >>> tg.gather([torch.ones(1, 2), torch.zeros(1, 3)], "cpu", tg.cat(1))
     tensor([[1., 1., 0., 0., 0.]])
+    >>> from torch.nn.utils.rnn import pack_sequence
+    >>> packed = [pack_sequence([torch.ones(3), torch.ones(2)]), pack_sequence([torch.ones(1)])]
+    >>> tg.gather(packed, "cpu", tg.cat()).batch_sizes
+    tensor([3, 2, 1])
     """
     return Cat(int(dim))
 

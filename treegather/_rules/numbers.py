@@ -5,6 +5,9 @@ given the type numpy's (or Python's) own reduction of them would have:
 
 - Python numbers: ints add exactly; a mean is a float (or a complex), each division correctly
   rounded; a float mean whose sum would overflow (``1e308`` twice) is taken share by share.
+  ``Fraction`` and ``Decimal`` values stay what they are: their mean (weighted by ints: the
+  rows) is exact, a ``Fraction`` or a ``Decimal`` (in the current decimal context); numbers
+  Python cannot add together (a ``Decimal`` and a ``float``) are refused.
 - numpy scalars: read exactly with ``.item()`` (Python ints, Python floats: float16, float32 and
   float64 exactly; ``longdouble`` stays itself), combined as Python numbers are, then stored in
   the dtype :func:`numpy.mean` or :func:`numpy.sum` gives an array of them: a mean of integers is
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import builtins
 import cmath
+import decimal
+import numbers
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import ShapeMismatchError
+from .._errors import LeafTypeError, ShapeMismatchError
 
 __all__ = ["mean_of", "result_type_name", "sum_of"]
 
@@ -44,6 +49,8 @@ def mean_of(col: Sequence[Any], weights: Sequence[float] | None) -> Any:
             mean = _mean([v.item() if hasattr(v, "item") else v for v in col], weights)
     except OverflowError:  # Python ints beyond any float
         raise ShapeMismatchError(_BEYOND.format(what="mean()")) from None
+    except TypeError:  # (a Decimal and a float, say: Python adds neither to the other)
+        raise LeafTypeError(_MIXED.format(what="mean()", types=_types(col))) from None
     out = dtype if dtype.kind in "fc" else np.dtype("float64")  # (numpy.mean's dtype)
     return out.type(mean)
 
@@ -60,6 +67,8 @@ def sum_of(col: Sequence[Any]) -> Any:
             total = builtins.sum(v.item() if hasattr(v, "item") else v for v in col)
     except OverflowError:  # Python ints beyond any float, added to floats
         raise ShapeMismatchError(_BEYOND.format(what="sum()")) from None
+    except TypeError:
+        raise LeafTypeError(_MIXED.format(what="sum()", types=_types(col))) from None
     out = np.empty(0, dtype).sum().dtype  # numpy's accumulator: int8 -> int64, uint8 -> uint64
     if out.kind in "iu":
         info = np.iinfo(out)
@@ -76,6 +85,14 @@ _BEYOND = (
     "{what} of these numbers is beyond a float: a Python int above 1.8e308 mixed with floats, "
     "or divided; gather such ints with as_list()"
 )
+_MIXED = (
+    "{what} cannot add numbers of types {types}: Python adds none of them to the other; "
+    "return one type from every replica, or gather them with as_list()"
+)
+
+
+def _types(col: Sequence[Any]) -> str:
+    return ", ".join(dict.fromkeys(type(v).__qualname__ for v in col))
 
 
 def result_type_name(x: Any, mean: bool) -> str:
@@ -104,11 +121,24 @@ def _mean(col: Sequence[Any], weights: Sequence[float] | None) -> Any:
     whole = builtins.sum(weights)
     if not whole:  # weights that are all 0: the mean of no items
         return float("nan")
-    if all(type(v) is int for v in col) and all(type(w) is int for w in weights):  # exact
+    if all(map(_exact, col)) and all(type(w) is int for w in weights):  # exact
         return builtins.sum(v * w for v, w in zip(col, weights, strict=True)) / whole
     # Each value times its share: never a product larger than the value; a share of 0 leaves
     # the value out (the NaN mean of an empty shard).
-    return builtins.sum(v * (w / whole) for v, w in zip(col, weights, strict=True) if w)
+    return builtins.sum(v * _share(v, w, whole) for v, w in zip(col, weights, strict=True) if w)
+
+
+def _exact(v: Any) -> bool:
+    """A number whose products and sums are exact (ints, ``Fraction``, ``Decimal``)."""
+    return isinstance(v, (numbers.Rational, decimal.Decimal))
+
+
+def _share(v: Any, w: float, whole: float) -> Any:
+    """Weight ``w``'s share of ``whole``, in a type ``v`` multiplies by: a ``Decimal`` for a
+    ``Decimal`` (which takes no float), else ``w / whole``."""
+    if isinstance(v, decimal.Decimal):
+        return decimal.Decimal(w) / decimal.Decimal(whole)
+    return w / whole
 
 
 def _finite(x: Any) -> bool:

@@ -14,7 +14,7 @@ import math
 import numbers
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,7 +59,7 @@ class _Reduction(LeafRule):
             return f"Tensor{shape_text(list(x.shape))} {dtype_text(dtype)}{weighted}", None
         if is_number(x):
             return result_type_name(x, mean), None
-        return "-", f"{self.describe()} needs a tensor or a number, got {type(x).__qualname__}"
+        return self.refused(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,7 @@ class Mean(_Reduction, name="mean"):
     """The mean over the replicas, weighted by their rows when the sizes are known, or by the
     weight ``weight`` finds in each replica's inputs."""
 
+    verb: ClassVar[str] = "average"
     weight: Callable[..., Any] | None = None
 
     def describe(self) -> str:
@@ -254,6 +255,8 @@ def _weighted_mean(stacked: Tensor, sizes: Sequence[float]) -> Tensor:
 @dataclasses.dataclass(frozen=True)
 class Sum(_Reduction, name="sum"):
     """The elementwise sum over the replicas."""
+
+    verb: ClassVar[str] = "add"
 
     def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
         if all(is_number(v) for v in col):

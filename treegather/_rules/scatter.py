@@ -16,8 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
-from .._tree import Opaque, Rows, describe, shape_text
+from .._tree import Opaque, describe, held_tensor, one_row_of, rows_of, shape_text
 from .base import WHOLE, Cut, Problem, ScatterRule, constructor
 
 __all__ = [
@@ -36,7 +37,8 @@ Tensor = torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class Split(ScatterRule, name="split"):
-    """Split a tensor along ``dim`` (``torch.tensor_split`` order, or explicit ``sizes``)."""
+    """Split a tensor along ``dim`` (``torch.tensor_split`` order, or explicit ``sizes``); a
+    value laid out by rows, under dim 0: by its rows, as its default rule does."""
 
     dim: int = 0
     sizes: tuple[int, ...] | None = None
@@ -46,18 +48,30 @@ class Split(ScatterRule, name="split"):
         return cls(dim)
 
     def shard(self, x: Any, dim: int) -> Cut | Problem:
-        if not isinstance(x, Tensor):
-            hint = (
-                " (use split_items() on a list of per-sample items)"
-                if isinstance(x, (str, bytes))
-                else ""
-            )
-            return Problem(f"{self.describe()} needs a tensor, got {describe(x)}{hint}", True)
-        return _split_cut(x, self.dim, self.sizes)
+        if isinstance(x, Tensor):
+            return _split_cut(x, self.dim, self.sizes)
+        rows = rows_of(x)
+        if rows is not None:  # (a PackedSequence, a graph batch: by its rows, as the default)
+            if self.dim != 0:
+                return Problem(
+                    f"{self.describe()} splits a {rows.kind.name} only by its rows, along dim "
+                    "0: write split() (or no rule)",
+                    True,
+                )
+            found = SPLIT_ROWS.shard(rows, dim)
+            return found if isinstance(found, Problem) else found._replace(sizes=self.sizes)
+        hint = (
+            " (use split_items() on a list of per-sample items)"
+            if isinstance(x, (str, bytes))
+            else ""
+        )
+        return Problem(f"{self.describe()} needs a tensor, got {describe(x)}{hint}", True)
 
     def explain(
         self, x: Any, cut: Cut, sizes: Sequence[int] | None
     ) -> tuple[str, tuple[str, ...] | None]:
+        if not isinstance(x, Tensor):  # (laid out by rows: shard() took no other)
+            return SPLIT_ROWS.explain(x, cut, sizes)
         result = f"split along dim {cut.dim}: {x.shape[cut.dim]} rows"
         if sizes is None:
             return result, None
@@ -68,6 +82,12 @@ class Split(ScatterRule, name="split"):
 
 
 def _split_cut(x: Tensor, d: int, sizes: tuple[int, ...] | None = None) -> Cut | Problem:
+    if isinstance(x, UninitializedTensorMixin):  # (no shape to split yet)
+        return Problem(
+            f"split needs a tensor with data, got an {describe(x)}, which a lazy module has not "
+            "initialized yet: run one forward first, or mark it broadcast() in the layout",
+            True,
+        )
     if x.layout != torch.strided or x.is_nested:
         kind = "nested" if x.is_nested else str(x.layout).replace("torch.", "")
         return Problem(
@@ -117,74 +137,115 @@ class SplitItems(ScatterRule, name="split_items"):
 
 
 class _SplitRows(ScatterRule):
-    """The default rule of a :class:`~treegather._tree.Rows` value (a ``PackedSequence``):
-    split by rows with its own function, like the batch."""
+    """The default rule of a value laid out by rows its own way (a ``PackedSequence``, a PyG
+    graph batch: :func:`~treegather._tree.rows_of`): split by rows with its own function, like
+    the batch."""
 
     def describe(self) -> str:
         return "split by rows"
 
     def shard(self, x: Any, dim: int) -> Cut | Problem:
-        if not isinstance(x, Rows):
+        rows = rows_of(x)
+        if rows is None:
             return Problem(f"{self.describe()} needs a value laid out by rows, got {describe(x)}")
-        return Cut("items", rows=x.rows)
+        problem = rows.problem()
+        if problem is not None:
+            return Problem(problem, True)
+        return Cut("items", rows=rows.rows)
 
     def explain(
         self, x: Any, cut: Cut, sizes: Sequence[int] | None
     ) -> tuple[str, tuple[str, ...] | None]:
-        result = f"{x.kind.name} of {x.rows} rows, cut like the batch"
+        rows = rows_of(x)
+        name = rows.kind.name if rows is not None else "value"
+        result = f"{name} of {cut.rows} rows, cut like the batch"
         return result, None if sizes is None else tuple(f"{s} row(s)" for s in sizes)
 
 
 SPLIT_ROWS = _SplitRows()
 
+_PLAIN = frozenset([type(None), bool, int, float, complex, str, bytes])
+
 
 def default_cut(x: Any, dim: int) -> Cut | Problem:
-    """The default rule of a leaf: a tensor with dims is split along ``dim``, anything else is
-    broadcast, except what would silently send the batch whole to every device.
+    """The default rule of a leaf: a tensor with dims is split along ``dim``, a value laid out
+    by rows its own way (a ``PackedSequence``, a PyG graph batch) by its rows, like the batch;
+    anything else is broadcast, except what would silently send the batch whole to every
+    device.
 
-    Unregistered dataclasses, dict/list subclasses, and any other mapping or sequence holding
-    tensors (``collections.UserDict`` -- the shape of transformers' ``BatchEncoding`` --, a
-    tuple subclass) are refused; numpy arrays of >= 1 dim are ``"array"`` cuts, refused next to
-    split data; so is an :class:`~treegather._tree.Opaque` value (a registered node that cannot
-    be split, such as a transformers ``StaticCache``), with its reason. A
-    :class:`~treegather._tree.Rows` value (a ``PackedSequence``) is split by rows, like the
-    batch. Strings, numbers and containers of plain values are broadcast.
+    Refused, with a :class:`~treegather.LeafTypeError` saying how to fix it: an unregistered
+    dataclass, dict or list subclass (their fields and items would be the tree's); an
+    :class:`~treegather._tree.Opaque` value (a registered node that cannot be split, such as a
+    transformers ``StaticCache``), with its reason; and any other value that holds a tensor of
+    one or more dims, found in its own state (``__dict__``, ``__slots__`` and the dicts, lists
+    and tuples among them, a few levels down: :func:`~treegather._tree.held_tensor`, which
+    calls no code of the value's class): a container (``collections.UserDict``, the shape of
+    transformers' ``BatchEncoding``; a tuple subclass) or any object (a single PyG ``Data``,
+    one graph: the hint says how to batch graphs). A ``torch.nn.Module`` is broadcast, never
+    refused nor looked into: its tensors are its parameters and buffers, the state of a
+    computation rather than rows of the batch (a loss module passed along, as torch's own
+    scatter passes it); every device gets the same object, neither copied nor moved (a module
+    that must run on each device belongs in the model, which is replicated). numpy arrays of
+    >= 1 dim are ``"array"`` cuts, refused next to split data. Strings, numbers and values that
+    hold no tensor are broadcast; the walk costs nothing for tensors, numbers and strings.
     """
-    if isinstance(x, Tensor):
-        return WHOLE if x.dim() == 0 else _split_cut(x, dim)
+    if isinstance(x, Tensor):  # (an uninitialized parameter has no dims yet: split says so)
+        if isinstance(x, UninitializedTensorMixin) or x.dim():
+            return _split_cut(x, dim)
+        return WHOLE
+    if type(x) in _PLAIN:
+        return WHOLE
     if isinstance(x, Opaque):  # a registered node that cannot be split: it says why
         return Problem(x.reason, True)
-    if isinstance(x, Rows):  # a value laid out by rows its own way (a PackedSequence)
-        return SPLIT_ROWS.shard(x, dim)
+    rows = rows_of(x)
+    if rows is not None:  # laid out by rows its own way (a PackedSequence, a graph batch)
+        return SPLIT_ROWS.shard(rows, dim)
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", 0) >= 1:
+        return Cut("array")
+    refused = _sent_whole(x)
+    return WHOLE if refused is None else Problem(refused, True)
+
+
+def _sent_whole(x: Any) -> str | None:
+    """Why ``x`` must not be broadcast by default (it would carry the batch whole to every
+    device), or ``None``."""
+    name = type(x).__qualname__
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return Problem(
-            f"{type(x).__qualname__} is a dataclass treegather does not know, so it would be "
-            "sent whole to every device; register it with treegather.register_dataclass (or "
-            "mark it broadcast() in the layout)",
-            True,
+        return (
+            f"{name} is a dataclass treegather does not know, so it would be sent whole to "
+            "every device; register it with treegather.register_dataclass (or mark it "
+            "broadcast() in the layout)"
         )
     if isinstance(x, (dict, list)):
         # A dict/list subclass optree does not know is a leaf: without this check the whole
         # batch inside it would silently go to every device.
         base = "dict" if isinstance(x, dict) else "list"
-        return Problem(
-            f"{type(x).__qualname__} is a {base} subclass treegather does not know, so it would "
-            "be sent whole to every device; register it with treegather.register_node (or mark "
-            "it broadcast() in the layout)",
-            True,
+        return (
+            f"{name} is a {base} subclass treegather does not know, so it would be sent whole "
+            "to every device; register it with treegather.register_node (or mark it "
+            "broadcast() in the layout)"
         )
-    if isinstance(x, (Mapping, Sequence)) and not isinstance(x, (str, bytes)):
-        values = x.values() if isinstance(x, Mapping) else x
-        if any(isinstance(v, Tensor) for v in values):
-            return Problem(
-                f"{type(x).__qualname__} is a container treegather does not know and it holds "
-                "tensors, so it would be sent whole to every device; register it with "
-                "treegather.register_node (or mark it broadcast() in the layout)",
-                True,
-            )
-    if type(x).__module__ == "numpy" and getattr(x, "ndim", 0) >= 1:
-        return Cut("array")
-    return WHOLE
+    if isinstance(x, torch.nn.Module):
+        return None  # (state, not rows: sent as it is)
+    found = held_tensor(x)
+    if found is None:
+        return None
+    where, tensor = found
+    what = "a container" if isinstance(x, (Mapping, Sequence)) else "an object"
+    text = (
+        f"{name} is {what} treegather does not know and it holds tensors (the first at "
+        f"{where}: {describe(tensor)}), so it would be sent whole to every device; "
+    )
+    one = one_row_of(x)
+    if one is not None:
+        return text + (
+            f"a {name} is one row of a {one.name}: "
+            f"{one.batched}, or mark it broadcast() in the layout"
+        )
+    return text + (
+        "register its class with treegather.register_node or treegather.register_dataclass, "
+        "or mark it broadcast() in the layout"
+    )
 
 
 # --------------------------------------------------------------------------- constructors
@@ -199,7 +260,11 @@ def split(dim: int = 0, sizes: Sequence[int] | None = None) -> Split:
     each shard; every split leaf must agree on the batch size. ``sizes`` names the shards: it
     must add up to the batch size and may name fewer shards than there are devices (then only
     the first ``len(sizes)`` devices get one, as with a batch smaller than the device count);
-    more shards than devices is an error.
+    more shards than devices is an error. A value laid out by rows its own way (a
+    ``PackedSequence``, a ``LazyStackedTensorDict`` stacked along dim 0) is split by its rows
+    under ``split()`` (dim 0, with or without ``sizes``), as the default splits it: ``split()``
+    in a prefix layout says "by rows" for every leaf below it; another dim is refused naming
+    the value's kind.
 
     >>> import torch, treegather as tg
     >>> [s.shape[1] for s in tg.scatter(torch.zeros(2, 5), ["cpu"] * 2, tg.split(1, sizes=[4, 1]))]

@@ -2,8 +2,8 @@
 
 On an inner node each takes the per-replica subtrees whole (they may differ inside, like
 per-sample lists of uneven length). Each class combines them (:meth:`combine`, raising typed
-errors that name the node), says what is wrong (:meth:`problem`: meta tensors it would move)
-and what they become (:meth:`becomes`). :data:`LEAF_AS_LIST` is the default rule of a leaf
+errors that name the node), says what is wrong (:meth:`problem`: tensors without data it
+would move or compare) and what they become (:meth:`becomes`). :data:`LEAF_AS_LIST` is the default rule of a leaf
 that is not a tensor.
 """
 
@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from .._errors import BatchSizeError, LeafTypeError, ShapeMismatchError, safe_repr
-from .._tree import Rows, describe, display_path, flatten, format_path, move_tree, nodes
+from .._tree import describe, display_path, flatten, format_path, move_tree, nodes
+from . import kinds
 from .base import Combining, GatherRule, Problem, constructor, custom_rule
-from .leafwise import META
+from .leafwise import JOIN_ROWS
 
 __all__ = [
     "JOIN_ROWS",
@@ -89,38 +90,6 @@ class _LeafAsList(AsList):
 LEAF_AS_LIST = _LeafAsList()
 
 
-class _JoinRows(GatherRule):
-    """The default rule of a :class:`~treegather._tree.Rows` value (a ``PackedSequence``): every
-    replica's rows, in order, joined by its own function (unpacked, joined, packed again)."""
-
-    def describe(self) -> str:
-        return "rows joined"
-
-    def combine(self, col: tuple[Any, ...], ctx: Combining) -> Any:
-        if self.problem(col, ctx) is not None:
-            raise TypeError("values that are not of one kind laid out by rows")
-        return Rows.join(col, ctx.target)
-
-    def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
-        first = col[0]
-        for r, v in enumerate(col):
-            if not isinstance(v, Rows) or not isinstance(first, Rows) or v.kind != first.kind:
-                name = first.kind.name if isinstance(first, Rows) else "value laid out by rows"
-                return Problem(
-                    f"{shown or self.describe()}: replica {r} holds {describe(v)} where replica 0 "
-                    f"holds a {name}",
-                    True,
-                )
-        return None
-
-    def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
-        name = x.kind.name if isinstance(x, Rows) else "value"
-        return f"one {name} of every replica's rows, in order", None
-
-
-JOIN_ROWS = _JoinRows()
-
-
 @dataclasses.dataclass(frozen=True)
 class First(GatherRule, name="first"):
     """Replica 0's value (tensors moved to the target); ``check``: every replica must agree."""
@@ -139,7 +108,8 @@ class First(GatherRule, name="first"):
         return move_tree(col[0], ctx.target)
 
     def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
-        return _moved_metas(col[:1], ctx)
+        # (with check, every replica's value is compared: none may lack data)
+        return _without_data(col if self.check else col[:1], ctx, shown or self.describe())
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
         checked = " (checked equal in every replica)" if self.check else ""
@@ -177,7 +147,7 @@ class CatItems(GatherRule, name="cat_items"):
         return tuple(items) if isinstance(col[0], tuple) else items
 
     def problem(self, col: tuple[Any, ...], ctx: Combining, shown: str = "") -> Problem | None:
-        return _moved_metas(col, ctx)
+        return _without_data(col, ctx, shown or self.describe())
 
     def becomes(self, x: Any, k: int | None) -> tuple[str, str | None]:
         if not isinstance(x, (list, tuple)):
@@ -218,32 +188,41 @@ class Custom(GatherRule):
 custom_rule(Custom)
 
 
-def _moved_metas(values: Sequence[Any], ctx: Combining) -> Problem | None:
-    """The meta tensors a whole-value rule would move onto the target (``first()``: replica
-    0's value; ``cat_items()``: every replica's items)."""
-    if ctx.target.type == "meta" or ctx.node is None:
+def _without_data(values: Sequence[Any], ctx: Combining, shown: str) -> Problem | None:
+    """The tensors without data a whole-value rule would move onto the target or compare
+    (``first()``: replica 0's value, every replica's with ``check``; ``cat_items()``: every
+    replica's items): meta tensors (unless the target is the meta device), uninitialized
+    parameters."""
+    if ctx.node is None:
         return None
     root = display_path(ctx.node, ROOT)
     found: list[str] = []
+    first: Tensor | None = None
     for r, value in enumerate(values):
         leaves, spec = flatten(value, root)
-        if not any(isinstance(x, Tensor) and x.is_meta for x in leaves):
+        empty = [
+            isinstance(x, Tensor)
+            and kinds.no_data(x)
+            and not (x.is_meta and ctx.target.type == "meta")
+            for x in leaves
+        ]
+        if not any(empty):
             continue
         paths = [format_path(root, n.path) for n in nodes(spec) if n.spec.is_leaf()]
-        found += [
-            f"{p} (replica {r})"
-            for p, x in zip(paths, leaves)
-            if isinstance(x, Tensor) and x.is_meta
-        ]
-    if not found:
+        found += [f"{p} (replica {r})" for p, e in zip(paths, empty) if e]
+        if first is None:
+            first = next(x for x, e in zip(leaves, empty) if e)
+    if first is None:
         return None
-    shown = ", ".join(found[:MAX_PATHS]) + (" ..." if len(found) > MAX_PATHS else "")
-    return Problem(META.format(target=ctx.target), True, "meta", path=shown)
+    shown_paths = ", ".join(found[:MAX_PATHS]) + (" ..." if len(found) > MAX_PATHS else "")
+    text, hint = kinds.no_data_text(first, ctx.target, shown)
+    return Problem(text, True, hint, path=shown_paths)
 
 
 def tree_equal(a: Any, b: Any) -> bool:
-    """Whether two subtrees hold equal values (tensors by value, array-likes as arrays), NaN
-    equal to NaN in the same place (a value compared with itself is the same value)."""
+    """Whether two subtrees hold equal values (tensors of every kind by value, array-likes as
+    arrays), NaN equal to NaN in the same place (a value compared with itself is the same
+    value)."""
     la, sa = flatten(a)
     lb, sb = flatten(b)
     if sa != sb:
@@ -252,23 +231,11 @@ def tree_equal(a: Any, b: Any) -> bool:
         if isinstance(x, Tensor) or isinstance(y, Tensor):
             if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
                 return False
-            if x.shape != y.shape or not _same_tensor(x, y.to(x.device)):
+            if not kinds.same_values(x, y):
                 return False
         elif not _same_value(x, y):
             return False
     return True
-
-
-def _same_tensor(x: Tensor, y: Tensor) -> bool:
-    """``torch.equal``, with NaN equal to NaN where both hold one (complex: part by part)."""
-    if torch.equal(x, y):
-        return True
-    if not (x.is_floating_point() or x.is_complex()) or x.dtype != y.dtype:
-        return False
-    if x.is_complex():
-        x, y = torch.view_as_real(x), torch.view_as_real(y)
-    nan = x.isnan()
-    return torch.equal(nan, y.isnan()) and torch.equal(x[~nan], y[~nan])
 
 
 def _same_value(x: Any, y: Any) -> bool:

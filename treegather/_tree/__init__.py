@@ -2,6 +2,7 @@
 
 :mod:`.registry` (the namespace, registration, the torch-pytree bridge, optional integrations),
 :mod:`.batch` (nodes that carry the batch: metadata that follows the rows, values split by rows),
+:mod:`.held` (where a value treegather does not know holds a tensor),
 :mod:`.ops` (flatten, the plain definition), :mod:`.paths` (every node's path as the user would
 type it) and :mod:`.text` (how messages describe a value).
 """
@@ -17,9 +18,13 @@ from .batch import (
     along_rows,
     batch_nodes,
     is_batched,
+    one_row_of,
     rebuild,
+    rows_class,
+    rows_of,
     unwrapped,
 )
+from .held import held_tensor
 from .ops import depth_error, flatten, move_tree
 from .paths import (
     INPUT_AND_KWARGS,
@@ -43,7 +48,7 @@ from .registry import (
     sync,
     watch,
 )
-from .text import describe, dtype_text, shape_text
+from .text import describe, dtype_text, shape_text, type_name
 
 __all__ = [
     "BatchNode",
@@ -66,17 +71,22 @@ __all__ = [
     "dtype_text",
     "flatten",
     "format_path",
+    "held_tensor",
     "is_batched",
     "is_call_root",
     "is_leaf",
     "leaf_nodes",
     "move_tree",
     "nodes",
+    "one_row_of",
     "rebuild",
     "register_dataclass",
     "register_node",
     "registry_version",
+    "rows_class",
+    "rows_of",
     "shape_text",
+    "type_name",
     "sync",
     "unwrapped",
     "watch",

@@ -10,7 +10,10 @@ Two kinds of registered node depend on the batch beyond their leaves:
   of the joined rows (gather, the distributed gathers, a Collector), never guessed from leaves.
 - A value whose leaves are not laid out by rows (a ``PackedSequence``: its rows interleave,
   time-major) is held whole, as a :class:`Rows` leaf with the functions that split it by rows
-  and join it (unpack, join, pack again); the default scatter and gather rules call them.
+  and join it (unpack, join, pack again); the default scatter and gather rules call them. A
+  class whose subclasses are made at run time (PyG's graph batches) cannot be registered as a
+  node: :func:`rows_class` names its base instead, and :func:`rows_of` holds such a leaf as a
+  ``Rows`` value while a step works on it, so one code path serves both.
 
 Finding the batch nodes of a structure walks it; :func:`is_batched` tells in constant time
 whether a structure that :func:`treegather._tree.flatten` made has any (a thread's flatten
@@ -44,9 +47,12 @@ __all__ = [
     "counted",
     "is_batched",
     "note",
+    "one_row_of",
     "rebuild",
     "resized",
+    "rows_class",
     "rows_kind",
+    "rows_of",
     "rule_of",
     "set_rule",
     "tally",
@@ -395,9 +401,15 @@ class RowsKind(NamedTuple):
     split: Callable[[Any, Sequence[int]], list[Any]]
     """``(value, sizes) -> one value per shard`` of those rows, in order."""
     join: Callable[[Sequence[Any]], Any]
-    """``values -> one value`` of every value's rows, in order."""
+    """``values -> one value`` of every value's rows, in order (all on one device)."""
     to: Callable[[Any, torch.device], Any]
-    """``(value, device) -> value`` on ``device``."""
+    """``(value, device) -> value`` on ``device`` (a new value when it moves: never the
+    argument changed)."""
+    problem: Callable[[Any], str | None] | None = None
+    """``value -> why it cannot be split by rows`` (``None``: it can); absent: always can."""
+    batched: str = ""
+    """How single rows become one value of this kind (the fix an error suggests for one row
+    sent where a batch of them is split: ``"torch_geometric.data.Batch.from_data_list"``)."""
 
 
 _KINDS: dict[str, RowsKind] = {}
@@ -413,46 +425,151 @@ def rows_kind(kind: RowsKind) -> RowsKind:
     return kind
 
 
-def _rows_of(value: Any, name: str) -> Rows:
-    return Rows(value, _KINDS[name])
+def _rows_of(value: Any, name: str, bare: bool = False) -> Rows:
+    return Rows(value, _KINDS[name], bare)
 
 
 class Rows:
-    """A value a registered node holds whole because its rows are not laid out along a dim of
-    its leaves (a ``PackedSequence``), with the functions that split it by rows and join it.
+    """A value laid out by rows its own way (a ``PackedSequence``), with the functions that
+    split it by rows and join it.
 
-    :func:`treegather.scatter` splits it with the batch (its rows count in the batch size), and
-    :func:`treegather.gather` joins the replicas' values by default; the node's unflatten takes
-    the value back out (a list of them under ``as_list()``).
+    It comes in two forms, one behaviour. A registered node holds one as its child (the
+    ``PackedSequence`` node, a ``LazyStackedTensorDict`` stacked along dim 0), and its unflatten
+    takes the value back out. A leaf whose class is laid out by rows (:func:`rows_class`: a PyG
+    graph batch, whose classes are made at run time) is the value itself in the tree:
+    :func:`rows_of` holds it ``bare`` while a step works on it, and :attr:`held` gives the tree
+    the value itself again. :func:`treegather.scatter` splits either with the batch (its rows
+    count in the batch size), and :func:`treegather.gather` joins the replicas' values by
+    default (a list of them under ``as_list()``).
     """
 
-    __slots__ = ("kind", "value")
+    __slots__ = ("bare", "kind", "value")
 
-    def __init__(self, value: Any, kind: RowsKind) -> None:
+    def __init__(self, value: Any, kind: RowsKind, bare: bool = False) -> None:
         self.value = value
         self.kind = kind
+        self.bare = bare
 
     def __repr__(self) -> str:
         return f"<{self.kind.name} of {self.kind.rows(self.value)} rows>"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rows_of, (self.value, self.kind.name))
+        return (_rows_of, (self.value, self.kind.name, self.bare))
 
     @property
     def rows(self) -> int:
         return self.kind.rows(self.value)
 
+    @property
+    def held(self) -> Any:
+        """What the tree holds in this value's place: the value itself when it is a leaf
+        (``bare``), else this wrapper (a registered node's child, which its unflatten takes)."""
+        return self.value if self.bare else self
+
+    def problem(self) -> str | None:
+        """Why this value cannot be split by rows (``None``: it can)."""
+        check = self.kind.problem
+        return None if check is None else check(self.value)
+
     def split(self, sizes: Sequence[int]) -> list[Rows]:
-        return [Rows(v, self.kind) for v in self.kind.split(self.value, sizes)]
+        kind, bare = self.kind, self.bare
+        return [Rows(v, kind, bare) for v in kind.split(self.value, sizes)]
 
     def to(self, device: torch.device) -> Rows:
-        return Rows(self.kind.to(self.value, device), self.kind)
+        return Rows(self.kind.to(self.value, device), self.kind, self.bare)
 
     @staticmethod
     def join(values: Sequence[Rows], device: torch.device) -> Rows:
-        """Every replica's rows, in order, on ``device``."""
+        """Every replica's rows, in order, on ``device`` (each moved there first: the
+        replicas may live on several devices)."""
         kind = values[0].kind
-        return Rows(kind.to(kind.join([v.value for v in values]), device), kind)
+        joined = kind.join([kind.to(v.value, device) for v in values])
+        return Rows(joined, kind, values[0].bare)
+
+
+# ------------------------------------------------------------ classes laid out by rows
+
+Resolve = Callable[[], type | None]
+
+
+class _RowsClass(NamedTuple):
+    base: Resolve
+    kind: RowsKind
+    one: Resolve | None
+
+
+_CLASSES: list[_RowsClass] = []
+_NOT_ROWS = frozenset(
+    [type(None), bool, int, float, complex, str, bytes, list, tuple, dict, torch.Tensor]
+)
+
+
+def rows_class(base: Resolve, kind: RowsKind, one: Resolve | None = None) -> None:
+    """Hold every instance of a subclass of ``base()`` as a value laid out by rows of ``kind``,
+    a leaf (:class:`Rows`, ``bare``): for classes made at run time, which cannot be registered
+    as nodes one by one (PyG makes ``DataBatch``, ``HeteroDataBatch`` and one batch class per
+    ``Data`` subclass as they are first batched). ``base`` returns the class once its library
+    is loaded, else ``None`` (nothing can be an instance of it yet, so ``import treegather``
+    imports no such library). An instance of a subclass of ``one()`` that is no such value is
+    one row of one (a single graph): scatter refuses it, saying ``kind.batched`` makes a batch.
+    """
+    _CLASSES.append(_RowsClass(base, kind, one))
+    _BY_CLASS.clear()
+
+
+# class -> (kind, whether an instance is one row of that kind), or None: the classes of the
+# non-tensor leaves seen, each looked up once. Not a cache: a fact about a live class (whether
+# it subclasses another never changes), gone with it.
+_BY_CLASS: weakref.WeakKeyDictionary[type, tuple[RowsKind, bool] | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _class_kind(cls: type) -> tuple[RowsKind, bool] | None:
+    try:
+        return _BY_CLASS[cls]
+    except KeyError:
+        pass
+    except TypeError:  # (a class that cannot be held weakly)
+        return None
+    found: tuple[RowsKind, bool] | None = None
+    for entry in _CLASSES:
+        base = entry.base()
+        if base is not None and issubclass(cls, base):
+            found = (entry.kind, False)
+            break
+        one = entry.one() if entry.one is not None else None
+        if one is not None and issubclass(cls, one):
+            found = (entry.kind, True)
+    _BY_CLASS[cls] = found  # (a class made before its library loaded subclasses none of it)
+    return found
+
+
+def rows_of(value: Any) -> Rows | None:
+    """``value`` as a value laid out by rows: itself when it is a :class:`Rows` (a registered
+    node's child), held ``bare`` when its class is laid out by rows (:func:`rows_class`), else
+    ``None``. A tensor, a number or a string costs one type check.
+
+    >>> rows_of(1.0) is None, rows_of("text") is None
+    (True, True)
+    """
+    kind = type(value)
+    if kind is Rows:
+        return value
+    if kind in _NOT_ROWS or not _CLASSES:
+        return None
+    found = _class_kind(kind)
+    return None if found is None or found[1] else Rows(value, found[0], True)
+
+
+def one_row_of(value: Any) -> RowsKind | None:
+    """The kind ``value`` is one row of (a single PyG ``Data``, one graph of a graph batch),
+    else ``None``."""
+    kind = type(value)
+    if kind in _NOT_ROWS or kind is Rows or not _CLASSES:
+        return None
+    found = _class_kind(kind)
+    return found[0] if found is not None and found[1] else None
 
 
 def unwrapped(child: Any) -> Any:

@@ -6,10 +6,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from .._errors import safe_repr
+from .batch import rows_of
 
-__all__ = ["describe", "dtype_text", "shape_text"]
+__all__ = ["describe", "dtype_text", "shape_text", "type_name"]
 
 
 def shape_text(shape: Sequence[Any]) -> str:
@@ -26,11 +28,37 @@ def dtype_text(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def type_name(value: Any) -> str:
+    """The name messages give a value's type: its class's, or for a value laid out by rows
+    (:func:`~treegather._tree.rows_of`) its kind's (``PackedSequence``, ``graph batch``).
+
+    >>> type_name(1.0), type_name([])
+    ('float', 'list')
+    """
+    rows = rows_of(value)
+    if rows is not None:
+        return rows.kind.name
+    return type(value).__qualname__
+
+
 def describe(value: Any) -> str:
     """A short description of a leaf for error messages: shape/dtype/device or type, and a
-    ``repr`` cut to 60 characters that never raises (:func:`treegather._errors.safe_repr`)."""
+    ``repr`` cut to 60 characters that never raises (:func:`treegather._errors.safe_repr`); a
+    value laid out by rows by its kind and rows (``PackedSequence of 3 rows``)."""
+    rows = None if isinstance(value, torch.Tensor) else rows_of(value)
+    if rows is not None:
+        try:
+            return f"{rows.kind.name} of {rows.rows} rows"
+        except Exception:  # (a kind whose rows cannot be read from this value)
+            return rows.kind.name
     if isinstance(value, torch.Tensor):
         if value.is_nested:  # a nested tensor has no single shape
             return f"nested Tensor(dtype={value.dtype}, device={value.device})"
-        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+        if isinstance(value, UninitializedTensorMixin):  # (no shape yet)
+            return f"{type(value).__name__}(dtype={value.dtype}, device={value.device})"
+        layout = "" if value.layout is torch.strided else f", layout={value.layout}"
+        return (
+            f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}{layout}, "
+            f"device={value.device})"
+        )
     return f"{type(value).__qualname__} {safe_repr(value, 60)}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import pickle
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -20,12 +21,19 @@ import torch.distributed as dist
 
 from .._caches import LRU
 from .._devices import DeviceLike, as_device
-from .._errors import BatchSizeError, StateError, StructureMismatchError, TreegatherError
+from .._errors import (
+    BatchSizeError,
+    LeafTypeError,
+    StateError,
+    StructureMismatchError,
+    TreegatherError,
+)
 from .._layout import Plan, resolve
-from .._rules import AsList
+from .._rules import AsList, kinds
 from .._tree import along_rows, batch_nodes, display_path, rebuild
 from . import calls, errors
 from .describe import format_problems
+from .drops import Drop, drops
 from .exchange import COLLECT
 from .layout import layout_text
 from .loaders import OBSERVE, Observation, dataset_key, index_tensor, observe, pure_sampler, read
@@ -33,6 +41,7 @@ from .samples import (
     CROSS,
     ITEMS,
     PER_ADD,
+    ROWS,
     SAMPLES,
     Opaque,
     Texts,
@@ -63,6 +72,7 @@ class _Problem(NamedTuple):
 
     error: str  # the error class's name
     message: str
+    why: tuple[str, ...] = ()  # an incomplete epoch's reasons (_Short.why)
 
 
 class Payload(NamedTuple):
@@ -109,11 +119,14 @@ class Collector:
     ``Collector(sampler)`` (or ``Collector(loader)``) with a plain loop, or a loop a framework
     runs (Lightning: ``Collector(trainer.val_dataloaders)``), reads the sampler again at the
     first add, which only ``SequentialSampler``, ``DistributedSampler``, a ``BatchSampler``
-    over those and wrappers that hand one of them on (Lightning's) allow; ``add(outputs,
+    over those, wrappers that hand one of them on (Lightning's) and accelerate's
+    ``BatchSamplerShard`` over those (the Hugging Face Trainer's) allow; ``add(outputs,
     indices=...)`` names the rows itself. Every rank's loader must index the same dataset (its
     class, length and a ``Subset``'s indices are compared). A sample seen twice (a
     ``DistributedSampler``'s padding) is kept once, the first rank's, in dataset index order
-    (:attr:`indices`); every rank must add its whole epoch (``partial=True``: what was added).
+    (:attr:`indices`); every rank must add its whole epoch, and its loader must have seen the
+    dataset: one that drops samples (``drop_last=True`` on the ``DataLoader``, a
+    ``DistributedSampler`` or a ``BatchSampler``) has not (``partial=True``: what was added).
 
     Per-sample leaves are those the layout joins along the batch dim (``cat()``, ``cat(-2)`` of
     2-D leaves, ``pad(0)``) and lists under ``cat_items()``; every other leaf is one value per
@@ -143,6 +156,7 @@ class Collector:
         group: Any = None,
     ) -> None:
         self._sampler = pure_sampler(source)
+        self._drops = [] if source is None else drops(source)  # (drop_last: what it leaves out)
         ds = getattr(source, "dataset", None)  # (a DataLoader's, a DistributedSampler's)
         self._dataset = None if ds is None else dataset_key(ds)
         self._device = None if device is None else as_device(device)
@@ -248,10 +262,11 @@ class Collector:
                 ``partial=self.trainer.sanity_checking``.
 
         Raises:
-            BatchSizeError: a rank added fewer (or more) rows than its epoch holds, or rows
-                that are not its loader's, or a batch's adds hold more or fewer rows than it
-                has samples (:meth:`observe`), or the ranks' loaders index different datasets;
-                raised on every rank.
+            BatchSizeError: a rank added fewer (or more) rows than its epoch holds, or its
+                loader drops samples of the dataset (``drop_last``: the error says how many and
+                where), or rows that are not its loader's, or a batch's adds hold more or fewer
+                rows than it has samples (:meth:`observe`), or the ranks' loaders index
+                different datasets; raised on every rank.
             StructureMismatchError: the ranks' adds differ in structure (the path is named).
             LayoutError: the ranks passed different layouts (or ``partial``); a list of
                 non-tensors has no rule.
@@ -294,7 +309,7 @@ class Collector:
             else:
                 _complete(0, source, bool(partial))
         except TreegatherError as exc:  # raised on every rank, after the exchange
-            local = _Problem(type(exc).__name__, str(exc))
+            local = _Problem(type(exc).__name__, str(exc), getattr(exc, "why", ()))
         except Exception as exc:  # (not ours: every rank still learns of it, instead of waiting)
             if not _initialized():
                 raise
@@ -343,10 +358,10 @@ class Collector:
         seen = self._seen
         if seen is not None:
             order, ends = seen.rows()
-            return _Rows(order, ends, seen)
+            return _Rows(order, ends, seen, seen.drops)
         if self._order is None and self._sampler is not None:
             self._order = read(self._sampler)
-        return _Rows(self._order, None, None)
+        return _Rows(self._order, None, None, self._drops)
 
     def _local(
         self, adds: list[_Add], source: Any, partial: bool, layout: Any, plans: dict[Any, Any]
@@ -461,7 +476,10 @@ class Collector:
 
         columns = list(zip(*per_rank))
         values = join(columns, kinds, rules, device, reference, plain=plain, parts=True)
-        out = [v if k == PER_ADD else placed(v, order) for k, v in zip(kinds, values)]
+        out = [
+            v if k == PER_ADD else _placed(v, order, plan, p, rules[p], device)
+            for p, (k, v) in enumerate(zip(kinds, values))
+        ]
         if PER_ADD in kinds:  # one value per add, weighted by the adds' rows
             rows = torch.cat([p.rows for _, p in present]).tolist()
             many = len(present) > 1
@@ -475,11 +493,45 @@ class Collector:
                     try:
                         out[p] = gather_noted(out[p], device, rule, rows, "{r}", names)
                     except TreegatherError as exc:  # its paths start at the value: say where
-                        text, where = str(exc), display_path(plan.node_of(p), ROOT)
-                        text = where + text[len(ROOT) :] if text.startswith(ROOT) else text
-                        raise type(exc)(text) from None
+                        where = display_path(plan.node_of(p), ROOT)
+                        raise type(exc)(_at(str(exc), where)) from None
+                    except Exception as exc:  # a custom rule's own: its note names the leaf
+                        where = display_path(plan.node_of(p), ROOT)
+                        notes = getattr(exc, "__notes__", None)
+                        if notes:
+                            exc.__notes__ = [_at(n, where) for n in notes]
+                        raise
         self.indices = order.kept
         return rebuild(up, out, along_rows(found, order.kept.numel(), joined), ROOT, found)
+
+
+_ROOT_PATH = re.compile(r"(^|, | at |\n  - )outputs(?=[\[ .:(]|$)")
+
+
+def _at(text: str, where: str) -> str:
+    """A message about one leaf's values, gathered as a tree of their own (whose paths start
+    at ``outputs``), with the paths starting at the leaf's own path ``where``."""
+    return _ROOT_PATH.sub(lambda m: m.group(1) + where, text)
+
+
+def _placed(
+    values: list[Any], order: Any, plan: Plan, p: int, rule: Any, device: torch.device
+) -> Any:
+    """:func:`placed`, or a typed error naming the leaf where torch cannot put its rows in
+    order (``index_select`` of a kind of tensor that has none)."""
+    first = values[0]
+    if not isinstance(first, Tensor) or (type(first) is Tensor and kinds.ordinary(first)):
+        return placed(values, order, device)
+    try:
+        return placed(values, order, device)
+    except (RuntimeError, TypeError) as exc:  # (NotImplementedError is a RuntimeError)
+        shown = "cat()" if rule is None else rule.describe()
+        raise LeafTypeError(
+            f"{display_path(plan.node_of(p), ROOT)}: {shown} in a Collector puts the rows in "
+            f"dataset order, which torch cannot do for {kinds.kind_text(first)} "
+            f"{type(first).__name__}s ({type(exc).__name__}: {str(exc).splitlines()[0][:100]}); "
+            f"{kinds.fix(first)}, or keep each add's value with as_list()"
+        ) from None
 
 
 def _exchange(
@@ -510,36 +562,65 @@ def _ranks(group: Any) -> list[int]:
 
 
 def _problem_error(problems: list[tuple[int, _Problem]]) -> TreegatherError:
-    """Every rank's problem, as one error: the first one's class, its ranks named."""
+    """Every rank's problem, as one error: the first one's class, its ranks named (ranks with
+    the same problem on one line)."""
     short = [(r, p) for r, p in problems if p.error == INCOMPLETE]
-    if short:  # (what a rank lacks is reported before anything it added wrong)
-        return BatchSizeError(
-            format_problems(
-                "the evaluation is incomplete (the result would lack these ranks' samples)",
-                [f"rank {r}: {p.message}" for r, p in short],
-                "every rank must add every batch of its epoch (a step limit that one rank "
-                "reaches drops its samples); pass partial=True to take what was added "
-                "(col.indices then tells which samples the result holds; Lightning's sanity "
-                "check before fit: partial=self.trainer.sanity_checking)",
-            )
+    if not short:
+        return errors.rank_errors([(r, p.error, p.message) for r, p in problems])
+    # (what a rank lacks is reported before anything it added wrong)
+    by_message: dict[str, list[int]] = {}
+    for r, p in short:
+        by_message.setdefault(p.message, []).append(r)
+    why = {w for _, p in short for w in p.why}
+    hint = []
+    if DROPPED in why:
+        hint.append(
+            "a loader that drops samples has not seen the whole dataset: evaluate without "
+            "drop_last (DataLoader(drop_last=False); DistributedSampler(drop_last=False) pads "
+            "instead, and the Collector keeps each sample once)"
         )
-    return errors.rank_errors([(r, p.error, p.message) for r, p in problems])
+    if why - {DROPPED}:
+        hint.append(
+            "every rank must add every batch of its epoch (a step limit that one rank "
+            "reaches drops its samples)"
+        )
+    rows = [
+        f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items()
+    ]
+    return BatchSizeError(
+        format_problems(
+            "the evaluation is incomplete (the result would lack these ranks' samples)",
+            rows,
+            "; ".join(hint)
+            + ", or pass partial=True to take what was added (col.indices then tells which "
+            "samples the result holds; Lightning's sanity check before fit: "
+            "partial=self.trainer.sanity_checking)",
+        )
+    )
 
 
 class _Rows(NamedTuple):
     """Where a rank's adds take their rows: the indices of its epoch (``None``: only from
-    ``indices=``), each observed batch's end in them, and the loop observed."""
+    ``indices=``), each observed batch's end in them, the loop observed, and what its loader
+    leaves out of the dataset."""
 
     order: Tensor | None
     ends: list[int] | None
     seen: Observation | None
+    drops: list[Drop]
 
 
 class _Short(TreegatherError):
-    """A rank did not add its whole epoch (raised on every rank with the others' counts)."""
+    """A rank did not add its whole epoch (raised on every rank with the others' counts):
+    ``why`` names the reasons (:data:`STOPPED`, :data:`FEWER`, :data:`DROPPED`)."""
+
+    def __init__(self, reasons: list[tuple[str, str]]) -> None:
+        super().__init__("; and ".join(text for _, text in reasons))
+        self.why = tuple(kind for kind, _ in reasons)
 
 
 INCOMPLETE = _Short.__name__
+STOPPED, FEWER, DROPPED = "stopped", "fewer", "dropped"
 
 
 def _indices(rows: list[int], adds: list[_Add], source: _Rows) -> tuple[Tensor, int]:
@@ -732,10 +813,12 @@ def _given(a: int, n: int, add: _Add) -> Tensor | None:
 
 
 def _complete(taken: int, source: _Rows, partial: bool) -> None:
-    """Raise (on every rank, after the exchange) when this rank's adds lack rows of its epoch."""
+    """Raise (on every rank, after the exchange) when this rank's adds lack rows of its epoch:
+    every index its sampler chain would give with nothing dropped (:mod:`.drops`)."""
     order, seen = source.order, source.seen
     if partial or order is None:
         return
+    reasons: list[tuple[str, str]] = []
     if seen is not None and not seen.finished:
         of = f" of its loader's {seen.length}" if seen.length is not None else ""
         got = f"added {taken} of their {order.numel()} row(s)"
@@ -746,17 +829,31 @@ def _complete(taken: int, source: _Rows, partial: bool) -> None:
             if seen.yielded == seen.length
             else ""
         )
-        raise _Short(f"its loop stopped early (yielded {seen.yielded}{of} batch(es), {got}){why}")
-    if taken != order.numel():
+        text = f"its loop stopped early (yielded {seen.yielded}{of} batch(es), {got}){why}"
+        reasons.append((STOPPED, text))
+    elif taken != order.numel():
         how = "its loader yielded" if seen is not None else "its sampler holds"
         why = "" if seen is not None else " (a loader's drop_last? Collector(loader) knows it)"
-        raise _Short(f"it added {taken} of the {order.numel()} row(s) {how} this epoch{why}")
+        text = f"it added {taken} of the {order.numel()} row(s) {how} this epoch{why}"
+        reasons.append((FEWER, text))
+    if source.drops:
+        counts = [d.samples for d in source.drops]
+        many = "samples" if None in counts else f"{sum(c or 0 for c in counts)} sample(s)"
+        listed = ", and ".join(d.text for d in source.drops)
+        reasons.append((DROPPED, f"its loader drops {many} of the dataset: {listed}"))
+    if reasons:
+        raise _Short(reasons)
 
 
 def _raise_differences(present: list[tuple[int, Any]]) -> NoReturn:
     """The ranks' adds differ in structure, or (the same structure) in which leaves are per
     sample: name them."""
-    named = {SAMPLES: "per sample", ITEMS: "a per-sample list", PER_ADD: "one value per add"}
+    named = {
+        SAMPLES: "per sample",
+        ITEMS: "a per-sample list",
+        ROWS: "laid out by rows",
+        PER_ADD: "one value per add",
+    }
     shapes = [pickle.loads(p.shape) for _, p in present]
     same = all(s[0] == shapes[0][0] for s in shapes)
 

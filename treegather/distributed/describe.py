@@ -42,9 +42,10 @@ from .. import _layout, _tree
 from .._caches import FAST_PATHS, LRU
 from .._compiled import structure as _structure
 from .._errors import BatchSizeError, LeafTypeError, TreegatherError, safe_repr
-from .._rules import Cat
+from .._rules import Cat, kinds
+from . import pickling
 from .layout import layout_text
-from .payload import DTYPES, Local, Plan, layout_of, write
+from .payload import DTYPES, Local, Plan, home_of, layout_of, write
 
 __all__ = [
     "ROOT",
@@ -54,7 +55,6 @@ __all__ = [
     "format_problems",
     "grad_positions",
     "leaf_paths",
-    "unsendable",
 ]
 
 ROOT = "outputs"  # how error messages name the tree (as treegather.gather does)
@@ -149,7 +149,7 @@ def _ready(
     checked for :func:`write` (unless every leaf was ``read``); ``None`` when packing or the
     check refutes what it assumed (a shape, one layout, one device)."""
     if local.nbytes <= capacity:
-        home = next(iter(local.devices)) if len(local.devices) == 1 else torch.device("cpu")
+        home = home_of(local, torch.device("cpu"))
         buf = torch.empty(room + capacity, dtype=torch.uint8, device=home)
         if not write(local, buf[room:]):
             if assumed is not None:  # for good: shapes that alternate with the same counts
@@ -188,8 +188,14 @@ def _kept(
         assumed = last
         first = leaves[0] if leaves else None
     else:
-        shapes, dtypes = _signature(leaves)
-        if any(type(x) is _tree.Rows for x in leaves):
+        try:
+            found = _signature(leaves)
+        except RuntimeError:  # (a nested tensor has no sizes)
+            return None
+        if found is None:  # (a subclass: it travels pickled, as what it is)
+            return None
+        shapes, dtypes = found
+        if any(_tree.rows_of(x) is not None for x in leaves if type(x) is not Tensor):
             return None  # (joined by its own rule, and its rows are not a leaf's)
         seen = _seen(
             key, last, tree, spec, dtypes, shapes, layout, dim, sizes is not None, grads, order
@@ -202,7 +208,7 @@ def _kept(
     blob = b""
     if seen.plan.objects:
         try:
-            blob = pickle.dumps([leaves[i] for i in seen.plan.objects], pickle.HIGHEST_PROTOCOL)
+            blob = pickling.dumps([leaves[i] for i in seen.plan.objects])
         except Exception:
             return None
     devices = frozenset() if first is None else frozenset((first.device,))
@@ -225,33 +231,28 @@ def _described(
     """The call described from scratch: every leaf read and checked, a plan made for it alone
     (its digest ``(0, 0)``: its header travels)."""
     leaves, spec = _tree.flatten(tree, ROOT)
-    bad = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and unsendable(x)]
-    if bad:
-        paths = leaf_paths(spec)
-        problems = [
-            f"{paths[i]}: {_tree.describe(leaves[i])}, layout {leaves[i].layout}" for i in bad
-        ]
-        return _failed(
-            LeafTypeError,
-            format_problems(
-                "cannot send sparse, quantized, nested or meta tensors",
-                problems,
-                "convert them first (e.g. .to_dense() or .dequantize())",
-            ),
-        )
-    shapes, dtypes = _signature(leaves)
-    objects = [x for x in leaves if not isinstance(x, Tensor)]
+    # A tensor of another kind than a dense torch.Tensor (sparse, nested, quantized, meta, a
+    # subclass such as Parameter) travels pickled, as torch pickles it, and comes back as what
+    # it was, on a device of the kind it was on (``held``).
+    held = {
+        i: (_NAMES[x.dtype], x.device.type)
+        for i, x in enumerate(leaves)
+        if isinstance(x, Tensor) and not pickling.plain(x)
+    }
+    dtypes: list[Any] = [
+        None if i in held or not isinstance(x, Tensor) else x.dtype for i, x in enumerate(leaves)
+    ]
+    shapes: list[Any] = [None if d is None else x.size() for x, d in zip(leaves, dtypes)]
+    objects = [x for x, d in zip(leaves, dtypes) if d is None]
     try:
-        blob = pickle.dumps(objects, pickle.HIGHEST_PROTOCOL) if objects else b""
+        blob = pickling.dumps(objects) if objects else b""
     except Exception as exc:
         return _failed(LeafTypeError, _unpicklable(spec, leaves, exc))
     grads = grad_positions(leaves) if sync else None
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"held": held}
     if with_spec:
-        extra = {
-            "spec": spec,
-            "devices": [x.device.type if isinstance(x, Tensor) else None for x in leaves],
-        }
+        extra["spec"] = spec
+        extra["devices"] = [x.device.type if isinstance(x, Tensor) else None for x in leaves]
     try:
         plan = _build(
             tree, spec, dtypes, shapes, layout, dim, sizes is not None, grads, order, extra
@@ -320,7 +321,9 @@ def _same_counts(last: _Seen, leaves: list[Any]) -> bool:
         if not numels:
             return False
         counts = list(map(Tensor.numel, leaves))  # a TypeError for a leaf that is no tensor
-        return counts == numels and list(map(_DTYPE, leaves)) == last.dtypes
+        if counts != numels or list(map(_DTYPE, leaves)) != last.dtypes:
+            return False
+        return list(map(type, leaves)).count(Tensor) == len(leaves)  # (no subclass: pickled)
     except Exception:  # not a tensor, a nested tensor, ...: the shapes will tell
         return False
 
@@ -372,12 +375,24 @@ def _pickled(spec: PyTreeSpec) -> bytes:
     return pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _signature(leaves: list[Any]) -> tuple[list[Any], list[Any]]:
-    """Each leaf's shape and dtype (``None`` for non-tensors)."""
-    if list(map(type, leaves)).count(Tensor) == len(leaves):
+def _signature(leaves: list[Any]) -> tuple[list[Any], list[Any]] | None:
+    """Each leaf's shape and dtype (``None`` for non-tensors); ``None`` for a tree holding a
+    tensor subclass (it travels pickled, as what it is). A nested tensor's size raises."""
+    types = list(map(type, leaves))
+    if types.count(Tensor) == len(types):
         return list(map(Tensor.size, leaves)), list(map(_DTYPE, leaves))
-    shapes = [x.size() if isinstance(x, Tensor) else None for x in leaves]
-    return shapes, [x.dtype if isinstance(x, Tensor) else None for x in leaves]
+    shapes: list[Any] = []
+    dtypes: list[Any] = []
+    for x, kind in zip(leaves, types):
+        if kind is Tensor:
+            shapes.append(x.size())
+            dtypes.append(x.dtype)
+        elif isinstance(x, Tensor):
+            return None
+        else:
+            shapes.append(None)
+            dtypes.append(None)
+    return shapes, dtypes
 
 
 def _build(
@@ -470,11 +485,6 @@ def grad_positions(leaves: Sequence[Any]) -> tuple[int, ...]:
     return tuple(i for i, x in enumerate(leaves) if isinstance(x, Tensor) and x.requires_grad)
 
 
-def unsendable(t: Tensor) -> bool:
-    """Sparse, quantized, nested and meta tensors: no collective sends their bytes."""
-    return t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta
-
-
 # -------------------------------------------------------------------------------- packing
 
 
@@ -525,21 +535,30 @@ def leaf_paths(spec: PyTreeSpec) -> list[str]:
 
 def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
     problems = []
+    tensors = False
     for path, leaf in zip(leaf_paths(spec), leaves):
-        if isinstance(leaf, Tensor):
-            continue
+        if isinstance(leaf, Tensor) and pickling.plain(leaf):
+            continue  # (its bytes travel)
         try:
-            pickle.dumps(leaf, protocol=pickle.HIGHEST_PROTOCOL)
+            pickling.dumps(leaf)
         except Exception as leaf_exc:
-            problems.append(
-                f"{path}: {_tree.describe(leaf)} ({type(leaf_exc).__name__}: {leaf_exc})"
-            )
+            said = safe_repr(leaf_exc, 100, text=str)
+            problem = f"{path}: {_tree.describe(leaf)} ({type(leaf_exc).__name__}: {said})"
+            if isinstance(leaf, Tensor):
+                tensors = True
+                problem += f": {kinds.kind_text(leaf)} tensors cannot be pickled"
+            problems.append(problem)
     if not problems:
         problems.append(f"the tree's structure ({type(exc).__name__}: {exc})")
+    hint = "turn them into tensors, strings or numbers, or leave them out of the tree"
+    if tensors:
+        hint = (
+            "convert such tensors first (e.g. .to_dense() for an mkldnn or sparse tensor); " + hint
+        )
     return format_problems(
-        "non-tensor leaves must be picklable to travel between ranks",
+        "leaves must be picklable (tensors of most kinds are) to travel between ranks",
         problems,
-        "turn them into tensors, strings or numbers, or leave them out of the tree",
+        hint,
     )
 
 

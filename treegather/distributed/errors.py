@@ -105,7 +105,8 @@ def check_leaves(
         # Tensors everywhere, of other dtypes: the rules say what is wrong, as gather's do
         # (every rank's values stand in as meta tensors of their dtype and shape).
         plan = resolve(spec, layout, "gather", dim, ROOT)
-        columns = list(zip(*(_stand_ins(h, r, n) for h, r in zip(headers, rows))))
+        stand_ins = (_stand_ins(h, r, o, n) for h, r, o in zip(headers, rows, objects))
+        columns = list(zip(*stand_ins))
         problem = diagnose(plan, columns, dim, None)
         if problem is not None:
             raise type(problem)(f"{problem}\n{rank_note(ranks)}")
@@ -118,8 +119,9 @@ def check_leaves(
 
 
 def _up_kinds(header: dict[str, Any], n: int) -> list[str | None]:
-    """Per leaf of the up-structure: ``"Tensor(dtype)"``, ``"object"``, or None (taken whole)."""
-    meta, groups = header["meta"], header["groups"] or {}
+    """Per leaf of the up-structure: ``"Tensor(dtype)"`` (a tensor that travelled pickled too),
+    ``"object"``, or None (taken whole)."""
+    meta, groups, held = header["meta"], header["groups"] or {}, header.get("held") or {}
     out: list[str | None] = []
     k = 0
     for pos in range(n):
@@ -129,7 +131,13 @@ def _up_kinds(header: dict[str, Any], n: int) -> list[str | None]:
             k += sub.num_leaves
         else:
             m = meta[k]
-            out.append("object" if m is None else f"Tensor({m[0]})")
+            out.append(
+                f"Tensor({m[0]})"
+                if m is not None
+                else f"Tensor({held[k][0]})"
+                if k in held
+                else "object"
+            )
             k += 1
     return out
 
@@ -143,14 +151,14 @@ def _shown(header: dict[str, Any], objects: list[Any], pos: int, kind: str | Non
     return type(objects[[m is None for m in header["meta"]][:k].count(True)]).__qualname__
 
 
-def _stand_ins(header: dict[str, Any], rows: list[int], n: int) -> list[Any]:
+def _stand_ins(header: dict[str, Any], rows: list[int], objects: list[Any], n: int) -> list[Any]:
     """Per leaf of the up-structure, what a check of the rules can look at: a meta tensor of
-    the leaf's dtype and shape, a placeholder object, or ``None`` for a node taken whole."""
+    the leaf's dtype and shape, the object itself, or ``None`` for a node taken whole."""
     leaves: list[Any] = []
-    at = iter(rows)
+    at, found = iter(rows), iter(objects)
     for m in header["meta"]:
         if m is None:
-            leaves.append(object())
+            leaves.append(next(found))
         else:
             shape = () if m[1] is None else (next(at), *m[1])
             leaves.append(torch.empty(shape, dtype=DTYPES[m[0]], device="meta"))

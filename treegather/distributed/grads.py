@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from .. import _tree
 
@@ -130,9 +131,17 @@ def unsynced(out: Any, leaves: Sequence[Any] | None, tree: Any) -> Any:
     ):
         return out
     anchor, (found, spec) = torch.empty(0, requires_grad=True), _tree.flatten(out)
-    return spec.unflatten(
-        [_Unsynced.apply(anchor, x) if isinstance(x, Tensor) else x for x in found]
-    )
+    return spec.unflatten([_guarded(anchor, x) if isinstance(x, Tensor) else x for x in found])
+
+
+def _guarded(anchor: Tensor, x: Tensor) -> Tensor:
+    """``x`` through :class:`_Unsynced`, where that keeps its type (a ``Parameter`` rebuilt
+    from another rank's, a leaf by definition, stays the ``Parameter`` it was; a tensor
+    without data is kept too)."""
+    if isinstance(x, UninitializedTensorMixin):
+        return x
+    guarded = _Unsynced.apply(anchor, x)
+    return guarded if type(guarded) is type(x) else x
 
 
 class _Unsynced(torch.autograd.Function):

@@ -1,9 +1,10 @@
 """Where a Collector's rows come from: the dataset indices a loader hands out, observed.
 
 :func:`observe` records what a loader's index sampler hands out as the loader iterates it
-(nothing is iterated twice); :func:`pure_sampler`, for ``Collector(sampler)``, takes only a
-sampler that reading again changes nothing in (:mod:`.samplers`); :func:`index_tensor` checks ``add(indices=...)``;
-:func:`dataset_key` is what the ranks compare of the datasets their indices index.
+(nothing is iterated twice) and what its samplers drop (:mod:`.drops`); :func:`pure_sampler`,
+for ``Collector(sampler)``, takes only a sampler that reading again changes nothing in
+(:mod:`.samplers`); :func:`index_tensor` checks ``add(indices=...)``; :func:`dataset_key` is
+what the ranks compare of the datasets their indices index.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.utils.data import (
 )
 
 from .._errors import ArgumentTypeError
+from .drops import Drop, drops
 from .samplers import chain, reader
 
 __all__ = ["Observation", "index_tensor", "observe", "pure_sampler"]
@@ -39,10 +41,11 @@ OBSERVE = (
 class Observation:
     """One pass over a loader: what its index sampler handed out, and how far the loop got."""
 
-    __slots__ = ("at", "dataset", "finished", "handed", "length", "started", "yielded")
+    __slots__ = ("at", "dataset", "drops", "finished", "handed", "length", "started", "yielded")
 
     def __init__(self) -> None:
         self.dataset: tuple[str, str] | None = None  # what its indices index (dataset_key)
+        self.drops: list[Drop] = []  # what its samplers leave out of the dataset (drop_last)
         self.handed: list[array[int] | str] = []  # each batch of indices handed out, copied
         self.length: int | None = None  # len(loader) when it has one
         self.started = False  # the loader iterated the index sampler it was given
@@ -179,6 +182,7 @@ def observe(loader: Iterable[Any], seen: Observation) -> Iterator[Any]:
     with contextlib.suppress(TypeError):  # (a sampler with no length: the loader has none)
         seen.length = len(base)  # (accelerate's loaders: their base's length)
     seen.dataset = dataset_key(base.dataset)
+    seen.drops = drops(base)
     return _batches(loader, base, seen)
 
 
@@ -244,7 +248,8 @@ def pure_sampler(source: Any) -> Any:
         "read again (random samplers draw a new one, accelerate's advance their epoch), so the "
         f"Collector will not read it a second time: {OBSERVE}. Collector(sampler) reads "
         "SequentialSampler, DistributedSampler, Lightning's samplers over those, a BatchSampler "
-        "over those, or a wrapper that hands one of them on"
+        "over those, accelerate's BatchSamplerShard over one, or a wrapper that hands one of "
+        "them on"
     )
 
 

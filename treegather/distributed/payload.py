@@ -36,6 +36,7 @@ __all__ = [
     "Plan",
     "Region",
     "geometry",
+    "home_of",
     "layout_of",
     "padded",
     "plan_from_header",
@@ -170,7 +171,7 @@ def write(local: Local, out: Tensor, prefix: Sequence[int] = ()) -> bool:
     a failure status, which every rank reads, and the result is ``False``.
     """
     assert local.plan is not None
-    home = next(iter(local.devices)) if len(local.devices) == 1 else out.device
+    home = home_of(local, out.device)
     try:
         if home == out.device:
             _write(local, out, prefix)
@@ -184,6 +185,16 @@ def write(local: Local, out: Tensor, prefix: Sequence[int] = ()) -> bool:
         out[: INT64 * len(status)].view(torch.int64).copy_(status)
         return False
     return True
+
+
+def home_of(local: Local, fallback: torch.device) -> torch.device:
+    """Where ``local``'s tensors are packed: their device, when they are on one (a meta
+    tensor travels pickled, never as bytes), else ``fallback`` (they are moved there)."""
+    if len(local.devices) == 1:
+        (device,) = local.devices
+        if device.type != "meta":
+            return device
+    return fallback
 
 
 def _write(local: Local, out: Tensor, prefix: Sequence[int]) -> None:
@@ -410,6 +421,11 @@ def _region_results(
         # tens of MiB is mapped fresh, and page-faulted, on every call.
         return list(map(torch.cat, zip(*_pieces(j, region, geometry, buf))))
     rows = [rank_rows[region.rows] for rank_rows in geometry.rows]
+    if not region.row_bytes:  # rows of no bytes (a trailing dim of 0): nothing to reorder
+        return [
+            torch.empty((sum(leaf), *region.trailing), dtype=region.dtype, device=buf.device)
+            for leaf in zip(*rows)
+        ]
     aligned = all(start[j] % region.row_bytes == 0 for start in geometry.starts)
     if len(rows) > 1 and (aligned or len(region.positions) >= _INDEXED_MIN):
         return _gather_rows(j, region, geometry, buf, rows, aligned)

@@ -76,6 +76,8 @@ def place(
     if headers is None and plan.vectorised:
         return Placed(unpack(plan, where, buf, objects, spec), [], None, None, target)
     leaves = [rank_leaves(p, where, r, buf, objects[r]) for r, p in enumerate(plans)]
+    for h, rank in zip(headers or (), leaves):
+        _place_held(h, rank)
     trees = (spec, None) if headers is None else (up_spec, headers)
     return Placed(_NONE, leaves, trees, where.sizes, target)
 
@@ -93,9 +95,18 @@ def sent(arrived: Arrived, src: int) -> Any:
     objects = pickle.loads(tensor_bytes(arrived.buf[a:b])) if plan.objects else []
     leaves = rank_leaves(plan, where, 0, arrived.buf, objects)
     for i, kind in enumerate(header["devices"]):
-        if kind is not None:
+        if kind is not None and i not in header["held"]:
             leaves[i] = leaves[i].to(receiving_device(kind), copy=True)
+    _place_held(header, leaves)
     return header["spec"].unflatten(leaves)
+
+
+def _place_held(header: dict[str, Any], leaves: list[Any]) -> None:
+    """The tensors that travelled pickled (rebuilt on the CPU) on this rank's device of the
+    kind the sender's were on (in place); meta tensors stay meta."""
+    for i, (_, kind) in (header.get("held") or {}).items():
+        if kind not in ("cpu", "meta"):
+            leaves[i] = leaves[i].to(receiving_device(kind))
 
 
 def trees(placed: Placed) -> list[Any]:

@@ -14,6 +14,12 @@ not by its name (a framework's private class may change):
   Trainer puts in its predict loaders): its ``dataset`` holds one sampler known here (and plain
   data), and a copy of it hands out that sampler's items at the positions its base class's order
   names.
+- a *sharding* wrapper (accelerate's ``BatchSamplerShard``, in the loaders ``Accelerator.prepare``
+  and the Hugging Face ``Trainer`` make): it holds one sampler known here, plain data, and its
+  process's place among the processes sharing it (ints ``num_processes`` > ``process_index`` >=
+  0); a copy of it hands out this process's share, a function of what it holds alone: its read
+  writes nothing on the copy (its plain data compare equal before and after), and two copies
+  read alike. That read is its order.
 
 Every read is of copies (:func:`reader`): a wrapper's records, a live iterator and whatever a
 read writes (a list the wrapper's dataset keeps) stay as they were in the loader's objects.
@@ -34,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler, SequentialSampler
 
-__all__ = ["chain", "reader"]
+__all__ = ["at", "chain", "place", "reader", "wrapped"]
 
 Tensor = torch.Tensor
 _LIGHTNING = ("lightning.pytorch.overrides.distributed", "pytorch_lightning.overrides.distributed")
@@ -119,9 +125,9 @@ def _restore(states: tuple[Any, Any, Any]) -> None:
 
 
 def reader(sampler: Any) -> Any:
-    """Something to read ``sampler``'s order from now (itself, or copies of what it holds),
-    reading which writes on nothing the loader holds; ``None`` when that order is not known to
-    be the same each time it is read."""
+    """Something to read ``sampler``'s order from now (itself, copies of what it holds, or the
+    items a copy handed out), reading which writes on nothing the loader holds; ``None`` when
+    that order is not known to be the same each time it is read."""
     kind = type(sampler)
     if kind in _INDICES or _own_order(kind):
         return sampler
@@ -133,9 +139,32 @@ def reader(sampler: Any) -> Any:
             return _copied(sampler, {"sampler": inner})
         if isinstance(sampler, DistributedSampler):
             return _redistributing(sampler)
+        if place(sampler) is not None:
+            return _sharding(sampler)
         return _pass_through(sampler)
     except Exception:  # (a wrapper that does not copy or iterate as one: not known)
         return None
+
+
+def place(sampler: Any) -> tuple[int, int, str, Any] | None:
+    """Where a *sharding* wrapper stands: ``(process_index, num_processes, name, held)``, the
+    one sampler it holds under ``name``; ``None`` for any other object."""
+    held = _held(sampler)
+    state = getattr(sampler, "__dict__", None) or {}
+    index, count = state.get("process_index"), state.get("num_processes")
+    if held is None or len(held) != 1 or type(index) is not int or type(count) is not int:
+        return None
+    if not 0 <= index < count:
+        return None
+    ((name, inner),) = held.items()
+    return index, count, name, inner
+
+
+def at(sampler: Any, index: int) -> Any:
+    """A copy of a sharding wrapper (:func:`place`) standing at another ``process_index``."""
+    out = _copied(sampler, {})
+    vars(out)["process_index"] = index
+    return out
 
 
 def _pass_through(wrapper: Any) -> Any:
@@ -149,6 +178,41 @@ def _pass_through(wrapper: Any) -> Any:
     if handed is None:
         return None
     return next((r for r in readers.values() if _items(r) == handed), None)
+
+
+def _sharding(wrapper: Any) -> list[Any] | None:
+    """What a sharding wrapper hands this process (:func:`place`), read from copies: ``None``
+    unless the read is a function of what it holds (it writes nothing on the copy, draws from
+    no global generator, and two copies read alike)."""
+    found = place(wrapper)
+    assert found is not None
+    name, inner = found[2], reader(found[3])
+    if inner is None:
+        return None
+    reads = []
+    for _ in range(2):
+        copied = _copied(wrapper, {name: inner})
+        before = _plain(copied, name)
+        handed = _drawn(copied)
+        if before is None or handed is None or _plain(copied, name) != before:
+            return None  # (an epoch it advances, a seed it draws: another order next time)
+        reads.append(handed)
+    return reads[0] if reads[0] == reads[1] else None
+
+
+def _plain(obj: Any, held: str) -> bytes | None:
+    """``obj``'s state but the sampler it holds under ``held``, as bytes that compare equal
+    while it is unchanged (a live iterator stands as its type); ``None`` when it does not
+    pickle."""
+    state = {
+        k: type(v).__qualname__ if isinstance(v, Iterator) else v
+        for k, v in vars(obj).items()
+        if k != held
+    }
+    try:
+        return pickle.dumps(state, pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return None
 
 
 def _redistributing(sampler: DistributedSampler[Any]) -> Any:
@@ -177,11 +241,11 @@ def chain(sampler: Any) -> str:
     while sampler is not None and id(sampler) not in seen and len(names) < 6:
         seen.add(id(sampler))
         names.append(type(sampler).__name__)
-        sampler = _wrapped(sampler)
+        sampler = wrapped(sampler)
     return "a " + " over a ".join(names)
 
 
-def _wrapped(sampler: Any) -> Any:
+def wrapped(sampler: Any) -> Any:
     """What ``sampler`` wraps, where it is one of the wrappers above (else ``None``)."""
     if type(sampler) in _INDICES or _own_order(type(sampler)):
         return None

@@ -1,7 +1,9 @@
 """A Collector's values: joined, checked, sent and put in dataset order.
 
 Each position of an add's plan is per sample (``SAMPLES``: tensors under ``cat()``/``pad(0)``;
-``ITEMS``: lists under ``cat_items()``) or one value per add (``PER_ADD``). :func:`join` joins
+``ITEMS``: lists under ``cat_items()``; ``ROWS``: a value laid out by rows its own way, a
+``PackedSequence`` or a PyG graph batch, under the default rule) or one value per add
+(``PER_ADD``). :func:`join` joins
 a column as its rule does (the gather rules themselves when anything is unusual);
 :func:`dataset_order` and :func:`placed` put rows in index order, each index once; strings
 travel as one UTF-8 tensor (:func:`travelling`, :func:`arrived`).
@@ -16,14 +18,16 @@ from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from .._caches import FAST_PATHS
 from .._compiled.structure import recognise
 from .._errors import BatchSizeError, LayoutError, LeafTypeError, TreegatherError
 from .._layout import Plan, resolve
-from .._rules import Cat, CatItems, Combining, Pad, Rule, fill_fits
-from .._tree import Rows, describe, display_path, format_path
-from .describe import unsendable
+from .._rules import JOIN_ROWS, Cat, CatItems, Combining, Pad, Rule, fill_fits
+from .._rules.kinds import ordinary
+from .._tree import Rows, display_path, format_path, rows_of
+from . import pickling
 from .exchange import tensor_bytes
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "Opaque",
     "Order",
     "PER_ADD",
+    "ROWS",
     "SAMPLES",
     "Texts",
     "arrived",
@@ -62,7 +67,7 @@ class Opaque:
         self.blob = blob
 
     def __getstate__(self) -> Any:
-        return self.blob if self.blob is not None else pickle.dumps(self.value, PROTOCOL)
+        return self.blob if self.blob is not None else pickling.dumps(self.value)
 
     def __setstate__(self, blob: bytes) -> None:
         self.value = pickle.loads(blob)
@@ -102,12 +107,12 @@ def travelling(
     if path is None:
         return Opaque(value)
     try:
-        return Opaque(value, pickle.dumps(value, PROTOCOL))
+        return Opaque(value, pickling.dumps(value))
     except Exception as exc:
         found, where = exc, ""
         for a, item in enumerate(value if type(value) is list and per_add else ()):
             try:  # (a value per add: which add's)
-                pickle.dumps(item, PROTOCOL)
+                pickling.dumps(item)
             except Exception as inner:
                 found, where, value = inner, f" (add #{a})", item
                 break
@@ -118,14 +123,13 @@ def travelling(
         ) from None
 
 
-def sendable(t: Tensor, node: Any) -> Tensor:
-    """A per-sample tensor, when a collective can send it; else an error naming its leaf."""
-    if unsendable(t):
-        raise LeafTypeError(
-            f"{display_path(node, ROOT)}: {describe(t)}, layout {t.layout}: no collective sends "
-            "it\nHint: convert it first (e.g. .to_dense() or .dequantize())"
-        )
-    return t
+def sendable(t: Tensor, node: Any) -> Any:
+    """A per-sample tensor as it travels: its bytes (a dense tensor), else pickled now (a
+    sparse, nested or quantized tensor, a subclass), so that one that cannot be is an error
+    naming its leaf."""
+    if pickling.plain(t):
+        return t
+    return travelling(t, None, display_path(node, ROOT))
 
 
 def arrived(value: Any) -> Any:
@@ -140,11 +144,12 @@ def arrived(value: Any) -> Any:
 # ------------------------------------------------------------------------------- helpers
 
 # What a plan position is: concatenated per sample, or one value per add.
-SAMPLES, ITEMS, PER_ADD = 0, 1, 2
+SAMPLES, ITEMS, PER_ADD, ROWS = 0, 1, 2, 3
 CROSS = {
     SAMPLES: lambda rule: rule if rule is not None else Cat(0),
     ITEMS: lambda rule: CatItems(),
     PER_ADD: lambda rule: CatItems(),  # the per-add lists of every rank, one after the other
+    ROWS: lambda rule: JOIN_ROWS,
 }
 
 
@@ -163,9 +168,13 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
     for p, (rule, value) in enumerate(zip(rules_of(plan), values)):
         if isinstance(rule, CatItems):
             kinds.append(ITEMS)
+        elif (rule is None or (isinstance(rule, Cat) and rule.dim == 0)) and rows_of(
+            value
+        ) is not None:  # (cat() joins it by rows, as the default does)
+            kinds.append(ROWS)  # (split into its rows to be put in order: placed)
         elif (
             isinstance(value, Tensor)
-            and value.dim() > 0
+            and _dims(value) > 0
             and (rule is None or (isinstance(rule, (Cat, Pad)) and _batch_dim(rule.dim, value)))
         ):
             if isinstance(rule, Pad) and rule.lengths:
@@ -177,22 +186,19 @@ def plan_of(tree: Any, layout: Any) -> tuple[Plan, list[int], Any]:
                 )
             kinds.append(SAMPLES)  # joined along the batch dim (cat(-2) of a 2-D leaf too)
         else:
-            if isinstance(rule, (Cat, Pad)) and isinstance(value, Tensor) and value.dim():
+            if isinstance(rule, (Cat, Pad)) and isinstance(value, Tensor) and _dims(value):
                 if not -value.dim() <= rule.dim < value.dim():  # gather's error, as it says it
                     from .._gather import gather
 
                     gather([tree], value.device, layout)
             kinds.append(PER_ADD)
     _lists_need_a_rule(plan, kinds, values)
-    for p, (rule, value) in enumerate(zip(rules_of(plan), values)):
-        if rule is None and isinstance(value, Rows):  # (its rows cannot be put in order here)
-            raise LayoutError(
-                f"{display_path(plan.node_of(p), ROOT)}: a {value.kind.name} holds its rows its "
-                "own way, which the Collector cannot put in dataset order\nHint: add its "
-                "sequences (torch.nn.utils.rnn.unpack_sequence) under cat_items(), or keep each "
-                "add's whole with as_list()"
-            )
     return plan, kinds, spec
+
+
+def _dims(value: Tensor) -> int:
+    """``value``'s number of dims (0 for an uninitialized parameter, which has none yet)."""
+    return 0 if isinstance(value, UninitializedTensorMixin) else value.dim()
 
 
 def _batch_dim(dim: int, value: Tensor) -> bool:
@@ -225,7 +231,7 @@ def _lists_need_a_rule(plan: Plan, kinds: list[int], values: list[Any]) -> None:
 def rows_per_add(columns: list[tuple[Any, ...]], plan: Plan, kinds: list[int]) -> list[int]:
     """Each add's rows, from its per-sample leaves (``columns``: each position's values, one
     per add), which must agree within the add."""
-    if SAMPLES not in kinds and ITEMS not in kinds:
+    if SAMPLES not in kinds and ITEMS not in kinds and ROWS not in kinds:
         raise BatchSizeError(
             "the Collector found no per-sample leaf in the outputs (a tensor with the batch dim "
             "first under cat(), or a per-sample list under cat_items()): it cannot match rows "
@@ -234,13 +240,15 @@ def rows_per_add(columns: list[tuple[Any, ...]], plan: Plan, kinds: list[int]) -
     sample = [p for p, k in enumerate(kinds) if k != PER_ADD]
     try:  # every per-sample value's rows, one C pass per position; equal: the rows
         lengths = [
-            [v.shape[0] for v in columns[p]]  # (faster than a methodcaller mapped in C)
+            [v.size(0) for v in columns[p]]  # (a nested tensor has no shape, but a size(0))
             if type(columns[p][0]) is Tensor
+            else list(map(_count, columns[p]))
+            if kinds[p] == ROWS
             else list(map(len, columns[p]))
             for p in sample
         ]
         if all(n == lengths[0] for n in lengths[1:]) and all(
-            type(columns[p][0]) in (Tensor, list, tuple) for p in sample
+            type(columns[p][0]) in (Tensor, list, tuple) or kinds[p] == ROWS for p in sample
         ):
             return lengths[0]
     except (TypeError, IndexError, AttributeError):  # a 0-dim tensor, no len: named below
@@ -248,12 +256,7 @@ def rows_per_add(columns: list[tuple[Any, ...]], plan: Plan, kinds: list[int]) -
     rows: list[int] = []
     problems: list[str] = []
     for a, row in enumerate(zip(*columns)):
-        counts = [
-            (v.shape[0] if v.dim() else -1)
-            if isinstance(v, Tensor)
-            else (len(v) if isinstance(v, (list, tuple)) else -1)
-            for v in (row[p] for p in sample)
-        ]
+        counts = [_count(v) for v in (row[p] for p in sample)]
         if len(set(counts)) == 1 and counts[0] >= 0:
             rows.append(counts[0])
             continue
@@ -274,6 +277,19 @@ def rows_per_add(columns: list[tuple[Any, ...]], plan: Plan, kinds: list[int]) -
             "give leaves that are not per sample another rule (stack(), sum(), as_list(), ...)"
         )
     return rows
+
+
+def _count(value: Any) -> int:
+    """The rows of a per-sample value (``-1``: it has none)."""
+    if isinstance(value, Tensor):  # (a nested tensor has no shape, but a size(0))
+        return value.size(0) if _dims(value) else -1
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    rows = rows_of(value)
+    try:
+        return -1 if rows is None else rows.rows
+    except Exception:  # (its kind cannot read its rows: the join names why)
+        return -1
 
 
 def gather_noted(
@@ -343,6 +359,11 @@ def join(
                     out.append(col if parts else torch.cat(col) if len(col) > 1 else col[0])
             elif kind == PER_ADD:
                 out.append(list(col) if per_add else list(chain.from_iterable(col)))
+            elif kind == ROWS:
+                ctx = Combining(device, True, None, 0)
+                if JOIN_ROWS.problem(col, ctx) is not None:
+                    return reference()  # (which names it)
+                out.append(col if parts else JOIN_ROWS.combine(col, ctx))
             else:
                 if set(map(type, col)) not in ({list}, {tuple}):
                     return reference()
@@ -382,14 +403,38 @@ def _catted(col: tuple[Any, ...], device: torch.device) -> Tensor | None:
 
 
 def _tensors(col: tuple[Any, ...], device: torch.device) -> bool:
-    """Tensors only, of one dtype, the first of >= 1 dim and on ``device``."""
+    """Tensors only, dense ones of a usual dtype, of one dtype, the first of >= 1 dim and on
+    ``device`` (any other kind: the gather rules, which say what torch cannot do)."""
     first = col[0]
-    if type(first) is not Tensor or first.dim() == 0 or first.device != device:
+    if type(first) is not Tensor or not ordinary(first):
         return False
-    return list(map(type, col)).count(Tensor) == len(col) and len(set(map(DTYPE, col))) == 1
+    if first.dim() == 0 or first.device != device:
+        return False
+    if list(map(type, col)).count(Tensor) != len(col) or len(set(map(DTYPE, col))) != 1:
+        return False
+    return set(map(LAYOUT, col)) == _STRIDED and not any(map(NESTED, col))
 
 
+def _placed_rows(values: Sequence[Any], order: Order, device: torch.device) -> Any:
+    """:func:`placed` of values laid out by rows: split into single rows, placed, joined."""
+    with torch.no_grad():
+        parts = [rows.split([1] * rows.rows) for rows in map(_rows, values)]
+        ordered = placed(parts, order) if order.kept.numel() else []
+        joined = Rows.join(ordered, device) if ordered else _rows(values[0])
+        return joined.to(device).held
+
+
+def _rows(value: Any) -> Rows:
+    rows = rows_of(value)
+    assert rows is not None  # (a position of one kind laid out by rows: checked by join)
+    return rows
+
+
+DEFAULT = torch.device("cpu")
 DTYPE = attrgetter("dtype")
+LAYOUT = attrgetter("layout")
+NESTED = attrgetter("is_nested")
+_STRIDED = {torch.strided}
 NDIM = attrgetter("ndim")
 REQUIRES_GRAD = attrgetter("requires_grad")
 DEVICE = attrgetter("device")
@@ -464,12 +509,26 @@ def _dealt(parts: Sequence[Tensor], n: int) -> tuple[tuple[int, int], ...] | Non
     return tuple(out)
 
 
-def placed(values: Sequence[Any], order: Order) -> Any:
-    """One position's values of every part (tensors of one dtype and trailing shape, or lists
-    of non-tensors), one after the other, in the result's order. Tensors are new ones (never
-    views of a part) and lists new lists; each part's rows are copied straight to their places
-    in the result (no copy of every part's rows side by side first: the memory of one result)."""
+def placed(values: Sequence[Any], order: Order, device: torch.device | None = None) -> Any:
+    """One position's values of every part (tensors of one dtype and trailing shape, lists of
+    non-tensors, or values laid out by rows of one kind, joined on ``device``), one after the
+    other, in the result's order. Tensors are new ones (never views of a part) and lists new
+    lists; each part's rows are copied straight to their places in the result (no copy of every
+    part's rows side by side first: the memory of one result).
+
+    A value laid out by rows its own way (a ``PackedSequence``, a PyG graph batch) is put in
+    order by its own functions: each part split into single rows, the rows placed as list
+    items are, joined again (detached, as every result is). Tensors of another kind than dense
+    ones of the usual dtypes (sparse, quantized, float8, a subclass) are put in order by
+    ``index_select`` (which torch may lack for them: it raises).
+    """
     first, n = values[0], order.kept.numel()
+    if rows_of(first) is not None:
+        return _placed_rows(values, order, device or DEFAULT)
+    if isinstance(first, Tensor) and (type(first) is not Tensor or not ordinary(first)):
+        rows = torch.cat(list(values)) if len(values) > 1 else first
+        perm = order.positions()
+        return rows.index_select(0, perm) if perm is not None else rows.clone()
     if order.dealt is not None and len(values) == len(order.dealt):  # slices, no index per row
         w = len(values)
         joined: Any = (
@@ -520,7 +579,8 @@ def moved(tree: Any, device: torch.device | None) -> Any:
     at = [i for i, x in enumerate(leaves) if type(x) in tensors]
     for i in at:
         x = leaves[i]
-        x = x.detach() if x.requires_grad else x
+        if x.requires_grad and not isinstance(x, UninitializedTensorMixin):  # (nothing to detach)
+            x = x.detach()
         leaves[i] = x if device is None or x.device == device else x.to(device)
     rebuild = st.rebuild if st is not None and spec is st.spec else spec.unflatten
     return rebuild(leaves)
