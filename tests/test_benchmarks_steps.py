@@ -72,3 +72,18 @@ def test_the_torch_data_parallel_way_computes_the_floor_gradients() -> None:
         found = steps.check_gradients(name, 2, batch=4, torch_dp=True, mlp_layers=3)
         assert sorted(found) == ["DataParallel", "data_parallel", "fresh"]
         assert all(diff < 1e-4 for diff in found.values())
+
+
+def test_the_small_models_run_and_their_ways_compute_the_floor_gradients() -> None:
+    """Every small model of the step benchmark (a conv net with BatchNorm, an MLP with
+    LayerNorm and Dropout, an LSTM) is a named case whose ways compute the floor's gradients,
+    and a step of one is timed."""
+    from treegather.benchmarks.small import SMALL
+
+    assert {"convbn", "mlp_ln", "lstm"} <= set(SMALL)
+    for name in SMALL:
+        found = steps.check_gradients(name, 2, batch=6)
+        assert sorted(found) == ["data_parallel", "fresh"]
+        assert all(diff < 1e-4 for diff in found.values()), (name, found)
+    rows = steps.run_steps(["convbn"], [3], batch=7, rounds=1, target_s=0.001)
+    assert {r["impl"] for r in rows} == {"floor", "data_parallel", "fresh"}

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import copy
 import gc
+import operator
 import random
 import threading
 import weakref
@@ -741,3 +742,37 @@ def test_kept_replicas_equal_fresh_ones_over_random_edit_sequences(one_thread: N
             assert _equal(a, b), (n, i, sequence)
     assert set(kinds) == set(EDIT_KINDS)  # every kind of edit was tried
     tg.clear_caches()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["plain", "requires_grad"])
+@pytest.mark.parametrize("detach", [False, True], ids=["differentiable", "detached"])
+def test_kept_buffer_copies_are_made_as_fresh_replicas_make_them(grad: bool, detach: bool) -> None:
+    """Each replica's buffers, step after step, are what fresh replicas get: the first replica
+    on the buffer's device shares its storage, the others hold copies of their own (a buffer
+    that requires grad, in a differentiable step, copied differentiably), a buffer moved
+    between steps (``.data`` replaced in place) is copied as it is now."""
+
+    def layout(replicas: list[nn.Module], model: Net) -> list[list[Any]]:
+        out = []
+        for r in replicas:
+            row = []
+            for (name, b), src in zip(r.named_buffers(), model.buffers(), strict=True):
+                shared = b.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+                row.append((name, shared, b.requires_grad, b.grad_fn is not None, b.dtype))
+                assert torch.equal(b, src)
+            out.append(row)
+        return out
+
+    model = _net()
+    if grad:
+        model.bn.running_mean.requires_grad_(True)
+    devices = ["cpu"] * 3
+    held: list[nn.Module] = []  # (replicate(reuse=True) re-binds the replicas still held)
+    for step in range(3):
+        if step == 2:  # replaced in place (the same tensor object)
+            model.bn.running_var.data = model.bn.running_var.data.double()
+        fresh = layout(tg.replicate(model, devices, detach=detach), model)  # (built anew)
+        replicas = tg.replicate(model, devices, detach=detach, reuse=True)
+        assert not held or all(map(operator.is_, replicas, held))  # re-bound, not rebuilt
+        held = replicas
+        assert layout(replicas, model) == fresh

@@ -44,7 +44,7 @@ from .._tree import flatten
 from .failures import combine_failures
 from .fork import Call, is_script_module, scripted_fanout
 
-__all__ = ["parallel_apply", "parallel_apply_async", "Backend"]
+__all__ = ["parallel_apply", "parallel_apply_async", "apply_calls", "Backend"]
 
 Backend = Literal["auto", "serial", "threads", "fork"]
 _BACKENDS = ("auto", "serial", "threads", "fork")
@@ -100,7 +100,26 @@ def parallel_apply(
             ``SystemExit`` or ``KeyboardInterrupt`` is among them; alone, those are re-raised
             as themselves, and serially run replicas after them are not run, as a note says).
     """
-    calls = _prepare(fns, args, kwargs, devices)
+    return _apply(_prepare(fns, args, kwargs, devices), backend)
+
+
+def apply_calls(
+    fns: Callable[..., Any] | list[Callable[..., Any]],
+    calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    devices: Sequence[torch.device],
+    backend: Backend,
+) -> list[Any]:
+    """:func:`parallel_apply` of calls already made as it makes them (each replica's positional
+    arguments a tuple, its keyword arguments a dict: :func:`treegather._parallel.step.calls_of`)
+    on devices already normalised, one of each per replica: what ``data_parallel`` runs, its
+    arguments neither checked nor copied again."""
+    fn_list = fns if isinstance(fns, list) else [fns] * len(calls)
+    return _apply(
+        [(fn, a, kw, d) for fn, (a, kw), d in zip(fn_list, calls, devices, strict=True)], backend
+    )
+
+
+def _apply(calls: list[_Call], backend: str) -> list[Any]:
     chosen = _resolve(backend, calls)
     if chosen == "threads":
         n = len(calls)
@@ -257,6 +276,8 @@ def _serial(calls: list[_Call]) -> list[_Outcome]:
 def _run(call: _Call) -> _Outcome:
     fn, a, kw, device = call
     try:
+        if device is None or device.type != "cuda":  # (no device context to enter)
+            return True, fn(*a, **kw)
         with _device_context(device, None):
             return True, fn(*a, **kw)
     except BaseException as exc:

@@ -21,14 +21,14 @@ from .._devices import DeviceLike, as_device, as_devices
 from .._errors import check_dim
 from .._gather import gather_call
 from .._scatter import scatter_call
-from .apply import Backend, parallel_apply
+from .apply import Backend, apply_calls
 from .kept import Kept, give_back
 from .step import (
     _check_module_device,
     _replicas_for_step,
     _trim_unsplit,
     calls_of,
-    module_kwargs_hint,
+    hint_module_kwargs,
 )
 from .under_compile import _compiler_active, _outside_compiler
 
@@ -151,13 +151,16 @@ def data_parallel(
         fns, kept = _replicas_for_step(module, used, devs[0])
         if fn is not module:  # a bound method: the same method of each replica
             fns = [types.MethodType(fn.__func__, replica) for replica in fns]  # type: ignore[attr-defined]
-    with module_kwargs_hint(fn, inputs, module_kwargs):
-        outputs = parallel_apply(fns, list(args_shards), list(kwargs_shards), used, backend=backend)
+    calls = calls_of(args_shards, kwargs_shards)  # (run, and read by mean(weight=f))
+    try:
+        outputs = apply_calls(fns, calls, used, backend)
+    except Exception as exc:
+        hint_module_kwargs(exc, fn, inputs, module_kwargs)
+        raise
     del fns  # nothing here holds the replicas when they are handed back
     if kept is not None:
         give_back(kept)  # not after a failed step: the next one builds new replicas
     target = devs[0] if output_device is None else as_device(output_device)
-    calls = calls_of(args_shards, kwargs_shards)
     return gather_call(outputs, target, out_layout, dim, args_shards.sizes, calls)
 
 

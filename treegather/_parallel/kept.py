@@ -57,7 +57,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import chain, compress, filterfalse, repeat
-from operator import is_, is_not, itemgetter, le
+from operator import attrgetter, is_, is_not, itemgetter, le, methodcaller
 from typing import Any, cast
 
 import torch
@@ -65,14 +65,18 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._caches import FAST_PATHS, WeakCache
+from . import shells
 from .shells import (
     CALL_TABLES,
+    CLONE,
     OWN_TABLES,
+    SHARE,
     _build_rows,
     _check_replicatable,
     _compiled_kind,
     _tensor_copies,
     check_initialized,
+    copy_kinds,
     params_copied,
     tensors_of,
 )
@@ -120,11 +124,13 @@ class Kept:
         "compiled_refs",
         "copy_params",
         "detach",
+        "devices",
         "devs",
         "dicts",
         "empties",
         "flat",
         "keepable",
+        "kinds",
         "n_keys",
         "n_params",
         "nones",
@@ -198,6 +204,8 @@ class Kept:
         self.n_params = len(params)
         self.tensor_refs = [weakref.ref(t) for t in (*params, *buffers)]
         self.copy_params = params_copied(params, devs, detach)
+        self.kinds: tuple[torch.device | None, tuple[int, ...]] = (None, ())
+        self.devices: list[torch.device] = []  # this step's tensors' devices
         self.plans = Plans(originals, params, buffers)
         flat = [s for row in rows for s in row]
         self.flat: list[nn.Module] | None = flat
@@ -445,14 +453,46 @@ class Kept:
         # loss module's ``weight``) are the column's last item, so a tree whose buffers are all
         # None re-binds as one with tensors does. Only copy_buffers=False on intact shells
         # keeps each replica's own (``_fill``).
+        self.devices = devices = list(map(_DEVICE, tensors))
         bcols = None
         if self.plans.with_buffers and (copy_buffers or olds is None):
-            bcols = _columns(buffers, self.devs, self.detach, False)
+            bcols = self._buffer_columns(buffers, devices[self.n_params :])
         self._fill(rows, ods, objs, pcols, bcols, olds)
         self.step = tensors
         self.step_stamp = RemovableHandle.next_id
         self.stripped = False
         return [row[0] for row in rows]
+
+    def _buffer_columns(
+        self, buffers: list[torch.Tensor], devices: list[torch.device]
+    ) -> list[list[Any]]:
+        """This step's buffer copies, as :func:`_columns` makes them: while every buffer is on
+        one device, none needs a differentiable copy and torch's coalesced broadcast does not
+        apply (distinct CUDA devices), each replica's column in one C pass
+        (:func:`~treegather._parallel.shells.copy_kinds`, as
+        :func:`~treegather._parallel.shells._buffer_copies` makes them one by one)."""
+        detach = self.detach
+        if not (
+            buffers
+            and devices.count(devices[0]) == len(devices)
+            and (detach or not any(map(_REQUIRES_GRAD, buffers)))
+            and not shells._coalesced(self.devs, buffers)
+        ):
+            return _columns(buffers, self.devs, detach, False)
+        at, kinds = self.kinds
+        if at != devices[0]:
+            at = devices[0]
+            self.kinds = (at, kinds := copy_kinds(at, self.devs))
+        sources = list(map(_DETACH, buffers))
+        columns: list[list[Any]] = []
+        for kind, d in zip(kinds, self.devs):
+            if kind == SHARE:
+                columns.append([*sources, None])
+            elif kind == CLONE:
+                columns.append([*map(_CLONE_OF, sources), None])
+            else:
+                columns.append([*map(_TO, sources, repeat(d)), None])
+        return columns
 
     def _changed_atoms(self, ods: list[dict[str, Any]]) -> list[int] | None:
         """Which entries of ``atom_values`` changed on their modules (their new values
@@ -549,7 +589,7 @@ class Kept:
         """Every parameter and buffer of the module is on ``device`` (in a step that reused the
         shells: a build checks the devices before it starts)."""
         assert self.step is not None
-        return all(t.device == device for t in self.step)
+        return self.devices.count(device) == len(self.devices)
 
     def end_step(self) -> None:
         """After a step: strip the shells if nothing else holds them, else let go of them."""
@@ -710,6 +750,13 @@ def _columns(
     )
     per_tensor = [copies[id(t)] for t in tensors]
     return [[*(c[j] for c in per_tensor), None] for j in range(len(devs))]
+
+
+_DEVICE = attrgetter("device")
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_DETACH = methodcaller("detach")
+_CLONE_OF = methodcaller("clone")
+_TO = torch.Tensor.to
 
 
 def reusable(module: nn.Module, devs: Sequence[torch.device]) -> bool:

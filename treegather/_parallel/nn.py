@@ -28,7 +28,7 @@ from .step import (
     _replicas_for_step,
     _trim_unsplit,
     calls_of,
-    module_kwargs_hint,
+    hint_module_kwargs,
 )
 
 __all__ = ["DataParallel", "patch"]
@@ -124,8 +124,11 @@ class DataParallel(nn.DataParallel):
                 replicas, kept = _replicas_for_step(self.module, devices, self.src_device_obj)
             else:
                 replicas = self.replicate(self.module, devices)
-            with module_kwargs_hint(self.module, inputs, kwargs, dp=True):
+            try:
                 outputs = self.parallel_apply(replicas, args_shards, kwargs_shards)
+            except Exception as exc:
+                hint_module_kwargs(exc, self.module, inputs, kwargs, dp=True)
+                raise
             del replicas  # nothing here holds the replicas when they are handed back
             if kept is not None:
                 give_back(kept)

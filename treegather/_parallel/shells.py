@@ -69,18 +69,24 @@ def param_copies(t: torch.Tensor, devs: Sequence[torch.device], detach: bool) ->
     return [src if d == t.device else src.to(d) for d in devs]
 
 
+SHARE, CLONE, MOVE = 0, 1, 2
+
+
+def copy_kinds(at: torch.device, devs: Sequence[torch.device]) -> tuple[int, ...]:
+    """How each replica gets its detached copy of a buffer on ``at``: :data:`SHARE` (the buffer
+    itself, detached) for the first replica on ``at``, :data:`CLONE` for the others there,
+    :data:`MOVE` (a copy on the replica's device) elsewhere."""
+    first = devs.index(at) if at in devs else -1
+    return tuple(SHARE if j == first else CLONE if d == at else MOVE for j, d in enumerate(devs))
+
+
 def _buffer_copies(t: torch.Tensor, devs: Sequence[torch.device]) -> list[torch.Tensor]:
     """Detached buffer copies: the first replica on the buffer's device shares its storage."""
     src = t.detach()
-    out: list[torch.Tensor] = []
-    shared = False
-    for d in devs:
-        if d == t.device and not shared:
-            out.append(src)
-            shared = True
-        else:
-            out.append(src.clone() if d == t.device else src.to(d))
-    return out
+    return [
+        src if kind == SHARE else src.clone() if kind == CLONE else src.to(d)
+        for kind, d in zip(copy_kinds(t.device, devs), devs)
+    ]
 
 
 def _use_torch_broadcast(module: nn.Module, devs: Sequence[torch.device]) -> bool:

@@ -9,9 +9,8 @@ The caller drops its references to the replicas before handing them back
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,8 +35,10 @@ def calls_of(args: Sequence[Any], kwargs: Sequence[Mapping[str, Any]] | None) ->
     (a tuple, not a namedtuple, is the positional arguments): what ``mean(weight=f)`` reads."""
     kws: Sequence[Mapping[str, Any]] = [{}] * len(args) if kwargs is None else kwargs
     return tuple(
-        (a if isinstance(a, tuple) and not hasattr(a, "_fields") else (a,), dict(kw))
-        for a, kw in zip(args, kws)
+        [
+            (a if isinstance(a, tuple) and not hasattr(a, "_fields") else (a,), dict(kw))
+            for a, kw in zip(args, kws)
+        ]
     )
 
 
@@ -78,42 +79,42 @@ def _check_module_device(module: nn.Module, device: torch.device) -> None:
                 )
 
 
-@contextlib.contextmanager
-def module_kwargs_hint(
-    fn: Callable[..., Any], inputs: Any, module_kwargs: Mapping[str, Any] | None, dp: bool = False
-) -> Iterator[None]:
-    """On a failure, hint ``module_kwargs=batch`` (``dp``: ``dp(**batch)``, for
-    :class:`treegather.DataParallel`, whose ``inputs`` are the positional arguments) when a dict
-    batch whose keys name parameters of ``fn`` (``forward`` for a module: every Hugging Face
-    model) was passed as the one positional argument."""
-    try:
-        yield
-    except Exception as exc:
+def hint_module_kwargs(
+    exc: Exception,
+    fn: Callable[..., Any],
+    inputs: Any,
+    module_kwargs: Mapping[str, Any] | None,
+    dp: bool = False,
+) -> None:
+    """After a failed call, add to ``exc`` the hint ``module_kwargs=batch`` (``dp``:
+    ``dp(**batch)``, for :class:`treegather.DataParallel`, whose ``inputs`` are the positional
+    arguments) when a dict batch whose keys name parameters of ``fn`` (``forward`` for a
+    module: every Hugging Face model) was passed as the one positional argument (the caller
+    re-raises ``exc``; nothing is added to a step that does not fail)."""
+    if dp:
+        one = isinstance(inputs, tuple) and len(inputs) == 1
+        names = _parameters_named_by(fn, inputs[0]) if one and not module_kwargs else []
+    else:
+        names = _parameters_named_by(fn, inputs) if not module_kwargs else []
+    if names:
+        module = isinstance(fn, nn.Module)
+        owner = type(fn).__name__ + ".forward" if module else "fn"
+        named = f"a dict whose keys name parameters of {owner} ({', '.join(names)})"
         if dp:
-            one = isinstance(inputs, tuple) and len(inputs) == 1
-            names = _parameters_named_by(fn, inputs[0]) if one and not module_kwargs else []
+            hint = (
+                f"Hint: dp(batch) got {named} as its one positional argument; to call "
+                f"{owner}(**batch), pass its items as keywords: dp(**batch)"
+            )
         else:
-            names = _parameters_named_by(fn, inputs) if not module_kwargs else []
-        if names:
-            module = isinstance(fn, nn.Module)
-            owner = type(fn).__name__ + ".forward" if module else "fn"
-            named = f"a dict whose keys name parameters of {owner} ({', '.join(names)})"
-            if dp:
-                hint = (
-                    f"Hint: dp(batch) got {named} as its one positional argument; to call "
-                    f"{owner}(**batch), pass its items as keywords: dp(**batch)"
-                )
-            else:
-                hint = (
-                    f"Hint: inputs is {named} but it was passed as one positional argument; to "
-                    f"call {owner}(**batch), pass it as module_kwargs: "
-                    f"data_parallel({'model' if module else 'fn'}, (), devices, module_kwargs=batch)"
-                )
-            if hasattr(exc, "add_note"):
-                exc.add_note(hint)
-            else:  # pragma: no cover - Python 3.10
-                exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
-        raise
+            hint = (
+                f"Hint: inputs is {named} but it was passed as one positional argument; to "
+                f"call {owner}(**batch), pass it as module_kwargs: "
+                f"data_parallel({'model' if module else 'fn'}, (), devices, module_kwargs=batch)"
+            )
+        if hasattr(exc, "add_note"):
+            exc.add_note(hint)
+        else:  # pragma: no cover - Python 3.10
+            exc.__notes__ = [*getattr(exc, "__notes__", ()), hint]
 
 
 def _parameters_named_by(fn: Callable[..., Any], inputs: Any) -> list[str]:

@@ -13,14 +13,17 @@ import torch
 
 from .._caches import LRU
 
+# (torch's C hook that says whether a compiled frame's callback is set; read once)
+_EVAL_FRAME_CALLBACK = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
+)
+
 
 def _compiler_active() -> bool:
     """``torch.compile`` is tracing or running the calling frame (treegather must not be traced)."""
     if torch.compiler.is_compiling():
         return True
-    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    get_callback = getattr(eval_frame, "get_eval_frame_callback", None)
-    return get_callback is not None and get_callback() is not None
+    return _EVAL_FRAME_CALLBACK is not None and _EVAL_FRAME_CALLBACK() is not None
 
 
 _OUTSIDE_COMPILER: LRU[Callable[..., Any], Callable[..., Any]] = LRU(

@@ -16,8 +16,10 @@ into K shards on ``["cpu"] * K`` (serial backend, one intra-op thread):
   waiting for the device).
 
 Models: a 12-layer tiny BERT (``BertConfig(hidden_size=32, num_hidden_layers=12,
-num_attention_heads=2, intermediate_size=37)``, needs ``transformers``) and a 50-layer MLP
-(``--quick`` and the default run); with ``--transformers``, every architecture of the
+num_attention_heads=2, intermediate_size=37)``, needs ``transformers``), a 50-layer MLP and the
+small models of :mod:`treegather.benchmarks.small` (a conv net with BatchNorm, an MLP with
+LayerNorm and Dropout, an LSTM: ``convbn``, ``mlp_ln``, ``lstm``; ``--quick`` and the default
+run); with ``--transformers``, every architecture of the
 transformers conformance tests (:mod:`treegather.benchmarks.architectures`: 2 layers, hidden
 size 32, each model's own loss from ``labels``, gathered as the tests gather it), whose step
 shows treegather's fixed cost. Each ratio is the median over rounds of (time / floor time in the same round), as in
@@ -47,6 +49,7 @@ from treegather._parallel.apply import Backend
 from treegather._parallel.kept import _KEPT
 
 from .architectures import ARCHITECTURES, available
+from .small import SMALL
 from .timing import prepare_allocator
 
 __all__ = ["run_steps", "check_gradients", "main"]
@@ -127,6 +130,13 @@ def _steps(
             return out.last_hidden_state.pow(2).mean()
 
         args = ()
+    elif name in SMALL:
+        kwargs = {}
+        args = (SMALL[name].batch(gen, batch),)
+
+        def loss_of(out: Any) -> torch.Tensor:
+            return out.pow(2).mean()
+
     else:
         kwargs = {}
         width: int = next(model.parameters()).shape[1]
@@ -256,6 +266,8 @@ def check_gradients(
 def _model(name: str, bert_layers: int, bert_vocab: int, mlp_layers: int, mlp_width: int) -> Any:
     """A freshly built model for ``name`` (seeded), or None when it needs transformers."""
     torch.manual_seed(0)
+    if name in SMALL:
+        return SMALL[name].build()
     if name in ARCHITECTURES:
         return ARCHITECTURES[name].build() if available() else None
     if name.startswith("bert"):
@@ -283,7 +295,8 @@ def run_steps(
     >>> sorted(r["impl"] for r in rows), rows[0]["model"]
     (['data_parallel', 'floor', 'fresh'], 'mlp50')
 
-    ``models`` are ``bert12``, ``mlp50`` and the names of
+    ``models`` are ``bert12``, ``mlp50``, the names of
+    :data:`~treegather.benchmarks.small.SMALL` and those of
     :data:`~treegather.benchmarks.architectures.ARCHITECTURES`.
     Runs with one intra-op thread (restored on return). ``bert12`` and the architectures are
     skipped (no rows) when ``transformers`` is not installed. Smaller
@@ -370,15 +383,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument(
         "--models", metavar="NAMES", help="comma-separated model names (default: the table's)"
     )
+    parser.add_argument(
+        "--replicas",
+        metavar="KS",
+        help="comma-separated K values (default 2,4; 2,3 --transformers)",
+    )
     parser.add_argument("--batch", type=int, help="rows per step (default 16; 8 --transformers)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rounds = args.rounds or (5 if args.quick else 9)
     target_s = 0.1 if args.quick else 0.2
-    names = list(ARCHITECTURES) if args.transformers else ["bert12", "mlp50"]
+    names = list(ARCHITECTURES) if args.transformers else ["bert12", "mlp50", *SMALL]
     if args.models:
         names = args.models.split(",")
-    ks = (2, 3) if args.transformers else (2, 4)
+    ks: tuple[int, ...] = (2, 3) if args.transformers else (2, 4)
+    if args.replicas:
+        ks = tuple(int(k) for k in args.replicas.split(","))
     batch = args.batch or (8 if args.transformers else 16)
     print(
         f"treegather {tg.__version__}, torch {torch.__version__}, python "
