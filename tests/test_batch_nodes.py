@@ -4,6 +4,10 @@ devices (fast paths and the definition), through ``tgd.all_gather`` and the ``Co
 process, and spawned groups of 2 and 3 ranks). Each case equals one device (the container
 built from the whole batch, or from each shard's rows) or is refused with a typed error naming
 the path. A class in the registry that no case covers fails :func:`test_every_registered_node_type_is_covered`.
+
+Every batch node of every case is also made to claim one more row than its leaves hold (where
+its class lets it): scatter, gather, ``tgd.all_gather`` and the ``Collector`` refuse it, naming
+its path and the replica, rank or add.
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ import torch
 import torch.utils._pytree as torch_pytree
 from spawned_groups import WORLD_SIZES
 from tensordict import LazyStackedTensorDict, TensorDict, tensorclass
-from tensordict.tensorclass import MetaData, NonTensorData, NonTensorDataBase, TensorAttrs
+from tensordict.tensorclass import (
+    MetaData,
+    NonTensorData,
+    NonTensorDataBase,
+    TensorAttrs,
+)
 from tensordict.utils import LinkedList
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
@@ -72,6 +81,24 @@ class Counted:
     x: Tensor
     tag: str
     rows: int
+
+
+@dataclasses.dataclass
+class Windowed:
+    """A user's node registered with ``register_node(batch_size=)``: two batch dims (rows, and
+    a window of 2)."""
+
+    x: Tensor
+    size: tuple[int, int]
+
+
+tg.register_node(
+    Windowed,
+    lambda w: ((w.x,), w.size, ("x",)),
+    lambda size, children: Windowed(*children, size),
+    batch_size=lambda size: size,
+    with_batch_size=lambda size, new: tuple(new),
+)
 
 
 def _td(x: Tensor) -> TensorDict:
@@ -144,6 +171,12 @@ EXTRA: dict[str, Callable[[Tensor], Any]] = {
     "PackedSequence(sorted)": lambda x: {"p": pack_sequence(x.unsqueeze(1).unbind(0)), "x": x},
     "Counted (register_dataclass batch_size=)": lambda x: Counted(x, "w", len(x)),
     "Counted, no tensor": lambda x: {"x": x, "c": Counted(None, "w", len(x))},  # type: ignore[arg-type]
+    "Counted, around a PackedSequence": lambda x: Counted(  # type: ignore[arg-type]
+        pack_sequence(_sequences(x), enforce_sorted=False), "w", len(x)
+    ),
+    "Windowed (register_node batch_size=, 2 batch dims)": lambda x: Windowed(
+        torch.stack([x, -x], 1), (len(x), 2)
+    ),
     "TensorDict(batch_size=[])": lambda x: TensorDict({"x": x}, []),
     "TensorDict(nested)": lambda x: TensorDict({"in": _td(x), "y": x}, [len(x)]),
 }
@@ -361,6 +394,120 @@ def test_containers_equal_one_device(k: int) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+# ------------------------------------------------------- batch sizes their leaves do not hold
+
+
+class Misclaim(NamedTuple):
+    """One batch node of a case, claiming one more row than it holds."""
+
+    case: Case
+    path: tuple[Any, ...]
+    """The node's path from the root, as optree gives it (for :func:`display_path`)."""
+    node: Any
+    leaves: bool
+    """Whether it holds leaves joined with the rows (tensors, values laid out by rows)."""
+
+    def where(self, root: str) -> str:
+        return tg._tree.display_path(self.node, root)
+
+    def make(self, x: Tensor) -> Any:
+        """The case's container of rows ``x``, the node claiming one row more at dim 0."""
+        leaves, spec = tg._tree.flatten(self.case.make(x))
+        found = tg._tree.batch_nodes(spec)
+        (i,) = [i for i, bn in enumerate(found) if bn.node.raw == self.node.raw]
+        size = found[i].meta.size
+        return tg._tree.rebuild(spec, leaves, {i: (size[0] + 1, *size[1:])})
+
+
+def misclaims(cases: list[Case]) -> tuple[list[Misclaim], collections.Counter[str]]:
+    """Every batch node (with a batch dim) of every case that can claim other rows than its
+    leaves hold, and how many cannot (their class refuses to be rebuilt so)."""
+    found: list[Misclaim] = []
+    refused: collections.Counter[str] = collections.Counter()
+    for case in cases:
+        leaves, spec = tg._tree.flatten(case.make(batch()))
+        for bn in tg._tree.batch_nodes(spec):
+            if not bn.meta.size:
+                continue
+            held = leaves[bn.node.start : bn.node.stop]
+            joined = any(
+                (isinstance(v, Tensor) and v.dim() > 0) or isinstance(v, tg._tree.Rows)
+                for v in held
+            )
+            m = Misclaim(case, bn.node.raw, bn.node, joined)
+            try:
+                m.make(batch())
+            except tg.ShapeMismatchError:  # (tensordict: its leaves must start with it)
+                refused[bn.meta.rule.cls.__qualname__] += 1
+                continue
+            found.append(m)
+    return found, refused
+
+
+def _misclaimed(m: Misclaim, k: int, way: str) -> Outcome:
+    """A misclaiming node in the last shard's container (gathered), or in the whole batch's
+    (scattered): refused naming its path and the replica (or "its")."""
+    x = batch()
+    shards = list(tg.scatter(x, ["cpu"] * k))
+    if way == "output":
+        replicas = [m.case.make(s) for s in shards[:-1]] + [m.make(shards[-1])]
+        run = functools.partial(tg.gather, replicas, "cpu")
+        said, root = f"{m.where('outputs')}: replica {k - 1}'s", "outputs"
+    else:
+        run = functools.partial(tg.scatter, m.make(x), ["cpu"] * k)
+        said, root = f"{m.where('inputs')}: its", "inputs"
+    return _refused_saying(run, said, root, m.leaves or way == "input")
+
+
+def _refused_saying(
+    run: Callable[[], Any], said: str, root: str, checked: bool, otherwise: bool = False
+) -> Outcome:
+    """``run()`` must raise a BatchSizeError saying ``said`` (a node with no leaves to check
+    in a gather: anything but an untyped error, "unchecked"; ``otherwise``: another typed error
+    naming the path will do, "refused otherwise")."""
+    try:
+        run()
+    except tg.BatchSizeError as exc:
+        if said in str(exc):
+            return Outcome("refused", f"BatchSizeError: {exc}")
+        return Outcome("wrong", f"BatchSizeError without {said!r}: {exc}")
+    except tg.TreegatherError as exc:
+        if otherwise and root in str(exc):
+            return Outcome("refused otherwise", f"{type(exc).__name__}: {exc}")
+        kind = "wrong" if checked or root not in str(exc) else "unchecked"
+        return Outcome(kind, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        return Outcome("wrong", f"untyped {type(exc).__name__}: {exc}")
+    return Outcome("wrong" if checked else "unchecked", "no error")
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_batch_size_its_leaves_do_not_hold_is_refused(k: int) -> None:
+    # (gather returned n=5 around 4 rows; scatter refused the same node)
+    found, cannot = misclaims(classify()[0])
+    COUNTS["nodes that cannot claim other rows"].update(cannot)
+    wrong = []
+    for m in found:
+        for way in ("output", "input"):
+            with reference_only():
+                plain = _misclaimed(m, k, way)
+            fast = _misclaimed(m, k, way)
+            got = plain if fast == plain else Outcome("wrong", f"fast {fast} != {plain}")
+            COUNTS[f"misclaimed {way} on {k} devices"][got.kind] += 1
+            if got.kind == "wrong":
+                wrong.append(f"{m.case.name} {m.where('outputs')} as {way}: {got.detail}")
+    assert found and not wrong, "\n".join(wrong)
+
+
+def test_a_node_without_leaves_is_checked_against_the_batch_only() -> None:
+    # a gather has no batch to hold it to: its rows are added up, as the replicas claim them
+    x = batch()
+    outs = [{"x": s, "c": Counted(None, "w", len(s) + 1)} for s in x.split(5)]  # type: ignore[arg-type]
+    assert tg.gather(outs, "cpu")["c"].rows == N + 2
+    with pytest.raises(tg.BatchSizeError, match=r"inputs\['c'\]: its Counted batch size \[11\]"):
+        tg.scatter({"x": x, "c": Counted(None, "w", N + 1)}, ["cpu"] * 2)  # type: ignore[arg-type]
+
+
 def _collected(case: Case, rank: int, world: int) -> Any:
     """A Collector over this rank's rows (every ``world``-th, in batches of 2, in another
     order), exchanged: every sample once, in dataset order."""
@@ -412,6 +559,26 @@ def _distributed(rank: int, world: int) -> dict[str, tuple[str, str]]:
                         else:
                             found_one = found
                         out[f"{way} {mode} {case.name}"] = (found_one.kind, found_one.detail)
+    for m in misclaims(cases)[0]:  # rank 0's node claiming a row more: refused on every rank
+        wrong = Case(m.case.name, m.make if rank == 0 else m.case.make)
+        for mode in ("fast", "reference"):
+            with reference_only() if mode == "reference" else contextlib.nullcontext():
+                got = _refused_saying(
+                    functools.partial(_gathered, wrong, rank, world),
+                    f"{m.where('outputs')}: replica 0's",
+                    "outputs",
+                    m.leaves,
+                )
+                key = f"{m.case.name} {m.where('outputs')}"
+                out[f"misclaimed_all_gather {mode} {key}"] = tuple(got)  # type: ignore[assignment]
+                got = _refused_saying(
+                    functools.partial(_collected, wrong, rank, world),
+                    f"{m.where('outputs')}: add #0's",
+                    "outputs",
+                    True,
+                    otherwise=True,  # (a case the Collector refuses as it is)
+                )
+                out[f"misclaimed_Collector {mode} {key}"] = tuple(got)  # type: ignore[assignment]
     return out
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "BatchNode",
     "BatchRule",
     "Batched",
+    "Misclaim",
     "NodeRebuildError",
     "Rows",
     "RowsKind",
@@ -46,6 +47,8 @@ __all__ = [
     "check_sizes",
     "counted",
     "is_batched",
+    "misclaim_text",
+    "misclaims",
     "note",
     "one_row_of",
     "rebuild",
@@ -55,6 +58,7 @@ __all__ = [
     "rows_of",
     "rule_of",
     "set_rule",
+    "sizes_by_path",
     "tally",
     "unflattened",
     "unreadable",
@@ -255,6 +259,14 @@ def batch_nodes(spec: PyTreeSpec) -> tuple[BatchNode, ...]:
     return result
 
 
+def sizes_by_path(spec: PyTreeSpec) -> dict[tuple[Any, ...], Size]:
+    """The batch size of every batch node of ``spec``, by its raw path (none for a spec that
+    :func:`is_batched` says holds none)."""
+    if not is_batched(spec):
+        return {}
+    return {bn.node.raw: bn.meta.size for bn in batch_nodes(spec)}
+
+
 def check_sizes(spec: PyTreeSpec, root: str | None = "tree", where: str = "") -> None:
     """Read the batch size of every batch node of ``spec``, as flattening a tree does once.
 
@@ -375,6 +387,74 @@ def along_rows(found: Sequence[BatchNode], rows: int, joined: Sequence[bool]) ->
         if size and (start == stop or any(joined[start:stop])):
             out[i] = (rows, *size[1:])
     return out
+
+
+class Misclaim(NamedTuple):
+    """A batch node holding another number of rows than its leaves (or the batch) along a dim
+    that follows the rows."""
+
+    at: int
+    """The node's index in the nodes checked."""
+    size: Size
+    """Its batch size (the claim)."""
+    dim: int
+    rows: int
+    """The rows found along ``dim``."""
+    leaf: int | None
+    """The position of the leaf holding them; ``None``: the batch's rows (a node without leaves
+    along that dim)."""
+
+
+def misclaims(
+    found: Sequence[BatchNode],
+    sizes: Sequence[Size],
+    held: Mapping[int, tuple[int, ...]],
+    along: Mapping[int, tuple[int, int]],
+    batch: int | None = None,
+) -> list[Misclaim]:
+    """Every batch node whose batch size disagrees with the rows of its leaves, in one tree
+    (a scatter's input, one replica's output, one rank's tree, one add).
+
+    ``sizes[i]`` is node ``found[i]``'s batch size there; ``held[i]`` the dims of it that
+    follow the rows (those its leaves are split or joined along); ``along[pos]`` the
+    ``(dim, rows)`` of each position split or joined along a dim. A node must hold, along each
+    such dim, the rows of every leaf of its own split or joined along it; a node without such
+    leaves the ``batch``'s rows (unchecked when ``None``). One misclaim per node and dim.
+
+    >>> misclaims((), (), {}, {0: (0, 5)})
+    []
+    """
+    out: list[Misclaim] = []
+    for i, dims in held.items():
+        size = sizes[i]
+        start, stop = found[i].node.start, found[i].node.stop
+        for d in dims:
+            leaves = [(p, along[p][1]) for p in range(start, stop) if along.get(p, (-1,))[0] == d]
+            if not leaves:
+                if batch is not None and size[d] != batch:
+                    out.append(Misclaim(i, size, d, batch, None))
+                continue
+            for p, rows in leaves:
+                if rows != size[d]:
+                    out.append(Misclaim(i, size, d, rows, p))
+                    break
+    return out
+
+
+def misclaim_text(
+    m: Misclaim, found: Sequence[BatchNode], root: str | None, whose: str, leaf: str = ""
+) -> str:
+    """``m`` as a problem: the node's path (from ``root``), ``whose`` batch size (``"its"``,
+    ``"replica 1's"``), the rows it claims and those found (at ``leaf``, the path of the leaf
+    holding them, when there is one)."""
+    bn = found[m.at]
+    claimed = (
+        f"{display_path(bn.node, root)}: {whose} {bn.meta.rule.cls.__qualname__} batch size "
+        f"{list(m.size)} holds {m.size[m.dim]} row(s) along dim {m.dim}"
+    )
+    if m.leaf is None or not leaf:
+        return f"{claimed}, but the batch has {m.rows}"
+    return f"{claimed}, but its leaf {leaf} holds {m.rows} there"
 
 
 def _refused(bn: BatchNode, size: Size, exc: BaseException, root: str | None) -> Exception:
