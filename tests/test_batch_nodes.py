@@ -3,7 +3,8 @@ test time, tensordict's classes and torch's structseqs, as outputs and as inputs
 devices (fast paths and the definition), through ``tgd.all_gather`` and the ``Collector`` (one
 process, and spawned groups of 2 and 3 ranks). Each case equals one device (the container
 built from the whole batch, or from each shard's rows) or is refused with a typed error naming
-the path. A class in the registry that no case covers fails :func:`test_every_registered_node_type_is_covered`.
+the path. A class in the registry that no case covers fails :func:`test_every_registered_node_type_is_covered`,
+a kind of value laid out by rows that no case holds :func:`test_every_rows_kind_is_covered`.
 
 Every batch node of every case is also made to claim one more row than its leaves hold (where
 its class lets it): scatter, gather, ``tgd.all_gather`` and the ``Collector`` refuse it, naming
@@ -33,6 +34,7 @@ from tensordict.tensorclass import (
     MetaData,
     NonTensorData,
     NonTensorDataBase,
+    NonTensorStack,
     TensorAttrs,
 )
 from tensordict.utils import LinkedList
@@ -117,6 +119,11 @@ def _sequences(x: Tensor) -> list[Tensor]:
     return [x[i : i + 1].expand(1 + int(x[i, 0]) // F % 3, F) for i in range(len(x))]
 
 
+def _row_names(x: Tensor, prefix: str = "row") -> list[str]:
+    """A name per row of ``x`` (from its values: a shard's rows have the whole batch's names)."""
+    return [f"{prefix}{int(v) // F}" for v in x[:, 0]]
+
+
 def _lazy(x: Tensor, dim: int) -> LazyStackedTensorDict:
     if dim == 0:
         return LazyStackedTensorDict.lazy_stack([TensorDict({"a": r}, []) for r in x], 0)
@@ -179,6 +186,22 @@ EXTRA: dict[str, Callable[[Tensor], Any]] = {
     ),
     "TensorDict(batch_size=[])": lambda x: TensorDict({"x": x}, []),
     "TensorDict(nested)": lambda x: TensorDict({"in": _td(x), "y": x}, [len(x)]),
+    # per-row strings: a NonTensorStack (a leaf of torch's pytree), alone, in a TensorDict (a
+    # list as long as the batch), in a tensorclass's str field, stacked along dim 1
+    "NonTensorStack": lambda x: {"x": x, "names": NonTensorStack.from_list(_row_names(x))},
+    "TensorDict(per-row strings)": lambda x: TensorDict({"x": x, "name": _row_names(x)}, [len(x)]),
+    "Tagged(per-row strings)": lambda x: Tagged(x=x, tag=_row_names(x), batch_size=[len(x)]),
+    "NonTensorStack(stack_dim=1)": lambda x: {
+        "x": x,
+        "pairs": torch.stack(
+            [NonTensorStack.from_list(_row_names(x)), NonTensorStack.from_list(_row_names(x, "b"))],
+            1,
+        ),
+    },
+    # one value for every row (tensordict's NonTensorData), a list
+    "NonTensorData(list)": lambda x: TensorDict(
+        {"x": x, "words": NonTensorData(["a", "b"], batch_size=[len(x)])}, [len(x)]
+    ),
 }
 # torch's own classes registered as nodes that hold no user data: leaves for treegather.
 VALUES = {
@@ -359,6 +382,18 @@ def both_ways(check: Callable[[Case, int], Outcome], case: Case, k: int) -> Outc
 
 VALUE_CLASSES = classify()[1]
 COUNTS: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+
+def test_every_rows_kind_is_covered() -> None:
+    # every kind of value laid out by rows registered so far (late in a session: every
+    # integration in use) is held by a case
+    held = set()
+    for case in classify()[0]:
+        leaves, _ = tg._tree.flatten(case.make(batch()))
+        held |= {v.kind.name for v in leaves if isinstance(v, tg._tree.Rows)}
+    kinds = set(tg._tree.batch._KINDS)
+    assert kinds <= held, f"kinds of values laid out by rows no case holds: {kinds - held}"
+    assert {"PackedSequence", "LazyStackedTensorDict", "NonTensorStack"} <= kinds
 
 
 def test_every_registered_node_type_is_covered() -> None:
@@ -710,6 +745,37 @@ def test_replicas_with_other_strings_are_refused() -> None:
     outs = [{"x": torch.zeros(2), "t": NonTensorData(s, batch_size=[2])} for s in "ab"]
     with pytest.raises(tg.StructureMismatchError, match=r"outputs\['t'\]"):
         tg.gather(outs, "cpu")
+
+
+def test_per_row_strings_are_split_and_joined_by_rows() -> None:
+    # a TensorDict holding a list as long as its batch (a NonTensorStack): scatter refused it,
+    # blaming the leaves, and gather refused its shards; a bare NonTensorStack was sent whole
+    # to every device (5 names came back as 10). Now its rows, as tensordict indexes and
+    # concatenates them
+    names = list("abcde")
+    td = TensorDict({"x": torch.arange(5.0), "name": names}, [5])
+    for fast in (True, False):
+        with contextlib.nullcontext() if fast else reference_only():
+            shards = tg.scatter(td, ["cpu"] * 2)
+            assert [s["name"] for s in shards] == [td[:3]["name"], td[3:]["name"]]
+            out = tg.gather(list(shards), "cpu")
+            assert out["name"] == torch.cat([td[:3], td[3:]])["name"] == names
+            assert out.batch_size == torch.Size([5])
+            bare = tg.scatter(
+                {"x": torch.arange(5), "n": NonTensorStack.from_list(names)}, ["cpu"] * 2
+            )
+            assert [s["n"].tolist() for s in bare] == [names[:3], names[3:]]
+            assert tg.gather(list(bare), "cpu")["n"].tolist() == names
+
+
+def test_one_value_for_every_row_is_kept_as_tensordict_keeps_it() -> None:
+    # a NonTensorData holds one value for all its rows: each shard holds it, as td[rows] does
+    td = TensorDict(
+        {"x": torch.arange(5.0), "words": NonTensorData(["a", "b"], batch_size=[5])}, [5]
+    )
+    shards = tg.scatter(td, ["cpu"] * 2)
+    assert [s["words"] for s in shards] == [td[:3]["words"], td[3:]["words"]] == [["a", "b"]] * 2
+    assert tg.gather(list(shards), "cpu")["words"] == torch.cat([td[:3], td[3:]])["words"]
 
 
 def test_packed_sequence_comes_back_as_one_device_packs_it() -> None:

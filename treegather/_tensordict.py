@@ -21,7 +21,13 @@ A ``_SubTensorDict`` (a view) comes back as a view of a new ``TensorDict`` and t
 A ``LazyStackedTensorDict`` stacked along dim 0 holds one tensordict per row: its rows are not
 laid out along its leaves, so it is a :class:`~treegather._tree.Rows` value, split by slicing and
 joined by stacking the rows' tensordicts again; stacked along another dim, it is a node of its
-tensordicts (each a batch node).
+tensordicts (each a batch node). A ``NonTensorStack`` (per-row non-tensor values: a list of
+names as long as a tensordict's batch, a tensorclass's ``str`` field given one) is such a lazy
+stack, a leaf of torch's pytree, and registered the same way: its rows are split and joined with
+the batch, as tensordict indexes and concatenates them, and its entry in a tensordict's pytree
+context (compared by its values) is left out of the metadata replicas must share. A
+``NonTensorData`` holds one value for every row, as in tensordict: each shard holds it whole,
+and replicas must agree on it.
 """
 
 from __future__ import annotations
@@ -87,9 +93,14 @@ def _with_batch_size(ctx: _Context, size: tuple[int, ...]) -> _Context:
     return _Context(value)
 
 
-def _flatten(t_flatten: Any) -> Any:
+def _flatten(t_flatten: Any, stack_entry: type | None) -> Any:
     def flatten(td: Any) -> tuple[list[Any], _Context, tuple[Any, ...] | None]:
         children, context = t_flatten(td)
+        found = context.get("non_tensor_data")
+        if stack_entry is not None and type(found) is tuple:
+            # a NonTensorStack entry is a child (its rows split and joined with the batch), not
+            # metadata that every replica must share
+            context["non_tensor_data"] = tuple(e for e in found if type(e[1]) is not stack_entry)
         keys = context.get("keys")
         names = tuple(keys) if keys is not None and len(keys) == len(children) else None
         return list(children), _Context(context), names
@@ -140,20 +151,30 @@ def _list_unflatten(cls: type) -> Any:
 
 def _lazy_kind(cls: Any) -> RowsKind:
     def rows(stack: Any) -> int:
-        return len(stack.tensordicts)
+        return int(stack.batch_size[0])
 
     def split(stack: Any, sizes: Sequence[int]) -> list[Any]:
         out, start = [], 0
         for n in sizes:
-            out.append(cls.lazy_stack(list(stack.tensordicts[start : start + n]), 0))
+            if n:
+                out.append(cls.lazy_stack(list(stack.tensordicts[start : start + n]), 0))
+            else:  # (no tensordict to stack: tensordict's own empty slice)
+                out.append(stack[start:start])
             start += n
         return out
 
     def join(stacks: Sequence[Any]) -> Any:
-        return cls.lazy_stack([td for s in stacks for td in s.tensordicts], 0)
+        parts = [td for s in stacks if rows(s) for td in s.tensordicts]
+        return cls.lazy_stack(parts, 0) if parts else stacks[0]
 
     def to(stack: Any, device: torch.device) -> Any:
-        return stack if stack.device == device else stack.to(device)
+        if stack.device == device:
+            return stack
+        if stack.device is None:  # (no device of its own: moved only if a tensor must be)
+            tensors = [t for t in _torch_pytree.tree_leaves(stack) if isinstance(t, torch.Tensor)]
+            if all(t.device == device for t in tensors):
+                return stack
+        return stack.to(device)
 
     return rows_kind(RowsKind(cls.__qualname__, rows, split, join, to))
 
@@ -191,21 +212,37 @@ def register_tensordicts(pytree: Any) -> None:
     with torch's pytree and treegather does not know yet (the user's own registration wins)."""
     td_flatten = getattr(pytree, "_tensordict_flatten", None)
     lazy_flatten = getattr(pytree, "_lazy_tensordict_flatten", None)
-    for cls, node in list(_torch_pytree.SUPPORTED_NODES.items()):
+    stack_entry = getattr(pytree, "_PytreeNonTensorStack", None)
+    nodes: list[tuple[Any, Any, Any]] = [
+        (c, n.flatten_fn, n.unflatten_fn) for c, n in _torch_pytree.SUPPORTED_NODES.items()
+    ]
+    stack = _non_tensor_stack()
+    lazy_unflatten = getattr(pytree, "_lazy_tensordict_unflatten", None)
+    if stack is not None and stack not in _torch_pytree.SUPPORTED_NODES and lazy_unflatten:
+        # a leaf of torch's pytree: per-row values, held as a lazy stack along dim 0 is
+        nodes.append((stack, lazy_flatten, lazy_unflatten))
+    for cls, flatten_fn, unflatten_fn in nodes:
         if cls in _done or not isinstance(cls, type):
             continue
-        if node.flatten_fn is td_flatten and td_flatten is not None:
+        if flatten_fn is td_flatten and td_flatten is not None:
             rule = BatchRule(cls, _batch_size, _with_batch_size)
-            register_default(cls, _flatten(td_flatten), _unflatten(node.unflatten_fn, cls), rule)
+            flatten = _flatten(td_flatten, stack_entry)
+            register_default(cls, flatten, _unflatten(unflatten_fn, cls), rule)
         elif cls is _linked_list():
             register_default(cls, _list_flatten, _list_unflatten(cls))
-        elif node.flatten_fn is lazy_flatten and lazy_flatten is not None:
+        elif flatten_fn is lazy_flatten and lazy_flatten is not None:
             kind = _lazy_kind(cls)
             flatten = _lazy_flatten(lazy_flatten, kind)
-            register_default(cls, flatten, _lazy_unflatten(node.unflatten_fn))
+            register_default(cls, flatten, _lazy_unflatten(unflatten_fn))
         else:
             continue
         _done.add(cls)
+
+
+def _non_tensor_stack() -> Any:
+    """tensordict's ``NonTensorStack`` (per-row non-tensor values: a list of strings as long
+    as the batch, in a tensordict), once its module is loaded."""
+    return getattr(sys.modules.get("tensordict.tensorclass"), "NonTensorStack", None)
 
 
 def _linked_list() -> Any:
