@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as _torch_pytree
 from optree import PyTreeKind, PyTreeSpec
 
 from .._errors import ArgumentTypeError, ShapeMismatchError, bullet_list, safe_repr
@@ -490,6 +491,12 @@ class RowsKind(NamedTuple):
     batched: str = ""
     """How single rows become one value of this kind (the fix an error suggests for one row
     sent where a batch of them is split: ``"torch_geometric.data.Batch.from_data_list"``)."""
+    tensors: (
+        Callable[[Any], tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]] | None
+    ) = None
+    """``value -> (its tensors, a function rebuilding it around others in their place)``: what
+    a gradient reaches (``sync_grads``), and what travels detached; ``None``: the tensors
+    torch's pytree finds in it (a ``PackedSequence``'s fields, a lazy stack's tensordicts')."""
 
 
 _KINDS: dict[str, RowsKind] = {}
@@ -557,6 +564,28 @@ class Rows:
 
     def to(self, device: torch.device) -> Rows:
         return Rows(self.kind.to(self.value, device), self.kind, self.bare)
+
+    def tensors(self) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Rows]]:
+        """Its tensors, and a function rebuilding it around others in their place."""
+        found, rebuilt = (self.kind.tensors or _tensors_of)(self.value)
+        kind, bare = self.kind, self.bare
+        return found, lambda tensors: Rows(rebuilt(tensors), kind, bare)
+
+    def requiring_grad(self) -> tuple[int, ...]:
+        """Which of its tensors (:meth:`tensors`) require grad."""
+        return tuple(j for j, t in enumerate(self.tensors()[0]) if t.requires_grad)
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether a tensor of it requires grad."""
+        return any(t.requires_grad for t in self.tensors()[0])
+
+    def detached(self) -> Rows:
+        """It around its tensors detached (what travels to another process)."""
+        found, rebuilt = self.tensors()
+        if not any(t.requires_grad for t in found):
+            return self
+        return rebuilt([t.detach() for t in found])
 
     @staticmethod
     def join(values: Sequence[Rows], device: torch.device) -> Rows:
@@ -650,6 +679,20 @@ def one_row_of(value: Any) -> RowsKind | None:
         return None
     found = _class_kind(kind)
     return found[0] if found is not None and found[1] else None
+
+
+def _tensors_of(value: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
+    """The tensors torch's pytree finds in ``value``, and how to put others in their place."""
+    leaves, spec = _torch_pytree.tree_flatten(value)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def rebuilt(tensors: list[torch.Tensor]) -> Any:
+        new = list(leaves)
+        for i, t in zip(at, tensors, strict=True):
+            new[i] = t
+        return _torch_pytree.tree_unflatten(new, spec)
+
+    return [leaves[i] for i in at], rebuilt
 
 
 def unwrapped(child: Any) -> Any:
