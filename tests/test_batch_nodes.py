@@ -623,6 +623,58 @@ BUNDLE = 12  # cases per exchange
 spawned_groups.register("batch_nodes", budget_s=30)(distributed)
 
 
+def _metadata_cases(rank: int) -> dict[str, Any]:
+    """Trees whose node metadata differs on rank 0 and the other ranks."""
+    other = rank > 0
+    x = torch.zeros(2, 3)
+    return {
+        "TensorDict names": TensorDict({"x": x}, [2], names=["c" if other else "b"]),
+        "TensorDict keys": TensorDict({"y" if other else "x": x}, [2]),
+        "Counted tag": {"c": Counted(x, "w1" if other else "w0", 2)},
+        "NonTensorData value": TensorDict(
+            {"x": x, "words": NonTensorData(["d" if other else "a"], batch_size=[2])}, [2]
+        ),
+    }
+
+
+# What every rank's error says, by case: the path, and each side of the difference.
+METADATA_SAID = {
+    "TensorDict names": ("outputs: the TensorDict's metadata differs", "'names': ['b']", "['c']"),
+    "TensorDict keys": ("outputs.x: a leaf on rank 0; missing on rank", "outputs.y: missing"),
+    "Counted tag": (
+        "outputs['c']: the Counted's metadata differs: ('w0', 2) on rank 0; ('w1', 2)",
+    ),
+    "NonTensorData value": (
+        "outputs.words: the NonTensorData's metadata differs",
+        "'data': ['a']",
+        "'data': ['d']",
+        "NonTensorStack.from_list(values)",
+    ),
+}
+
+
+@spawned_groups.register("batch_nodes.metadata", budget_s=10)
+def other_metadata(rank: int, world: int) -> dict[str, Any]:
+    """Each case's error on this rank, through ``all_gather`` (both ways) and a Collector."""
+    out: dict[str, Any] = {}
+    for name, tree in _metadata_cases(rank).items():
+        for mode in ("fast", "reference"):
+            with reference_only() if mode == "reference" else contextlib.nullcontext():
+                try:
+                    tgd.all_gather(tree)
+                    out[f"{name} {mode}"] = "no error"
+                except Exception as exc:
+                    out[f"{name} {mode}"] = f"{type(exc).__name__}: {exc}"
+    col = tgd.Collector()
+    col.add(_metadata_cases(rank)["Counted tag"], indices=[2 * rank, 2 * rank + 1])
+    try:
+        col.all_gather()
+        out["Counted tag Collector"] = "no error"
+    except Exception as exc:
+        out["Counted tag Collector"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def test_through_all_gather_and_collector_one_rank(world_of_one: None) -> None:
     _check_distributed({0: distributed(0, 1)}, "one rank")
 
@@ -642,6 +694,20 @@ def ranks(
 def test_through_all_gather_and_collector_on_ranks(ranks: Any) -> None:
     world, results = ranks
     _check_distributed(dict(enumerate(results)), f"{world} ranks")
+
+
+@pytest.mark.distributed
+def test_ranks_with_other_node_metadata_are_refused_naming_the_path(
+    ranks: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # (every rank said "same paths and node types, but different node metadata", naming none)
+    world = ranks[0]
+    for rank, res in enumerate(spawned_groups.results(world, tmp_path_factory)):
+        for key, said in res["batch_nodes.metadata"].items():
+            name = key.rsplit(" ", 1)[0].removesuffix(" Collector")
+            assert said.startswith("StructureMismatchError: "), (world, rank, key, said)
+            for part in METADATA_SAID[name]:
+                assert part in said, (world, rank, key, said)
 
 
 def _check_distributed(results: dict[int, dict[str, tuple[str, str]]], where: str) -> None:
@@ -745,6 +811,25 @@ def test_replicas_with_other_strings_are_refused() -> None:
     outs = [{"x": torch.zeros(2), "t": NonTensorData(s, batch_size=[2])} for s in "ab"]
     with pytest.raises(tg.StructureMismatchError, match=r"outputs\['t'\]"):
         tg.gather(outs, "cpu")
+
+
+def test_replicas_with_other_values_for_every_row_are_refused_naming_the_field() -> None:
+    # a NonTensorData (one value for all its rows) of a list: its value sat in the TensorDict's
+    # metadata too, so the message named the TensorDict, cut before the values; now the field,
+    # where they differ, and what to do with per-row values
+    outs = [
+        TensorDict(
+            {"x": torch.zeros(len(w)), "words": NonTensorData(w, batch_size=[len(w)])}, [len(w)]
+        )
+        for w in (["a", "b", "c"], ["d", "e"])
+    ]
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather(outs, "cpu")
+    text = str(info.value)
+    assert text.startswith(
+        "outputs.words: replica 1's static fields/metadata ...'data': ['d', 'e']"
+    )
+    assert "NonTensorStack.from_list(values)" in text
 
 
 def test_per_row_strings_are_split_and_joined_by_rows() -> None:

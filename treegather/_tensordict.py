@@ -93,14 +93,15 @@ def _with_batch_size(ctx: _Context, size: tuple[int, ...]) -> _Context:
     return _Context(value)
 
 
-def _flatten(t_flatten: Any, stack_entry: type | None) -> Any:
+def _flatten(t_flatten: Any) -> Any:
     def flatten(td: Any) -> tuple[list[Any], _Context, tuple[Any, ...] | None]:
         children, context = t_flatten(td)
-        found = context.get("non_tensor_data")
-        if stack_entry is not None and type(found) is tuple:
-            # a NonTensorStack entry is a child (its rows split and joined with the batch), not
-            # metadata that every replica must share
-            context["non_tensor_data"] = tuple(e for e in found if type(e[1]) is not stack_entry)
+        if type(context.get("non_tensor_data")) is tuple:
+            # a tensordict's non-tensor entries are children too (a NonTensorData, rebuilt with
+            # the batch size it is given; a NonTensorStack, whose rows are split and joined with
+            # the batch), not metadata of the tensordict: a value that differs between replicas
+            # is named at its own path
+            context["non_tensor_data"] = ()
         keys = context.get("keys")
         names = tuple(keys) if keys is not None and len(keys) == len(children) else None
         return list(children), _Context(context), names
@@ -206,13 +207,18 @@ def _lazy_unflatten(t_unflatten: Any) -> Any:
 
 _done: set[type] = set()
 
+_ONE_VALUE = (
+    "a {} holds one value for all its rows, which replicas must share; per-row values are a "
+    "NonTensorStack (NonTensorStack.from_list(values), or a list as long as the batch in a "
+    "TensorDict), split and joined by rows"
+)
+
 
 def register_tensordicts(pytree: Any) -> None:
     """Register every class tensordict's module ``pytree`` (``tensordict._pytree``) registered
     with torch's pytree and treegather does not know yet (the user's own registration wins)."""
     td_flatten = getattr(pytree, "_tensordict_flatten", None)
     lazy_flatten = getattr(pytree, "_lazy_tensordict_flatten", None)
-    stack_entry = getattr(pytree, "_PytreeNonTensorStack", None)
     nodes: list[tuple[Any, Any, Any]] = [
         (c, n.flatten_fn, n.unflatten_fn) for c, n in _torch_pytree.SUPPORTED_NODES.items()
     ]
@@ -225,8 +231,9 @@ def register_tensordicts(pytree: Any) -> None:
         if cls in _done or not isinstance(cls, type):
             continue
         if flatten_fn is td_flatten and td_flatten is not None:
-            rule = BatchRule(cls, _batch_size, _with_batch_size)
-            flatten = _flatten(td_flatten, stack_entry)
+            one = _ONE_VALUE.format(cls.__qualname__) if getattr(cls, "_is_non_tensor", 0) else ""
+            rule = BatchRule(cls, _batch_size, _with_batch_size, one)
+            flatten = _flatten(td_flatten)
             register_default(cls, flatten, _unflatten(unflatten_fn, cls), rule)
         elif cls is _linked_list():
             register_default(cls, _list_flatten, _list_unflatten(cls))

@@ -50,6 +50,7 @@ __all__ = [
     "is_batched",
     "misclaim_text",
     "misclaims",
+    "node_data",
     "note",
     "one_row_of",
     "rebuild",
@@ -77,6 +78,9 @@ class BatchRule(NamedTuple):
     """``metadata -> batch size`` (the leading dims its leaves share with it)."""
     resize: Callable[[Any, Size], Any]
     """``(metadata, batch size) -> metadata`` with that batch size, the rest as it was."""
+    differs: str = ""
+    """What a message says when replicas' (ranks') metadata differ, if the class has more to
+    say than that they must agree (what to do instead)."""
 
 
 _RULES: dict[type, BatchRule] = {}  # (registry.py keeps it in step with optree's registry)
@@ -250,7 +254,7 @@ def batch_nodes(spec: PyTreeSpec) -> tuple[BatchNode, ...]:
             sub = nd.spec
             if sub.kind != PyTreeKind.CUSTOM or sub.type not in _RULES:
                 continue
-            meta = _node_data(sub)
+            meta = node_data(sub)
             if type(meta) is Batched:
                 found.append(BatchNode(nd, meta))
     result = tuple(found)
@@ -294,8 +298,9 @@ def check_sizes(spec: PyTreeSpec, root: str | None = "tree", where: str = "") ->
         raise ArgumentTypeError(where + bullet_list(problems, hint)) from first
 
 
-def _node_data(spec: PyTreeSpec) -> Any:
-    """The metadata of ``spec``'s root node (its flatten's ``aux``)."""
+def node_data(spec: PyTreeSpec) -> Any:
+    """The metadata of ``spec``'s root node (its flatten's ``aux``; a batch node's
+    :class:`Batched`)."""
     data: list[Any] = []
     level: Any = spec.one_level()
     level.walk(range(spec.num_children), lambda t, d, c: data.append(d), None)

@@ -877,11 +877,11 @@ def _raise_differences(present: list[tuple[int, Any]]) -> NoReturn:
     shapes = [pickle.loads(p.shape) for _, p in present]
     same = all(s[0] == shapes[0][0] for s in shapes)
 
-    def said(up: Any, kinds: list[int]) -> list[tuple[str, str]]:
+    def said(up: Any, kinds: list[int]) -> list[tuple[str, str, Any]]:
         leaf = iter(kinds)
         return [
-            (at, f"{is_}, {named[next(leaf)]}" if same and is_ == "a leaf" else is_)
-            for at, is_ in errors.node_rows(up)
+            (at, f"{is_}, {named[next(leaf)]}" if same and is_ == "a leaf" else is_, metadata)
+            for at, is_, metadata in errors.node_rows(up)
         ]
 
     errors.raise_structure_mismatch([r for r, _ in present], [said(u, k) for u, k, _ in shapes])
