@@ -79,6 +79,8 @@ def gather(
     Raises:
         StructureMismatchError: replicas' trees differ (a key, a length, ``None`` vs a value).
         ShapeMismatchError: tensors cannot be combined under their rule.
+        BatchSizeError: a node holding a batch size (a TensorDict, a ``register_dataclass(
+            batch_size=)`` class) claims other rows than its leaves hold in a replica.
         LeafTypeError: a rule does not apply to a leaf's type.
         LayoutError: the layout does not fit the outputs.
 

@@ -72,7 +72,8 @@ def scatter(
         A :class:`Shards` list with one tree per used device, and the shard ``sizes``.
 
     Raises:
-        BatchSizeError: split leaves disagree on the batch size.
+        BatchSizeError: split leaves disagree on the batch size, or a node holding a batch size
+            claims other rows than the batch.
         LeafTypeError: a rule does not apply to a leaf (``split()`` on a string, an unregistered
             dataclass).
         LayoutError: the layout does not fit the inputs.

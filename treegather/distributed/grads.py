@@ -156,8 +156,12 @@ class _Summed(torch.autograd.Function):
 def unsynced(out: Any, leaves: list[Any] | None, tree: Any) -> Any:
     """``out`` of a call without ``sync_grads``: when this rank's ``leaves`` (``tree``'s) require
     grad, its tensors pass through :class:`_Unsynced`, so a backward there says what to do."""
-    if not torch.is_grad_enabled() or not any(
-        map(_requires_grad, _tree.flatten(tree)[0] if leaves is None else leaves)
+    if not torch.is_grad_enabled():
+        return out
+    mine = _tree.flatten(tree)[0] if leaves is None else leaves
+    if not any(
+        x.requires_grad if isinstance(x, Tensor) else type(x) is Rows and x.requires_grad
+        for x in mine
     ):
         return out
     anchor, (found, spec) = torch.empty(0, requires_grad=True), _tree.flatten(out)
@@ -181,10 +185,6 @@ def _guarded(anchor: Tensor, x: Tensor) -> Tensor:
         return x
     guarded = _Unsynced.apply(anchor, x)
     return guarded if type(guarded) is type(x) else x
-
-
-def _requires_grad(x: Any) -> bool:
-    return (isinstance(x, Tensor) or isinstance(x, Rows)) and x.requires_grad
 
 
 def _float(t: Tensor) -> bool:
