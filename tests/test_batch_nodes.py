@@ -620,7 +620,7 @@ def _distributed(rank: int, world: int) -> dict[str, tuple[str, str]]:
 BUNDLE = 12  # cases per exchange
 
 
-spawned_groups.register("batch_nodes", budget_s=30)(distributed)
+spawned_groups.register("batch_nodes", budget_s=35)(distributed)
 
 
 def _metadata_cases(rank: int) -> dict[str, Any]:
