@@ -22,10 +22,10 @@ A ``LazyStackedTensorDict`` stacked along dim 0 holds one tensordict per row: it
 laid out along its leaves, so it is a :class:`~treegather._tree.Rows` value, split by slicing and
 joined by stacking the rows' tensordicts again; stacked along another dim, it is a node of its
 tensordicts (each a batch node). A ``NonTensorStack`` (per-row non-tensor values: a list of
-names as long as a tensordict's batch, a tensorclass's ``str`` field given one) is such a lazy
-stack, a leaf of torch's pytree, and registered the same way: its rows are split and joined with
-the batch, as tensordict indexes and concatenates them, and its entry in a tensordict's pytree
-context (compared by its values) is left out of the metadata replicas must share. A
+names as long as a tensordict's batch, a tensorclass's ``str`` field given one; a leaf of
+torch's pytree) holds no tensor, so it is a ``Rows`` value stacked along any dim: its rows are
+split and joined with the batch as tensordict indexes and concatenates them (``stack[a:b]``,
+``torch.cat``). A tensordict's non-tensor entries are its children, not its metadata. A
 ``NonTensorData`` holds one value for every row, as in tensordict: each shard holds it whole,
 and replicas must agree on it.
 """
@@ -168,16 +168,52 @@ def _lazy_kind(cls: Any) -> RowsKind:
         parts = [td for s in stacks if rows(s) for td in s.tensordicts]
         return cls.lazy_stack(parts, 0) if parts else stacks[0]
 
-    def to(stack: Any, device: torch.device) -> Any:
-        if stack.device == device:
-            return stack
-        if stack.device is None:  # (no device of its own: moved only if a tensor must be)
-            tensors = [t for t in _torch_pytree.tree_leaves(stack) if isinstance(t, torch.Tensor)]
-            if all(t.device == device for t in tensors):
-                return stack
-        return stack.to(device)
+    return rows_kind(RowsKind(cls.__qualname__, rows, split, join, _moved))
 
-    return rows_kind(RowsKind(cls.__qualname__, rows, split, join, to))
+
+def _moved(stack: Any, device: torch.device) -> Any:
+    """A lazy stack on ``device``; one without a device of its own, moved only if a tensor of
+    it must be (a ``NonTensorStack`` holds none)."""
+    if stack.device == device:
+        return stack
+    if stack.device is None:
+        tensors = [t for t in _torch_pytree.tree_leaves(stack) if isinstance(t, torch.Tensor)]
+        if all(t.device == device for t in tensors):
+            return stack
+    return stack.to(device)
+
+
+def _non_tensor_kind(cls: Any) -> RowsKind:
+    """A ``NonTensorStack``, stacked along any dim (it holds no tensor: nothing of it is a
+    leaf): its rows are tensordict's own, indexed (``stack[a:b]``, empty slices too) and joined
+    with ``torch.cat`` along dim 0, as tensordict concatenates tensordicts holding one."""
+
+    def rows(stack: Any) -> int:
+        return int(stack.batch_size[0])
+
+    def split(stack: Any, sizes: Sequence[int]) -> list[Any]:
+        out, start = [], 0
+        for n in sizes:
+            out.append(stack[start : start + n])
+            start += n
+        return out
+
+    def join(stacks: Sequence[Any]) -> Any:
+        return torch.cat(list(stacks), 0)
+
+    return rows_kind(RowsKind(cls.__qualname__, rows, split, join, _moved))
+
+
+def _rows_flatten(kind: RowsKind) -> Any:
+    def flatten(stack: Any) -> tuple[list[Any], Any, tuple[Any, ...]]:
+        return [Rows(stack, kind)], _ROWS, ("rows",)
+
+    return flatten
+
+
+def _rows_unflatten(meta: Any, children: Iterable[Any]) -> Any:
+    (child,) = children
+    return unwrapped(child)
 
 
 _ROWS = "rows"  # (the metadata of a lazy stack held as rows)
@@ -223,12 +259,15 @@ def register_tensordicts(pytree: Any) -> None:
         (c, n.flatten_fn, n.unflatten_fn) for c, n in _torch_pytree.SUPPORTED_NODES.items()
     ]
     stack = _non_tensor_stack()
-    lazy_unflatten = getattr(pytree, "_lazy_tensordict_unflatten", None)
-    if stack is not None and stack not in _torch_pytree.SUPPORTED_NODES and lazy_unflatten:
-        # a leaf of torch's pytree: per-row values, held as a lazy stack along dim 0 is
-        nodes.append((stack, lazy_flatten, lazy_unflatten))
+    if stack is not None:  # (a leaf of torch's pytree, or a lazy stack there)
+        nodes.insert(0, (stack, None, None))
     for cls, flatten_fn, unflatten_fn in nodes:
         if cls in _done or not isinstance(cls, type):
+            continue
+        if cls is stack:  # per-row non-tensor values: held whole, by rows, whatever its dim
+            kind = _non_tensor_kind(cls)
+            register_default(cls, _rows_flatten(kind), _rows_unflatten)
+            _done.add(cls)
             continue
         if flatten_fn is td_flatten and td_flatten is not None:
             one = _ONE_VALUE.format(cls.__qualname__) if getattr(cls, "_is_non_tensor", 0) else ""
