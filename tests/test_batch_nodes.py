@@ -17,8 +17,10 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -171,6 +173,20 @@ KNOWN: dict[Any, Callable[[Tensor], Any]] = {
     LinkedList: lambda x: LinkedList([x, x * 2]),
     Tagged: lambda x: Tagged(x=x, tag="word", batch_size=[len(x)]),
 }
+GRAPHS = "PyG graph batch"  # (in one process only: see _distributed)
+
+
+def _graphs(x: Tensor) -> Any:
+    """A PyG graph batch of one graph per row (``1 + i % 3`` nodes of its features, by value)."""
+    with warnings.catch_warnings():  # (PyG 2.8 scripts helpers at import: torch deprecates it)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch_geometric.data import Batch, Data
+
+    none = torch.zeros(2, 0, dtype=torch.long)
+    graphs = [Data(x=r.expand(1 + int(r[0]) // F % 3, F), edge_index=none) for r in x]
+    return {"x": x, "g": Batch.from_data_list(graphs)}
+
+
 # Cases of classes that are not (or not only) in torch's registry.
 EXTRA: dict[str, Callable[[Tensor], Any]] = {
     "LazyStackedTensorDict(stack_dim=1)": lambda x: _lazy(x, 1),
@@ -250,6 +266,8 @@ def classify() -> tuple[list[Case], dict[type, str], list[str]]:
         else:
             uncovered.append(name)
     cases.extend(Case(name, make) for name, make in EXTRA.items())
+    if importlib.util.find_spec("torch_geometric") is not None:
+        cases.append(Case(GRAPHS, _graphs))
     return cases, values, uncovered
 
 
@@ -275,6 +293,8 @@ def same(a: Any, b: Any, at: str = "") -> str | None:
         return None if ok else f"{at}: {a!r} != {b!r}"
     if not _same_type(a, b):
         return f"{at}: {type(a).__qualname__} != {type(b).__qualname__}"
+    if hasattr(a, "to_data_list"):  # (a PyG graph batch)
+        return same(dict(a.to_dict()), dict(b.to_dict()), at)
     if isinstance(a, LazyStackedTensorDict):
         if a.stack_dim != b.stack_dim or len(a.tensordicts) != len(b.tensordicts):
             return f"{at}: stacks differ"
@@ -390,7 +410,7 @@ def test_every_rows_kind_is_covered() -> None:
     held = set()
     for case in classify()[0]:
         leaves, _ = tg._tree.flatten(case.make(batch()))
-        held |= {v.kind.name for v in leaves if isinstance(v, tg._tree.Rows)}
+        held |= {r.kind.name for r in map(tg._tree.rows_of, leaves) if r is not None}
     kinds = set(tg._tree.batch._KINDS)
     assert kinds <= held, f"kinds of values laid out by rows no case holds: {kinds - held}"
     assert {"PackedSequence", "LazyStackedTensorDict", "NonTensorStack"} <= kinds
@@ -466,7 +486,7 @@ def misclaims(cases: list[Case]) -> tuple[list[Misclaim], collections.Counter[st
                 continue
             held = leaves[bn.node.start : bn.node.stop]
             joined = any(
-                (isinstance(v, Tensor) and v.dim() > 0) or isinstance(v, tg._tree.Rows)
+                (isinstance(v, Tensor) and v.dim() > 0) or tg._tree.rows_of(v) is not None
                 for v in held
             )
             m = Misclaim(case, bn.node.raw, bn.node, joined)
@@ -574,7 +594,9 @@ def distributed(rank: int, world: int) -> dict[str, tuple[str, str]]:
 
 
 def _distributed(rank: int, world: int) -> dict[str, tuple[str, str]]:
-    cases = classify()[0]
+    # (PyG is slow to import: a spawned rank imports it only in test_graphs' check, which takes
+    # graph batches across ranks)
+    cases = [c for c in classify()[0] if c.name != GRAPHS]
     out: dict[str, tuple[str, str]] = {}
     for way, run in (("all_gather", _gathered), ("Collector", _collected)):
         for mode in ("fast", "reference"):

@@ -10,6 +10,7 @@ Every check runs on the wire plan and on the full exchange (:func:`reference_onl
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 import warnings
 from collections.abc import Callable
@@ -244,6 +245,24 @@ def test_values_laid_out_by_rows_pass_the_gradient_to_every_rank(ranks: Any, pat
             torch.testing.assert_close(g, t.grad, atol=1e-10, rtol=1e-10)
         status, name, message, _ = got["no_sync"]
         assert (status, name) == ("raised", "RuntimeError") and "pass sync_grads=True" in message
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_graph_batch_passes_the_gradient(world_of_one: None, path: str) -> None:
+    # a PyG graph batch (a leaf laid out by rows, its tensors not in torch's pytree): its node
+    # features are what one process's loss differentiates, through all_gather on one rank
+    with warnings.catch_warnings():  # (PyG 2.8 scripts helpers at import: torch deprecates it)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pyg = pytest.importorskip("torch_geometric.data")
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    none = torch.zeros(2, 0, dtype=torch.long)
+    graphs = [pyg.Data(x=torch.tanh(x[i : i + 1 + i % 2]), edge_index=none) for i in range(3)]
+    with reference_only() if path == "full" else contextlib.nullcontext():
+        got = tgd.all_gather({"g": pyg.Batch.from_data_list(graphs)}, sync_grads=True)["g"]
+    (got.x**3).sum().backward()
+    want = x.detach().clone().requires_grad_(True)
+    (torch.cat([torch.tanh(want[i : i + 1 + i % 2]) for i in range(3)]) ** 3).sum().backward()
+    torch.testing.assert_close(x.grad, want.grad, atol=1e-12, rtol=1e-12)
 
 
 def test_a_callable_in_a_rule_compares_across_ranks_by_module_and_qualname() -> None:

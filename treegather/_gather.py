@@ -32,7 +32,7 @@ from ._errors import (
 from ._layout import Plan, display_path, resolve
 from ._mismatch import ROOT, diagnose, structure_error
 from ._rules import Cat, CatItems, Pad, Stack
-from ._tree import BatchNode, Rows, batch_nodes, flatten, is_batched, is_leaf, rebuild
+from ._tree import BatchNode, batch_nodes, flatten, is_batched, is_leaf, rebuild, rows_of
 from ._tree.batch import misclaim_text, misclaims, sizes_by_path
 
 __all__ = ["gather", "gather_call", "gather_reference", "gather_from", "combine", "ROOT"]
@@ -320,7 +320,7 @@ def joined_sizes(
                     stacked.add(rule.dim % (first.dim() + 1))
                 else:
                     unstacked = True
-            elif isinstance(first, Rows) and joined is not None:
+            elif joined is not None and rows_of(first) is not None:
                 tensors = unstacked = True  # (its rows joined, as a tensor's along dim 0)
             if joined is not None:
                 dims.add(joined)
@@ -374,7 +374,7 @@ def _join_dims(columns: list[tuple[Any, ...]], plan: Plan, dim: int) -> dict[int
         group = plan.groups[pos]
         rule = group[2] if group is not None else plan.rules[pos]
         by_rows = rule is None or (isinstance(rule, Cat) and rule.dim == 0)
-        if isinstance(rule, CatItems) or (by_rows and isinstance(first, Rows)):
+        if isinstance(rule, CatItems) or (by_rows and rows_of(first) is not None):
             joins[pos] = 0
         elif isinstance(first, Tensor) and first.dim() > 0:
             if rule is None:
@@ -419,8 +419,9 @@ def _rows_along(value: Any, d: int) -> int | None:
     by rows), ``None`` when it has no such dim."""
     if isinstance(value, Tensor):
         return value.shape[d] if d < value.dim() else None
-    if isinstance(value, Rows):
-        return value.rows
+    held = rows_of(value)
+    if held is not None:
+        return held.rows
     if isinstance(value, (list, tuple)):
         return len(value)
     return None

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from .. import _tree
-from .._tree import Rows
+from .._tree import rows_of
 
 __all__ = ["connect", "unsynced"]
 
@@ -66,8 +66,9 @@ def connect(
 
 def _grad_tensors(value: Any, parts: Sequence[int]) -> list[Tensor]:
     """The tensors of a leaf that require grad: itself, or a value laid out by rows' ``parts``."""
-    if isinstance(value, Rows):
-        found = value.tensors()[0]
+    held = rows_of(value)
+    if held is not None:
+        found = held.tensors()[0]
         return [found[j] for j in parts]
     return [value]
 
@@ -75,12 +76,13 @@ def _grad_tensors(value: Any, parts: Sequence[int]) -> list[Tensor]:
 def _replaced(value: Any, parts: Sequence[int], outputs: Iterator[Tensor]) -> Any:
     """``value`` with its tensors that require grad (``parts``, of a value laid out by rows)
     replaced by the next ``outputs``."""
-    if isinstance(value, Rows):
-        found, rebuilt = value.tensors()
+    held = rows_of(value)
+    if held is not None:
+        found, rebuilt = held.tensors()
         tensors = list(found)
         for j in parts:
             tensors[j] = next(outputs)
-        return rebuilt(tensors)
+        return rebuilt(tensors).held
     return next(outputs)
 
 
@@ -160,7 +162,9 @@ def unsynced(out: Any, leaves: list[Any] | None, tree: Any) -> Any:
         return out
     mine = _tree.flatten(tree)[0] if leaves is None else leaves
     if not any(
-        x.requires_grad if isinstance(x, Tensor) else type(x) is Rows and x.requires_grad
+        x.requires_grad
+        if isinstance(x, Tensor)
+        else (held := rows_of(x)) is not None and held.requires_grad
         for x in mine
     ):
         return out
@@ -169,9 +173,10 @@ def unsynced(out: Any, leaves: list[Any] | None, tree: Any) -> Any:
     def passed(x: Any) -> Any:
         if isinstance(x, Tensor):
             return _guarded(anchor, x)
-        if isinstance(x, Rows):  # (its tensors a gradient could reach)
-            tensors, rebuilt = x.tensors()
-            return rebuilt([_guarded(anchor, t) if _float(t) else t for t in tensors])
+        held = rows_of(x)
+        if held is not None:  # (its tensors a gradient could reach)
+            tensors, rebuilt = held.tensors()
+            return rebuilt([_guarded(anchor, t) if _float(t) else t for t in tensors]).held
         return x
 
     return spec.unflatten([passed(x) for x in found])

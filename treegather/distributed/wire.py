@@ -219,7 +219,8 @@ def _encode(
             meta.append(None)
             # (a value laid out by rows travels detached; sync_grads connects its tensors
             # that required grad, which the header names)
-            objects.append(leaf.detached() if type(leaf) is _tree.Rows else leaf)
+            by_rows = _tree.rows_of(leaf)
+            objects.append(leaf if by_rows is None else by_rows.detached().held)
     batch = None
     if _tree.is_batched(up_spec):  # each batch node's size: this rank's tree is rebuilt with it
         batch = [bn.meta.size for bn in _tree.batch_nodes(up_spec)]
@@ -238,7 +239,9 @@ def _encode(
         "layout": layout_text(layout, dim, sync),
         "grads": grads,
         "parts": {
-            i: leaves[i].requiring_grad() for i in grads or () if type(leaves[i]) is _tree.Rows
+            i: by_rows.requiring_grad()
+            for i in grads or ()
+            if (by_rows := _tree.rows_of(leaves[i])) is not None
         },
         "meta": meta,
         "objects": objects,
@@ -264,11 +267,14 @@ def grad_positions(leaves: Sequence[Any]) -> tuple[int, ...]:
     and values laid out by rows holding one."""
     if not torch.is_grad_enabled():
         return ()
-    return tuple(
-        i
-        for i, x in enumerate(leaves)
-        if (isinstance(x, torch.Tensor) or type(x) is _tree.Rows) and x.requires_grad
-    )
+    return tuple(i for i, x in enumerate(leaves) if _requires_grad(x))
+
+
+def _requires_grad(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.requires_grad
+    held = _tree.rows_of(x)
+    return held is not None and held.requires_grad
 
 
 def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
