@@ -83,7 +83,8 @@ def full(
     if any(grads):
         leaves = _tree.flatten(tree)[0]
         own = [leaves[i] for i in grads[g.rank]]
-        _connect_grads(per_rank, grads, own, g.rank, g.handle, g.device)
+        parts = [h.get("parts") or {} for h in headers]
+        _connect_grads(per_rank, grads, own, g.rank, g.handle, g.device, parts)
     trees = [wire.rank_tree(up_spec, h, leaves) for h, leaves in zip(headers, per_rank)]
     target = _target(local.devices, carrier)
     return rules(ranks, trees, target, layout, dim, [h["sizes"] for h in headers])

@@ -158,7 +158,8 @@ def encode(
     learns of them after the exchange and raises the same error instead of leaving the other
     ranks waiting in a collective. With ``order`` (rank 0), the header also carries the pickled
     up-structure, so that every rank rebuilds the trees with rank 0's dict key order. With
-    ``sync``, the header also lists the tensor leaves that require grad (``sync_grads``).
+    ``sync``, the header also lists the leaves that require grad (``sync_grads``), and which
+    tensors of a value laid out by rows do.
     """
     try:
         return _encode(tree, sizes, layout, dim, with_spec, order, sync)
@@ -216,7 +217,10 @@ def _encode(
             objects.append(leaf)
         else:
             meta.append(None)
-            objects.append(leaf)
+            # (a value laid out by rows travels detached; sync_grads connects its tensors
+            # that required grad, which the header names)
+            by_rows = _tree.rows_of(leaf)
+            objects.append(leaf if by_rows is None else by_rows.detached().held)
     batch = None
     if _tree.is_batched(up_spec):  # each batch node's size: this rank's tree is rebuilt with it
         batch = [bn.meta.size for bn in _tree.batch_nodes(up_spec)]
@@ -229,10 +233,16 @@ def _encode(
             order_bytes = pickle.dumps(up_spec, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # unpicklable node metadata: each rank keeps its own key order
             order_bytes = None
+    grads = grad_positions(leaves) if sync else None
     content = {
         "fingerprint": fingerprint,
         "layout": layout_text(layout, dim, sync),
-        "grads": grad_positions(leaves) if sync else None,
+        "grads": grads,
+        "parts": {
+            i: by_rows.requiring_grad()
+            for i in grads or ()
+            if (by_rows := _tree.rows_of(leaves[i])) is not None
+        },
         "meta": meta,
         "objects": objects,
         "groups": groups,
@@ -253,10 +263,18 @@ def _encode(
 
 
 def grad_positions(leaves: Sequence[Any]) -> tuple[int, ...]:
-    """The positions of the tensor leaves that require grad (what ``sync_grads`` connects)."""
+    """The positions of the leaves that require grad (what ``sync_grads`` connects): tensors,
+    and values laid out by rows holding one."""
     if not torch.is_grad_enabled():
         return ()
-    return tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad)
+    return tuple(i for i, x in enumerate(leaves) if _requires_grad(x))
+
+
+def _requires_grad(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.requires_grad
+    held = _tree.rows_of(x)
+    return held is not None and held.requires_grad
 
 
 def _unpicklable(spec: PyTreeSpec, leaves: list[Any], exc: Exception) -> str:
