@@ -3,7 +3,12 @@ test time, tensordict's classes and torch's structseqs, as outputs and as inputs
 devices (fast paths and the definition), through ``tgd.all_gather`` and the ``Collector`` (one
 process, and spawned groups of 2 and 3 ranks). Each case equals one device (the container
 built from the whole batch, or from each shard's rows) or is refused with a typed error naming
-the path. A class in the registry that no case covers fails :func:`test_every_registered_node_type_is_covered`.
+the path. A class in the registry that no case covers fails :func:`test_every_registered_node_type_is_covered`,
+a kind of value laid out by rows that no case holds :func:`test_every_rows_kind_is_covered`.
+
+Every batch node of every case is also made to claim one more row than its leaves hold (where
+its class lets it): scatter, gather, ``tgd.all_gather`` and the ``Collector`` refuse it, naming
+its path and the replica, rank or add.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -25,7 +32,13 @@ import torch
 import torch.utils._pytree as torch_pytree
 from spawned_groups import WORLD_SIZES
 from tensordict import LazyStackedTensorDict, TensorDict, tensorclass
-from tensordict.tensorclass import MetaData, NonTensorData, NonTensorDataBase, TensorAttrs
+from tensordict.tensorclass import (
+    MetaData,
+    NonTensorData,
+    NonTensorDataBase,
+    NonTensorStack,
+    TensorAttrs,
+)
 from tensordict.utils import LinkedList
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
@@ -74,6 +87,24 @@ class Counted:
     rows: int
 
 
+@dataclasses.dataclass
+class Windowed:
+    """A user's node registered with ``register_node(batch_size=)``: two batch dims (rows, and
+    a window of 2)."""
+
+    x: Tensor
+    size: tuple[int, int]
+
+
+tg.register_node(
+    Windowed,
+    lambda w: ((w.x,), w.size, ("x",)),
+    lambda size, children: Windowed(*children, size),
+    batch_size=lambda size: size,
+    with_batch_size=lambda size, new: tuple(new),
+)
+
+
 def _td(x: Tensor) -> TensorDict:
     # feature dims equal to replica 0's rows (5 of 10 on 2 devices, 4 on 3), and to the batch
     td = TensorDict(
@@ -88,6 +119,11 @@ def _td(x: Tensor) -> TensorDict:
 def _sequences(x: Tensor) -> list[Tensor]:
     # row i: a sequence of 1 + i % 3 steps of its features
     return [x[i : i + 1].expand(1 + int(x[i, 0]) // F % 3, F) for i in range(len(x))]
+
+
+def _row_names(x: Tensor, prefix: str = "row") -> list[str]:
+    """A name per row of ``x`` (from its values: a shard's rows have the whole batch's names)."""
+    return [f"{prefix}{int(v) // F}" for v in x[:, 0]]
 
 
 def _lazy(x: Tensor, dim: int) -> LazyStackedTensorDict:
@@ -137,6 +173,20 @@ KNOWN: dict[Any, Callable[[Tensor], Any]] = {
     LinkedList: lambda x: LinkedList([x, x * 2]),
     Tagged: lambda x: Tagged(x=x, tag="word", batch_size=[len(x)]),
 }
+GRAPHS = "PyG graph batch"  # (in one process only: see _distributed)
+
+
+def _graphs(x: Tensor) -> Any:
+    """A PyG graph batch of one graph per row (``1 + i % 3`` nodes of its features, by value)."""
+    with warnings.catch_warnings():  # (PyG 2.8 scripts helpers at import: torch deprecates it)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch_geometric.data import Batch, Data
+
+    none = torch.zeros(2, 0, dtype=torch.long)
+    graphs = [Data(x=r.expand(1 + int(r[0]) // F % 3, F), edge_index=none) for r in x]
+    return {"x": x, "g": Batch.from_data_list(graphs)}
+
+
 # Cases of classes that are not (or not only) in torch's registry.
 EXTRA: dict[str, Callable[[Tensor], Any]] = {
     "LazyStackedTensorDict(stack_dim=1)": lambda x: _lazy(x, 1),
@@ -144,8 +194,30 @@ EXTRA: dict[str, Callable[[Tensor], Any]] = {
     "PackedSequence(sorted)": lambda x: {"p": pack_sequence(x.unsqueeze(1).unbind(0)), "x": x},
     "Counted (register_dataclass batch_size=)": lambda x: Counted(x, "w", len(x)),
     "Counted, no tensor": lambda x: {"x": x, "c": Counted(None, "w", len(x))},  # type: ignore[arg-type]
+    "Counted, around a PackedSequence": lambda x: Counted(  # type: ignore[arg-type]
+        pack_sequence(_sequences(x), enforce_sorted=False), "w", len(x)
+    ),
+    "Windowed (register_node batch_size=, 2 batch dims)": lambda x: Windowed(
+        torch.stack([x, -x], 1), (len(x), 2)
+    ),
     "TensorDict(batch_size=[])": lambda x: TensorDict({"x": x}, []),
     "TensorDict(nested)": lambda x: TensorDict({"in": _td(x), "y": x}, [len(x)]),
+    # per-row strings: a NonTensorStack (a leaf of torch's pytree), alone, in a TensorDict (a
+    # list as long as the batch), in a tensorclass's str field, stacked along dim 1
+    "NonTensorStack": lambda x: {"x": x, "names": NonTensorStack.from_list(_row_names(x))},
+    "TensorDict(per-row strings)": lambda x: TensorDict({"x": x, "name": _row_names(x)}, [len(x)]),
+    "Tagged(per-row strings)": lambda x: Tagged(x=x, tag=_row_names(x), batch_size=[len(x)]),
+    "NonTensorStack(stack_dim=1)": lambda x: {
+        "x": x,
+        "pairs": torch.stack(
+            [NonTensorStack.from_list(_row_names(x)), NonTensorStack.from_list(_row_names(x, "b"))],
+            1,
+        ),
+    },
+    # one value for every row (tensordict's NonTensorData), a list
+    "NonTensorData(list)": lambda x: TensorDict(
+        {"x": x, "words": NonTensorData(["a", "b"], batch_size=[len(x)])}, [len(x)]
+    ),
 }
 # torch's own classes registered as nodes that hold no user data: leaves for treegather.
 VALUES = {
@@ -194,6 +266,8 @@ def classify() -> tuple[list[Case], dict[type, str], list[str]]:
         else:
             uncovered.append(name)
     cases.extend(Case(name, make) for name, make in EXTRA.items())
+    if importlib.util.find_spec("torch_geometric") is not None:
+        cases.append(Case(GRAPHS, _graphs))
     return cases, values, uncovered
 
 
@@ -219,6 +293,8 @@ def same(a: Any, b: Any, at: str = "") -> str | None:
         return None if ok else f"{at}: {a!r} != {b!r}"
     if not _same_type(a, b):
         return f"{at}: {type(a).__qualname__} != {type(b).__qualname__}"
+    if hasattr(a, "to_data_list"):  # (a PyG graph batch)
+        return same(dict(a.to_dict()), dict(b.to_dict()), at)
     if isinstance(a, LazyStackedTensorDict):
         if a.stack_dim != b.stack_dim or len(a.tensordicts) != len(b.tensordicts):
             return f"{at}: stacks differ"
@@ -328,6 +404,18 @@ VALUE_CLASSES = classify()[1]
 COUNTS: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
 
+def test_every_rows_kind_is_covered() -> None:
+    # every kind of value laid out by rows registered so far (late in a session: every
+    # integration in use) is held by a case
+    held = set()
+    for case in classify()[0]:
+        leaves, _ = tg._tree.flatten(case.make(batch()))
+        held |= {r.kind.name for r in map(tg._tree.rows_of, leaves) if r is not None}
+    kinds = set(tg._tree.batch._KINDS)
+    assert kinds <= held, f"kinds of values laid out by rows no case holds: {kinds - held}"
+    assert {"PackedSequence", "LazyStackedTensorDict", "NonTensorStack"} <= kinds
+
+
 def test_every_registered_node_type_is_covered() -> None:
     cases, _, uncovered = classify()  # (the registry as it is now, late in a session)
     assert not uncovered, f"node types no case covers: {uncovered}"
@@ -361,6 +449,120 @@ def test_containers_equal_one_device(k: int) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+# ------------------------------------------------------- batch sizes their leaves do not hold
+
+
+class Misclaim(NamedTuple):
+    """One batch node of a case, claiming one more row than it holds."""
+
+    case: Case
+    path: tuple[Any, ...]
+    """The node's path from the root, as optree gives it (for :func:`display_path`)."""
+    node: Any
+    leaves: bool
+    """Whether it holds leaves joined with the rows (tensors, values laid out by rows)."""
+
+    def where(self, root: str) -> str:
+        return tg._tree.display_path(self.node, root)
+
+    def make(self, x: Tensor) -> Any:
+        """The case's container of rows ``x``, the node claiming one row more at dim 0."""
+        leaves, spec = tg._tree.flatten(self.case.make(x))
+        found = tg._tree.batch_nodes(spec)
+        (i,) = [i for i, bn in enumerate(found) if bn.node.raw == self.node.raw]
+        size = found[i].meta.size
+        return tg._tree.rebuild(spec, leaves, {i: (size[0] + 1, *size[1:])})
+
+
+def misclaims(cases: list[Case]) -> tuple[list[Misclaim], collections.Counter[str]]:
+    """Every batch node (with a batch dim) of every case that can claim other rows than its
+    leaves hold, and how many cannot (their class refuses to be rebuilt so)."""
+    found: list[Misclaim] = []
+    refused: collections.Counter[str] = collections.Counter()
+    for case in cases:
+        leaves, spec = tg._tree.flatten(case.make(batch()))
+        for bn in tg._tree.batch_nodes(spec):
+            if not bn.meta.size:
+                continue
+            held = leaves[bn.node.start : bn.node.stop]
+            joined = any(
+                (isinstance(v, Tensor) and v.dim() > 0) or tg._tree.rows_of(v) is not None
+                for v in held
+            )
+            m = Misclaim(case, bn.node.raw, bn.node, joined)
+            try:
+                m.make(batch())
+            except tg.ShapeMismatchError:  # (tensordict: its leaves must start with it)
+                refused[bn.meta.rule.cls.__qualname__] += 1
+                continue
+            found.append(m)
+    return found, refused
+
+
+def _misclaimed(m: Misclaim, k: int, way: str) -> Outcome:
+    """A misclaiming node in the last shard's container (gathered), or in the whole batch's
+    (scattered): refused naming its path and the replica (or "its")."""
+    x = batch()
+    shards = list(tg.scatter(x, ["cpu"] * k))
+    if way == "output":
+        replicas = [m.case.make(s) for s in shards[:-1]] + [m.make(shards[-1])]
+        run = functools.partial(tg.gather, replicas, "cpu")
+        said, root = f"{m.where('outputs')}: replica {k - 1}'s", "outputs"
+    else:
+        run = functools.partial(tg.scatter, m.make(x), ["cpu"] * k)
+        said, root = f"{m.where('inputs')}: its", "inputs"
+    return _refused_saying(run, said, root, m.leaves or way == "input")
+
+
+def _refused_saying(
+    run: Callable[[], Any], said: str, root: str, checked: bool, otherwise: bool = False
+) -> Outcome:
+    """``run()`` must raise a BatchSizeError saying ``said`` (a node with no leaves to check
+    in a gather: anything but an untyped error, "unchecked"; ``otherwise``: another typed error
+    naming the path will do, "refused otherwise")."""
+    try:
+        run()
+    except tg.BatchSizeError as exc:
+        if said in str(exc):
+            return Outcome("refused", f"BatchSizeError: {exc}")
+        return Outcome("wrong", f"BatchSizeError without {said!r}: {exc}")
+    except tg.TreegatherError as exc:
+        if otherwise and root in str(exc):
+            return Outcome("refused otherwise", f"{type(exc).__name__}: {exc}")
+        kind = "wrong" if checked or root not in str(exc) else "unchecked"
+        return Outcome(kind, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        return Outcome("wrong", f"untyped {type(exc).__name__}: {exc}")
+    return Outcome("wrong" if checked else "unchecked", "no error")
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_batch_size_its_leaves_do_not_hold_is_refused(k: int) -> None:
+    # (gather returned n=5 around 4 rows; scatter refused the same node)
+    found, cannot = misclaims(classify()[0])
+    COUNTS["nodes that cannot claim other rows"].update(cannot)
+    wrong = []
+    for m in found:
+        for way in ("output", "input"):
+            with reference_only():
+                plain = _misclaimed(m, k, way)
+            fast = _misclaimed(m, k, way)
+            got = plain if fast == plain else Outcome("wrong", f"fast {fast} != {plain}")
+            COUNTS[f"misclaimed {way} on {k} devices"][got.kind] += 1
+            if got.kind == "wrong":
+                wrong.append(f"{m.case.name} {m.where('outputs')} as {way}: {got.detail}")
+    assert found and not wrong, "\n".join(wrong)
+
+
+def test_a_node_without_leaves_is_checked_against_the_batch_only() -> None:
+    # a gather has no batch to hold it to: its rows are added up, as the replicas claim them
+    x = batch()
+    outs = [{"x": s, "c": Counted(None, "w", len(s) + 1)} for s in x.split(5)]  # type: ignore[arg-type]
+    assert tg.gather(outs, "cpu")["c"].rows == N + 2
+    with pytest.raises(tg.BatchSizeError, match=r"inputs\['c'\]: its Counted batch size \[11\]"):
+        tg.scatter({"x": x, "c": Counted(None, "w", N + 1)}, ["cpu"] * 2)  # type: ignore[arg-type]
+
+
 def _collected(case: Case, rank: int, world: int) -> Any:
     """A Collector over this rank's rows (every ``world``-th, in batches of 2, in another
     order), exchanged: every sample once, in dataset order."""
@@ -392,7 +594,9 @@ def distributed(rank: int, world: int) -> dict[str, tuple[str, str]]:
 
 
 def _distributed(rank: int, world: int) -> dict[str, tuple[str, str]]:
-    cases = classify()[0]
+    # (PyG is slow to import: a spawned rank imports it only in test_graphs' check, which takes
+    # graph batches across ranks)
+    cases = [c for c in classify()[0] if c.name != GRAPHS]
     out: dict[str, tuple[str, str]] = {}
     for way, run in (("all_gather", _gathered), ("Collector", _collected)):
         for mode in ("fast", "reference"):
@@ -412,13 +616,85 @@ def _distributed(rank: int, world: int) -> dict[str, tuple[str, str]]:
                         else:
                             found_one = found
                         out[f"{way} {mode} {case.name}"] = (found_one.kind, found_one.detail)
+    for m in misclaims(cases)[0]:  # rank 0's node claiming a row more: refused on every rank
+        wrong = Case(m.case.name, m.make if rank == 0 else m.case.make)
+        for mode in ("fast", "reference"):
+            with reference_only() if mode == "reference" else contextlib.nullcontext():
+                got = _refused_saying(
+                    functools.partial(_gathered, wrong, rank, world),
+                    f"{m.where('outputs')}: replica 0's",
+                    "outputs",
+                    m.leaves,
+                )
+                key = f"{m.case.name} {m.where('outputs')}"
+                out[f"misclaimed_all_gather {mode} {key}"] = tuple(got)  # type: ignore[assignment]
+                got = _refused_saying(
+                    functools.partial(_collected, wrong, rank, world),
+                    f"{m.where('outputs')}: add #0's",
+                    "outputs",
+                    True,
+                    otherwise=True,  # (a case the Collector refuses as it is)
+                )
+                out[f"misclaimed_Collector {mode} {key}"] = tuple(got)  # type: ignore[assignment]
     return out
 
 
 BUNDLE = 12  # cases per exchange
 
 
-spawned_groups.register("batch_nodes", budget_s=30)(distributed)
+spawned_groups.register("batch_nodes", budget_s=35)(distributed)
+
+
+def _metadata_cases(rank: int) -> dict[str, Any]:
+    """Trees whose node metadata differs on rank 0 and the other ranks."""
+    other = rank > 0
+    x = torch.zeros(2, 3)
+    return {
+        "TensorDict names": TensorDict({"x": x}, [2], names=["c" if other else "b"]),
+        "TensorDict keys": TensorDict({"y" if other else "x": x}, [2]),
+        "Counted tag": {"c": Counted(x, "w1" if other else "w0", 2)},
+        "NonTensorData value": TensorDict(
+            {"x": x, "words": NonTensorData(["d" if other else "a"], batch_size=[2])}, [2]
+        ),
+    }
+
+
+# What every rank's error says, by case: the path, and each side of the difference.
+METADATA_SAID = {
+    "TensorDict names": ("outputs: the TensorDict's metadata differs", "'names': ['b']", "['c']"),
+    "TensorDict keys": ("outputs.x: a leaf on rank 0; missing on rank", "outputs.y: missing"),
+    "Counted tag": (
+        "outputs['c']: the Counted's metadata differs: ('w0', 2) on rank 0; ('w1', 2)",
+    ),
+    "NonTensorData value": (
+        "outputs.words: the NonTensorData's metadata differs",
+        "'data': ['a']",
+        "'data': ['d']",
+        "NonTensorStack.from_list(values)",
+    ),
+}
+
+
+@spawned_groups.register("batch_nodes.metadata", budget_s=10)
+def other_metadata(rank: int, world: int) -> dict[str, Any]:
+    """Each case's error on this rank, through ``all_gather`` (both ways) and a Collector."""
+    out: dict[str, Any] = {}
+    for name, tree in _metadata_cases(rank).items():
+        for mode in ("fast", "reference"):
+            with reference_only() if mode == "reference" else contextlib.nullcontext():
+                try:
+                    tgd.all_gather(tree)
+                    out[f"{name} {mode}"] = "no error"
+                except Exception as exc:
+                    out[f"{name} {mode}"] = f"{type(exc).__name__}: {exc}"
+    col = tgd.Collector()
+    col.add(_metadata_cases(rank)["Counted tag"], indices=[2 * rank, 2 * rank + 1])
+    try:
+        col.all_gather()
+        out["Counted tag Collector"] = "no error"
+    except Exception as exc:
+        out["Counted tag Collector"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def test_through_all_gather_and_collector_one_rank(world_of_one: None) -> None:
@@ -440,6 +716,20 @@ def ranks(
 def test_through_all_gather_and_collector_on_ranks(ranks: Any) -> None:
     world, results = ranks
     _check_distributed(dict(enumerate(results)), f"{world} ranks")
+
+
+@pytest.mark.distributed
+def test_ranks_with_other_node_metadata_are_refused_naming_the_path(
+    ranks: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # (every rank said "same paths and node types, but different node metadata", naming none)
+    world = ranks[0]
+    for rank, res in enumerate(spawned_groups.results(world, tmp_path_factory)):
+        for key, said in res["batch_nodes.metadata"].items():
+            name = key.rsplit(" ", 1)[0].removesuffix(" Collector")
+            assert said.startswith("StructureMismatchError: "), (world, rank, key, said)
+            for part in METADATA_SAID[name]:
+                assert part in said, (world, rank, key, said)
 
 
 def _check_distributed(results: dict[int, dict[str, tuple[str, str]]], where: str) -> None:
@@ -543,6 +833,56 @@ def test_replicas_with_other_strings_are_refused() -> None:
     outs = [{"x": torch.zeros(2), "t": NonTensorData(s, batch_size=[2])} for s in "ab"]
     with pytest.raises(tg.StructureMismatchError, match=r"outputs\['t'\]"):
         tg.gather(outs, "cpu")
+
+
+def test_replicas_with_other_values_for_every_row_are_refused_naming_the_field() -> None:
+    # a NonTensorData (one value for all its rows) of a list: its value sat in the TensorDict's
+    # metadata too, so the message named the TensorDict, cut before the values; now the field,
+    # where they differ, and what to do with per-row values
+    outs = [
+        TensorDict(
+            {"x": torch.zeros(len(w)), "words": NonTensorData(w, batch_size=[len(w)])}, [len(w)]
+        )
+        for w in (["a", "b", "c"], ["d", "e"])
+    ]
+    with pytest.raises(tg.StructureMismatchError) as info:
+        tg.gather(outs, "cpu")
+    text = str(info.value)
+    assert text.startswith(
+        "outputs.words: replica 1's static fields/metadata ...'data': ['d', 'e']"
+    )
+    assert "NonTensorStack.from_list(values)" in text
+
+
+def test_per_row_strings_are_split_and_joined_by_rows() -> None:
+    # a TensorDict holding a list as long as its batch (a NonTensorStack): scatter refused it,
+    # blaming the leaves, and gather refused its shards; a bare NonTensorStack was sent whole
+    # to every device (5 names came back as 10). Now its rows, as tensordict indexes and
+    # concatenates them
+    names = list("abcde")
+    td = TensorDict({"x": torch.arange(5.0), "name": names}, [5])
+    for fast in (True, False):
+        with contextlib.nullcontext() if fast else reference_only():
+            shards = tg.scatter(td, ["cpu"] * 2)
+            assert [s["name"] for s in shards] == [td[:3]["name"], td[3:]["name"]]
+            out = tg.gather(list(shards), "cpu")
+            assert out["name"] == torch.cat([td[:3], td[3:]])["name"] == names
+            assert out.batch_size == torch.Size([5])
+            bare = tg.scatter(
+                {"x": torch.arange(5), "n": NonTensorStack.from_list(names)}, ["cpu"] * 2
+            )
+            assert [s["n"].tolist() for s in bare] == [names[:3], names[3:]]
+            assert tg.gather(list(bare), "cpu")["n"].tolist() == names
+
+
+def test_one_value_for_every_row_is_kept_as_tensordict_keeps_it() -> None:
+    # a NonTensorData holds one value for all its rows: each shard holds it, as td[rows] does
+    td = TensorDict(
+        {"x": torch.arange(5.0), "words": NonTensorData(["a", "b"], batch_size=[5])}, [5]
+    )
+    shards = tg.scatter(td, ["cpu"] * 2)
+    assert [s["words"] for s in shards] == [td[:3]["words"], td[3:]["words"]] == [["a", "b"]] * 2
+    assert tg.gather(list(shards), "cpu")["words"] == torch.cat([td[:3], td[3:]])["words"]
 
 
 def test_packed_sequence_comes_back_as_one_device_packs_it() -> None:

@@ -1,5 +1,6 @@
 """``all_gather(sync_grads=True)`` to second order, and the result of a call without it.
 
+Values laid out by rows (a ``PackedSequence``, a lazy stack of tensordicts) take part too.
 The multi-process checks run in the spawned gloo groups of 2 and 3 ranks shared with the other
 distributed test modules (:mod:`spawned_groups`); each rank returns its gradients, and the tests
 compare them with one process holding every rank's rows (uneven rows, a nested tree) and with
@@ -9,6 +10,7 @@ Every check runs on the wire plan and on the full exchange (:func:`reference_onl
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 import warnings
 from collections.abc import Callable
@@ -19,6 +21,8 @@ import spawned_groups
 import torch
 import torch.distributed as dist
 from spawned_groups import WORLD_SIZES
+from tensordict import LazyStackedTensorDict, TensorDict
+from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
 
 import treegather as tg
 import treegather.distributed as tgd
@@ -76,6 +80,39 @@ def _tensors(nest: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return nest[0], nest[1]["c"]
 
 
+def _rows_inputs(rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s sequences (uneven counts and lengths), and a tensordict row's values."""
+    g = torch.Generator().manual_seed(10 + rank)
+    lengths = [3, 1, 2][: 2 + rank % 2]
+    return [torch.randn(n, 2, generator=g, dtype=torch.float64) for n in (*lengths, 2)]
+
+
+def _rows_tree(leaves: list[torch.Tensor]) -> dict[str, Any]:
+    """Values laid out by rows, computed from the leaves: a PackedSequence (its sequences'
+    steps interleaved) and a lazy stack of tensordicts along dim 0 (one per row)."""
+    *sequences, row = leaves
+    packed = pack_sequence([torch.tanh(s) for s in sequences], enforce_sorted=False)
+    rows = [TensorDict({"v": row[i] * 2}, []) for i in range(len(row))]
+    return {"packed": packed, "stack": LazyStackedTensorDict.lazy_stack(rows, 0)}
+
+
+def _rows_loss(gathered: dict[str, Any], rank: int) -> torch.Tensor:
+    padded, _ = pad_packed_sequence(gathered["packed"], batch_first=True)
+    return (padded**3).sum() * (rank + 1) + (gathered["stack"]["v"] ** 2).sum() * (rank + 2)
+
+
+def _rows_grads(rank: int) -> dict[str, Any]:
+    """This rank's leaves' gradients of its loss on the values gathered with sync_grads (every
+    rank runs the backward), and what a backward says without it."""
+    leaves = [t.clone().requires_grad_(True) for t in _rows_inputs(rank)]
+    _rows_loss(tgd.all_gather(_rows_tree(leaves), sync_grads=True), rank).backward()
+    plain = tgd.all_gather(_rows_tree(leaves))
+    return {
+        "grads": [t.grad for t in leaves],
+        "no_sync": _capture(lambda: _rows_loss(plain, rank).backward()),
+    }
+
+
 def _capture(fn: Callable[[], Any]) -> tuple[Any, ...]:
     try:
         return ("ok", fn())
@@ -100,10 +137,11 @@ def _checks(rank: int, world: int) -> dict[str, Any]:
         out["no_grad"] = tgd.all_gather({"v": v * 2})["v"].requires_grad
     # mean(weight=f) has no calls to weigh across processes: the same error on every rank
     out["weighted"] = _capture(lambda: tgd.all_gather({"l": v.sum()}, {"l": tg.mean(weight=len)}))
+    out["rows"] = _rows_grads(rank)
     return out
 
 
-@spawned_groups.register("grads", budget_s=40)
+@spawned_groups.register("grads", budget_s=45)
 def _both_paths(rank: int, world: int) -> dict[str, Any]:
     fast = _checks(rank, world)
     with reference_only():
@@ -190,6 +228,41 @@ def test_a_mean_weighted_by_the_data_is_a_layout_error_on_every_rank(ranks: Any,
         assert (status, name) == ("raised", "LayoutError"), message
         assert message.startswith("outputs['l']: mean(weight=len) weighs each replica by what len")
         assert "treegather.distributed: each rank's count as sizes=" in message
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_values_laid_out_by_rows_pass_the_gradient_to_every_rank(ranks: Any, path: str) -> None:
+    # a PackedSequence (a lazy stack of tensordicts) travelled pickled whole: every rank's
+    # gradient was None, silently; without sync_grads, a backward said nothing either
+    world, results = ranks
+    leaves = [[t.clone().requires_grad_(True) for t in _rows_inputs(r)] for r in range(world)]
+    gathered = tg.gather([_rows_tree(mine) for mine in leaves], "cpu")
+    sum(_rows_loss(gathered, r) for r in range(world)).backward()  # type: ignore[union-attr]
+    for rank, res in enumerate(results):
+        got = res[path]["rows"]
+        for g, t in zip(got["grads"], leaves[rank], strict=True):
+            assert g is not None
+            torch.testing.assert_close(g, t.grad, atol=1e-10, rtol=1e-10)
+        status, name, message, _ = got["no_sync"]
+        assert (status, name) == ("raised", "RuntimeError") and "pass sync_grads=True" in message
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_graph_batch_passes_the_gradient(world_of_one: None, path: str) -> None:
+    # a PyG graph batch (a leaf laid out by rows, its tensors not in torch's pytree): its node
+    # features are what one process's loss differentiates, through all_gather on one rank
+    with warnings.catch_warnings():  # (PyG 2.8 scripts helpers at import: torch deprecates it)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pyg = pytest.importorskip("torch_geometric.data")
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    none = torch.zeros(2, 0, dtype=torch.long)
+    graphs = [pyg.Data(x=torch.tanh(x[i : i + 1 + i % 2]), edge_index=none) for i in range(3)]
+    with reference_only() if path == "full" else contextlib.nullcontext():
+        got = tgd.all_gather({"g": pyg.Batch.from_data_list(graphs)}, sync_grads=True)["g"]
+    (got.x**3).sum().backward()
+    want = x.detach().clone().requires_grad_(True)
+    (torch.cat([torch.tanh(want[i : i + 1 + i % 2]) for i in range(3)]) ** 3).sum().backward()
+    torch.testing.assert_close(x.grad, want.grad, atol=1e-12, rtol=1e-12)
 
 
 def test_a_callable_in_a_rule_compares_across_ranks_by_module_and_qualname() -> None:

@@ -1,7 +1,8 @@
-"""Values laid out by rows (a ``PackedSequence``, a dim-0 ``LazyStackedTensorDict``, a PyG graph
-batch) in layouts (issue 47, point 5): ``cat()`` joins and ``split()`` splits them by their rows,
-as the default rules do, so that a prefix layout can say "by rows"; every other rule is refused
-with a typed error naming the path and the value's kind, never treegather's internal ``Rows``.
+"""Values laid out by rows (a ``PackedSequence``, a dim-0 ``LazyStackedTensorDict``, a
+``NonTensorStack``, a PyG graph batch) in layouts (issue 47, point 5): ``cat()`` joins and
+``split()`` splits them by their rows, as the default rules do, so that a prefix layout can say
+"by rows"; every other rule is refused with a typed error naming the path and the value's kind,
+never treegather's internal ``Rows``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict
 from torch.nn.utils.rnn import PackedSequence, pack_sequence, unpack_sequence
 
 import treegather as tg
@@ -43,7 +44,16 @@ def _graphs(x: torch.Tensor) -> Any:
     return pyg.data.Batch.from_data_list(graphs)
 
 
-KINDS = {"PackedSequence": _packed, "LazyStackedTensorDict": _lazy, "graph batch": _graphs}
+def _names(x: torch.Tensor) -> NonTensorStack:
+    return NonTensorStack.from_list([f"row{float(row[0]):.3f}" for row in x])
+
+
+KINDS = {
+    "PackedSequence": _packed,
+    "LazyStackedTensorDict": _lazy,
+    "NonTensorStack": _names,
+    "graph batch": _graphs,
+}
 
 
 def test_the_kinds_are_every_kind_laid_out_by_rows() -> None:
@@ -66,6 +76,8 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a.num_graphs == b.num_graphs and torch.equal(a.x, b.x))
     if isinstance(a, PackedSequence):
         return all(torch.equal(u, v) for u, v in zip(unpack_sequence(a), unpack_sequence(b)))
+    if isinstance(a, NonTensorStack):
+        return isinstance(b, NonTensorStack) and a.tolist() == b.tolist()
     return bool((a == b).all())
 
 

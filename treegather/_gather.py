@@ -25,13 +25,15 @@ from ._errors import (
     LeafTypeError,
     ShapeMismatchError,
     StructureMismatchError,
+    bullet_list,
     check_dim,
     safe_repr,
 )
 from ._layout import Plan, display_path, resolve
 from ._mismatch import ROOT, diagnose, structure_error
 from ._rules import Cat, CatItems, Pad, Stack
-from ._tree import batch_nodes, flatten, is_batched, is_leaf, rebuild
+from ._tree import BatchNode, batch_nodes, flatten, is_batched, is_leaf, rebuild, rows_of
+from ._tree.batch import misclaim_text, misclaims, sizes_by_path
 
 __all__ = ["gather", "gather_call", "gather_reference", "gather_from", "combine", "ROOT"]
 
@@ -77,6 +79,8 @@ def gather(
     Raises:
         StructureMismatchError: replicas' trees differ (a key, a length, ``None`` vs a value).
         ShapeMismatchError: tensors cannot be combined under their rule.
+        BatchSizeError: a node holding a batch size (a TensorDict, a ``register_dataclass(
+            batch_size=)`` class) claims other rows than its leaves hold in a replica.
         LeafTypeError: a rule does not apply to a leaf's type.
         LayoutError: the layout does not fit the outputs.
 
@@ -245,6 +249,9 @@ def combine(
     """
     if sizes is not None and _misplaced.even_rows(sizes):
         _misplaced.check(plan, columns, sizes, dim)
+    sizes_joined = None
+    if is_batched(plan.up_spec):  # nodes whose metadata holds a batch size: checked, joined
+        sizes_joined = joined_sizes(outputs, columns, plan, dim)
     moving = needs_move(columns, target)
     if moving:
         problem = diagnose(plan, columns, dim, None, sizes, target)
@@ -264,27 +271,37 @@ def combine(
         if err is None:  # nothing wrong with the data (e.g. a custom rule raised): keep its error
             raise
         raise err from exc
-    if is_batched(plan.up_spec):  # nodes whose metadata holds a batch size: the rows joined
-        return rebuild(plan.up_spec, results, joined_sizes(outputs, columns, plan, dim), ROOT)
+    if sizes_joined is not None:  # the batch nodes rebuilt with the rows joined
+        return rebuild(plan.up_spec, results, sizes_joined, ROOT)
     return plan.up_spec.unflatten(results)
 
 
 def joined_sizes(
     outputs: list[Any], columns: list[tuple[Any, ...]], plan: Plan, dim: int
 ) -> dict[int, tuple[int, ...]]:
-    """The batch size of every batch node of ``plan.up_spec`` in the gathered tree.
+    """The batch size of every batch node of ``plan.up_spec`` in the gathered tree, each
+    replica's checked against its leaves first (read from ``columns``: nothing is combined yet).
 
     Along the dims its leaves are concatenated along (``cat``, ``pad``; a per-sample list under
-    ``cat_items()``: dim 0), the replicas' rows added up; a node without tensor leaves follows
-    ``dim``; its other dims must agree between the replicas (a :class:`ShapeMismatchError`
-    naming its path). A node whose tensors are all stacked along one new dim within its batch
-    dims (``stack(d)``) holds the number of replicas there, as ``torch.stack`` of tensordicts
-    gives. A node whose tensors are combined otherwise keeps replica 0's batch size. A node
-    without tensors inside another batch node does as that node did.
+    ``cat_items()`` and a value laid out by rows: dim 0), the replicas' rows added up: each
+    replica's node must hold, along such a dim, the rows its leaves hold there (a
+    :class:`BatchSizeError` naming its path, the replica, its batch size and the leaf: the
+    check scatter makes, :func:`treegather._tree.batch.misclaims`). A node without tensor
+    leaves follows ``dim``; its other dims must agree between the replicas (a
+    :class:`ShapeMismatchError` naming its path). A node whose tensors are all stacked along one
+    new dim within its batch dims (``stack(d)``) holds the number of replicas there, as
+    ``torch.stack`` of tensordicts gives. A node whose tensors are combined otherwise keeps
+    replica 0's batch size. A node without tensors inside another batch node does as that node
+    did.
     """
     found = batch_nodes(plan.up_spec)
     per_replica = [_sizes_by_path(out) for out in outputs]
+    replica_sizes = [
+        [found_r.get(bn.node.raw, bn.meta.size) for bn in found] for found_r in per_replica
+    ]
+    joins = _join_dims(columns, plan, dim)
     out: dict[int, tuple[int, ...]] = {}
+    held_by: dict[int, tuple[int, ...]] = {}
     # node -> the dim its tensors were stacked along, or -1: joined; absent: its size kept
     outcome: dict[int, int] = {}
     for i, bn in enumerate(found):
@@ -293,25 +310,22 @@ def joined_sizes(
         stacked: set[int] = set()  # the new dims of tensors under stack()
         tensors = unstacked = False
         for pos in range(start, stop):
-            col = columns[pos]
-            first = col[0]
+            first = columns[pos][0]
+            joined = joins.get(pos)
             if isinstance(first, Tensor):
                 tensors = True
-            group = plan.groups[pos]
-            rule = group[2] if group is not None else plan.rules[pos]
-            if isinstance(rule, Stack) and isinstance(first, Tensor):
-                stacked.add(rule.dim % (first.dim() + 1))
-            elif isinstance(first, Tensor):
-                unstacked = True
-            if isinstance(rule, CatItems):
-                dims.add(0)
-            elif isinstance(first, Tensor) and first.dim() > 0:
-                if rule is None:
-                    dims.add(dim % first.dim())
-                elif isinstance(rule, (Cat, Pad)):
-                    dims.add(rule.dim % first.dim())
+                group = plan.groups[pos]
+                rule = group[2] if group is not None else plan.rules[pos]
+                if isinstance(rule, Stack):
+                    stacked.add(rule.dim % (first.dim() + 1))
+                else:
+                    unstacked = True
+            elif joined is not None and rows_of(first) is not None:
+                tensors = unstacked = True  # (its rows joined, as a tensor's along dim 0)
+            if joined is not None:
+                dims.add(joined)
         size0 = bn.meta.size
-        sizes = [found_r.get(bn.node.raw, size0) for found_r in per_replica]
+        sizes = [rs[i] for rs in replica_sizes]
         if not tensors:  # (a node without tensors follows the node it is in, if any)
             raw = bn.node.raw
             outer = [j for j in range(i) if raw[: len(found[j].node.raw)] == found[j].node.raw]
@@ -341,14 +355,78 @@ def joined_sizes(
                 f"batch sizes differ in dims the gather does not join ({shown})\n"
                 f"Hint: only the dims its leaves are concatenated along ({sorted(held)}) may differ"
             )
+        held_by[i] = tuple(sorted(held))
         out[i] = tuple(
             sum(s[j] for s in sizes) if j in held else size0[j] for j in range(len(size0))
         )
         outcome[i] = -1
+    _check_claims(found, replica_sizes, held_by, joins, columns, plan)
     return out
+
+
+def _join_dims(columns: list[tuple[Any, ...]], plan: Plan, dim: int) -> dict[int, int]:
+    """The dim each position's values are joined along, as replica 0's value and its rule say
+    (``cat``, ``pad``, the default ``cat``: that dim; ``cat_items()``, and a value laid out by
+    rows under the default rule or ``cat()``: 0); positions combined otherwise are absent."""
+    joins: dict[int, int] = {}
+    for pos, col in enumerate(columns):
+        first = col[0]
+        group = plan.groups[pos]
+        rule = group[2] if group is not None else plan.rules[pos]
+        by_rows = rule is None or (isinstance(rule, Cat) and rule.dim == 0)
+        if isinstance(rule, CatItems) or (by_rows and rows_of(first) is not None):
+            joins[pos] = 0
+        elif isinstance(first, Tensor) and first.dim() > 0:
+            if rule is None:
+                joins[pos] = dim % first.dim()
+            elif isinstance(rule, (Cat, Pad)):
+                joins[pos] = rule.dim % first.dim()
+    return joins
+
+
+def _check_claims(
+    found: Sequence[BatchNode],
+    replica_sizes: list[list[tuple[int, ...]]],
+    held: dict[int, tuple[int, ...]],
+    joins: dict[int, int],
+    columns: list[tuple[Any, ...]],
+    plan: Plan,
+) -> None:
+    """Each replica's batch nodes against the rows of their leaves along the dims joined
+    (a value the rule cannot join is left to the rule, which names it)."""
+    problems: list[str] = []
+    for r, sizes in enumerate(replica_sizes):
+        along: dict[int, tuple[int, int]] = {}
+        for pos, d in joins.items():
+            rows = _rows_along(columns[pos][r], d)
+            if rows is not None:
+                along[pos] = (d, rows)
+        for m in misclaims(found, sizes, held, along):
+            assert m.leaf is not None
+            leaf = display_path(plan.node_of(m.leaf), ROOT)
+            problems.append(misclaim_text(m, found, ROOT, f"replica {r}'s", leaf))
+    if problems:
+        raise BatchSizeError(
+            bullet_list(
+                problems,
+                "a node holding a batch size must hold the rows of its leaves, in every replica",
+            )
+        )
+
+
+def _rows_along(value: Any, d: int) -> int | None:
+    """The rows ``value`` holds along dim ``d`` (a tensor's, a list's length, a value laid out
+    by rows), ``None`` when it has no such dim."""
+    if isinstance(value, Tensor):
+        return value.shape[d] if d < value.dim() else None
+    held = rows_of(value)
+    if held is not None:
+        return held.rows
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return None
 
 
 def _sizes_by_path(tree: Any) -> dict[tuple[Any, ...], tuple[int, ...]]:
     """Every batch node's batch size in ``tree``, by its raw path."""
-    _, spec = flatten(tree, ROOT)
-    return {bn.node.raw: bn.meta.size for bn in batch_nodes(spec)} if is_batched(spec) else {}
+    return sizes_by_path(flatten(tree, ROOT)[1])

@@ -22,7 +22,8 @@ from ._errors import (
 )
 from ._layout import Plan, display_path
 from ._rules import HINTS, ROOT, Combining, GatherRule, default_rule
-from ._tree import NAMESPACE, describe, format_path, is_leaf
+from ._tree import NAMESPACE, describe, differing, format_path, is_leaf
+from ._tree.batch import Batched, rule_of
 
 __all__ = ["ROOT", "structure_error", "diagnose"]
 
@@ -87,9 +88,16 @@ def _diff_node(
     if len(ca) != len(cb):
         return f"{here}: replica 0 has {_describe_node(a)}, replica {r} has {_describe_node(b)}"
     if ma != mb:
+        shown_a, shown_b = safe_repr(ma), safe_repr(mb)
+        if shown_a == shown_b:  # (where they differ is past what is shown)
+            full = [safe_repr(m.aux if type(m) is Batched else m, None) for m in (ma, mb)]
+            if full[0] != full[1]:
+                shown_a, shown_b = differing(full)
+        rule = rule_of(type(a))
+        note = f" ({rule.differs})" if rule is not None and rule.differs else ""
         return (
-            f"{here}: replica {r}'s static fields/metadata {safe_repr(mb)} differ from replica "
-            f"0's {safe_repr(ma)}"
+            f"{here}: replica {r}'s static fields/metadata {shown_b} differ from replica "
+            f"0's {shown_a}{note}"
         )
     return [(x, y, (*path, e)) for e, x, y in zip(_styles_for(a, ea), ca, cb)]
 

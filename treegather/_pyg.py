@@ -129,6 +129,26 @@ def _to(batch: Any, device: torch.device) -> Any:
     return copy.copy(batch).to(device)
 
 
+def _tensors(batch: Any) -> tuple[list[torch.Tensor], Any]:
+    """Every tensor of ``batch``'s stores, and how to make a batch around others in their place
+    (a shallow copy: the one given stays as it was)."""
+    at = [
+        (i, key)
+        for i, store in enumerate(batch.stores)
+        for key, value in store.items()
+        if isinstance(value, torch.Tensor)
+    ]
+
+    def rebuilt(tensors: list[torch.Tensor]) -> Any:
+        out = copy.copy(batch)
+        stores = out.stores
+        for (i, key), t in zip(at, tensors, strict=True):
+            stores[i][key] = t
+        return out
+
+    return [batch.stores[i][key] for i, key in at], rebuilt
+
+
 GRAPHS = rows_kind(
     RowsKind(
         "graph batch",
@@ -139,6 +159,7 @@ GRAPHS = rows_kind(
         _problem,
         "batch graphs with torch_geometric.data.Batch.from_data_list (what "
         "torch_geometric.loader.DataLoader yields), which treegather splits by graphs",
+        tensors=_tensors,
     )
 )
 

@@ -31,6 +31,7 @@ from ._tree import (
     rebuild,
     rows_of,
 )
+from ._tree.batch import misclaim_text, misclaims
 
 __all__ = [
     "Shards",
@@ -71,7 +72,8 @@ def scatter(
         A :class:`Shards` list with one tree per used device, and the shard ``sizes``.
 
     Raises:
-        BatchSizeError: split leaves disagree on the batch size.
+        BatchSizeError: split leaves disagree on the batch size, or a node holding a batch size
+            claims other rows than the batch.
         LeafTypeError: a rule does not apply to a leaf (``split()`` on a string, an unregistered
             dataclass).
         LayoutError: the layout does not fit the inputs.
@@ -426,53 +428,37 @@ def following(up: list[Any], cuts: _Cuts, plan: Plan, dim: int, root: str | None
     A node follows along the dims its leaves are split along (a per-sample list: dim 0); a node
     with no tensor leaf (none at all, or strings) along ``dim``, when the batch is split; a
     node whose tensors are all sent whole keeps its batch size. A node that holds another number
-    of rows than the batch along such a dim is a :class:`BatchSizeError` naming its path.
+    of rows than the batch along such a dim is a :class:`BatchSizeError` naming its path
+    (:func:`treegather._tree.batch.misclaims`, the check gather makes of every replica too).
     """
     found = batch_nodes(plan.up_spec)
-    split_dims: dict[int, int] = {}
+    n = next(iter(cuts.lengths), None)  # (one batch size: _validate refused several)
+    along: dict[int, tuple[int, int]] = {}  # every split leaf holds the batch's rows
     for pos, d in cuts.splits:
-        split_dims[pos] = d % up[pos].dim()
+        along[pos] = (d % up[pos].dim(), cast(int, n))
     for pos in cuts.items:
-        split_dims[pos] = 0
-    n = next(iter(cuts.lengths)) if len(cuts.lengths) == 1 else None
-    dims: dict[int, tuple[int, ...]] = {}
-    claims: list[tuple[BatchNode, int, int]] = []  # (node, dim, rows) of nodes without splits
-    problems: list[str] = []
+        along[pos] = (0, cast(int, n))
+    held: dict[int, tuple[int, ...]] = {}
+    rows = None  # the rows the first node without split leaves claims
     for i, bn in enumerate(found):
         size = bn.meta.size
         start, stop = bn.node.start, bn.node.stop
-        mine = {split_dims[p] for p in range(start, stop) if p in split_dims}
-        alone = not mine and not any(isinstance(up[p], Tensor) for p in range(start, stop))
-        if alone:
+        mine = {along[p][0] for p in range(start, stop) if p in along}
+        if not mine and not any(isinstance(up[p], Tensor) for p in range(start, stop)):
             mine = {dim if dim >= 0 else dim + len(size)}
-        held = tuple(sorted(d for d in mine if 0 <= d < len(size)))
-        if not held:
-            continue
-        dims[i] = held
-        for d in held:
-            if alone:
-                claims.append((bn, d, size[d]))
-            elif n is not None and size[d] != n:
-                problems.append(_claim_text(bn, d, n, root))
-    rows = None
-    if claims:
-        if n is None and not cuts.lengths:
-            rows = claims[0][2]
-        for bn, d, held_rows in claims:
-            batch = n if n is not None else rows
-            if batch is not None and held_rows != batch:
-                problems.append(_claim_text(bn, d, batch, root))
-    if problems:
+            alone = True
+        else:
+            alone = False
+        dims = tuple(sorted(d for d in mine if 0 <= d < len(size)))
+        if dims:
+            held[i] = dims
+            if alone and rows is None:
+                rows = size[dims[0]]
+    wrong = misclaims(found, [bn.meta.size for bn in found], held, along, rows if n is None else n)
+    if wrong:
+        problems = [misclaim_text(m, found, root, "its") for m in wrong]
         raise BatchSizeError(
             f"{bullet_list(problems, 'a node holding a batch size must hold the rows it is split with')}\n"
             f"{EXPLAIN_POINTER}"
         )
-    return Following(found, dims, rows)
-
-
-def _claim_text(bn: BatchNode, d: int, rows: int, root: str | None) -> str:
-    size = list(bn.meta.size)
-    return (
-        f"{display_path(bn.node, root)}: its {bn.meta.rule.cls.__qualname__} batch size {size} "
-        f"holds {size[d]} row(s) along dim {d}, but the batch has {rows}"
-    )
+    return Following(found, held, None if cuts.lengths else rows)

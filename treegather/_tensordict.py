@@ -21,7 +21,13 @@ A ``_SubTensorDict`` (a view) comes back as a view of a new ``TensorDict`` and t
 A ``LazyStackedTensorDict`` stacked along dim 0 holds one tensordict per row: its rows are not
 laid out along its leaves, so it is a :class:`~treegather._tree.Rows` value, split by slicing and
 joined by stacking the rows' tensordicts again; stacked along another dim, it is a node of its
-tensordicts (each a batch node).
+tensordicts (each a batch node). A ``NonTensorStack`` (per-row non-tensor values: a list of
+names as long as a tensordict's batch, a tensorclass's ``str`` field given one; a leaf of
+torch's pytree) holds no tensor, so it is a ``Rows`` value stacked along any dim: its rows are
+split and joined with the batch as tensordict indexes and concatenates them (``stack[a:b]``,
+``torch.cat``). A tensordict's non-tensor entries are its children, not its metadata. A
+``NonTensorData`` holds one value for every row, as in tensordict: each shard holds it whole,
+and replicas must agree on it.
 """
 
 from __future__ import annotations
@@ -90,6 +96,12 @@ def _with_batch_size(ctx: _Context, size: tuple[int, ...]) -> _Context:
 def _flatten(t_flatten: Any) -> Any:
     def flatten(td: Any) -> tuple[list[Any], _Context, tuple[Any, ...] | None]:
         children, context = t_flatten(td)
+        if type(context.get("non_tensor_data")) is tuple:
+            # a tensordict's non-tensor entries are children too (a NonTensorData, rebuilt with
+            # the batch size it is given; a NonTensorStack, whose rows are split and joined with
+            # the batch), not metadata of the tensordict: a value that differs between replicas
+            # is named at its own path
+            context["non_tensor_data"] = ()
         keys = context.get("keys")
         names = tuple(keys) if keys is not None and len(keys) == len(children) else None
         return list(children), _Context(context), names
@@ -140,22 +152,68 @@ def _list_unflatten(cls: type) -> Any:
 
 def _lazy_kind(cls: Any) -> RowsKind:
     def rows(stack: Any) -> int:
-        return len(stack.tensordicts)
+        return int(stack.batch_size[0])
 
     def split(stack: Any, sizes: Sequence[int]) -> list[Any]:
         out, start = [], 0
         for n in sizes:
-            out.append(cls.lazy_stack(list(stack.tensordicts[start : start + n]), 0))
+            if n:
+                out.append(cls.lazy_stack(list(stack.tensordicts[start : start + n]), 0))
+            else:  # (no tensordict to stack: tensordict's own empty slice)
+                out.append(stack[start:start])
             start += n
         return out
 
     def join(stacks: Sequence[Any]) -> Any:
-        return cls.lazy_stack([td for s in stacks for td in s.tensordicts], 0)
+        parts = [td for s in stacks if rows(s) for td in s.tensordicts]
+        return cls.lazy_stack(parts, 0) if parts else stacks[0]
 
-    def to(stack: Any, device: torch.device) -> Any:
-        return stack if stack.device == device else stack.to(device)
+    return rows_kind(RowsKind(cls.__qualname__, rows, split, join, _moved))
 
-    return rows_kind(RowsKind(cls.__qualname__, rows, split, join, to))
+
+def _moved(stack: Any, device: torch.device) -> Any:
+    """A lazy stack on ``device``; one without a device of its own, moved only if a tensor of
+    it must be (a ``NonTensorStack`` holds none)."""
+    if stack.device == device:
+        return stack
+    if stack.device is None:
+        tensors = [t for t in _torch_pytree.tree_leaves(stack) if isinstance(t, torch.Tensor)]
+        if all(t.device == device for t in tensors):
+            return stack
+    return stack.to(device)
+
+
+def _non_tensor_kind(cls: Any) -> RowsKind:
+    """A ``NonTensorStack``, stacked along any dim (it holds no tensor: nothing of it is a
+    leaf): its rows are tensordict's own, indexed (``stack[a:b]``, empty slices too) and joined
+    with ``torch.cat`` along dim 0, as tensordict concatenates tensordicts holding one."""
+
+    def rows(stack: Any) -> int:
+        return int(stack.batch_size[0])
+
+    def split(stack: Any, sizes: Sequence[int]) -> list[Any]:
+        out, start = [], 0
+        for n in sizes:
+            out.append(stack[start : start + n])
+            start += n
+        return out
+
+    def join(stacks: Sequence[Any]) -> Any:
+        return torch.cat(list(stacks), 0)
+
+    return rows_kind(RowsKind(cls.__qualname__, rows, split, join, _moved))
+
+
+def _rows_flatten(kind: RowsKind) -> Any:
+    def flatten(stack: Any) -> tuple[list[Any], Any, tuple[Any, ...]]:
+        return [Rows(stack, kind)], _ROWS, ("rows",)
+
+    return flatten
+
+
+def _rows_unflatten(meta: Any, children: Iterable[Any]) -> Any:
+    (child,) = children
+    return unwrapped(child)
 
 
 _ROWS = "rows"  # (the metadata of a lazy stack held as rows)
@@ -185,27 +243,52 @@ def _lazy_unflatten(t_unflatten: Any) -> Any:
 
 _done: set[type] = set()
 
+_ONE_VALUE = (
+    "a {} holds one value for all its rows, which replicas must share; per-row values are a "
+    "NonTensorStack (NonTensorStack.from_list(values), or a list as long as the batch in a "
+    "TensorDict), split and joined by rows"
+)
+
 
 def register_tensordicts(pytree: Any) -> None:
     """Register every class tensordict's module ``pytree`` (``tensordict._pytree``) registered
     with torch's pytree and treegather does not know yet (the user's own registration wins)."""
     td_flatten = getattr(pytree, "_tensordict_flatten", None)
     lazy_flatten = getattr(pytree, "_lazy_tensordict_flatten", None)
-    for cls, node in list(_torch_pytree.SUPPORTED_NODES.items()):
+    nodes: list[tuple[Any, Any, Any]] = [
+        (c, n.flatten_fn, n.unflatten_fn) for c, n in _torch_pytree.SUPPORTED_NODES.items()
+    ]
+    stack = _non_tensor_stack()
+    if stack is not None:  # (a leaf of torch's pytree, or a lazy stack there)
+        nodes.insert(0, (stack, None, None))
+    for cls, flatten_fn, unflatten_fn in nodes:
         if cls in _done or not isinstance(cls, type):
             continue
-        if node.flatten_fn is td_flatten and td_flatten is not None:
-            rule = BatchRule(cls, _batch_size, _with_batch_size)
-            register_default(cls, _flatten(td_flatten), _unflatten(node.unflatten_fn, cls), rule)
+        if cls is stack:  # per-row non-tensor values: held whole, by rows, whatever its dim
+            kind = _non_tensor_kind(cls)
+            register_default(cls, _rows_flatten(kind), _rows_unflatten)
+            _done.add(cls)
+            continue
+        if flatten_fn is td_flatten and td_flatten is not None:
+            one = _ONE_VALUE.format(cls.__qualname__) if getattr(cls, "_is_non_tensor", 0) else ""
+            rule = BatchRule(cls, _batch_size, _with_batch_size, one)
+            flatten = _flatten(td_flatten)
+            register_default(cls, flatten, _unflatten(unflatten_fn, cls), rule)
         elif cls is _linked_list():
             register_default(cls, _list_flatten, _list_unflatten(cls))
-        elif node.flatten_fn is lazy_flatten and lazy_flatten is not None:
+        elif flatten_fn is lazy_flatten and lazy_flatten is not None:
             kind = _lazy_kind(cls)
             flatten = _lazy_flatten(lazy_flatten, kind)
-            register_default(cls, flatten, _lazy_unflatten(node.unflatten_fn))
+            register_default(cls, flatten, _lazy_unflatten(unflatten_fn))
         else:
             continue
         _done.add(cls)
+
+
+def _non_tensor_stack() -> Any:
+    """tensordict's ``NonTensorStack`` (per-row non-tensor values: a list of strings as long
+    as the batch, in a tensordict), once its module is loaded."""
+    return getattr(sys.modules.get("tensordict.tensorclass"), "NonTensorStack", None)
 
 
 def _linked_list() -> Any:

@@ -48,7 +48,7 @@ from .registry import (
     sync,
     watch,
 )
-from .text import describe, dtype_text, shape_text, type_name
+from .text import describe, differing, dtype_text, shape_text, type_name
 
 __all__ = [
     "BatchNode",
@@ -67,6 +67,7 @@ __all__ = [
     "context_names",
     "depth_error",
     "describe",
+    "differing",
     "display_path",
     "dtype_text",
     "flatten",

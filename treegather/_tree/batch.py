@@ -25,10 +25,11 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as _torch_pytree
 from optree import PyTreeKind, PyTreeSpec
 
 from .._errors import ArgumentTypeError, ShapeMismatchError, bullet_list, safe_repr
@@ -38,6 +39,7 @@ __all__ = [
     "BatchNode",
     "BatchRule",
     "Batched",
+    "Misclaim",
     "NodeRebuildError",
     "Rows",
     "RowsKind",
@@ -46,6 +48,9 @@ __all__ = [
     "check_sizes",
     "counted",
     "is_batched",
+    "misclaim_text",
+    "misclaims",
+    "node_data",
     "note",
     "one_row_of",
     "rebuild",
@@ -55,6 +60,7 @@ __all__ = [
     "rows_of",
     "rule_of",
     "set_rule",
+    "sizes_by_path",
     "tally",
     "unflattened",
     "unreadable",
@@ -72,6 +78,9 @@ class BatchRule(NamedTuple):
     """``metadata -> batch size`` (the leading dims its leaves share with it)."""
     resize: Callable[[Any, Size], Any]
     """``(metadata, batch size) -> metadata`` with that batch size, the rest as it was."""
+    differs: str = ""
+    """What a message says when replicas' (ranks') metadata differ, if the class has more to
+    say than that they must agree (what to do instead)."""
 
 
 _RULES: dict[type, BatchRule] = {}  # (registry.py keeps it in step with optree's registry)
@@ -245,7 +254,7 @@ def batch_nodes(spec: PyTreeSpec) -> tuple[BatchNode, ...]:
             sub = nd.spec
             if sub.kind != PyTreeKind.CUSTOM or sub.type not in _RULES:
                 continue
-            meta = _node_data(sub)
+            meta = node_data(sub)
             if type(meta) is Batched:
                 found.append(BatchNode(nd, meta))
     result = tuple(found)
@@ -253,6 +262,14 @@ def batch_nodes(spec: PyTreeSpec) -> tuple[BatchNode, ...]:
         with _LOCK:
             _BATCHED[id(spec)] = (entry[0], result)
     return result
+
+
+def sizes_by_path(spec: PyTreeSpec) -> dict[tuple[Any, ...], Size]:
+    """The batch size of every batch node of ``spec``, by its raw path (none for a spec that
+    :func:`is_batched` says holds none)."""
+    if not is_batched(spec):
+        return {}
+    return {bn.node.raw: bn.meta.size for bn in batch_nodes(spec)}
 
 
 def check_sizes(spec: PyTreeSpec, root: str | None = "tree", where: str = "") -> None:
@@ -281,8 +298,9 @@ def check_sizes(spec: PyTreeSpec, root: str | None = "tree", where: str = "") ->
         raise ArgumentTypeError(where + bullet_list(problems, hint)) from first
 
 
-def _node_data(spec: PyTreeSpec) -> Any:
-    """The metadata of ``spec``'s root node (its flatten's ``aux``)."""
+def node_data(spec: PyTreeSpec) -> Any:
+    """The metadata of ``spec``'s root node (its flatten's ``aux``; a batch node's
+    :class:`Batched`)."""
     data: list[Any] = []
     level: Any = spec.one_level()
     level.walk(range(spec.num_children), lambda t, d, c: data.append(d), None)
@@ -377,6 +395,74 @@ def along_rows(found: Sequence[BatchNode], rows: int, joined: Sequence[bool]) ->
     return out
 
 
+class Misclaim(NamedTuple):
+    """A batch node holding another number of rows than its leaves (or the batch) along a dim
+    that follows the rows."""
+
+    at: int
+    """The node's index in the nodes checked."""
+    size: Size
+    """Its batch size (the claim)."""
+    dim: int
+    rows: int
+    """The rows found along ``dim``."""
+    leaf: int | None
+    """The position of the leaf holding them; ``None``: the batch's rows (a node without leaves
+    along that dim)."""
+
+
+def misclaims(
+    found: Sequence[BatchNode],
+    sizes: Sequence[Size],
+    held: Mapping[int, tuple[int, ...]],
+    along: Mapping[int, tuple[int, int]],
+    batch: int | None = None,
+) -> list[Misclaim]:
+    """Every batch node whose batch size disagrees with the rows of its leaves, in one tree
+    (a scatter's input, one replica's output, one rank's tree, one add).
+
+    ``sizes[i]`` is node ``found[i]``'s batch size there; ``held[i]`` the dims of it that
+    follow the rows (those its leaves are split or joined along); ``along[pos]`` the
+    ``(dim, rows)`` of each position split or joined along a dim. A node must hold, along each
+    such dim, the rows of every leaf of its own split or joined along it; a node without such
+    leaves the ``batch``'s rows (unchecked when ``None``). One misclaim per node and dim.
+
+    >>> misclaims((), (), {}, {0: (0, 5)})
+    []
+    """
+    out: list[Misclaim] = []
+    for i, dims in held.items():
+        size = sizes[i]
+        start, stop = found[i].node.start, found[i].node.stop
+        for d in dims:
+            leaves = [(p, along[p][1]) for p in range(start, stop) if along.get(p, (-1,))[0] == d]
+            if not leaves:
+                if batch is not None and size[d] != batch:
+                    out.append(Misclaim(i, size, d, batch, None))
+                continue
+            for p, rows in leaves:
+                if rows != size[d]:
+                    out.append(Misclaim(i, size, d, rows, p))
+                    break
+    return out
+
+
+def misclaim_text(
+    m: Misclaim, found: Sequence[BatchNode], root: str | None, whose: str, leaf: str = ""
+) -> str:
+    """``m`` as a problem: the node's path (from ``root``), ``whose`` batch size (``"its"``,
+    ``"replica 1's"``), the rows it claims and those found (at ``leaf``, the path of the leaf
+    holding them, when there is one)."""
+    bn = found[m.at]
+    claimed = (
+        f"{display_path(bn.node, root)}: {whose} {bn.meta.rule.cls.__qualname__} batch size "
+        f"{list(m.size)} holds {m.size[m.dim]} row(s) along dim {m.dim}"
+    )
+    if m.leaf is None or not leaf:
+        return f"{claimed}, but the batch has {m.rows}"
+    return f"{claimed}, but its leaf {leaf} holds {m.rows} there"
+
+
 def _refused(bn: BatchNode, size: Size, exc: BaseException, root: str | None) -> Exception:
     name = bn.meta.rule.cls.__qualname__
     return ShapeMismatchError(
@@ -410,6 +496,12 @@ class RowsKind(NamedTuple):
     batched: str = ""
     """How single rows become one value of this kind (the fix an error suggests for one row
     sent where a batch of them is split: ``"torch_geometric.data.Batch.from_data_list"``)."""
+    tensors: (
+        Callable[[Any], tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]] | None
+    ) = None
+    """``value -> (its tensors, a function rebuilding it around others in their place)``: what
+    a gradient reaches (``sync_grads``), and what travels detached; ``None``: the tensors
+    torch's pytree finds in it (a ``PackedSequence``'s fields, a lazy stack's tensordicts')."""
 
 
 _KINDS: dict[str, RowsKind] = {}
@@ -477,6 +569,28 @@ class Rows:
 
     def to(self, device: torch.device) -> Rows:
         return Rows(self.kind.to(self.value, device), self.kind, self.bare)
+
+    def tensors(self) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Rows]]:
+        """Its tensors, and a function rebuilding it around others in their place."""
+        found, rebuilt = (self.kind.tensors or _tensors_of)(self.value)
+        kind, bare = self.kind, self.bare
+        return found, lambda tensors: Rows(rebuilt(tensors), kind, bare)
+
+    def requiring_grad(self) -> tuple[int, ...]:
+        """Which of its tensors (:meth:`tensors`) require grad."""
+        return tuple(j for j, t in enumerate(self.tensors()[0]) if t.requires_grad)
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether a tensor of it requires grad."""
+        return any(t.requires_grad for t in self.tensors()[0])
+
+    def detached(self) -> Rows:
+        """It around its tensors detached (what travels to another process)."""
+        found, rebuilt = self.tensors()
+        if not any(t.requires_grad for t in found):
+            return self
+        return rebuilt([t.detach() for t in found])
 
     @staticmethod
     def join(values: Sequence[Rows], device: torch.device) -> Rows:
@@ -570,6 +684,20 @@ def one_row_of(value: Any) -> RowsKind | None:
         return None
     found = _class_kind(kind)
     return found[0] if found is not None and found[1] else None
+
+
+def _tensors_of(value: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
+    """The tensors torch's pytree finds in ``value``, and how to put others in their place."""
+    leaves, spec = _torch_pytree.tree_flatten(value)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def rebuilt(tensors: list[torch.Tensor]) -> Any:
+        new = list(leaves)
+        for i, t in zip(at, tensors, strict=True):
+            new[i] = t
+        return _torch_pytree.tree_unflatten(new, spec)
+
+    return [leaves[i] for i in at], rebuilt
 
 
 def unwrapped(child: Any) -> Any:

@@ -89,7 +89,8 @@ def register_dataclass(
     type; or a sequence of ints, the leading dims the tensors share, as TensorDict's
     ``batch_size``) is named by ``batch_size``: it follows the rows, as for
     :func:`register_node`'s ``batch_size=`` (each shard holds its own rows, a gather the rows
-    joined). A field holding anything else (``None``, a float, a bool, a tensor) is an
+    joined; rows its leaves do not hold are a :class:`~treegather.BatchSizeError`). A field
+    holding anything else (``None``, a float, a bool, a tensor) is an
     :class:`~treegather.ArgumentTypeError` naming the node's path when the tree is flattened.
 
     Args:
@@ -208,7 +209,9 @@ def register_node(
     the dim its leaves are concatenated; its other dims must agree), and replicas must agree on
     the rest of the metadata. Nothing is guessed from the leaves' shapes. A node without
     leaves of its own (only strings, say) follows the batch it is in; a node claiming another
-    number of rows than the batch is a :class:`~treegather.BatchSizeError` naming its path.
+    number of rows than its leaves hold along those dims (than the batch, in a scatter or a
+    ``Collector`` add), in any replica or rank, is a :class:`~treegather.BatchSizeError`
+    naming its path.
 
     Args:
         cls: the class.

@@ -11,7 +11,7 @@ from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-def
 from .._errors import safe_repr
 from .batch import rows_of
 
-__all__ = ["describe", "dtype_text", "shape_text", "type_name"]
+__all__ = ["describe", "differing", "dtype_text", "shape_text", "type_name"]
 
 
 def shape_text(shape: Sequence[Any]) -> str:
@@ -62,3 +62,31 @@ def describe(value: Any) -> str:
             f"device={value.device})"
         )
     return f"{type(value).__qualname__} {safe_repr(value, 60)}"
+
+
+def differing(texts: Sequence[str], width: int = 60) -> list[str]:
+    """Each text around where they first differ, at most about ``width`` characters (what a
+    message shows of reprs too long to show whole, such as a TensorDict's pytree context).
+
+    >>> differing([repr({"keys": ["x"], "names": ["b"]}), repr({"keys": ["x"], "names": ["c"]})], 30)
+    ["...'names': ['b']}", "...'names': ['c']}"]
+    >>> differing(["('w0', 3)", "('w1', 3)"])
+    ["('w0', 3)", "('w1', 3)"]
+    """
+    same = 0
+    for chars in zip(*texts):
+        if len(set(chars)) > 1:
+            break
+        same += 1
+    start = 0
+    if same > width // 3:  # from the item the difference is in, if it starts close by
+        near = same - width // 2
+        comma, brace = texts[0].rfind(", ", near, same), texts[0].rfind("{", near, same)
+        found = max(comma + 2 if comma >= 0 else -1, brace + 1 if brace >= 0 else -1)
+        start = found if found > 0 else same - width // 3
+    return [
+        ("..." if start else "")
+        + text[start : start + width]
+        + ("..." if len(text) > start + width else "")
+        for text in texts
+    ]

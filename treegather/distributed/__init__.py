@@ -92,7 +92,8 @@ def all_gather(
         StructureMismatchError: The ranks' trees differ in structure (the message names the
             path and the ranks) or the ranks made different calls.
         ShapeMismatchError: A rule cannot combine the ranks' tensors (dtypes, other dims).
-        BatchSizeError: ``sizes`` is not an int, or was passed on some ranks only.
+        BatchSizeError: ``sizes`` is not an int, or was passed on some ranks only; a node
+            holding a batch size claims other rows than its leaves hold on a rank.
         LeafTypeError: A leaf cannot travel (unpicklable object, sparse tensor).
         LayoutError: ``layout`` does not fit the tree.
 

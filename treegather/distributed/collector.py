@@ -30,7 +30,8 @@ from .._errors import (
 )
 from .._layout import Plan, resolve
 from .._rules import AsList, kinds
-from .._tree import along_rows, batch_nodes, display_path, rebuild
+from .._tree import BatchNode, along_rows, batch_nodes, display_path, flatten, rebuild
+from .._tree.batch import misclaim_text, misclaims, sizes_by_path
 from . import calls, errors
 from .describe import format_problems
 from .drops import Drop, drops
@@ -385,6 +386,9 @@ class Collector:
             raise
         columns = list(zip(*values))
         rows = rows_per_add(columns, plan, kinds)
+        batched = batch_nodes(up)
+        if batched:  # (nodes holding a batch size: each add's must hold its rows)
+            _check_claims(trees, batched, plan, kinds, rows)
         idx, taken = _indices(rows, adds, source)
         _complete(taken, source, partial)
         device = self._target(values)
@@ -532,6 +536,34 @@ def _placed(
             f"{type(first).__name__}s ({type(exc).__name__}: {str(exc).splitlines()[0][:100]}); "
             f"{kinds.fix(first)}, or keep each add's value with as_list()"
         ) from None
+
+
+def _check_claims(
+    trees: list[Any], found: Sequence[BatchNode], plan: Plan, what: list[int], rows: list[int]
+) -> None:
+    """Every add's batch nodes against its rows, as scatter checks a batch's
+    (:func:`treegather._tree.batch.misclaims`): a node with per-sample leaves, or with no leaf,
+    must hold the add's rows at dim 0 (those it is rebuilt with, :func:`along_rows`); ``what``
+    each position is (per sample, or one value per add)."""
+    joined = [k != PER_ADD for k in what]
+    held = {i: (0,) for i in along_rows(found, 0, joined)}
+    problems: list[str] = []
+    for a, (tree, n) in enumerate(zip(trees, rows)):
+        by_path = sizes_by_path(flatten(tree, ROOT)[1])
+        sizes = [by_path.get(bn.node.raw, bn.meta.size) for bn in found]
+        along = {p: (0, n) for p, j in enumerate(joined) if j}
+        for m in misclaims(found, sizes, held, along, n):
+            leaf = "" if m.leaf is None else display_path(plan.node_of(m.leaf), ROOT)
+            problems.append(misclaim_text(m, found, ROOT, f"add #{a}'s", leaf))
+    if problems:
+        raise BatchSizeError(
+            format_problems(
+                "nodes holding a batch size must hold the rows of their add",
+                problems,
+                "give each node its add's rows as its batch size (the Collector rebuilds it "
+                "with the rows it returns)",
+            )
+        )
 
 
 def _exchange(
@@ -857,11 +889,11 @@ def _raise_differences(present: list[tuple[int, Any]]) -> NoReturn:
     shapes = [pickle.loads(p.shape) for _, p in present]
     same = all(s[0] == shapes[0][0] for s in shapes)
 
-    def said(up: Any, kinds: list[int]) -> list[tuple[str, str]]:
+    def said(up: Any, kinds: list[int]) -> list[tuple[str, str, Any]]:
         leaf = iter(kinds)
         return [
-            (at, f"{is_}, {named[next(leaf)]}" if same and is_ == "a leaf" else is_)
-            for at, is_ in errors.node_rows(up)
+            (at, f"{is_}, {named[next(leaf)]}" if same and is_ == "a leaf" else is_, metadata)
+            for at, is_, metadata in errors.node_rows(up)
         ]
 
     errors.raise_structure_mismatch([r for r, _ in present], [said(u, k) for u, k, _ in shapes])

@@ -47,7 +47,9 @@ def combine(
                 else [h["grads"] or () for h in headers]
             )
             own = [local.leaves[i] for i in positions[g.rank]]
-            grads.connect(placed.leaves, positions, own, g.rank, g.handle, g.device)
+            # (which tensors of a value laid out by rows require grad: each rank's header says)
+            parts = [{} for _ in g.ranks] if headers is None else [h["parts"] for h in headers]
+            grads.connect(placed.leaves, positions, own, g.rank, g.handle, g.device, parts)
         per_rank = trees(placed)
         if type(layout) is AsList:  # (the trees untouched, as the rule returns them)
             return per_rank

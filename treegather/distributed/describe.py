@@ -243,13 +243,20 @@ def _described(
         None if i in held or not isinstance(x, Tensor) else x.dtype for i, x in enumerate(leaves)
     ]
     shapes: list[Any] = [None if d is None else x.size() for x, d in zip(leaves, dtypes)]
-    objects = [x for x, d in zip(leaves, dtypes) if d is None]
+    # (a value laid out by rows travels detached: sync_grads connects its tensors that require
+    # grad, which the header names)
+    objects = [_detached(x) for x, d in zip(leaves, dtypes) if d is None]
     try:
         blob = pickling.dumps(objects) if objects else b""
     except Exception as exc:
         return _failed(LeafTypeError, _unpicklable(spec, leaves, exc))
     grads = grad_positions(leaves) if sync else None
-    extra: dict[str, Any] = {"held": held}
+    parts = {
+        i: by_rows.requiring_grad()
+        for i in grads or ()
+        if (by_rows := _tree.rows_of(leaves[i])) is not None
+    }
+    extra: dict[str, Any] = {"held": held, "parts": parts}
     if with_spec:
         extra["spec"] = spec
         extra["devices"] = [x.device.type if isinstance(x, Tensor) else None for x in leaves]
@@ -439,6 +446,7 @@ def _build(
         "sizes_given": sizes_given,
         "grads": grads,
         "groups": groups,
+        "parts": {},
         "batch": [bn.meta.size for bn in _tree.batch_nodes(up_spec)]
         if _tree.is_batched(up_spec)
         else None,
@@ -479,10 +487,24 @@ def _default_cat(rule: Any, dtype: Any, trailing: Any, dim: Any) -> bool:
 
 
 def grad_positions(leaves: Sequence[Any]) -> tuple[int, ...]:
-    """The positions of the tensor leaves that require grad (what ``sync_grads`` connects)."""
+    """The positions of the leaves that require grad (what ``sync_grads`` connects): tensors,
+    and values laid out by rows holding one."""
     if not torch.is_grad_enabled():
         return ()
-    return tuple(i for i, x in enumerate(leaves) if isinstance(x, Tensor) and x.requires_grad)
+    return tuple(i for i, x in enumerate(leaves) if _requires_grad(x))
+
+
+def _requires_grad(x: Any) -> bool:
+    if isinstance(x, Tensor):
+        return x.requires_grad
+    held = _tree.rows_of(x)
+    return held is not None and held.requires_grad
+
+
+def _detached(x: Any) -> Any:
+    """``x``, or, laid out by rows, its value detached (what travels)."""
+    by_rows = _tree.rows_of(x) if type(x) is not Tensor else None
+    return x if by_rows is None else by_rows.detached().held
 
 
 # -------------------------------------------------------------------------------- packing

@@ -10,17 +10,25 @@ to the other ranks, which rebuild its error with :func:`rebuild_error`.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
-from optree import PyTreeSpec
+from optree import PyTreeKind, PyTreeSpec
 
 from .. import _errors, _tree
-from .._errors import BatchSizeError, LayoutError, StructureMismatchError, TreegatherError
+from .._errors import (
+    BatchSizeError,
+    LayoutError,
+    StructureMismatchError,
+    TreegatherError,
+    safe_repr,
+)
 from .._layout import resolve
 from .._mismatch import diagnose
+from .._tree.batch import node_data, rule_of
 from .describe import ROOT, format_problems, leaf_paths
 from .payload import DTYPES
 
@@ -229,9 +237,15 @@ def by_rank(ranks: Sequence[int], values: Sequence[str]) -> str:
 # ------------------------------------------------------------------------ structure mismatch
 
 
-def node_rows(spec: PyTreeSpec) -> list[tuple[str, str]]:
-    """The ``(path, node type)`` pairs of a structure, for :func:`raise_structure_mismatch`."""
-    return [(_tree.format_path(ROOT, n.path), _node_name(n.spec)) for n in _tree.nodes(spec)]
+def node_rows(spec: PyTreeSpec) -> list[tuple[str, str, tuple[str, str, str] | None]]:
+    """The ``(path, node type, metadata)`` of every node of a structure, for
+    :func:`raise_structure_mismatch`: a registered class's metadata (its static fields, a
+    TensorDict's keys and names, ...) as a digest the ranks compare (type-aware, without a
+    batch node's batch size, as the structure's fingerprint) and its ``repr``."""
+    return [
+        (_tree.format_path(ROOT, n.path), _node_name(n.spec), _metadata(n.spec))
+        for n in _tree.nodes(spec)
+    ]
 
 
 def _node_name(spec: PyTreeSpec) -> str:
@@ -243,31 +257,78 @@ def _node_name(spec: PyTreeSpec) -> str:
     return node_type.__qualname__ if node_type is not None else str(spec.kind)
 
 
+def _metadata(spec: PyTreeSpec) -> tuple[str, str, str] | None:
+    """A registered class's metadata: a digest the ranks compare, how it reads, and what its
+    class says when it differs (``None`` for other nodes: their differences are their
+    children's)."""
+    if spec.kind != PyTreeKind.CUSTOM:
+        return None
+    data = node_data(spec)
+    batched = type(data) is _tree.Batched
+    key = ("batched", data.key()) if batched else data
+    try:
+        blob = pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # (unpicklable metadata: compared by how it reads)
+        blob = safe_repr(key, None, stable=True).encode()
+    shown = safe_repr(data.aux if batched else data, None, stable=True)
+    rule = rule_of(spec.type) if spec.type is not None else None
+    note = rule.differs if rule is not None else ""
+    return hashlib.blake2b(blob, digest_size=16).hexdigest(), shown, note
+
+
 def raise_structure_mismatch(ranks: Sequence[int], tables: Sequence[Any]) -> NoReturn:
-    """Name every node whose path or type differs between the ranks' :func:`node_rows`."""
-    per_rank = [dict(t) for t in tables]
+    """Name every node whose path or type differs between the ranks' :func:`node_rows`, and
+    every registered node whose metadata differs (where its children agree)."""
+    per_rank = [{path: (name, meta) for path, name, meta in t} for t in tables]
     all_paths: dict[str, None] = {}
     for d in per_rank:
         all_paths.update(dict.fromkeys(d))
     problems: list[str] = []
     reported: list[str] = []
+    metadata: list[tuple[str, list[Any]]] = []
     for path in all_paths:
-        values = [d.get(path, "missing") for d in per_rank]
+        rows = [d.get(path, ("missing", None)) for d in per_rank]
+        values = [name for name, _ in rows]
         if len(set(values)) == 1:
+            if len({m[0] for _, m in rows if m is not None}) > 1:  # (same type, other metadata)
+                metadata.append((path, [m for _, m in rows]))
             continue
         # Below a node reported as missing or of another type, every path differs too.
-        if any(path.startswith(p) and path[len(p)] in "[." for p in reported):
+        if any(_below(path, p) for p in reported):
             continue
         reported.append(path)
         problems.append(f"{path}: " + by_rank(ranks, values))
+    static = False
+    typed = list(reported)
+    for path, shown in metadata:  # (where no node below or above it is missing or another type)
+        if any(_below(path, p) or _below(p, path) for p in typed):
+            continue
+        static = True
+        name = per_rank[0][path][0]
+        texts = _tree.differing([m[1] for m in shown])
+        note = f" ({shown[0][2]})" if shown[0][2] else ""
+        problems.append(f"{path}: the {name}'s metadata differs: {by_rank(ranks, texts)}{note}")
+    hint = (
+        "every rank must pass the same keys, fields and lengths; use the same placeholder on "
+        "every rank for values a rank does not have"
+    )
+    if static:
+        hint += (
+            "; a registered node's metadata (its static fields; a TensorDict's keys, names, "
+            "device and NonTensorData values) must be the same on every rank"
+        )
     raise StructureMismatchError(
         format_problems(
             "the ranks passed trees of different structure",
             problems or ["same paths and node types, but different node metadata (static fields)"],
-            "every rank must pass the same keys, fields and lengths; use the same placeholder "
-            "on every rank for values a rank does not have",
+            hint,
         )
     )
+
+
+def _below(path: str, parent: str) -> bool:
+    """Whether ``path`` is a path under ``parent`` (``outputs['a'].b`` under ``outputs['a']``)."""
+    return path.startswith(parent) and len(path) > len(parent) and path[len(parent)] in "[."
 
 
 # ------------------------------------------------------------------------------- gather

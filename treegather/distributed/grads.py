@@ -14,7 +14,7 @@ ARCHITECTURE.md, "The wire plan, in detail".
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from .. import _tree
+from .._tree import rows_of
 
 __all__ = ["connect", "unsynced"]
 
@@ -31,26 +32,58 @@ Tensor = torch.Tensor
 def connect(
     per_rank: list[list[Any]],
     grads: Sequence[Sequence[int]],
-    own: Sequence[Tensor],
+    own: Sequence[Any],
     rank: int,
     group: Any,
     device: torch.device,
+    parts: Sequence[Mapping[int, Sequence[int]]] | None = None,
 ) -> None:
     """Replace, in every rank's leaves, the values at that rank's ``grads`` positions by outputs of
-    one autograd function whose inputs are this rank's own leaves ``own`` (in place).
+    one autograd function whose inputs are this rank's own values ``own`` (in place).
 
     ``grads[r]`` are the positions of rank ``r``'s leaves that require grad; ``own`` are this
-    rank's tensors at ``grads[rank]``. ``device`` is where the backward's all-to-all runs.
+    rank's values at ``grads[rank]``. ``device`` is where the backward's all-to-all runs. A value
+    laid out by rows (:class:`~treegather._tree.Rows`: a ``PackedSequence``), which travels
+    detached, takes part with its tensors ``parts[r][i]`` (those that required grad on rank
+    ``r``), and is rebuilt around their outputs.
     """
     if not any(grads) or not torch.is_grad_enabled():
         return
-    received = [per_rank[r][i] for r, positions in enumerate(grads) for i in positions]
-    sizes = [len(positions) for positions in grads]
+    which = parts if parts is not None else [{}] * len(grads)
+    received = [
+        [t for i in positions for t in _grad_tensors(per_rank[r][i], which[r].get(i, ()))]
+        for r, positions in enumerate(grads)
+    ]
+    sizes = [len(tensors) for tensors in received]
+    mine = [t for i, v in zip(grads[rank], own) for t in _grad_tensors(v, which[rank].get(i, ()))]
     anchor = torch.empty(0, requires_grad=True)  # every rank takes part in the backward
-    outputs = iter(_Exchanged.apply((received, sizes, rank, group, device), anchor, *own))
+    flat = [t for tensors in received for t in tensors]
+    outputs = iter(_Exchanged.apply((flat, sizes, rank, group, device), anchor, *mine))
     for r, positions in enumerate(grads):
         for i in positions:
-            per_rank[r][i] = next(outputs)
+            per_rank[r][i] = _replaced(per_rank[r][i], which[r].get(i, ()), outputs)
+
+
+def _grad_tensors(value: Any, parts: Sequence[int]) -> list[Tensor]:
+    """The tensors of a leaf that require grad: itself, or a value laid out by rows' ``parts``."""
+    held = rows_of(value)
+    if held is not None:
+        found = held.tensors()[0]
+        return [found[j] for j in parts]
+    return [value]
+
+
+def _replaced(value: Any, parts: Sequence[int], outputs: Iterator[Tensor]) -> Any:
+    """``value`` with its tensors that require grad (``parts``, of a value laid out by rows)
+    replaced by the next ``outputs``."""
+    held = rows_of(value)
+    if held is not None:
+        found, rebuilt = held.tensors()
+        tensors = list(found)
+        for j in parts:
+            tensors[j] = next(outputs)
+        return rebuilt(tensors).held
+    return next(outputs)
 
 
 class _Exchanged(torch.autograd.Function):
@@ -125,13 +158,28 @@ class _Summed(torch.autograd.Function):
 def unsynced(out: Any, leaves: Sequence[Any] | None, tree: Any) -> Any:
     """``out`` of a call without ``sync_grads``: when this rank's ``leaves`` (``tree``'s) require
     grad, its tensors pass through :class:`_Unsynced`, so a backward there says what to do."""
-    if not torch.is_grad_enabled() or not any(
-        isinstance(x, Tensor) and x.requires_grad
-        for x in (_tree.flatten(tree)[0] if leaves is None else leaves)
+    if not torch.is_grad_enabled():
+        return out
+    mine = _tree.flatten(tree)[0] if leaves is None else leaves
+    if not any(
+        x.requires_grad
+        if isinstance(x, Tensor)
+        else (held := rows_of(x)) is not None and held.requires_grad
+        for x in mine
     ):
         return out
     anchor, (found, spec) = torch.empty(0, requires_grad=True), _tree.flatten(out)
-    return spec.unflatten([_guarded(anchor, x) if isinstance(x, Tensor) else x for x in found])
+
+    def passed(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return _guarded(anchor, x)
+        held = rows_of(x)
+        if held is not None:  # (its tensors a gradient could reach)
+            tensors, rebuilt = held.tensors()
+            return rebuilt([_guarded(anchor, t) if _float(t) else t for t in tensors]).held
+        return x
+
+    return spec.unflatten([passed(x) for x in found])
 
 
 def _guarded(anchor: Tensor, x: Tensor) -> Tensor:
@@ -142,6 +190,10 @@ def _guarded(anchor: Tensor, x: Tensor) -> Tensor:
         return x
     guarded = _Unsynced.apply(anchor, x)
     return guarded if type(guarded) is type(x) else x
+
+
+def _float(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
 
 
 class _Unsynced(torch.autograd.Function):
