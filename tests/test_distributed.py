@@ -33,7 +33,7 @@ import treegather as tg
 from treegather import _tree
 from treegather._caches import FAST_PATHS, reference_only
 from treegather._errors import safe_repr
-from treegather.distributed.preamble import MAX_INLINE
+from treegather.distributed.exchange import MAX_INLINE
 
 pytestmark = pytest.mark.distributed
 
@@ -647,21 +647,21 @@ def _alternating(rank: int, world: int) -> bool:
 
 @contextlib.contextmanager
 def _counting_full() -> Iterator[list[str]]:
-    """Count the calls that take the full exchange (``all_gather``'s fallback)."""
+    """Count the calls whose headers travel (the ranks' plans differ: the full exchange)."""
     import treegather.distributed as tgd
 
     full: list[str] = []
-    real = tgd.protocol._full_all_gather
+    real = tgd.exchange._with_headers
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         full.append("full")
         return real(*args, **kwargs)
 
-    tgd.protocol._full_all_gather = counted
+    tgd.exchange._with_headers = counted
     try:
         yield full
     finally:
-        tgd.protocol._full_all_gather = real
+        tgd.exchange._with_headers = real
 
 
 def _fast_path_checks(rank: int, world: int) -> dict[str, Any]:
@@ -1064,7 +1064,9 @@ def test_changed_structure_falls_back_on_every_rank(group_results: Any) -> None:
         if "fast" not in res:
             continue
         calls, full, keys, inner = _ok(res["fast"])["fallback"]
-        assert calls == [ag, ag, ag] and full == 1, (calls, full)  # digests, then the full path
+        # The digests differ in the first collective; then one collective of every rank's
+        # header and payload.
+        assert calls == [ag, ag] and full == 1, (calls, full)
         assert keys == ["b", "a", "c"] and inner == ["y", "x"], (keys, inner)
         assert _ok(res["fast"])["alternating_full"] == 1  # alternating: no full exchange
 
@@ -1196,21 +1198,22 @@ def test_coalesced_device_staging_on_cpu(world_of_one: None) -> None:
     branch that packs where the tensors live, moves the whole payload in one copy and moves the
     received bytes to the target in one copy per rank runs here; on a GPU it is the same code.
     """
-    from treegather.distributed import payload, plan
+    from treegather.distributed import describe, exchange, payload, place
 
     tree = {"x": torch.arange(12.0).view(6, 2), "n": torch.tensor(3), "s": "a", "b": [True]}
-    local = plan.prepare(tree, None, 0, None)
-    assert local is not None
-    stride = plan.padded(local.nbytes)
+    for _ in range(3):  # (a plan is kept)
+        local = describe.describe(tree, None, 0, None)
+    assert local.plan is not None and local.plan.vectorised
+    stride = payload.padded(local.nbytes)
     direct = torch.empty(stride, dtype=torch.uint8)
-    assert payload.send(local, stride, torch.device("cpu"), direct)
+    assert payload.write(local, direct)
     elsewhere = local._replace(devices=frozenset({torch.device("cpu", 0)}))
     staged = torch.empty(stride, dtype=torch.uint8)
-    assert payload.send(elsewhere, stride, torch.device("cpu"), staged)
+    assert payload.write(elsewhere, staged)
     assert torch.equal(direct, staged)
-    payloads = payload.Payloads(staged, 0, stride)
-    received = payload.parse(local.plan, payloads, [local.nbytes], torch.device("cpu", 0))
-    assert_tree_equal(payload.unpack(local.plan, received), tg.gather([tree], "cpu"))
+    arrived = exchange.Arrived([[0] * 4 + [local.nbytes] + [0] * 5], staged, [0], None)
+    placed = place.place([0], arrived, local, torch.device("cpu", 0), None, 0)
+    assert_tree_equal(placed.result, tg.gather([tree], "cpu"))
 
 
 @tg.register_dataclass(static=["flag"])
@@ -1225,7 +1228,7 @@ class Flagged:
 def test_wire_plans_are_type_aware_and_cleared(world_of_one: None) -> None:
     """True, 1 and 1.0 as static metadata, and key orders, each get their own plan."""
     import treegather.distributed as tgd
-    from treegather.distributed import plan
+    from treegather.distributed import describe as plan
 
     tg.clear_caches()
     assert plan.plan_count() == 0
@@ -1377,13 +1380,13 @@ def test_cuda_tensors_one_rank(backend: str, monkeypatch: pytest.MonkeyPatch) ->
 
     torch.cuda.set_device(0)
     carriers: list[torch.device] = []
-    real = tgd.protocol._all_gather_into
+    real = tgd.exchange._all_gather_into
 
     def spy(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
         carriers.append(inp.device)
         real(out, inp, group)
 
-    monkeypatch.setattr(tgd.protocol, "_all_gather_into", spy)
+    monkeypatch.setattr(tgd.exchange, "_all_gather_into", spy)
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         tree = _cuda_tree(0)
@@ -1543,3 +1546,41 @@ def test_distributed_runs_without_numpy() -> None:
         timeout=GROUP_DEADLINE_S,
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_no_garbage_collection_runs_inside_a_call(world_of_one: None) -> None:
+    """Issue 46: a call on a large tree sets off no collection of Python's garbage collector
+    until it is done (the one the collector makes when it is on again, as the call returns),
+    where a 20,000-leaf all_gather set off about 250, each walking everything the process
+    holds (100,000 leaves cost twice as much per leaf with them); the collector is as it was
+    before the call."""
+    import gc
+    import traceback
+
+    import treegather.distributed as tgd
+
+    tree = {f"k{i}": torch.zeros(2, 3) for i in range(20_000)}
+    runs: list[int] = []
+    inside = [False]
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and inside[0]:
+            caller = traceback.extract_stack()[-2]  # (the collector, on again, as the call ends)
+            if not (caller.name == "__exit__" and caller.filename.endswith("contextlib.py")):
+                runs.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        for call in (tgd.all_gather, lambda t: tgd.gather(t, 0), lambda t: tgd.broadcast(t, 0)):
+            for _ in range(2):
+                inside[0] = True
+                out = call(tree)
+                inside[0] = False
+                assert len(out) == len(tree)
+        assert runs == [] and gc.isenabled(), runs
+        gc.disable()  # (off before the call: off after it)
+        tgd.all_gather(tree)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.callbacks.remove(count)

@@ -102,7 +102,7 @@ def test_dir_lists_the_public_names_only() -> None:
 
     assert dir(treegather) == sorted([*treegather.__all__, "distributed", "__version__"])
     assert dir(tgd) == sorted(tgd.__all__)
-    for module, internal in ((treegather, "_gather"), (tgd, "preamble"), (tgd, "wire")):
+    for module, internal in ((treegather, "_gather"), (tgd, "exchange"), (tgd, "describe")):
         assert internal not in dir(module) and hasattr(module, internal)
 
 

@@ -35,11 +35,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import protocol
+from . import calls
 from .collector import Collector
 
 __all__ = ["Collector", "all_gather", "gather", "broadcast"]
-__dir__ = __all__.copy  # dir(): the public names, not the internal modules (wire, plan, ...)
+__dir__ = __all__.copy  # dir(): the public names, not the internal modules (calls, exchange, ...)
 
 
 def all_gather(
@@ -61,7 +61,7 @@ def all_gather(
 
     A repeated structure (only the batch rows changing) costs one collective while its payload
     fits the group's inline capacity (up to 1 MiB per rank), else two, and no pickling for
-    an all-tensor tree (:mod:`~treegather.distributed.protocol` counts every case). Every rank must
+    an all-tensor tree (ARCHITECTURE.md counts every case). Every rank must
     call it with a tree of the same structure (nodes the layout takes whole, such as per-sample
     lists under ``cat_items()``, may differ) and the same ``layout``/``dim``; otherwise every
     rank raises the same error.
@@ -109,7 +109,7 @@ def all_gather(
         {'ids': tensor([0, 1]), 'loss': tensor(0.5000), 'name': 'r0'}
         >>> dist.destroy_process_group()
     """
-    return protocol.all_gather(tree, layout, group, dim, sizes, sync_grads)
+    return calls.all_gather(tree, layout, group, dim, sizes, sync_grads)
 
 
 def gather(
@@ -160,7 +160,7 @@ def gather(
         {'logits': tensor([[1., 1.], [1., 1.], [1., 1.]]), 'ids': ['a', 'b', 'c']}
         >>> dist.destroy_process_group()
     """
-    return protocol.gather(tree, dst, layout, group, dim, sizes)
+    return calls.gather(tree, dst, layout, group, dim, sizes)
 
 
 def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
@@ -194,4 +194,4 @@ def broadcast(tree: Any, src: int = 0, *, group: Any = None) -> Any:
         {'seed': 1234, 'weights': tensor([0.2500, 0.7500])}
         >>> dist.destroy_process_group()
     """
-    return protocol.broadcast(tree, src, group)
+    return calls.broadcast(tree, src, group)

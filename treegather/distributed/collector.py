@@ -32,11 +32,12 @@ from .._layout import Plan, resolve
 from .._rules import AsList, kinds
 from .._tree import BatchNode, along_rows, batch_nodes, display_path, flatten, rebuild
 from .._tree.batch import misclaim_text, misclaims, sizes_by_path
-from . import errors, protocol
+from . import calls, errors
+from .describe import format_problems
 from .drops import Drop, drops
+from .exchange import COLLECT
 from .layout import layout_text
 from .loaders import OBSERVE, Observation, dataset_key, index_tensor, observe, pure_sampler, read
-from .preamble import COLLECT
 from .samples import (
     CROSS,
     ITEMS,
@@ -57,7 +58,6 @@ from .samples import (
     sendable,
     travelling,
 )
-from .wire import format_problems
 
 __all__ = ["Collector"]
 
@@ -344,8 +344,10 @@ class Collector:
             except TreegatherError as exc:
                 raise type(exc)(f"{name}: {exc}") from exc.__cause__
 
+        handed = [(Opaque(call), local)]  # (handed over: sent, then let go of)
+        del local
         try:
-            return _exchange((Opaque(call), local), dst, self._group, finish)
+            return _exchange(handed, dst, self._group, finish)
         except TreegatherError as exc:
             if unexpected is not None and exc.__cause__ is None:
                 raise exc from unexpected  # this rank's own error, as it was raised
@@ -419,7 +421,12 @@ class Collector:
             found = (up, spec0, pickle.dumps((up, key[2], spec0), pickle.HIGHEST_PROTOCOL))
             _SHAPES.put(key, found)
         shape = found[2]
-        plans[shape] = (plan, kinds, combined)
+        # (this rank's strings as it had them, not decoded again; no tensor kept past the call)
+        plans[shape] = (
+            plan,
+            kinds,
+            [v if type(w) is Texts else None for v, w in zip(combined, wrapped)],
+        )
         return Payload(idx, torch.tensor(rows), wrapped, shape)
 
     def _target(self, values: list[list[Any]] | None = None) -> torch.device:
@@ -559,16 +566,21 @@ def _check_claims(
         )
 
 
-def _exchange(local: Any, dst: int | None, group: Any, finish: Callable[[list[Any]], Any]) -> Any:
-    """One exchange of every rank's payload; ``finish`` makes the result of them (on every rank
-    for an all-gather, on ``dst`` for a gather, where an error it raises reaches every rank)."""
+def _exchange(
+    handed: list[Any], dst: int | None, group: Any, finish: Callable[[list[Any]], Any]
+) -> Any:
+    """One exchange of every rank's payload (``handed`` over in a list: let go of once sent);
+    ``finish`` makes the result of them (on every rank for an all-gather, on ``dst`` for a
+    gather, where an error it raises reaches every rank)."""
     if not _initialized():
         if dst not in (None, 0):
             raise ValueError(f"Collector.gather(dst={dst}): without a process group dst is 0")
-        return finish([local])
-    if dst is None:
-        return finish(protocol.all_gather(local, AsList(), group, 0, None, False, COLLECT))
-    return protocol.gather(local, dst, AsList(), group, 0, None, finish, COLLECT)
+        return finish([handed.pop()])
+    with calls.collections_paused():
+        if dst is None:
+            found = calls.all_gather(handed, AsList(), group, 0, None, False, COLLECT, handed=True)
+            return finish(found)
+        return calls.gather(handed, dst, AsList(), group, 0, None, finish, COLLECT, handed=True)
 
 
 def _initialized() -> bool:

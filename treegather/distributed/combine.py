@@ -1,10 +1,10 @@
-"""The result of a :mod:`treegather.distributed` call, from every rank's received bytes.
+"""Stage 4 of a :mod:`treegather.distributed` call: every rank's tree, combined by the rules.
 
-:func:`fast` reads the ranks' wire-plan payloads (:mod:`~treegather.distributed.payload`):
-vectorised for the default rules, else each rank's tree rebuilt from views of the bytes;
-:func:`full` rebuilds each rank's tree from its header and bytes
-(:mod:`~treegather.distributed.wire`). Anything but the vectorised case then goes through :func:`rules`, the single-process :func:`treegather.gather`
-with the ranks as replicas, so the rules and their errors are defined once.
+The ranks are the replicas of the single-process :func:`treegather.gather` (replica ``i`` is
+group rank ``i``), so the rules and their errors are defined once. With ``sync_grads`` every
+rank's leaves that require grad are first made outputs of one autograd function
+(:mod:`~treegather.distributed.grads`); without it, a backward through the result says to pass
+it.
 """
 
 from __future__ import annotations
@@ -12,96 +12,58 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from .. import _tree
 from .._errors import TreegatherError
 from .._gather import gather as _gather_local
 from .._rules import AsList
-from . import payload, wire
+from . import grads
 from .errors import rank_note
-from .grads import connect as _connect_grads
 from .group import Group
-from .group import target as _target
-from .plan import Local
-from .preamble import HEADER
+from .payload import Local
+from .place import _NONE, Placed, trees
 
-__all__ = ["fast", "full", "rules"]
+__all__ = ["combine", "rules"]
 
 
-def fast(
+def combine(
     g: Group,
+    placed: Placed,
     local: Local,
-    payloads: payload.Payloads,
-    nbytes: list[int],
-    carrier: torch.device,
     layout: Any,
     dim: int,
+    sync: bool,
+    public: bool,
 ) -> Any:
-    """Combine the ranks' payloads: vectorised for the default rules, else the rules as usual."""
-    ranks = g.ranks
-    plan = local.plan
-    target = _target(local.devices, carrier)
-    received = payload.parse(plan, payloads, nbytes, target)
-    spec = plan.spec if local.spec is None else local.spec  # this call's dict keys, statics
-    if plan.vectorised:
-        return payload.unpack(plan, received, spec)
-    per_rank = payload.rank_leaves(plan, received)
-    if plan.grads:  # sync_grads: the same positions on every rank (the digest says so)
-        own = [local.leaves[i] for i in plan.grads]
-        _connect_grads(per_rank, [plan.grads] * len(ranks), own, g.rank, g.handle, g.device)
-    trees = [spec.unflatten(leaves) for leaves in per_rank]
-    if type(layout) is AsList:  # (the trees untouched, as the rule returns them)
-        return trees
-    sizes: list[Any] = received.sizes if received.sizes is not None else [None]
-    return rules(ranks, trees, target, layout, dim, sizes)
-
-
-def full(
-    g: Group,
-    headers: list[dict[str, Any]],
-    buffers: Sequence[torch.Tensor],
-    rows: Sequence[Sequence[int]],
-    local: wire.Packed,
-    carrier: torch.device,
-    layout: Any,
-    dim: int,
-    tree: Any = None,
-) -> Any:
-    """Every rank's tree from its header and bytes (checked already), combined by the rules.
-
-    ``tree`` is this rank's own tree (for ``sync_grads``: its leaves that require grad).
-    """
-    ranks = g.ranks
-    up_spec = wire.agreed_up_spec(headers, local)
-    per_rank = [
-        wire.decode(h, buf[wire.padded(r[HEADER]) :]) for h, buf, r in zip(headers, buffers, rows)
-    ]
-    for h, leaves in zip(headers, per_rank):
-        wire.place_held(h, leaves)
-    grads = [h.get("grads") or () for h in headers]
-    if any(grads):
-        leaves = _tree.flatten(tree)[0]
-        own = [leaves[i] for i in grads[g.rank]]
-        parts = [h.get("parts") or {} for h in headers]
-        _connect_grads(per_rank, grads, own, g.rank, g.handle, g.device, parts)
-    trees = [wire.rank_tree(up_spec, h, leaves) for h, leaves in zip(headers, per_rank)]
-    target = _target(local.devices, carrier)
-    return rules(ranks, trees, target, layout, dim, [h["sizes"] for h in headers])
+    """The result of a call: ``placed``'s result, or every rank's tree combined by ``layout``.
+    ``public``: an :func:`~treegather.distributed.all_gather` of the user's (whose result says
+    to pass ``sync_grads`` when a backward reaches it without)."""
+    if placed.result is not _NONE:
+        out = placed.result
+    else:
+        if sync:  # (the leaves that require grad: in every rank's header, or the shared plan's)
+            headers = placed.trees[1]
+            positions = (
+                [local.plan.grads or () for _ in g.ranks]  # type: ignore[union-attr]
+                if headers is None
+                else [h["grads"] or () for h in headers]
+            )
+            own = [local.leaves[i] for i in positions[g.rank]]
+            # (which tensors of a value laid out by rows require grad: each rank's header says)
+            parts = [{} for _ in g.ranks] if headers is None else [h["parts"] for h in headers]
+            grads.connect(placed.leaves, positions, own, g.rank, g.handle, g.device, parts)
+        per_rank = trees(placed)
+        if type(layout) is AsList:  # (the trees untouched, as the rule returns them)
+            return per_rank
+        out = rules(g.ranks, per_rank, placed.target, layout, dim, placed.sizes)
+    if public and not sync:
+        return grads.unsynced(out, local.leaves, None)
+    return out
 
 
 def rules(
-    ranks: Sequence[int],
-    trees: list[Any],
-    device: torch.device,
-    layout: Any,
-    dim: int,
-    sizes: list[Any],
+    ranks: Sequence[int], trees: list[Any], device: Any, layout: Any, dim: int, sizes: Any
 ) -> Any:
-    """Apply the single-process gather rules to the per-rank trees (replica i = group rank i)."""
+    """The single-process gather rules over the per-rank trees (replica i = group rank i)."""
     try:
-        return _gather_local(
-            trees, device, layout, dim=dim, sizes=None if sizes[0] is None else sizes
-        )
+        return _gather_local(trees, device, layout, dim=dim, sizes=sizes)
     except TreegatherError as exc:
         raise type(exc)(f"{exc}\n{rank_note(ranks)}") from None

@@ -1,11 +1,11 @@
 """The errors of :mod:`treegather.distributed`: the same message on every rank.
 
-Every rank checks every rank's header of the full exchange (:mod:`treegather.distributed.wire`) with
-:func:`check`, so that when the trees differ every rank raises the same error, naming the leaf
-path and the (global) ranks. Structures that differ take one more exchange to name every
-differing node (:func:`node_rows`, then :func:`raise_structure_mismatch` on every rank's table).
-``gather`` sends ``dst``'s outcome to the other ranks, which rebuild it with
-:func:`rebuild_error`.
+When the headers travelled (the ranks' plans differ), every rank checks every rank's header with
+:func:`check_headers` and :func:`check_leaves`, so that when the trees differ every rank raises
+the same error, naming the leaf path and the (global) ranks. Structures that differ take one
+more exchange to name every differing node (:func:`node_rows` on each rank, then
+:func:`raise_structure_mismatch` on every rank's table). ``gather``'s ``dst`` sends its outcome
+to the other ranks, which rebuild its error with :func:`rebuild_error`.
 """
 
 from __future__ import annotations
@@ -29,22 +29,22 @@ from .._errors import (
 from .._layout import resolve
 from .._mismatch import diagnose
 from .._tree.batch import node_data, rule_of
-from . import wire
-from .group import Collective, Group
+from .describe import ROOT, format_problems, leaf_paths
+from .payload import DTYPES
 
 __all__ = [
     "ERROR_CLASSES",
     "StructuresDiffer",
     "by_rank",
-    "check",
-    "exchange_objects",
-    "name_differences",
+    "check_headers",
+    "check_leaves",
     "node_rows",
     "outcome_of",
     "raise_structure_mismatch",
     "rank_errors",
-    "same_layouts",
+    "rank_note",
     "rebuild_error",
+    "same_layouts",
 ]
 
 # Every treegather error, by name: what a rank's error header (or a Collector's problem) names,
@@ -60,23 +60,12 @@ class StructuresDiffer(Exception):
     """The fingerprints differ: every rank must join the exchange that names the differences."""
 
 
-def check(
-    ranks: Sequence[int],
-    headers: list[dict[str, Any]],
-    local: wire.Packed,
-    layout: Any = None,
-    dim: int = 0,
-) -> None:
-    """Raise when a rank failed or the trees disagree (the same error wherever it runs).
-
-    ``ranks`` are the group's global ranks. Raises :class:`StructuresDiffer` when the
-    structures differ: naming the differences takes one more exchange, which every rank must
-    then join. Leaves whose dtypes differ between the ranks are named by their rules (under
-    ``layout`` and ``dim``), with the same message as :func:`treegather.gather` gives.
-    """
-    errors = [(ranks[i], *h["error"]) for i, h in enumerate(headers) if "error" in h]
-    if errors:
-        raise rank_errors(errors)
+def check_headers(ranks: Sequence[int], headers: list[dict[str, Any]]) -> None:
+    """Raise when a rank failed, the ranks passed other layouts, or (:class:`StructuresDiffer`)
+    their structures differ: the same on every rank, from the headers alone."""
+    failed = [(ranks[i], *h["error"]) for i, h in enumerate(headers) if "error" in h]
+    if failed:
+        raise rank_errors(failed)
     same_layouts(
         ranks,
         [h["layout"] for h in headers],
@@ -86,14 +75,111 @@ def check(
     )
     if len({h["fingerprint"] for h in headers}) > 1:
         raise StructuresDiffer
-    _check_leaf_kinds(ranks, headers, local, layout, dim)
-    sizes = [h["sizes"] for h in headers]
+
+
+def check_leaves(
+    ranks: Sequence[int],
+    headers: list[dict[str, Any]],
+    rows: list[list[int]],
+    objects: list[list[Any]],
+    sizes: list[int | None],
+    spec: PyTreeSpec,
+    up_spec: PyTreeSpec,
+    layout: Any,
+    dim: int,
+) -> None:
+    """Same structure: a tensor at the same paths on every rank, of the dtype its rule needs,
+    and ``sizes`` passed on every rank or on none. ``rows``, ``objects`` and ``sizes``: each
+    rank's rows of its tensor leaves of >= 1 dim, its other leaves (in leaf order) and its
+    ``sizes``."""
+    n = up_spec.num_leaves
+    kinds = [_up_kinds(h, n) for h in headers]
+    if any(k != kinds[0] for k in kinds[1:]):
+        mixed = []
+        for j, path in enumerate(leaf_paths(up_spec)):
+            per_rank = [k[j] for k in kinds]
+            if len({p is not None and p.startswith("Tensor(") for p in per_rank}) > 1:
+                shown = [_shown(h, objs, j, p) for h, objs, p in zip(headers, objects, per_rank)]
+                mixed.append(f"{path}: " + by_rank(ranks, shown))
+        if mixed:
+            raise StructureMismatchError(
+                format_problems(
+                    "leaves are tensors on some ranks and other objects on others",
+                    mixed,
+                    "every rank must pass a tensor at the same paths (e.g. torch.tensor(x) for "
+                    "numbers)",
+                )
+            )
+        # Tensors everywhere, of other dtypes: the rules say what is wrong, as gather's do
+        # (every rank's values stand in as meta tensors of their dtype and shape).
+        plan = resolve(spec, layout, "gather", dim, ROOT)
+        stand_ins = (_stand_ins(h, r, o, n) for h, r, o in zip(headers, rows, objects))
+        columns = list(zip(*stand_ins))
+        problem = diagnose(plan, columns, dim, None)
+        if problem is not None:
+            raise type(problem)(f"{problem}\n{rank_note(ranks)}")
     if len({s is None for s in sizes}) > 1:
         raise BatchSizeError(
             "sizes= was passed on some ranks only: "
             + by_rank(ranks, ["None" if s is None else str(s) for s in sizes])
             + "\nHint: pass sizes= (this rank's batch size) on every rank, or on none"
         )
+
+
+def _up_kinds(header: dict[str, Any], n: int) -> list[str | None]:
+    """Per leaf of the up-structure: ``"Tensor(dtype)"`` (a tensor that travelled pickled too),
+    ``"object"``, or None (taken whole)."""
+    meta, groups, held = header["meta"], header["groups"] or {}, header.get("held") or {}
+    out: list[str | None] = []
+    k = 0
+    for pos in range(n):
+        sub = groups.get(pos)
+        if sub is not None:
+            out.append(None)
+            k += sub.num_leaves
+        else:
+            m = meta[k]
+            out.append(
+                f"Tensor({m[0]})"
+                if m is not None
+                else f"Tensor({held[k][0]})"
+                if k in held
+                else "object"
+            )
+            k += 1
+    return out
+
+
+def _shown(header: dict[str, Any], objects: list[Any], pos: int, kind: str | None) -> str:
+    """``kind`` with an object's type name instead of ``"object"``."""
+    if kind != "object":
+        return str(kind)
+    groups = header["groups"] or {}
+    k = sum(groups[p].num_leaves if p in groups else 1 for p in range(pos))
+    return type(objects[[m is None for m in header["meta"]][:k].count(True)]).__qualname__
+
+
+def _stand_ins(header: dict[str, Any], rows: list[int], objects: list[Any], n: int) -> list[Any]:
+    """Per leaf of the up-structure, what a check of the rules can look at: a meta tensor of
+    the leaf's dtype and shape, the object itself, or ``None`` for a node taken whole."""
+    leaves: list[Any] = []
+    at, found = iter(rows), iter(objects)
+    for m in header["meta"]:
+        if m is None:
+            leaves.append(next(found))
+        else:
+            shape = () if m[1] is None else (next(at), *m[1])
+            leaves.append(torch.empty(shape, dtype=DTYPES[m[0]], device="meta"))
+    groups = header["groups"] or {}
+    if not groups:
+        return leaves
+    out: list[Any] = []
+    k = 0
+    for pos in range(n):
+        sub = groups.get(pos)
+        out.append(None if sub is not None else leaves[k])
+        k += sub.num_leaves if sub is not None else 1
+    return out
 
 
 def rank_errors(problems: Sequence[tuple[int, str, str]]) -> TreegatherError:
@@ -115,46 +201,19 @@ def same_layouts(
 ) -> None:
     """Raise a :class:`LayoutError` unless every rank's ``(key, shown)`` layout is the same."""
     if len({key for key, _ in layouts}) > 1:
+        seen: dict[str, tuple[str, list[int]]] = {}
+        for i, (key, shown) in enumerate(layouts):
+            seen.setdefault(key, (shown, []))[1].append(ranks[i])
         raise LayoutError(
-            wire.format_problems(
+            format_problems(
                 title,
-                [f"{shown} on {_ranks_text(ranks, rs)}" for shown, rs in _group_by(layouts)],
+                [
+                    f"{shown} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                    for shown, rs in seen.values()
+                ],
                 hint,
             )
         )
-
-
-def _check_leaf_kinds(
-    ranks: Sequence[int], headers: list[dict[str, Any]], local: wire.Packed, layout: Any, dim: int
-) -> None:
-    """Same structure: a tensor at the same paths on every rank, of the dtype its rule needs."""
-    assert local.up_spec is not None and local.spec is not None
-    kinds = [wire.up_kinds(h, local.up_spec.num_leaves) for h in headers]
-    if all(k == kinds[0] for k in kinds[1:]):
-        return
-    mixed = []
-    for j, path in enumerate(wire.leaf_paths(local.up_spec)):
-        per_rank = [k[j] for k in kinds]
-        tensors = [p is not None and p.startswith("Tensor(") for p in per_rank]
-        if len(set(tensors)) > 1:
-            described = [wire.describe_up(h, j, k) for h, k in zip(headers, per_rank)]
-            mixed.append(f"{path}: " + by_rank(ranks, described))
-    if mixed:
-        raise StructureMismatchError(
-            wire.format_problems(
-                "leaves are tensors on some ranks and other objects on others",
-                mixed,
-                "every rank must pass a tensor at the same paths (e.g. torch.tensor(x) for "
-                "numbers)",
-            )
-        )
-    # Tensors everywhere, of other dtypes: the rules say what is wrong, as gather's do (every
-    # rank's values stand in as meta tensors of their dtype and shape: no bytes are read).
-    plan = resolve(local.spec, layout, "gather", dim, wire.ROOT)
-    columns = list(zip(*(wire.stand_ins(h, local.up_spec.num_leaves) for h in headers)))
-    problem = diagnose(plan, columns, dim, None)
-    if problem is not None:
-        raise type(problem)(f"{problem}\n{rank_note(ranks)}")
 
 
 def rank_note(ranks: Sequence[int]) -> str:
@@ -162,19 +221,6 @@ def rank_note(ranks: Sequence[int]) -> str:
     if list(ranks) == list(range(len(ranks))):
         return "(replica i above is rank i)"
     return f"(replica i above is the group's rank i, global ranks {list(ranks)})"
-
-
-def _group_by(values: Sequence[tuple[str, str]]) -> list[tuple[str, list[int]]]:
-    """``(key, shown)`` per rank -> ``(shown, group ranks)`` per distinct key, in rank order."""
-    seen: dict[str, tuple[str, list[int]]] = {}
-    for i, (key, shown) in enumerate(values):
-        seen.setdefault(key, (shown, []))[1].append(i)
-    return list(seen.values())
-
-
-def _ranks_text(ranks: Sequence[int], members: Sequence[int]) -> str:
-    """``'rank 1'``, ``'ranks 0, 2'`` (global ranks of the group ranks ``members``)."""
-    return f"rank{'s' if len(members) > 1 else ''} {', '.join(str(ranks[i]) for i in members)}"
 
 
 def by_rank(ranks: Sequence[int], values: Sequence[str]) -> str:
@@ -197,7 +243,7 @@ def node_rows(spec: PyTreeSpec) -> list[tuple[str, str, tuple[str, str, str] | N
     TensorDict's keys and names, ...) as a digest the ranks compare (type-aware, without a
     batch node's batch size, as the structure's fingerprint) and its ``repr``."""
     return [
-        (_tree.format_path(wire.ROOT, n.path), _node_name(n.spec), _metadata(n.spec))
+        (_tree.format_path(ROOT, n.path), _node_name(n.spec), _metadata(n.spec))
         for n in _tree.nodes(spec)
     ]
 
@@ -272,7 +318,7 @@ def raise_structure_mismatch(ranks: Sequence[int], tables: Sequence[Any]) -> NoR
             "device and NonTensorData values) must be the same on every rank"
         )
     raise StructureMismatchError(
-        wire.format_problems(
+        format_problems(
             "the ranks passed trees of different structure",
             problems or ["same paths and node types, but different node metadata (static fields)"],
             hint,
@@ -285,41 +331,12 @@ def _below(path: str, parent: str) -> bool:
     return path.startswith(parent) and len(path) > len(parent) and path[len(parent)] in "[."
 
 
-def _all_gather_bytes(collective: Collective, g: Group, payload: bytes) -> list[Any]:
-    """All-gather one pickled object per rank (two collectives)."""
-    n = len(payload)
-    lengths = torch.empty(len(g.ranks), dtype=torch.int64, device=g.device)
-    collective(lengths, torch.tensor([n], dtype=torch.int64, device=g.device), g.handle)
-    sizes = lengths.tolist()
-    stride = max(sizes)
-    mine = torch.zeros(stride, dtype=torch.uint8, device=g.device)
-    mine[:n].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    out = torch.empty(stride * len(g.ranks), dtype=torch.uint8, device=g.device)
-    collective(out, mine, g.handle)
-    return [
-        pickle.loads(wire.tensor_bytes(buf[:k]))
-        for buf, k in zip(out.view(len(g.ranks), stride), sizes)
-    ]
-
-
-# The preamble's exchange of the ranks' argument problems uses it too (error paths only).
-exchange_objects = _all_gather_bytes
-
-
-def name_differences(collective: Collective, g: Group, local: wire.Packed) -> NoReturn:
-    """Exchange the node paths (only on this error path) and name every difference."""
-    assert local.up_spec is not None
-    table = pickle.dumps(node_rows(local.up_spec), protocol=pickle.HIGHEST_PROTOCOL)
-    raise_structure_mismatch(g.ranks, _all_gather_bytes(collective, g, table))
-
-
 # ------------------------------------------------------------------------------- gather
 
 
 def outcome_of(exc: Exception) -> bytes:
     """What ``gather``'s ``dst`` tells the other ranks about an error it raised."""
-    error = (type(exc).__name__, isinstance(exc, TreegatherError), str(exc))
-    return pickle.dumps(error)
+    return pickle.dumps((type(exc).__name__, isinstance(exc, TreegatherError), str(exc)))
 
 
 def rebuild_error(payload: bytes, dst: int) -> Exception:

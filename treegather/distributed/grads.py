@@ -155,7 +155,7 @@ class _Summed(torch.autograd.Function):
         return (None, None, *_Summed.apply(ctx.how, True, grad).split(ctx.numels))
 
 
-def unsynced(out: Any, leaves: list[Any] | None, tree: Any) -> Any:
+def unsynced(out: Any, leaves: Sequence[Any] | None, tree: Any) -> Any:
     """``out`` of a call without ``sync_grads``: when this rank's ``leaves`` (``tree``'s) require
     grad, its tensors pass through :class:`_Unsynced`, so a backward there says what to do."""
     if not torch.is_grad_enabled():

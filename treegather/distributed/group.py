@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -26,8 +26,6 @@ from .._errors import ArgumentTypeError
 
 __all__ = [
     "BAD_ROOT",
-    "Collective",
-    "all_gather_into",
     "Facts",
     "Group",
     "ProtocolState",
@@ -78,16 +76,6 @@ class Group(NamedTuple):
     device: torch.device  # where the small exchanges run (torch's object-collective device)
     accelerator: torch.device | None  # this process's current accelerator, if the group has one
     state: ProtocolState
-
-
-# An all-gather into a tensor: ``collective(out, inp, group)``.
-Collective = Callable[[torch.Tensor, torch.Tensor, Any], None]
-
-
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    """The :data:`Collective` of every call: ``inp`` of each rank into ``out``, in rank order."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
 
 
 # The fixed facts of each process group: a cache, keyed weakly by the ProcessGroup.
@@ -223,7 +211,7 @@ def root_rank(g: Group, rank: Any, name: str) -> tuple[int, Problem | None]:
     """Map a global ``dst``/``src`` rank to its rank in the group, or ``(BAD_ROOT, why)``.
 
     Never raises: the other ranks may already wait in the first exchange, which carries the
-    problem, so that every rank raises it (:func:`treegather.distributed.preamble.exchange`). Ints
+    problem, so that every rank raises it (:mod:`treegather.distributed.exchange`). Ints
     and integer types with ``__index__`` (``numpy.int64``) are ranks; ``True`` is not.
     """
     if type(rank) is int and rank in g.ranks:

@@ -1,21 +1,24 @@
-"""The payload of :mod:`treegather.distributed`'s wire plan: packing and unpacking.
+"""The payload of a :mod:`treegather.distributed` call: how it is laid out, written and read.
 
-One rank's payload, for a :class:`~treegather.distributed.plan.WirePlan`::
+Every rank's payload, whichever way it travels::
 
-    [status, rows of each tensor leaf, sizes (int64) | pad | a region per (dtype, trailing shape) | objects]
+    [status, rows of each tensor leaf of >= 1 dim, sizes | one region per (dtype, trailing
+     shape): its leaves' bytes, written by one torch.cat | the other leaves, pickled]
 
-:func:`payload` writes each region with one ``torch.cat`` (``torch.stack`` for 0-dim leaves)
-straight into the buffer the collective sends (after the first collective's row, when the
-payload rides with it). Every rank's payload arrives in one buffer at a fixed stride
-(:class:`Payloads`); :func:`parse` reads the heads and works out where each rank's values are.
-Unpacking: :func:`unpack` (the default rules, vectorised) or :func:`rank_leaves` (views of the
-buffer, for the rules of :func:`treegather.gather`); ARCHITECTURE.md, "The wire plan, in detail".
+A :class:`Plan` lays it out (the regions, widest elements first, each 16-byte aligned so that
+any dtype is a view of the received bytes); :func:`write` packs this rank's :class:`Local`
+straight into a collective's buffer; :func:`geometry` finds every rank's values in what
+arrived, :func:`rank_leaves` reads one rank's leaves (views of the bytes) and :func:`unpack`
+the result of the default rules, vectorised: each region's rows reordered from rank-major to
+leaf-major with one ``index_select`` and split once into the result leaves (large leaves one
+``torch.cat`` each). Every result is a copy, so the buffer may be reused.
 """
 
 from __future__ import annotations
 
 import array
-import pickle
+import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -24,196 +27,303 @@ from optree import PyTreeSpec
 
 from .._caches import LRU
 from .._errors import TreegatherError
-from .plan import INT64, Local, Region, WirePlan, padded
-from .wire import tensor_bytes
 
-__all__ = ["Payloads", "Received", "parse", "payload", "rank_leaves", "send", "unpack"]
+__all__ = [
+    "DTYPES",
+    "Geometry",
+    "Local",
+    "PACKABLE",
+    "Plan",
+    "Region",
+    "geometry",
+    "home_of",
+    "layout_of",
+    "padded",
+    "plan_from_header",
+    "rank_leaves",
+    "unpack",
+    "write",
+]
 
-_INDEXED_MIN = 32  # leaves per region from which the combine gathers rows with one index
-_OWN_STORAGE = 1 << 18  # bytes per result leaf from which each leaf gets its own tensor
-# Per plan digest: where every rank's values were in the last call's buffer (see _geometry).
-_GEOMETRIES: LRU[Any, Geometry] = LRU("distributed.payload_geometries", maxsize=64, trees=False)
+Tensor = torch.Tensor
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
 
 
-def payload(local: Local, out: torch.Tensor, prefix: Sequence[int] = ()) -> bool:
-    """Write this rank's payload into ``out`` (uint8, 1-D, at least ``local.nbytes`` long).
+ALIGN = 16  # every region starts 16-byte aligned, so any dtype can be viewed in place
 
-    ``prefix`` (``int64`` values, e.g. the first collective's row) goes first, written together
-    with the payload's head; the payload follows. Each region is one ``torch.cat``
-    (``torch.stack`` for 0-dim leaves) straight into ``out``, which should live on the
-    tensors' device; padding bytes are zeroed. Should packing fail (a tensor on another
-    device, a sparse one: see :func:`treegather.distributed.plan.checked`), ``out`` holds a failure
-    status instead, which every rank reads, and the result is ``False``.
+
+INT64 = 8
+
+
+# dtypes torch.cat writes into a view of the send buffer on every device; the others travel as
+# their bytes, each leaf viewed as uint8 (their shapes are then read, not proved by packing).
+PACKABLE = frozenset(
+    {
+        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
+        *(torch.complex128, torch.complex64, torch.bool, torch.uint8),
+        *(torch.int64, torch.int32, torch.int16, torch.int8),
+    }
+)
+
+
+_FAILED = 1  # the status of a payload that could not be packed
+
+
+def padded(n: int) -> int:
+    """``n`` rounded up to the 16-byte alignment of every region."""
+    return -(-n // ALIGN) * ALIGN
+
+
+class Region(NamedTuple):
+    dtype: torch.dtype
+    trailing: tuple[int, ...] | None  # None: 0-dim leaves (one element each)
+    positions: tuple[int, ...]  # leaf indices, in leaf order
+    rows: slice  # this region's entries in the rows vector (0-dim: empty)
+    row_bytes: int  # bytes per row (0-dim: per leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one structure's payload is laid out; immutable, shared by calls with the same key."""
+
+    digest: tuple[int, int]  # (0, 0): never shared, the header always travels
+    regions: tuple[Region, ...]
+    objects: tuple[int, ...]  # positions of the non-tensor leaves
+    row_positions: tuple[int, ...]  # the leaves whose first dim the rows vector holds
+    sizes_given: bool
+    vectorised: bool = False  # default rules only: every result region in one cat
+    grads: tuple[int, ...] | None = None  # sync_grads: the leaves that require grad
+    header: bytes = b""  # the pickled description (:func:`_header`)
+    spec: PyTreeSpec | None = None
+    head_ints: int = dataclasses.field(init=False)
+    head_bytes: int = dataclasses.field(init=False)
+    # Leaf i is entry order[i] of the regions' leaves in region order, then the objects; None
+    # when that is leaf order already.
+    order: tuple[int, ...] | None = dataclasses.field(init=False)
+    firsts: tuple[int, ...] = dataclasses.field(init=False)  # each region's first leaf
+    packable: bool = dataclasses.field(init=False)  # every region written by torch.cat
+
+    def __post_init__(self) -> None:
+        head_ints = 1 + len(self.row_positions) + self.sizes_given
+        object.__setattr__(self, "head_ints", head_ints)
+        object.__setattr__(self, "head_bytes", padded(INT64 * head_ints))
+        placed = [pos for region in self.regions for pos in region.positions]
+        placed += self.objects
+        order = [0] * len(placed)
+        for k, pos in enumerate(placed):
+            order[pos] = k
+        object.__setattr__(self, "order", None if placed == sorted(placed) else tuple(order))
+        object.__setattr__(self, "firsts", tuple(r.positions[0] for r in self.regions))
+        object.__setattr__(self, "packable", all(r.dtype in PACKABLE for r in self.regions))
+
+    def nbytes(self, rows: Sequence[int]) -> int:
+        """The payload's bytes before its objects, for these rows: the head and every region."""
+        total = self.head_bytes
+        for region in self.regions:
+            n = sum(rows[region.rows]) if region.trailing is not None else len(region.positions)
+            total += padded(n * region.row_bytes)
+        return total
+
+
+def layout_of(
+    dtypes: Sequence[torch.dtype | None], trailing: Sequence[tuple[int, ...] | None]
+) -> tuple[tuple[Region, ...], tuple[int, ...], tuple[int, ...]]:
+    """The regions (widest elements first, which keeps each region's start aligned), the
+    leaves whose rows the head holds, and the non-tensor leaves."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (d, t) in enumerate(zip(dtypes, trailing)):
+        if d is not None:
+            groups.setdefault((d.itemsize, str(d), t is None, t), []).append(i)
+    regions: list[Region] = []
+    row_positions: list[int] = []
+    for k in sorted(groups, key=lambda k: (-k[0], k[1], k[2], k[3] or ())):
+        positions = groups[k]
+        dtype, trail = dtypes[positions[0]], trailing[positions[0]]
+        assert dtype is not None
+        start = len(row_positions)
+        if trail is not None:
+            row_positions.extend(positions)
+        row_bytes = dtype.itemsize * (math.prod(trail) if trail is not None else 1)
+        rows = slice(start, len(row_positions))
+        regions.append(Region(dtype, trail, tuple(positions), rows, row_bytes))
+    objects = tuple(i for i, d in enumerate(dtypes) if d is None)
+    return tuple(regions), tuple(row_positions), objects
+
+
+def plan_from_header(header: dict[str, Any]) -> Plan:
+    """The plan another rank laid its payload out with, from its header."""
+    meta = header["meta"]
+    dtypes = [None if m is None else DTYPES[m[0]] for m in meta]
+    trailing = [None if m is None else m[1] for m in meta]
+    regions, row_positions, objects = layout_of(dtypes, trailing)
+    return Plan((0, 0), regions, objects, row_positions, header["sizes_given"])
+
+
+def write(local: Local, out: Tensor, prefix: Sequence[int] = ()) -> bool:
+    """Write ``prefix`` (int64 values, such as a collective's row) and this rank's payload into
+    ``out`` (uint8, 1-D, at least ``8 * len(prefix) + local.nbytes`` long); padding is zeroed.
+
+    Each region is one ``torch.cat`` straight into ``out`` (which should live on the tensors'
+    device; otherwise they are packed where they live and moved in one copy). Should packing
+    fail (a tensor on another device, a sparse one, a shape other than assumed), ``out`` holds
+    a failure status, which every rank reads, and the result is ``False``.
     """
+    assert local.plan is not None
+    home = home_of(local, out.device)
     try:
-        _payload(local, out, prefix)
+        if home == out.device:
+            _write(local, out, prefix)
+        else:
+            staged = torch.empty(out.numel(), dtype=torch.uint8, device=home)
+            _write(local, staged, prefix)
+            out.copy_(staged)
     except Exception:
-        _failed(out, prefix)
+        out.zero_()
+        status = torch.tensor([*prefix, _FAILED], dtype=torch.int64)
+        out[: INT64 * len(status)].view(torch.int64).copy_(status)
         return False
     return True
 
 
-def _failed(out: torch.Tensor, prefix: Sequence[int]) -> None:
-    """``out`` as a payload that says packing failed (every rank then raises)."""
-    out.zero_()
-    status = torch.tensor([*prefix, _FAILED], dtype=torch.int64)
-    out[: INT64 * len(status)].view(torch.int64).copy_(status)
+def home_of(local: Local, fallback: torch.device) -> torch.device:
+    """Where ``local``'s tensors are packed: their device, when they are on one (a meta
+    tensor travels pickled, never as bytes), else ``fallback`` (they are moved there)."""
+    if len(local.devices) == 1:
+        (device,) = local.devices
+        if device.type != "meta":
+            return device
+    return fallback
 
 
-_FAILED = 1
-
-
-def send(
-    fast: Local, stride: int, device: torch.device, buf: torch.Tensor, prefix: Sequence[int] = ()
-) -> bool:
-    """Pack ``prefix`` and this rank's payload into ``buf`` (``stride`` bytes on ``device``).
-
-    Each region is one ``cat`` straight into the buffer. When the tensors live on another
-    device than the bytes travel on (GPU tensors on gloo), they are packed there and moved in
-    one copy for the whole tree instead of one per leaf. ``False`` when packing failed.
-    """
-    home = next(iter(fast.devices)) if fast.devices else device
-    if home == device:
-        return payload(fast, buf, prefix)
-    try:  # never raise on one rank only: the others would wait in the collective
-        staged = torch.empty(stride, dtype=torch.uint8, device=home)
-        packed = payload(fast, staged, prefix)
-        buf.copy_(staged)
-    except Exception:
-        _failed(buf, prefix)
-        return False
-    return packed
-
-
-def _payload(local: Local, out: torch.Tensor, prefix: Sequence[int]) -> None:
+def _write(local: Local, out: Tensor, prefix: Sequence[int]) -> None:
     plan = local.plan
+    assert plan is not None
     head = [*prefix, 0, *local.rows]
     if plan.sizes_given:
         head.append(local.sizes if local.sizes is not None else 0)
-    ints = torch.frombuffer(array.array("q", head), dtype=torch.int64)
-    out[: INT64 * len(head)].view(torch.int64).copy_(ints)
+    out[: INT64 * len(head)].view(torch.int64).copy_(
+        torch.frombuffer(array.array("q", head), dtype=torch.int64)
+    )
     offset = INT64 * len(prefix) + plan.head_bytes
     _zero(out, INT64 * len(head), offset)
-    if torch.is_grad_enabled():  # cat and stack with out= refuse tensors that require grad
-        with torch.no_grad():
-            offset = _regions(local, out, offset)
-    else:
-        offset = _regions(local, out, offset)
+    with torch.no_grad():  # (cat with out= refuses tensors that require grad)
+        for region in plan.regions:
+            offset = _region(local, region, out, offset)
     if local.blob:
-        blob = torch.frombuffer(bytearray(local.blob), dtype=torch.uint8)
-        out[offset : offset + len(local.blob)].copy_(blob)
+        out[offset : offset + len(local.blob)].copy_(
+            torch.frombuffer(bytearray(local.blob), dtype=torch.uint8)
+        )
     _zero(out, INT64 * len(prefix) + local.nbytes, out.numel())
 
 
-def _regions(local: Local, out: torch.Tensor, offset: int) -> int:
-    """Write every region from ``offset`` on; return where the objects go."""
+def _region(local: Local, region: Region, out: Tensor, offset: int) -> int:
+    """Write one region from ``offset``; return where the next one starts."""
     leaves = local.leaves
-    for region in local.plan.regions:
-        if len(region.positions) == len(leaves):  # every leaf, in leaf order
-            parts = leaves
-        else:
-            parts = [leaves[i] for i in region.positions]
-        if region.trailing is None:
-            nbytes = len(parts) * region.row_bytes
-            torch.stack(parts, out=out[offset : offset + nbytes].view(region.dtype))
-        else:
-            count = sum(local.rows[region.rows])
-            nbytes = count * region.row_bytes
-            target = out[offset : offset + nbytes].view(region.dtype)
-            torch.cat(parts, out=target.view(count, *region.trailing))
-        _zero(out, offset + nbytes, offset + padded(nbytes))
-        offset += padded(nbytes)
-    return offset
+    parts: list[Tensor] = (
+        leaves
+        if len(region.positions) == len(leaves) and type(leaves) is list
+        else [leaves[i] for i in region.positions]
+    )
+    if region.trailing is None:
+        nbytes = len(parts) * region.row_bytes
+    else:
+        count = sum(local.rows[region.rows])
+        nbytes = count * region.row_bytes
+    target = out[offset : offset + nbytes]
+    if len(local.devices) > 1:  # (a tree spread over devices: packed where the bytes go)
+        parts = [p.to(out.device) for p in parts]
+    if region.dtype not in PACKABLE:  # (as bytes: conjugate and negative bits resolved)
+        flat = [p.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8) for p in parts]
+        torch.cat(flat, out=target)
+    elif region.trailing is None:
+        torch.stack(parts, out=target.view(region.dtype))
+    else:
+        torch.cat(parts, out=target.view(region.dtype).view(count, *region.trailing))
+    _zero(out, offset + nbytes, offset + padded(nbytes))
+    return offset + padded(nbytes)
 
 
-def _zero(out: torch.Tensor, start: int, stop: int) -> None:
-    """Zero ``out[start:stop]`` (padding: no stale memory travels), skipping empty ranges."""
+def _zero(out: Tensor, start: int, stop: int) -> None:
     if stop > start:
         out[start:stop].zero_()
 
 
-class Payloads(NamedTuple):
-    """Every rank's payload in one buffer: rank ``r``'s bytes start at ``offset + r * stride``."""
+class Local(NamedTuple):
+    """This rank's call, ready to send: a plan and the values it lays out, or an error header."""
 
-    buf: torch.Tensor  # uint8, 1-D, ``world * stride`` bytes
-    offset: int
-    stride: int
-    heads: list[list[int]] | None = None  # their head ints, when read already
+    plan: Plan | None  # None: ``header`` is an error header, and no payload travels
+    header: bytes
+    leaves: Sequence[Any] = ()
+    rows: Sequence[int] = ()
+    sizes: int | None = None
+    blob: bytes = b""  # the pickled non-tensor leaves (empty when there are none)
+    nbytes: int = 0  # of the payload
+    devices: frozenset[torch.device] = frozenset()  # of the tensor leaves
+    # This call's own structure, which results are rebuilt with (``plan.spec`` may be an earlier
+    # call's, whose static fields and dict keys a result must not share).
+    spec: PyTreeSpec | None = None
+    # The first collective's buffer with the payload packed after ``room`` bytes, when it fits
+    # the capacity given to :func:`describe` (``None``: it does not, or no plan).
+    inline: Tensor | None = None
+
+    @property
+    def digest(self) -> tuple[int, int]:
+        return (0, 0) if self.plan is None else self.plan.digest
+
+
+_INDEXED_MIN = 32  # leaves per region from which the result rows are gathered with one index
+
+
+_OWN_STORAGE = 1 << 18  # bytes per result leaf from which each leaf gets its own tensor
+
+
+# Per plan digest: where every rank's values were in the last call's buffer (see _geometry).
+_GEOMETRIES: LRU[Any, Geometry] = LRU("distributed.payload_geometries", maxsize=64, trees=False)
 
 
 class Geometry(NamedTuple):
-    """Where every rank's values are in the buffer: a function of the heads, kept per plan.
+    """Where every rank's values are in the buffer: a function of the heads and offsets.
 
-    A steady loop receives the same heads call after call (the same rows on every rank), so the
-    last geometry of each plan is kept with the row permutations the combine computed for it.
+    A steady loop receives the same heads call after call, so the last geometry of each shared
+    plan is kept with the row permutations computed for it.
     """
 
-    heads: list[list[int]]  # with the offset, stride and byte counts: what the rest follows from
-    offset: int
-    stride: int
+    heads: list[list[int]]
+    offsets: list[int]
     nbytes: list[int]
     rows: list[list[int]]  # per rank: the rows of each row-bearing leaf
     sizes: list[int] | None
-    starts: list[list[int]]  # per region, per rank: where its values start in the buffer
-    spans: list[list[int]]  # per region, per rank: their bytes
+    starts: list[list[int]]  # per rank, per region of its plan: where its values start
+    spans: list[list[int]]  # per rank, per region: their bytes
     blobs: list[tuple[int, int]]  # per rank: where its pickled objects are
     # (region, aligned) -> the row index and each result leaf's rows (see _gather_rows).
     orders: dict[tuple[int, bool], tuple[torch.Tensor, list[int]]]
 
 
-class Received(NamedTuple):
-    """The ranks' payloads, parsed: per rank its rows, sizes and objects; where its values are."""
-
-    objects: list[list[Any]]  # per rank: its non-tensor leaves
-    buf: torch.Tensor  # every rank's bytes (on the target device)
-    geometry: Geometry
-
-    @property
-    def rows(self) -> list[list[int]]:
-        return self.geometry.rows
-
-    @property
-    def sizes(self) -> list[int] | None:
-        return self.geometry.sizes
-
-    def values(self, j: int, r: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rank ``r``'s values of region ``j``, flat (a view of ``buf``)."""
-        start = self.geometry.starts[j][r]
-        return self.buf[start : start + self.geometry.spans[j][r]].view(dtype)
-
-
-def parse(
-    plan: WirePlan, payloads: Payloads, nbytes: Sequence[int], target: torch.device
-) -> Received:
-    """Read every rank's payload; raise on every rank if one of them could not pack its tree.
-
-    The received bytes are moved to ``target`` with one copy when they arrived elsewhere (one
-    coalesced host-to-device transfer instead of one per leaf).
-    """
-    heads = payloads.heads
-    if heads is None:
-        grid = payloads.buf.view(len(nbytes), payloads.stride)
-        start = payloads.offset
-        heads = grid[:, start : start + INT64 * plan.head_ints].view(torch.int64).tolist()
-    geometry = _geometry(plan, heads, payloads.offset, payloads.stride, list(nbytes))
-    objects: list[list[Any]] = [[]] * len(nbytes)
-    if plan.objects:
-        buf = payloads.buf
-        objects = [pickle.loads(tensor_bytes(buf[a:b])) for a, b in geometry.blobs]
-    buf = payloads.buf if payloads.buf.device == target else payloads.buf.to(target)
-    return Received(objects, buf, geometry)
-
-
-def _geometry(
-    plan: WirePlan, heads: list[list[int]], offset: int, stride: int, nbytes: list[int]
+def geometry(
+    plans: Sequence[Plan],
+    buf: Tensor,
+    offsets: list[int],
+    nbytes: list[int],
+    heads: list[list[int]] | None = None,
+    shared: bool = False,
 ) -> Geometry:
-    """The geometry of these heads: the plan's last one when the heads are the same."""
-    last = _GEOMETRIES.get(plan.digest)
+    """Where every rank's values are in ``buf`` (rank ``r``'s payload, laid out by
+    ``plans[r]``, starts at ``offsets[r]``; its head ints, when read already: ``heads``);
+    raises on every rank if one could not pack its tree. With ``shared`` (every rank has one
+    plan), the plan's last geometry when the heads are the same."""
+    if heads is None:
+        heads = [
+            buf[at : at + INT64 * p.head_ints].view(torch.int64).tolist()
+            for at, p in zip(offsets, plans)
+        ]
+    last = _GEOMETRIES.get(plans[0].digest) if shared else None
     if (
         last is not None
         and last.heads == heads
-        and last.offset == offset
-        and last.stride == stride
+        and last.offsets == offsets
         and last.nbytes == nbytes
     ):
         return last
@@ -223,127 +333,147 @@ def _geometry(
             f"group rank(s) {', '.join(map(str, failed))} could not pack their tree for "
             "treegather.distributed (see the traceback there); no result on any rank"
         )
-    world, n_rows = len(nbytes), len(plan.row_positions)
-    rows = [head[1 : 1 + n_rows] for head in heads]
-    sizes = [head[1 + n_rows] for head in heads] if plan.sizes_given else None
-    spans = [
-        [len(region.positions) * region.row_bytes] * world
-        if region.trailing is None
-        else [sum(rank_rows[region.rows]) * region.row_bytes for rank_rows in rows]
-        for region in plan.regions
+    rows = [head[1 : 1 + len(p.row_positions)] for head, p in zip(heads, plans)]
+    given = any(p.sizes_given for p in plans)
+    sizes = [
+        head[1 + len(p.row_positions)] if p.sizes_given else 0 for head, p in zip(heads, plans)
     ]
-    starts: list[list[int]] = [[] for _ in plan.regions]
-    blobs = []
-    for r in range(world):
-        at = offset + r * stride + plan.head_bytes
-        for j, per_rank in enumerate(spans):
-            starts[j].append(at)
-            at += padded(per_rank[r])
-        blobs.append((at, offset + r * stride + nbytes[r]))
-    found = Geometry(heads, offset, stride, nbytes, rows, sizes, starts, spans, blobs, {})
-    _GEOMETRIES.put(plan.digest, found)
+    starts, spans, blobs = [], [], []
+    for r, (plan, at) in enumerate(zip(plans, offsets)):
+        span = [
+            len(reg.positions) * reg.row_bytes
+            if reg.trailing is None
+            else sum(rows[r][reg.rows]) * reg.row_bytes
+            for reg in plan.regions
+        ]
+        at += plan.head_bytes
+        start = []
+        for n in span:
+            start.append(at)
+            at += padded(n)
+        starts.append(start)
+        spans.append(span)
+        blobs.append((at, offsets[r] + nbytes[r]))
+    found = Geometry(
+        heads, offsets, nbytes, rows, sizes if given else None, starts, spans, blobs, {}
+    )
+    if shared:
+        _GEOMETRIES.put(plans[0].digest, found)
     return found
 
 
-def rank_leaves(plan: WirePlan, received: Received) -> list[list[Any]]:
-    """Each rank's leaves (tensors as views of the received bytes), in leaf order."""
-    out: list[list[Any]] = []
-    for r, objects in enumerate(received.objects):
-        leaves: list[Any] = [None] * plan.spec.num_leaves
-        for pos, obj in zip(plan.objects, objects):
-            leaves[pos] = obj
-        for j, region in enumerate(plan.regions):
-            flat = received.values(j, r, region.dtype)
-            if region.trailing is None:
-                parts: Sequence[torch.Tensor] = flat.unbind()
-            else:
-                rows = received.rows[r][region.rows]
-                parts = flat.view(sum(rows), *region.trailing).split_with_sizes(rows)
-            for pos, part in zip(region.positions, parts):
-                leaves[pos] = part
-        out.append(leaves)
-    return out
+def _values(
+    geometry: Geometry, buf: torch.Tensor, r: int, j: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rank ``r``'s values of region ``j``, flat (a view of ``buf``)."""
+    start = geometry.starts[r][j]
+    return buf[start : start + geometry.spans[r][j]].view(dtype)
 
 
-def unpack(plan: WirePlan, received: Received, spec: PyTreeSpec | None = None) -> Any:
-    """The combined tree under the default rules: one copy per region (or per large leaf),
-    rebuilt with ``spec`` (this call's structure; ``plan.spec`` when ``None``).
+def rank_leaves(
+    plan: Plan, geometry: Geometry, r: int, buf: torch.Tensor, objects: list[Any]
+) -> list[Any]:
+    """Rank ``r``'s leaves (tensors as views of the received bytes), in leaf order."""
+    leaves: list[Any] = [None] * (len(plan.objects) + sum(len(g.positions) for g in plan.regions))
+    for pos, obj in zip(plan.objects, objects):
+        leaves[pos] = obj
+    for j, region in enumerate(plan.regions):
+        flat = _values(geometry, buf, r, j, region.dtype)
+        if region.trailing is None:
+            parts: Sequence[torch.Tensor] = flat.unbind()
+        else:
+            rows = geometry.rows[r][region.rows]
+            parts = flat.view(sum(rows), *region.trailing).split_with_sizes(rows)
+        for pos, part in zip(region.positions, parts):
+            leaves[pos] = part
+    return leaves
+
+
+def unpack(
+    plan: Plan, geometry: Geometry, buf: torch.Tensor, objects: list[list[Any]], spec: PyTreeSpec
+) -> Any:
+    """The combined tree under the default rules: one copy per region (or per large leaf).
 
     Leaf ``i`` of a region is rank 0's rows of it, then rank 1's, and so on (0-dim leaves: a
     vector with one entry per rank). Non-tensor leaves become the list of rank values.
     """
-    world = len(received.objects)
+    world = len(objects)
     placed: list[Any] = []  # the regions' leaves in region order, then the objects
     for j, region in enumerate(plan.regions):
         if region.trailing is None:
-            per_rank = [received.values(j, r, region.dtype) for r in range(world)]
+            per_rank = [_values(geometry, buf, r, j, region.dtype) for r in range(world)]
             placed += torch.stack(per_rank, 1).unbind()
         else:
-            placed += _region_results(j, region, received)
-    placed += ([objects[j] for objects in received.objects] for j in range(len(plan.objects)))
+            placed += _region_results(j, region, geometry, buf)
+    placed += ([objs[j] for objs in objects] for j in range(len(plan.objects)))
     leaves = placed if plan.order is None else [placed[k] for k in plan.order]
-    return (plan.spec if spec is None else spec).unflatten(leaves)
+    return spec.unflatten(leaves)
 
 
-def _region_results(j: int, region: Region, received: Received) -> Sequence[torch.Tensor]:
+def _region_results(
+    j: int, region: Region, geometry: Geometry, buf: torch.Tensor
+) -> Sequence[torch.Tensor]:
     """Region ``j``'s result leaves, each every rank's rows of it in rank order."""
     assert region.trailing is not None
-    geometry = received.geometry
-    if sum(geometry.spans[j]) >= _OWN_STORAGE * len(region.positions):
+    spans = [span[j] for span in geometry.spans]
+    if sum(spans) >= _OWN_STORAGE * len(region.positions):
         # Large leaves: one tensor each (one copy), not views of one large block; a block of
         # tens of MiB is mapped fresh, and page-faulted, on every call.
-        return list(map(torch.cat, zip(*_pieces(j, region, received))))
+        return list(map(torch.cat, zip(*_pieces(j, region, geometry, buf))))
     rows = [rank_rows[region.rows] for rank_rows in geometry.rows]
     if not region.row_bytes:  # rows of no bytes (a trailing dim of 0): nothing to reorder
         return [
-            torch.empty(
-                (sum(leaf), *region.trailing), dtype=region.dtype, device=received.buf.device
-            )
+            torch.empty((sum(leaf), *region.trailing), dtype=region.dtype, device=buf.device)
             for leaf in zip(*rows)
         ]
-    aligned = all(start % region.row_bytes == 0 for start in geometry.starts[j])
+    aligned = all(start[j] % region.row_bytes == 0 for start in geometry.starts)
     if len(rows) > 1 and (aligned or len(region.positions) >= _INDEXED_MIN):
-        return _gather_rows(j, region, received, rows, aligned)
-    merged = torch.cat([p for column in zip(*_pieces(j, region, received)) for p in column])
+        return _gather_rows(j, region, geometry, buf, rows, aligned)
+    merged = torch.cat([p for column in zip(*_pieces(j, region, geometry, buf)) for p in column])
     return merged.unsafe_split_with_sizes(list(map(sum, zip(*rows))))
 
 
-def _pieces(j: int, region: Region, received: Received) -> list[tuple[torch.Tensor, ...]]:
+def _pieces(
+    j: int, region: Region, geometry: Geometry, buf: torch.Tensor
+) -> list[tuple[torch.Tensor, ...]]:
     """Per rank, one view per leaf of its values of region ``j``."""
     assert region.trailing is not None
     out = []
-    for r, rows in enumerate(received.rows):
+    for r, rows in enumerate(geometry.rows):
         rs = rows[region.rows]
-        flat = received.values(j, r, region.dtype)
+        flat = _values(geometry, buf, r, j, region.dtype)
         out.append(flat.view(sum(rs), *region.trailing).unsafe_split_with_sizes(rs))
     return out
 
 
 def _gather_rows(
-    j: int, region: Region, received: Received, rows: list[list[int]], aligned: bool
+    j: int,
+    region: Region,
+    geometry: Geometry,
+    buf: torch.Tensor,
+    rows: list[list[int]],
+    aligned: bool,
 ) -> Sequence[torch.Tensor]:
     """Rank-major rows reordered leaf-major with one ``index_select``, split into the leaves.
 
     Splitting every rank's values into one view per leaf costs about a microsecond per view;
     the permutation is a few vectorised ops whatever the number of leaves. When every rank's
-    values start at a multiple of the row size (``aligned``: always for rows of 16 bytes or a
-    divisor of 16), the rows are selected straight from the received buffer; otherwise (many
-    leaves only) from a copy of the ranks' values side by side.
+    values start at a multiple of the row size (``aligned``), the rows are selected straight
+    from the received buffer; otherwise from a copy of the ranks' values side by side.
     """
     assert region.trailing is not None
     row_bytes = region.row_bytes
-    geometry = received.geometry
     if aligned:
-        n = received.buf.numel() // row_bytes
-        source = received.buf.view(region.dtype)[: n * (row_bytes // region.dtype.itemsize)]
+        n = buf.numel() // row_bytes
+        source = buf.view(region.dtype)[: n * (row_bytes // region.dtype.itemsize)]
         source = source.view(n, *region.trailing)
     else:
-        per_rank = [received.values(j, r, region.dtype) for r in range(len(rows))]
+        per_rank = [_values(geometry, buf, r, j, region.dtype) for r in range(len(rows))]
         source = torch.cat([flat.view(-1, *region.trailing) for flat in per_rank])
     order = geometry.orders.get((j, aligned))
     if order is None:
         if aligned:
-            base = [start // row_bytes for start in geometry.starts[j]]
+            base = [start[j] // row_bytes for start in geometry.starts]
         else:
             base = [0]
             for rank_rows in rows[:-1]:
@@ -361,9 +491,6 @@ def _permutation(rows: list[list[int]], base: list[int]) -> tuple[torch.Tensor, 
     """Rows of leaf ``l`` of rank ``r`` start at ``base[r] + (rows of leaves < l on r)``: the
     rows in leaf-major order (leaf 0 of every rank, then leaf 1, ...) as an index, and each
     leaf's rows over all ranks.
-
-    A few tensor ops whatever the number of leaves; kept with the geometry, since a steady loop
-    sends the same rows call after call.
 
     >>> index, totals = _permutation([[2, 1], [1, 1]], [0, 3])
     >>> index.tolist(), totals

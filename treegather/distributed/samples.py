@@ -28,7 +28,7 @@ from .._rules import JOIN_ROWS, Cat, CatItems, Combining, Pad, Rule, fill_fits
 from .._rules.kinds import ordinary
 from .._tree import Rows, display_path, format_path, rows_of
 from . import pickling
-from .wire import tensor_bytes
+from .exchange import tensor_bytes
 
 __all__ = [
     "CROSS",
@@ -455,6 +455,15 @@ class Order(NamedTuple):
         j, w = torch.arange(self.kept.numel()), len(self.dealt)
         return torch.tensor([start for start, _ in self.dealt])[j % w] + j // w
 
+    def destinations(self, lengths: Sequence[int]) -> list[Tensor]:
+        """For parts of ``lengths`` rows, where each row goes in the result (``-1``: it is not
+        kept, another copy of its index is)."""
+        dest = torch.full((sum(lengths),), -1, dtype=torch.int64)
+        perm = self.positions()
+        n = self.kept.numel()
+        dest.index_copy_(0, torch.arange(n) if perm is None else perm, torch.arange(n))
+        return list(dest.split(list(lengths)))
+
 
 def dataset_order(parts: Sequence[Tensor]) -> Order:
     """The order of the rows of ``parts`` (int64 dataset indices, one part per rank), each
@@ -504,7 +513,8 @@ def placed(values: Sequence[Any], order: Order, device: torch.device | None = No
     """One position's values of every part (tensors of one dtype and trailing shape, lists of
     non-tensors, or values laid out by rows of one kind, joined on ``device``), one after the
     other, in the result's order. Tensors are new ones (never views of a part) and lists new
-    lists.
+    lists; each part's rows are copied straight to their places in the result (no copy of every
+    part's rows side by side first: the memory of one result).
 
     A value laid out by rows its own way (a ``PackedSequence``, a PyG graph batch) is put in
     order by its own functions: each part split into single rows, the rows placed as list
@@ -529,10 +539,21 @@ def placed(values: Sequence[Any], order: Order, device: torch.device | None = No
         return joined if type(first) is not tuple else tuple(joined)
     perm = order.positions()
     if type(first) is Tensor:
-        rows = torch.cat(list(values)) if len(values) > 1 else first
-        if perm is not None:
-            return rows.index_select(0, perm)
-        return rows if len(values) > 1 else rows.clone()
+        if len(values) == 1:
+            return first.index_select(0, perm) if perm is not None else first.clone()
+        if perm is None:  # (in order: each part after the one before)
+            return torch.cat(list(values))
+        out = first.new_empty((n, *first.shape[1:]))
+        for part, dest in zip(values, order.destinations(list(map(len, values)))):
+            kept = int((dest >= 0).sum())
+            if kept == len(part):
+                out.index_copy_(0, dest, part)
+            elif bool((dest[:kept] >= 0).all()):  # (the rows it keeps first: padding after)
+                out.index_copy_(0, dest[:kept], part[:kept])
+            else:
+                keep = dest >= 0
+                out.index_copy_(0, dest[keep], part[keep])
+        return out
     joined = list(chain.from_iterable(values))
     if perm is not None:
         picked = perm.tolist()
