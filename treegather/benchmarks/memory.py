@@ -43,7 +43,7 @@ __all__ = ["WORKLOADS", "format_table", "main", "measure", "run"]
 WORKLOADS = {"small": (10, 1000, True), "large": (4096, 100, False)}
 
 
-def _peak_row(name: str, samples: int) -> dict[str, Any]:
+def _peak_row(name: str, samples: int, chunk: int = 0) -> dict[str, Any]:
     """One evaluation of ``samples`` samples: this rank's adds, then the exchange's peak of
     live tensor bytes (``torch.profiler``'s allocation events: what is held, whatever the
     allocator keeps for later)."""
@@ -65,7 +65,13 @@ def _peak_row(name: str, samples: int) -> dict[str, Any]:
         del outputs, index
         dist.barrier()
         with record_function("exchange"):
-            out = col.all_gather()
+            if chunk:  # (each chunk let go of before the next: only its bytes counted)
+                result = sum(_nbytes([*part.values(), i]) for i, part in col.chunks(rows=chunk))
+            else:
+                out = col.all_gather()
+                # (what all_gather returns, and the dataset indices of its rows, in order)
+                result = _nbytes([*out.values(), col.indices])
+                del out
     events = list(prof.profiler.kineto_results.events())
     start = next(e.start_ns() for e in events if e.name() == "exchange")
     live, own, peak = 0, 0, 0
@@ -75,10 +81,8 @@ def _peak_row(name: str, samples: int) -> dict[str, Any]:
         else:
             live += nbytes
             peak = max(peak, live)
-    held = [*out.values(), col.indices]  # (the dataset indices of the rows, in order, too)
-    result = sum(t.numel() * t.element_size() for t in held)
     row = {
-        "name": name,
+        "name": name + (f", chunks of {chunk}" if chunk else ""),
         "samples": samples,
         "world": world,
         "own_mib": own / 2**20,
@@ -88,8 +92,12 @@ def _peak_row(name: str, samples: int) -> dict[str, Any]:
         "floor_x_result": (own + result) / result,
         "peak_x_floor": peak / (own + result),
     }
-    del out, col, prof
+    del col, prof
     return _slowest(row, "peak_x_result")
+
+
+def _nbytes(tensors: list[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _slowest(row: dict[str, Any], key: str) -> dict[str, Any]:
@@ -130,6 +138,8 @@ def measure(
     evaluations of ``small`` and ``large`` samples (0: not measured), and the per-leaf cost of
     trees of ``leaves`` leaves."""
     peaks = [_peak_row(name, n) for name, n in (("small", small), ("large", large)) if n]
+    if large:  # the bounded form: Collector.chunks, a tenth of the dataset at a time
+        peaks.append(_peak_row("large", large, chunk=max(1, large // 10)))
     per_leaf = [_per_leaf_row(n) for n in leaves]
     return {"world": dist.get_world_size(), "peaks": peaks, "per_leaf": per_leaf}
 

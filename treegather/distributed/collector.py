@@ -22,7 +22,9 @@ import torch.distributed as dist
 from .._caches import LRU
 from .._devices import DeviceLike, as_device
 from .._errors import (
+    ArgumentTypeError,
     BatchSizeError,
+    LayoutError,
     LeafTypeError,
     StateError,
     StructureMismatchError,
@@ -30,7 +32,7 @@ from .._errors import (
 )
 from .._layout import Plan, resolve
 from .._rules import AsList, kinds
-from .._tree import BatchNode, along_rows, batch_nodes, display_path, flatten, rebuild
+from .._tree import BatchNode, along_rows, batch_nodes, display_path, flatten, rebuild, type_name
 from .._tree.batch import misclaim_text, misclaims, sizes_by_path
 from . import calls, errors
 from .describe import format_problems
@@ -290,8 +292,83 @@ class Collector:
                 "exchanged; call reset() to start the next evaluation"
             )
 
+    def chunks(
+        self, layout: Any = None, *, rows: int, partial: bool = False
+    ) -> Iterator[tuple[Tensor, Any]]:
+        """Every rank's adds, combined on every rank, handed out in chunks of at most ``rows``
+        samples: ``(indices, result)`` pairs, each sample once, in dataset index order.
+
+        The bounded form of :meth:`all_gather`, for evaluations whose result does not fit in
+        memory: a rank holds its own adds and one chunk at a time (write each to disk, or
+        reduce it, before taking the next). Chunk ``k`` holds the samples of dataset indices
+        ``k * rows`` to ``(k + 1) * rows - 1`` that were added (chunks with none are skipped);
+        per-sample leaves hold those samples' rows, every other leaf the value :meth:`all_gather`
+        gives it (one per add, combined over every add). One collective to find the dataset's
+        end, then one exchange per chunk: every rank must take every chunk (iterate to the
+        end). After the last, :attr:`indices` holds every chunk's indices.
+
+        >>> import torch, treegather.distributed as tgd
+        >>> col = tgd.Collector()
+        >>> col.add({"x": torch.arange(5.0)}, indices=[4, 0, 3, 1, 2])
+        >>> [(i.tolist(), out["x"].tolist()) for i, out in col.chunks(rows=2)]
+        [([0, 1], [1.0, 3.0]), ([2, 3], [4.0, 2.0]), ([4], [0.0])]
+
+        Raises:
+            ArgumentTypeError: ``rows`` is not a positive int.
+            BatchSizeError, StructureMismatchError, LayoutError, StateError: as
+                :meth:`all_gather` raises them (with the first chunk, on every rank).
+        """
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ArgumentTypeError(f"Collector.chunks: rows must be a positive int, got {rows!r}")
+        local, plans, call, unexpected = self._prepared(layout, partial)
+        try:  # (the dataset's end, on every rank: how many chunks there are)
+            own_end = (
+                int(local.indices.max()) + 1
+                if isinstance(local, Payload) and local.indices.numel()
+                else 0
+            )
+            ends = [own_end]
+            if _initialized():
+                found = calls.all_gather(torch.tensor([own_end]), None, self._group, 0, None, False)
+                ends = found.tolist()
+            kept: list[Tensor] = []
+            whole = plans.get(local.shape) if isinstance(local, Payload) else None
+            for lo in range(0, max(*ends, 1), rows):  # (at least one: a problem is told there)
+                piece = local
+                if whole is not None:
+                    try:
+                        piece, plans[local.shape] = _piece(local, lo, lo + rows, whole)
+                    except TreegatherError as exc:  # (raised on every rank, after the exchange)
+                        piece = _Problem(type(exc).__name__, str(exc))
+                out = self._finished(
+                    [(Opaque(call), piece)], layout, None, plans, "Collector.chunks"
+                )
+                if self.indices is not None and self.indices.numel():
+                    kept.append(self.indices)
+                    yield self.indices, out
+            self.indices = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.int64)
+        except TreegatherError as exc:
+            if unexpected is not None and exc.__cause__ is None:
+                raise exc from unexpected  # this rank's own error, as it was raised
+            raise
+
     def _exchange(self, layout: Any, dst: int | None, partial: bool) -> Any:
         name = "Collector.all_gather" if dst is None else "Collector.gather"
+        local, plans, call, unexpected = self._prepared(layout, partial)
+        handed = [(Opaque(call), local)]  # (handed over: sent, then let go of)
+        del local
+        try:
+            return self._finished(handed, layout, dst, plans, name)
+        except TreegatherError as exc:
+            if unexpected is not None and exc.__cause__ is None:
+                raise exc from unexpected  # this rank's own error, as it was raised
+            raise
+
+    def _prepared(
+        self, layout: Any, partial: bool
+    ) -> tuple[Any, dict[bytes, Any], Any, Exception | None]:
+        """This rank's payload (or its problem, raised on every rank after the exchange), its
+        plans by structure, what the ranks compare of the call, and an error not ours."""
         with self._lock:
             if self._done:
                 raise StateError(
@@ -320,7 +397,12 @@ class Collector:
         key, shown = layout_text(layout, 0)
         shown = shown.removesuffix(", dim=0") + (", partial=True" if partial else "")
         data = self._seen.dataset if self._seen is not None else self._dataset
-        call = (f"{key};partial={bool(partial)}", shown, data)
+        return local, plans, (f"{key};partial={bool(partial)}", shown, data), unexpected
+
+    def _finished(
+        self, handed: list[Any], layout: Any, dst: int | None, plans: dict[bytes, Any], name: str
+    ) -> Any:
+        """The exchange of the payload ``handed`` over and the result made of every rank's."""
 
         def finish(received: list[Any]) -> Any:
             try:
@@ -344,14 +426,7 @@ class Collector:
             except TreegatherError as exc:
                 raise type(exc)(f"{name}: {exc}") from exc.__cause__
 
-        handed = [(Opaque(call), local)]  # (handed over: sent, then let go of)
-        del local
-        try:
-            return _exchange(handed, dst, self._group, finish)
-        except TreegatherError as exc:
-            if unexpected is not None and exc.__cause__ is None:
-                raise exc from unexpected  # this rank's own error, as it was raised
-            raise
+        return _exchange(handed, dst, self._group, finish)
 
     def _source(self) -> _Rows:
         """Where the adds without ``indices=`` take their rows: the observed loop's batches,
@@ -471,7 +546,7 @@ class Collector:
         def reference() -> list[Any]:  # the definition: gather over the ranks
             cross = up.unflatten([CROSS[k](r) for k, r in zip(kinds, rules)])
             trees = [
-                rebuild(up, v, along_rows(found, int(p.rows.sum()), joined), ROOT, found)
+                rebuild(up, v, along_rows(found, p.indices.numel(), joined), ROOT, found)
                 for v, (_, p) in zip(per_rank, present)
             ]
             names = [r for r, _ in present]
@@ -564,6 +639,38 @@ def _check_claims(
                 "with the rows it returns)",
             )
         )
+
+
+def _piece(local: Payload, lo: int, hi: int, whole: Any) -> tuple[Payload, Any]:
+    """This rank's payload restricted to the samples of dataset indices ``lo`` to ``hi - 1``
+    (a chunk): the per-sample values of those rows, every per-add value (combined over every
+    add in each chunk); and its plan's entry (``whole``: the payload's) with the chunk's own
+    strings."""
+    plan, kinds, strings = whole
+    at = ((local.indices >= lo) & (local.indices < hi)).nonzero().squeeze(1)
+    picked = at.tolist()
+    values, chunk_strings = [], []
+    for v, k, own in zip(local.values, kinds, strings):
+        if k == PER_ADD:
+            values.append(v)
+            chunk_strings.append(own)
+        elif k == SAMPLES:
+            values.append(v.index_select(0, at.to(v.device)))
+            chunk_strings.append(None)
+        elif k == ROWS:
+            where = display_path(plan.node_of(len(values)), ROOT)
+            raise LayoutError(
+                f"{where}: a {type_name(arrived(v))} holds its rows its own way, which are not "
+                "cut into chunks\nHint: use Collector.all_gather(), or add its rows as a "
+                "per-sample list under cat_items()"
+            )
+        else:  # (a per-sample list: strings travel as their bytes)
+            items = own if type(v) is Texts else arrived(v)
+            chosen = [items[i] for i in picked]
+            values.append(travelling(chosen))
+            chunk_strings.append(chosen if type(values[-1]) is Texts else None)
+    piece = Payload(local.indices[at], local.rows, tuple(values), local.shape)
+    return piece, (plan, kinds, chunk_strings)
 
 
 def _exchange(
