@@ -13,10 +13,11 @@ number of leaves (ARCHITECTURE.md, "Across processes", counts every case).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import pickle
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from .._errors import ArgumentTypeError, check_dim
 from . import exchange
@@ -30,6 +31,8 @@ from .payload import Local
 from .place import place, sent
 
 __all__ = ["all_gather", "broadcast", "collections_paused", "gather"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @contextlib.contextmanager
@@ -52,6 +55,18 @@ def collections_paused() -> Iterator[None]:
         gc.enable()
 
 
+def _paused(fn: F) -> F:
+    """``fn`` run with the garbage collector paused (:func:`collections_paused`)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with collections_paused():
+            return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+@_paused
 def all_gather(
     tree: Any,
     layout: Any,
@@ -67,20 +82,6 @@ def all_gather(
     name it: a Collector's exchange is one). ``handed``: ``tree`` is a list holding the tree,
     handed over, which the call empties, so that the tree's memory goes once it was sent (a
     Collector's payload)."""
-    with collections_paused():
-        return _all_gather(tree, layout, group, dim, sizes, sync_grads, call, handed)
-
-
-def _all_gather(
-    tree: Any,
-    layout: Any,
-    group: Any,
-    dim: int,
-    sizes: int | None,
-    sync_grads: bool,
-    call: int,
-    handed: bool,
-) -> Any:
     g = process_group(group)
     dim, problem = _checked_dim(dim)  # a bad dim travels in the first exchange: every rank raises
     sync = bool(sync_grads)
@@ -98,6 +99,7 @@ def _all_gather(
     return combine(g, placed, local, layout, dim, sync, call == ALL_GATHER)
 
 
+@_paused
 def gather(
     tree: Any,
     dst: int,
@@ -113,21 +115,6 @@ def gather(
     """:func:`treegather.distributed.gather`; ``dst`` applies ``finish`` to the result, within the
     outcome it sends (an error there raises on every rank); ``call`` and ``handed`` as for
     :func:`all_gather`."""
-    with collections_paused():
-        return _gather(tree, dst, layout, group, dim, sizes, finish, call, handed)
-
-
-def _gather(
-    tree: Any,
-    dst: int,
-    layout: Any,
-    group: Any,
-    dim: int,
-    sizes: int | None,
-    finish: Callable[[Any], Any] | None,
-    call: int,
-    handed: bool,
-) -> Any:
     g = process_group(group)
     # A dst that names no rank (or a bad dim) travels in the first exchange: every rank raises.
     root, bad_root = root_rank(g, dst, "dst")
@@ -158,13 +145,9 @@ def _gather(
     )
 
 
+@_paused
 def broadcast(tree: Any, src: int, group: Any) -> Any:
     """:func:`treegather.distributed.broadcast`."""
-    with collections_paused():
-        return _broadcast(tree, src, group)
-
-
-def _broadcast(tree: Any, src: int, group: Any) -> Any:
     g = process_group(group)
     root, problem = root_rank(g, src, "src")  # (travels in the first exchange, as dst does)
     if problem is None:
