@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import treegather as tg
-from treegather import _compiled
+from treegather import _caches, _compiled
 
 WARM_CALLS = _compiled.COMPILE_AFTER + 2
 """Calls of one case: cold, seen, then compiled."""
@@ -206,6 +206,23 @@ def problem(
     if not typed or not path.search(message) or not named:
         return f"raised {type(got.error).__name__}: {message!r}, expected {expect}"
     return None if expect.text in message else f"says {message!r}, expected {expect}"
+
+
+def differential(call: Callable[[], Any], check: Callable[[Outcome], str | None]) -> str | None:
+    """What is wrong with ``call``: the plain path's outcome (``reference_only``) as ``check``
+    finds it, or the first call of the compiled path (cold, seen, compiled) that differs from
+    the plain path's outcome; ``None`` when both are right."""
+    with _caches.reference_only():
+        plain = run(call)
+    found = check(plain)
+    if found is not None:
+        return f"plain path {found}"
+    tg.clear_caches()
+    for n in range(WARM_CALLS):  # cold, seen, compiled
+        fast = run(call)
+        if not same(fast, plain):
+            return f"call {n} of the compiled path differs: {fast}"
+    return None
 
 
 def same(a: Outcome, b: Outcome) -> bool:

@@ -58,14 +58,13 @@ from rule_matrix import (
     Outcome,
     Typed,
     custom,
+    differential,
     equal,
     problem,
     run,
-    same,
 )
 
 import treegather as tg
-from treegather._caches import reference_only
 
 Tensor = torch.Tensor
 CPU = torch.device("cpu")
@@ -517,19 +516,9 @@ def test_each_kind_is_one_device_or_a_typed_error_in_the_plain_and_the_compiled_
     for kind in KINDS:
         values = replicas(kind, rule)
         expect = expected(rule, values, WEIGHTS if rule == "mean_weighted" else None)
-        call = _gathered(rule, values)
-        with reference_only():
-            plain = run(call)
-        found = _check(rule, expect, plain)
+        found = differential(_gathered(rule, values), lambda got: _check(rule, expect, got))  # noqa: B023
         if found is not None:
-            problems.append(f"{kind.name}: plain path {found}")
-            continue
-        tg.clear_caches()
-        for n in range(WARM_CALLS):  # cold, seen, compiled
-            fast = run(call)
-            if not same(fast, plain):
-                problems.append(f"{kind.name}: call {n} of the compiled path differs: {fast}")
-                break
+            problems.append(f"{kind.name}: {found}")
     assert not problems, "\n".join(problems)
 
 
@@ -584,18 +573,12 @@ def test_each_kind_is_scattered_as_one_device_cuts_it_or_a_typed_error(rule: str
         def call() -> Any:
             return [s["m"]["x"] for s in tg.scatter(tree, ["cpu"] * 2, layout)]  # noqa: B023
 
-        with reference_only():
-            plain = run(call)
-        found = problem(SCATTER_SHOWN[rule], expect, plain, PATH, WHERE)
+        found = differential(
+            call,
+            lambda got: problem(SCATTER_SHOWN[rule], expect, got, PATH, WHERE),  # noqa: B023
+        )
         if found is not None:
-            problems.append(f"{kind.name}: plain path {found}")
-            continue
-        tg.clear_caches()
-        for n in range(WARM_CALLS):
-            fast = run(call)
-            if not same(fast, plain):
-                problems.append(f"{kind.name}: call {n} of the compiled path differs: {fast}")
-                break
+            problems.append(f"{kind.name}: {found}")
     assert not problems, "\n".join(problems)
 
 

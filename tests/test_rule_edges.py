@@ -28,15 +28,14 @@ import torch
 from rule_matrix import (
     RULES,
     SHOWN,
-    WARM_CALLS,
     Exact,
     Expect,
     Outcome,
     Typed,
     Users,
+    differential,
     equal,
     run,
-    same,
 )
 from rule_matrix import custom as _custom
 from rule_matrix import problem as _matrix_problem
@@ -391,18 +390,9 @@ def test_each_edge_is_exact_or_a_typed_error_in_the_plain_and_the_compiled_path(
         problems = []
         for edge in EDGES:
             call = _gather(rule, edge.values, edge.sizes)
-            with _caches.reference_only():
-                plain = run(call)
-            found = _problem(rule, edge.expect[rule], plain)
+            found = differential(call, lambda got: _problem(rule, edge.expect[rule], got))  # noqa: B023
             if found is not None:
-                problems.append(f"{edge.name}: plain path {found}")
-                continue
-            tg.clear_caches()
-            for n in range(WARM_CALLS):  # cold, seen, compiled
-                fast = run(call)
-                if not same(fast, plain):
-                    problems.append(f"{edge.name}: call {n} of the compiled path differs: {fast}")
-                    break
+                problems.append(f"{edge.name}: {found}")
     assert not problems, "\n".join(problems)
 
 
