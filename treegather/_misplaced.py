@@ -64,7 +64,7 @@ from ._errors import EXPLAIN_POINTER, ShapeMismatchError, StructureMismatchError
 from ._layout import Plan, display_path, writable_path
 from ._rules import ROOT
 from ._rules.base import by_replica
-from ._tree import Node, flatten, nodes
+from ._tree import Node, alike, flatten, nodes
 
 __all__ = ["check", "even_rows", "list_hint", "refused", "rows_dims", "sample_lists"]
 
@@ -73,14 +73,6 @@ Tensor = torch.Tensor
 _TENSOR_LEN = getattr(getattr(torch._C, "TensorBase", None), "__len__", None) or Tensor.__len__
 _FIRST = operator.itemgetter(0)
 _LIST = PyTreeKind.LIST
-
-
-def _alike(specs: list[Any]) -> bool:
-    """Whether the structures are equal (metadata that cannot say so: not alike)."""
-    try:
-        return all(bool(spec == specs[0]) for spec in specs[1:])
-    except Exception:  # (node metadata whose == is not one bool, such as an array)
-        return False
 
 
 def even_rows(sizes: tuple[int, ...] | None) -> int:
@@ -361,7 +353,7 @@ def _list_hint(
         ):
             continue
         items = [child for other in per for child in other.spec.children()]  # type: ignore[union-attr]
-        if not items or not _alike(items) or not items[0].num_leaves:
+        if not items or not alike(items) or not items[0].num_leaves:
             continue
         per_replica = [
             flat[r][0][other.start : other.stop]  # type: ignore[union-attr]

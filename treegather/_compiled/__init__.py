@@ -267,7 +267,7 @@ def _gather_seen(
         sizes is not None
         and per_step
         and even_rows(sizes)
-        and _rows_elsewhere(plan, columns, sizes, dim)
+        and any(refused(plan, columns, sizes, dim))
     ):
         per_step = False  # (the reference steps refuse it, once the leaves are checked below)
     if per_step and target.type == "cpu":
@@ -296,24 +296,6 @@ def _gather_seen(
     if not st.leaves_ok(list(chain.from_iterable(columns))):  # a subtree where a leaf is
         return DECLINED
     return Known(None, plan, columns)
-
-
-def _rows_elsewhere(
-    plan: Plan, columns: list[tuple[Any, ...]], sizes: tuple[int, ...], dim: int
-) -> bool:
-    """Whether a leaf's rows are elsewhere under these even shard ``sizes``
-    (:func:`treegather._misplaced.refused`), after the cheap test it starts with, inline: replica
-    0's tensors all hold a shard's rows along dim 0 (one C call per leaf), and the plan has no
-    list that may hold one item per sample."""
-    if dim == 0 and _TENSOR_LEN is not None and not plan.lists():
-        try:
-            lens = list(map(_TENSOR_LEN, map(_FIRST, columns)))
-        except (TypeError, RuntimeError):  # (a subtree where a leaf is: checked after this)
-            lens = []
-        if lens and lens.count(sizes[0]) == len(lens):
-            return False
-    tensors, lists = refused(plan, columns, sizes, dim)
-    return bool(tensors or lists)
 
 
 def _one_dtype_per_leaf(columns: list[tuple[Any, ...]], k: int) -> bool:

@@ -16,7 +16,7 @@ from optree import PyTreeSpec
 
 from .._caches import typed_key
 from .._rules import Rule
-from .._tree import Node, display_path, flatten, leaf_nodes, nodes
+from .._tree import Node, alike, display_path, flatten, leaf_nodes, nodes
 from .by_path import ByPath, RuleSource, assign_by_path, path_text
 from .prefix import assign_prefix
 
@@ -78,7 +78,7 @@ def _default_lists(plan: Plan) -> tuple[tuple[int, int, int], ...]:
         starts = [c[1] for c in kids if c[1] >= 0]
         start = starts[0] if starts else -1
         stop = max((c[2] for c in kids if c[1] >= 0), default=-1)
-        if kind is list and len(kids) > 1 and start >= 0 and _alike([c[0] for c in kids]):
+        if kind is list and len(kids) > 1 and start >= 0 and alike([c[0] for c in kids]):
             found.append((start, stop, len(kids)))
         return (kind, data, tuple(c[0] for c in kids)), start, stop
 
@@ -93,15 +93,6 @@ def _default_lists(plan: Plan) -> tuple[tuple[int, int, int], ...]:
             if all(rules[p] is None and groups[p] is None for p in range(a, b))
         )
     )
-
-
-def _alike(structures: list[Any]) -> bool:
-    """Whether the items' structures are equal (metadata that cannot say so: not alike)."""
-    first = structures[0]
-    try:
-        return all(bool(other == first) for other in structures[1:])
-    except Exception:  # (node metadata whose == is not one bool, such as an array)
-        return False
 
 
 # ------------------------------------------------------------------------------ resolution

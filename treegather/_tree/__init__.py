@@ -25,7 +25,7 @@ from .batch import (
     unwrapped,
 )
 from .held import held_tensor
-from .ops import depth_error, flatten, move_tree
+from .ops import alike, depth_error, flatten, move_tree
 from .paths import (
     INPUT_AND_KWARGS,
     MAPPING_KINDS,
@@ -61,6 +61,7 @@ __all__ = [
     "Opaque",
     "Rows",
     "RowsKind",
+    "alike",
     "along_rows",
     "batch_nodes",
     "child_styles",

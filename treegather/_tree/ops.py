@@ -23,7 +23,7 @@ from .batch import check_sizes, note, tally, unreadable
 from .paths import Node, display_path, format_path
 from .registry import NAMESPACE, sync
 
-__all__ = ["depth_error", "flatten", "move_tree"]
+__all__ = ["alike", "depth_error", "flatten", "move_tree"]
 
 
 def flatten(tree: Any, root: str | None = "tree", where: str = "") -> tuple[list[Any], PyTreeSpec]:
@@ -140,3 +140,17 @@ def move_tree(tree: Any, target: torch.device) -> Any:
         tree,
         namespace=NAMESPACE,
     )
+
+
+def alike(structures: Sequence[Any]) -> bool:
+    """Whether the structures (specs, or anything compared with ``==``) are all equal to the
+    first; metadata whose ``==`` is not one bool (an array) cannot say so: not alike.
+
+    >>> alike([optree.tree_structure([1, 2])] * 2), alike([[1], [1, 2]])
+    (True, False)
+    """
+    first = structures[0]
+    try:
+        return all(bool(other == first) for other in structures[1:])
+    except Exception:  # (node metadata whose == is not one bool, such as an array)
+        return False
